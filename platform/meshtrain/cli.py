@@ -1,0 +1,74 @@
+"""Command line: ``python jobs/pretrain.py [--config FILE] [--dry-run] [dotted.key=value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+from meshtrain.config import ConfigError, describe_fields, load_config
+
+EXIT_CONFIG_ERROR = 2
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_CONFIG_ERROR, f"meshtrain: config error: {message}; see --help\n")
+
+
+def _settings_help() -> str:
+    rows = describe_fields()
+    width = max(len(name) for name, _, _ in rows)
+    return "settings (dotted.key=value):\n" + "\n".join(
+        f"  {name:<{width}}  {description} [default {default}]" for name, default, description in rows
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = _OneLineParser(
+        prog="pretrain.py",
+        description="Pretrain a Llama model with FSDP2 (HSDP) on a Ray cluster, or on this machine.",
+        epilog=_settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", help="YAML file with any of the settings below")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved config, parameter count, mesh and per-rank memory plan, then exit",
+    )
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.steps=100 parallel.shard=2")
+    return parser.parse_args(argv)
+
+
+def dry_run(cfg) -> None:  # noqa: ANN001 - MeshtrainConfig
+    from meshtrain.data import tokenizer_vocab_size
+    from meshtrain.launcher import config_yaml
+    from meshtrain.plan import describe_plan
+
+    args = cfg.model_args(tokenizer_vocab_size(cfg.data))
+    print(config_yaml(cfg), end="")
+    print("---")
+    print(describe_plan(cfg, args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.dry_run:
+            dry_run(cfg)
+            return 0
+        from meshtrain.launcher import launch
+
+        summary = launch(cfg)
+    except ConfigError as exc:
+        print(f"meshtrain: config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    print(
+        f"[meshtrain] done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
+        f"{summary['mean_tokens_per_s']:,.0f} tok/s, wall {summary['wall_time_s']:.1f}s, "
+        f"mesh {tuple(summary['mesh_shape'])} on {summary['world_size']} workers -> {summary['run_dir']}",
+        flush=True,
+    )
+    return 0

@@ -1,0 +1,379 @@
+"""The one typed configuration tree for a meshtrain run.
+
+Every user-facing setting lives here as a pydantic field with a description. A run is configured
+from (lowest to highest precedence) the defaults below, a YAML file, and dotted ``key=value``
+overrides from the command line. Anything wrong raises :class:`ConfigError` with one line that
+names the field and what to change.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from meshtrain.presets import MODEL_PRESETS
+
+
+# A message that already starts with a dotted field name ("train.steps=..." / "data.source: ...").
+_NAMES_ITS_FIELD = re.compile(r"^[a-z_]+\.[a-z_.]+[=:]")
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the message is one line naming the field and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    preset: str = Field("debug", description="Model shape preset: " + ", ".join(MODEL_PRESETS) + ".")
+    dim: int | None = Field(None, gt=0, description="Hidden size; overrides the preset.")
+    n_layers: int | None = Field(None, gt=0, description="Number of transformer blocks; overrides the preset.")
+    n_heads: int | None = Field(None, gt=0, description="Attention (query) heads; overrides the preset.")
+    n_kv_heads: int | None = Field(
+        None, gt=0, description="Key/value heads for grouped-query attention; must divide n_heads."
+    )
+    ffn_dim: int | None = Field(None, gt=0, description="Hidden size of the SwiGLU feed-forward block.")
+    vocab_size: int | None = Field(
+        None,
+        gt=0,
+        description="Embedding rows; unset = the tokenizer's vocabulary rounded up to a multiple of 64.",
+    )
+    max_seq_len: int | None = Field(None, gt=0, description="Longest sequence the RoPE table covers.")
+    rope_theta: float | None = Field(None, gt=0, description="RoPE base frequency.")
+    norm_eps: float | None = Field(None, gt=0, description="RMSNorm epsilon.")
+    tie_embeddings: bool | None = Field(None, description="Share the input embedding with the output head.")
+    init_std: float | None = Field(None, gt=0, description="Std of the normal weight initialization.")
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value: str) -> str:
+        if value not in MODEL_PRESETS:
+            raise ValueError(f"unknown preset {value!r}; choose one of {', '.join(MODEL_PRESETS)}")
+        return value
+
+    def resolved(self, tokenizer_vocab_size: int | None = None) -> "ModelArgs":
+        """Preset values with the explicitly set fields laid over them."""
+        values = dict(MODEL_PRESETS[self.preset])
+        values.update({k: v for k, v in self.model_dump(exclude={"preset"}).items() if v is not None})
+        if values.get("vocab_size") is None:
+            if tokenizer_vocab_size is None:
+                raise ConfigError("model.vocab_size: unknown; set it or let the tokenizer define it")
+            values["vocab_size"] = _round_up(tokenizer_vocab_size, 64)
+        elif tokenizer_vocab_size is not None and tokenizer_vocab_size > values["vocab_size"]:
+            raise ConfigError(
+                f"model.vocab_size: {values['vocab_size']} is smaller than the tokenizer's "
+                f"{tokenizer_vocab_size} tokens; raise it or leave it unset"
+            )
+        try:
+            return ModelArgs(**values)
+        except ValidationError as exc:
+            raise ConfigError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+
+
+class ModelArgs(BaseModel):
+    """A fully resolved model shape (what the model code consumes)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    max_seq_len: int
+    rope_theta: float
+    norm_eps: float
+    tie_embeddings: bool
+    init_std: float
+
+    @model_validator(mode="after")
+    def _heads_fit(self) -> "ModelArgs":
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}"
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError("model.dim / model.n_heads must be even for rotary embeddings")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class DataConfig(_Section):
+    source: str = Field(
+        "stdlib",
+        description=(
+            "'stdlib' (the Python standard library's source files, always offline), a local file, "
+            "directory or glob of .txt/.jsonl/.json/.parquet files, or 'hf:<dataset>' from the Hub."
+        ),
+    )
+    text_field: str = Field("text", description="Column holding the document text (jsonl/parquet/hub).")
+    hf_config: str | None = Field(None, description="Hub dataset configuration name (hf: sources).")
+    split: str = Field("train", description="Dataset split to read.")
+    max_documents: int | None = Field(None, gt=0, description="Read at most this many documents.")
+    tokenizer: str = Field(
+        "train",
+        description="'train' = fit a byte-level BPE on the corpus (saved with the run), or a tokenizer.json path.",
+    )
+    vocab_size: int = Field(2048, ge=260, description="Vocabulary size when the tokenizer is trained.")
+    seq_len: int = Field(128, gt=1, description="Tokens per training sequence (packed, no padding).")
+
+    @model_validator(mode="after")
+    def _paths_exist(self) -> "DataConfig":
+        if self.source != "stdlib" and not self.source.startswith("hf:"):
+            from meshtrain.data import expand_local_source
+
+            if not expand_local_source(self.source):
+                raise ValueError(
+                    f"data.source: no files at {self.source!r}; give an existing file, directory or "
+                    "glob, 'stdlib', or 'hf:<dataset>'"
+                )
+        if self.tokenizer != "train" and not Path(self.tokenizer).expanduser().is_file():
+            raise ValueError(
+                f"data.tokenizer: {self.tokenizer!r} is not a file; give a tokenizer.json path or 'train'"
+            )
+        return self
+
+
+class OptimConfig(_Section):
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate (after warmup).")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR of the cosine decay, as a fraction of lr.")
+    warmup_steps: int = Field(20, ge=0, description="Steps of linear warmup from 0 to lr.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay (matrices only).")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient L2 norm to this (0 = off).")
+    implementation: Literal["auto", "fused", "foreach", "for_loop"] = Field(
+        "auto", description="AdamW kernel; auto = fused on CUDA, foreach elsewhere."
+    )
+
+
+class TrainConfig(_Section):
+    steps: int = Field(200, gt=0, description="Optimizer steps to run.")
+    global_batch_size: int = Field(16, gt=0, description="Sequences per optimizer step, over all workers.")
+    micro_batch_size: int = Field(
+        8, gt=0, description="Sequences per forward/backward on one worker; the rest is accumulation."
+    )
+    seed: int = Field(0, description="Seeds weight init and the data order.")
+    log_every: int = Field(5, gt=0, description="Write metrics and the progress line every N steps.")
+
+
+StrategyName = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"]
+
+
+class ParallelConfig(_Section):
+    strategy: StrategyName = Field(
+        "hybrid_shard",
+        description=(
+            "full_shard/shard_grad_op shard over all workers; no_shard replicates; hybrid_shard(_zero2) "
+            "shards within parallel.shard workers and replicates across groups. *_zero2/shard_grad_op "
+            "keep parameters gathered between forward and backward."
+        ),
+    )
+    shard: int | Literal["auto"] = Field(
+        "auto", description="Shard group size for hybrid strategies; auto = workers per node."
+    )
+    mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="Parameter dtype in compute; gradients reduce in fp32. auto = bf16 on GPU, fp32 on CPU."
+    )
+    cpu_offload: bool = Field(False, description="Keep sharded parameters, gradients and optimizer state in host memory.")
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none", description="Recompute activations in backward: every block (full) or all but matmul/attention outputs (selective)."
+    )
+    compile: bool = Field(False, description="torch.compile each transformer block.")
+    prefetch: int = Field(
+        1, ge=1, le=8, description="Blocks whose all-gather is issued ahead in forward and backward (1 = FSDP2's default)."
+    )
+
+    @field_validator("shard", mode="before")
+    @classmethod
+    def _shard_int_or_auto(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != "auto":
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"expected a positive integer or 'auto', got {value!r}") from None
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"expected a positive integer or 'auto', got {value}")
+        return value
+
+
+class ScalingConfig(_Section):
+    num_workers: int = Field(2, gt=0, description="Training workers (one per GPU, or per CPU slot).")
+    use_gpu: bool = Field(False, description="One GPU per worker, NCCL; otherwise CPU workers with gloo.")
+    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs Ray reserves for each worker.")
+    workers_per_node: int | None = Field(
+        None,
+        gt=0,
+        description="Expected workers on each node; unset = learn it from Ray. Lets --dry-run show the auto mesh.",
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement strategy for the worker group (PACK keeps shard groups on one node)."
+    )
+    accelerator_type: str | None = Field(None, description="Ray accelerator type to require, e.g. H100.")
+    timeout_s: int = Field(1800, gt=0, description="Collective timeout for the process group, seconds.")
+
+
+class RunConfig(_Section):
+    name: str | None = Field(
+        None, description="Run name (a folder under storage_path); unset = '<preset>-<timestamp>'."
+    )
+    storage_path: str = Field(
+        "runs", description="Directory (shared by all nodes on a cluster) where runs are written."
+    )
+    max_failures: int = Field(0, ge=-1, description="Worker-group restarts Ray Train may do (-1 = unlimited).")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, value: str | None) -> str | None:
+        if value is not None and (not value or "/" in value or value in {".", ".."}):
+            raise ValueError(f"run.name must be a plain folder name, got {value!r}")
+        return value
+
+
+class MeshtrainConfig(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Model shape.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Corpus, tokenizer and packing.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="AdamW and LR schedule.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Steps, batch sizes, seed, logging.")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="FSDP2 / HSDP layout.")
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig, description="Ray worker group.")
+    run: RunConfig = Field(default_factory=RunConfig, description="Where and under which name outputs go.")
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "MeshtrainConfig":
+        # Shape checks only: the real vocabulary is known once the tokenizer is loaded.
+        model = self.model.resolved(self.model.vocab_size or self.data.vocab_size)
+        if self.data.seq_len > model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={model.max_seq_len}; "
+                "lower data.seq_len or raise model.max_seq_len"
+            )
+        from meshtrain.mesh import resolve_mesh_shape
+
+        if self.parallel.shard != "auto" or self.scaling.workers_per_node is not None:
+            plan = resolve_mesh_shape(
+                self.scaling.num_workers,
+                self.scaling.workers_per_node or self.scaling.num_workers,
+                self.parallel.strategy,
+                self.parallel.shard,
+            )
+            self.batch_layout(plan.data_parallel_size)
+        return self
+
+    def batch_layout(self, data_parallel_size: int) -> tuple[int, int]:
+        """(micro-batch size, accumulation steps) for a data-parallel degree, or ConfigError."""
+        micro, total = self.train.micro_batch_size, self.train.global_batch_size
+        per_step = micro * data_parallel_size
+        if total % per_step:
+            raise ConfigError(
+                f"train.global_batch_size={total} is not a multiple of train.micro_batch_size "
+                f"({micro}) x data-parallel workers ({data_parallel_size}); make it a multiple of {per_step}"
+            )
+        return micro, total // per_step
+
+    def model_args(self, tokenizer_vocab_size: int) -> ModelArgs:
+        return self.model.resolved(tokenizer_vocab_size)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected dotted.key=value, e.g. train.steps=100")
+    key, raw = item.split("=", 1)
+    path = key.strip().split(".")
+    if not all(path):
+        raise ConfigError(f"override {item!r}: empty key segment; expected dotted.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return path, value
+
+
+def _set_dotted(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(path)}: {part!r} is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def _format_validation_error(error: ValidationError) -> str:
+    first = error.errors()[0]
+    location = ".".join(str(part) for part in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        section = ".".join(str(part) for part in first["loc"][:-1])
+        known = _field_names(section)
+        return f"{location}: unknown setting; {section or 'top level'} accepts {', '.join(known)}"
+    if _NAMES_ITS_FIELD.match(message):
+        return message
+    value = first.get("input")
+    shown = "" if isinstance(value, dict) or value is None else f" (got {value!r})"
+    return f"{location}: {message}{shown}" if location else message
+
+
+def _field_names(section: str) -> list[str]:
+    model: type[BaseModel] = MeshtrainConfig
+    for part in filter(None, section.split(".")):
+        annotation = model.model_fields[part].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None) -> MeshtrainConfig:
+    """Defaults, then the YAML file, then ``dotted.key=value`` overrides; one-line errors."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"--config: {str(path)!r} is not a file; give a YAML config path")
+        try:
+            loaded = yaml.safe_load(file.read_text())
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"--config: {path} is not valid YAML{where}; fix the syntax") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"--config: {path} must hold a mapping of sections (model:, train:, ...)")
+        tree = loaded or {}
+    for item in overrides or []:
+        key_path, value = _parse_override(item)
+        _set_dotted(tree, key_path, value)
+    try:
+        return MeshtrainConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc)) from None
+
+
+def describe_fields(model: type[BaseModel] = MeshtrainConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted name, default, description) for every setting, for --help output."""
+    rows: list[tuple[str, str, str]] = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows.extend(describe_fields(annotation, f"{prefix}{name}."))
+        else:
+            rows.append((f"{prefix}{name}", repr(field.default), field.description or ""))
+    return rows

@@ -1,0 +1,156 @@
+"""Driver side: config → Ray → corpus task → TorchTrainer → run outputs."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from meshtrain.config import ConfigError, MeshtrainConfig
+from meshtrain.data import Corpus, prepare_corpus
+from meshtrain.outputs import RunPaths, read_summary, write_summary
+
+
+def resolve_run(cfg: MeshtrainConfig) -> tuple[MeshtrainConfig, RunPaths]:
+    """Fix the run name (a timestamped one when unset) and make the storage path absolute."""
+    name = cfg.run.name or f"{cfg.model.preset}-{datetime.now():%Y%m%d-%H%M%S}"
+    storage = Path(cfg.run.storage_path).expanduser().resolve()
+    cfg = cfg.model_copy(deep=True)
+    cfg.run.name, cfg.run.storage_path = name, str(storage)
+    return cfg, RunPaths(name, storage)
+
+
+def config_yaml(cfg: MeshtrainConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def write_run_config(cfg: MeshtrainConfig, paths: RunPaths) -> None:
+    """Write config.yaml; a run folder that already holds a different config is left untouched."""
+    text = config_yaml(cfg)
+    if paths.config.exists() and paths.config.read_text() != text:
+        raise ConfigError(
+            f"run.name={paths.name}: {paths.run_dir} already holds a run with a different config; "
+            "choose another run.name (or run.storage_path)"
+        )
+    paths.run_dir.mkdir(parents=True, exist_ok=True)
+    paths.config.write_text(text)
+
+
+def init_ray() -> None:
+    """Join the cluster in RAY_ADDRESS when set, otherwise start a local Ray sized to this machine."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"])
+    else:
+        ray.init(num_cpus=os.cpu_count())
+
+
+def _prepare_corpus_task(data_cfg: Any, tokenizer_json: str | None) -> tuple[Corpus, dict[str, Any]]:
+    corpus = prepare_corpus(data_cfg, tokenizer_json)
+    info = {
+        "tokenizer_json": corpus.tokenizer_json,
+        "vocab_size": corpus.vocab_size,
+        "tokens": int(len(corpus.tokens)),
+        "documents": corpus.documents,
+    }
+    return corpus, info
+
+
+def _config_error_in(exc: BaseException) -> ConfigError | None:
+    """A ConfigError raised on a worker or task, found in the chain Ray wraps around it."""
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, ConfigError):
+            return current
+        stack.extend(e for e in (current.__cause__, current.__context__, getattr(current, "cause", None)) if e)
+        for attr in ("worker_failures", "training_failed_error"):
+            value = getattr(current, attr, None)
+            if isinstance(value, dict):
+                stack.extend(v for v in value.values() if isinstance(v, BaseException))
+            elif isinstance(value, BaseException):
+                stack.append(value)
+    return None
+
+
+def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, corpus_ref: Any) -> Any:
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from meshtrain.worker import train_loop_per_worker
+
+    scaling = cfg.scaling
+    resources: dict[str, float] = {"CPU": scaling.cpus_per_worker}
+    if scaling.use_gpu:
+        resources["GPU"] = 1
+    if not scaling.use_gpu:
+        backend = "gloo"
+    elif cfg.parallel.cpu_offload:
+        backend = "cpu:gloo,cuda:nccl"  # offloaded gradients are clipped with collectives on host memory
+    else:
+        backend = "nccl"
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "config": cfg.model_dump(mode="json"),
+            "corpus": corpus_ref,
+        },
+        torch_config=TorchConfig(backend=backend, timeout_s=scaling.timeout_s),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=scaling.num_workers,
+            use_gpu=scaling.use_gpu,
+            resources_per_worker=resources,
+            placement_strategy=scaling.placement_strategy,
+            accelerator_type=scaling.accelerator_type,
+        ),
+        run_config=ray.train.RunConfig(
+            name=paths.name,
+            storage_path=str(paths.storage_path),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
+        ),
+    )
+
+
+def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
+    """Run the whole job; returns the summary also written to ``summary.json``."""
+    import ray
+
+    started = time.perf_counter()
+    cfg, paths = resolve_run(cfg)
+    write_run_config(cfg, paths)
+    init_ray()
+    cached_tokenizer = paths.tokenizer.read_text() if paths.tokenizer.exists() else None
+    task = ray.remote(_prepare_corpus_task).options(num_returns=2, num_cpus=1)
+    corpus_ref, info_ref = task.remote(cfg.data, cached_tokenizer)
+    try:
+        info = ray.get(info_ref)
+    except ray.exceptions.RayTaskError as exc:
+        raise _config_error_in(exc) or exc from None
+    if cached_tokenizer is None:
+        paths.tokenizer.write_text(info["tokenizer_json"])
+    print(
+        f"[meshtrain] run {paths.name}: {info['documents']} documents, {info['tokens']:,} tokens, "
+        f"vocab {info['vocab_size']}; outputs in {paths.run_dir}",
+        flush=True,
+    )
+    trainer = build_trainer(cfg, paths, corpus_ref)
+    try:
+        result = trainer.fit()
+    except Exception as exc:
+        raise _config_error_in(exc) or exc from None
+    del result  # the workers wrote the run outputs; the driver adds the job's wall time
+    summary = read_summary(paths)
+    summary["wall_time_s"] = time.perf_counter() - started
+    write_summary(paths, summary)
+    return summary

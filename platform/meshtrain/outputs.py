@@ -1,0 +1,44 @@
+"""The files of a run: ``{storage_path}/{name}/`` holds config, tokenizer, metrics and summary."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    name: str
+    storage_path: Path
+
+    @property
+    def run_dir(self) -> Path:
+        return self.storage_path / self.name
+
+    @property
+    def config(self) -> Path:
+        return self.run_dir / "config.yaml"
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.run_dir / "tokenizer.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    @property
+    def summary(self) -> Path:
+        return self.run_dir / "summary.json"
+
+
+def write_summary(paths: RunPaths, summary: dict[str, Any]) -> None:
+    tmp = paths.summary.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.replace(paths.summary)
+
+
+def read_summary(paths: RunPaths) -> dict[str, Any]:
+    return json.loads(paths.summary.read_text())

@@ -1,0 +1,73 @@
+"""Model shape presets.
+
+``debug`` trains in minutes on two CPU cores; ``125m`` is a GPT-2-small-sized Llama; the
+``llama3_*`` entries are the published Llama 3 / 3.2 shapes (vocabulary 128256, RoPE base 500000).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_LLAMA3_COMMON: dict[str, Any] = {
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "norm_eps": 1e-5,
+    "max_seq_len": 8192,
+    "init_std": 0.02,
+}
+
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "debug": {
+        "dim": 128,
+        "n_layers": 4,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "ffn_dim": 384,
+        "vocab_size": None,
+        "max_seq_len": 1024,
+        "rope_theta": 10000.0,
+        "norm_eps": 1e-5,
+        "tie_embeddings": False,
+        "init_std": 0.02,
+    },
+    "125m": {
+        "dim": 768,
+        "n_layers": 12,
+        "n_heads": 12,
+        "n_kv_heads": 4,
+        "ffn_dim": 2048,
+        "vocab_size": 32000,
+        "max_seq_len": 2048,
+        "rope_theta": 10000.0,
+        "norm_eps": 1e-5,
+        "tie_embeddings": False,
+        "init_std": 0.02,
+    },
+    "llama3_1b": {
+        **_LLAMA3_COMMON,
+        "dim": 2048,
+        "n_layers": 16,
+        "n_heads": 32,
+        "n_kv_heads": 8,
+        "ffn_dim": 8192,
+        "tie_embeddings": True,
+    },
+    "llama3_8b": {
+        **_LLAMA3_COMMON,
+        "dim": 4096,
+        "n_layers": 32,
+        "n_heads": 32,
+        "n_kv_heads": 8,
+        "ffn_dim": 14336,
+        "tie_embeddings": False,
+    },
+    "llama3_70b": {
+        **_LLAMA3_COMMON,
+        "dim": 8192,
+        "n_layers": 80,
+        "n_heads": 64,
+        "n_kv_heads": 8,
+        "ffn_dim": 28672,
+        "tie_embeddings": False,
+    },
+}

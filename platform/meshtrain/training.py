@@ -1,0 +1,185 @@
+"""The per-rank training loop, independent of Ray (the Ray worker and the tests both call it)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.config import ConfigError, MeshtrainConfig
+from meshtrain.data import Corpus, DataParallelBatches, PackedSequences
+from meshtrain.init import init_weights
+from meshtrain.mesh import MeshPlan, resolve_mesh_shape
+from meshtrain.model import Transformer, build_model, count_parameters, token_cross_entropy_sum
+from meshtrain.optim import build_lr_scheduler, build_optimizer
+from meshtrain.parallel import build_mesh, clip_grad_norm_, parallelize
+
+
+@dataclass(frozen=True)
+class WorkerLayout:
+    """Where this process sits in the worker group (from Ray's train context or from a test)."""
+
+    world_rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+
+
+@dataclass
+class TrainResult:
+    records: list[dict[str, Any]] = field(default_factory=list)
+    mesh_shape: tuple[int, int] = (1, 1)
+    world_size: int = 1
+    parameters: int = 0
+    train_time_s: float = 0.0
+    tokens: int = 0
+
+    @property
+    def final_loss(self) -> float:
+        return self.records[-1]["loss"]
+
+    @property
+    def mean_tokens_per_s(self) -> float:
+        """Throughput after the first logged interval (which pays for warm-up and compilation)."""
+        steady = self.records[1:] or self.records
+        seconds = sum(r["step_time_s"] * r["steps_in_interval"] for r in steady)
+        tokens = sum(r["tokens_per_s"] * r["step_time_s"] * r["steps_in_interval"] for r in steady)
+        return tokens / seconds if seconds else 0.0
+
+
+def workers_per_node(layout: WorkerLayout, expected: int | None) -> int:
+    """Workers per node, checked to be the same on every node (HSDP shard groups need that)."""
+    counts = [layout.local_world_size]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, layout.local_world_size)
+        counts = gathered
+    if len(set(counts)) != 1:
+        raise ConfigError(
+            f"parallel.shard=auto: nodes hold different numbers of workers ({sorted(set(counts))}); "
+            "set parallel.shard explicitly or size scaling.num_workers to fill whole nodes"
+        )
+    if expected is not None and expected != counts[0]:
+        raise ConfigError(
+            f"scaling.workers_per_node={expected}, but Ray placed {counts[0]} workers per node; "
+            "fix scaling.workers_per_node or leave it unset"
+        )
+    return counts[0]
+
+
+def build_sharded_model(
+    cfg: MeshtrainConfig, vocab_size: int, layout: WorkerLayout, device: torch.device
+) -> tuple[Transformer, MeshPlan]:
+    """Model built on meta, sharded (when distributed), materialized on ``device`` and initialized."""
+    model = build_model(cfg.model_args(vocab_size), "meta")
+    plan = MeshPlan(1, 1, True)
+    if dist.is_initialized():
+        plan = resolve_mesh_shape(
+            layout.world_size,
+            workers_per_node(layout, cfg.scaling.workers_per_node),
+            cfg.parallel.strategy,
+            cfg.parallel.shard,
+        )
+        parallelize(model, build_mesh(plan, device.type), plan, cfg.parallel)
+    model.to_empty(device="cpu" if cfg.parallel.cpu_offload else device)
+    init_weights(model, cfg.train.seed)
+    return model, plan
+
+
+def _sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def train_step(
+    model: Transformer,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    dp_size: int,
+    grad_clip: float,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One optimizer step over this rank's micro-batches.
+
+    The loss is the mean over every target token of the global batch. Each micro-batch contributes
+    its token-summed loss scaled by ``dp_size / global_tokens``: FSDP averages gradients over the
+    ``dp_size`` ranks, so the result is the gradient of the global mean. Returns this rank's summed
+    (unscaled) loss, the pre-clip gradient norm and the global number of target tokens.
+    """
+    device = micro_batches[0][1].device
+    local_tokens = sum(int((targets != -100).sum()) for _, targets in micro_batches)
+    global_tokens = int(_sum_over_ranks(torch.tensor(float(local_tokens), device=device)).item())
+    scale = dp_size / global_tokens
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    for inputs, targets in micro_batches:
+        summed = token_cross_entropy_sum(model(inputs), targets)
+        (summed * scale).backward()
+        loss_sum += summed.detach()
+    grad_norm = clip_grad_norm_(list(model.parameters()), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm, global_tokens
+
+
+def train(
+    cfg: MeshtrainConfig,
+    corpus: Corpus,
+    layout: WorkerLayout,
+    device: torch.device,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+) -> TrainResult:
+    """Train for ``cfg.train.steps`` steps; ``on_record`` receives every logged step (all ranks)."""
+    torch.manual_seed(cfg.train.seed)
+    model, plan = build_sharded_model(cfg, corpus.vocab_size, layout, device)
+    optimizer = build_optimizer(model, cfg.optim, device.type)
+    scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    micro_batch, _ = cfg.batch_layout(layout.world_size)
+    batches = DataParallelBatches(
+        PackedSequences(corpus.tokens, cfg.data.seq_len, cfg.train.seed),
+        cfg.train.global_batch_size,
+        micro_batch,
+        dp_rank=layout.world_rank,
+        dp_size=layout.world_size,
+        device=device,
+    )
+    result = TrainResult(
+        mesh_shape=plan.shape, world_size=layout.world_size, parameters=count_parameters(model)
+    )
+    model.train()
+    start = interval_start = time.perf_counter()
+    interval_steps = 0
+    for step in range(1, cfg.train.steps + 1):
+        lr = scheduler.get_last_lr()[0]
+        loss_sum, grad_norm, step_tokens = train_step(
+            model, optimizer, list(batches.next_step()), layout.world_size, cfg.optim.grad_clip
+        )
+        scheduler.step()
+        result.tokens += step_tokens
+        interval_steps += 1
+        if step % cfg.train.log_every and step != cfg.train.steps:
+            continue
+        loss = _sum_over_ranks(loss_sum).item() / step_tokens
+        now = time.perf_counter()
+        step_time = (now - interval_start) / interval_steps
+        record = {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm.item(),
+            "tokens": result.tokens,
+            "tokens_per_s": step_tokens / step_time,
+            "step_time_s": step_time,
+            "steps_in_interval": interval_steps,
+            "elapsed_s": now - start,
+        }
+        result.records.append(record)
+        if on_record is not None:
+            on_record(record)
+        interval_start, interval_steps = now, 0
+    result.train_time_s = time.perf_counter() - start
+    return result
