@@ -47,9 +47,10 @@ def dry_run(cfg) -> None:  # noqa: ANN001 - MeshtrainConfig
     from meshtrain.plan import describe_plan
 
     args = cfg.model_args(tokenizer_vocab_size(cfg.data))
+    report = describe_plan(cfg, args)  # may raise ConfigError: then nothing goes to stdout
     print(config_yaml(cfg), end="")
     print("---")
-    print(describe_plan(cfg, args))
+    print(report)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -103,7 +104,11 @@ class ModelArgs(BaseModel):
                 f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}"
             )
         if (self.dim // self.n_heads) % 2:
-            raise ValueError("model.dim / model.n_heads must be even for rotary embeddings")
+            raise ValueError(
+                f"model.dim={self.dim}: the head size model.dim / model.n_heads={self.n_heads} is "
+                f"{self.dim // self.n_heads}, which must be even for rotary embeddings; "
+                "change model.dim or model.n_heads"
+            )
         return self
 
     @property
@@ -201,14 +206,18 @@ class ParallelConfig(_Section):
     @field_validator("shard", mode="before")
     @classmethod
     def _shard_int_or_auto(cls, value: Any) -> Any:
-        if isinstance(value, str) and value != "auto":
+        # Decide here, so a bad value is reported as parallel.shard rather than per union member.
+        if value == "auto":
+            return value
+        number = value
+        if isinstance(value, str):
             try:
-                return int(value)
+                number = int(value)
             except ValueError:
-                raise ValueError(f"expected a positive integer or 'auto', got {value!r}") from None
-        if isinstance(value, int) and value < 1:
-            raise ValueError(f"expected a positive integer or 'auto', got {value}")
-        return value
+                number = None
+        if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+            raise ValueError(f"expected a positive integer or 'auto', got {value!r}")
+        return number
 
 
 class ScalingConfig(_Section):
@@ -240,7 +249,7 @@ class RunConfig(_Section):
     @classmethod
     def _plain_name(cls, value: str | None) -> str | None:
         if value is not None and (not value or "/" in value or value in {".", ".."}):
-            raise ValueError(f"run.name must be a plain folder name, got {value!r}")
+            raise ValueError(f"must be a plain folder name (no '/', not '.' or '..'), got {value!r}")
         return value
 
 
@@ -255,8 +264,13 @@ class MeshtrainConfig(_Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "MeshtrainConfig":
-        # Shape checks only: the real vocabulary is known once the tokenizer is loaded.
-        model = self.model.resolved(self.model.vocab_size or self.data.vocab_size)
+        # Shape checks only: a tokenizer file's vocabulary is known once it is loaded; a trained
+        # tokenizer has at most data.vocab_size tokens, so model.vocab_size must hold that many.
+        if self.data.tokenizer == "train":
+            tokenizer_vocab = self.data.vocab_size
+        else:
+            tokenizer_vocab = self.model.vocab_size or self.data.vocab_size
+        model = self.model.resolved(tokenizer_vocab)
         if self.data.seq_len > model.max_seq_len:
             raise ValueError(
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={model.max_seq_len}; "
@@ -265,13 +279,14 @@ class MeshtrainConfig(_Section):
         from meshtrain.mesh import resolve_mesh_shape
 
         if self.parallel.shard != "auto" or self.scaling.workers_per_node is not None:
-            plan = resolve_mesh_shape(
+            resolve_mesh_shape(
                 self.scaling.num_workers,
                 self.scaling.workers_per_node or self.scaling.num_workers,
                 self.parallel.strategy,
                 self.parallel.shard,
             )
-            self.batch_layout(plan.data_parallel_size)
+        # Every worker is a data-parallel rank whatever the mesh, so this holds before Ray is asked.
+        self.batch_layout(self.scaling.num_workers)
         return self
 
     def batch_layout(self, data_parallel_size: int) -> tuple[int, int]:
@@ -304,7 +319,26 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
+    if isinstance(value, (bool, int, float)) and _is_text_setting(path):
+        value = raw.strip()  # run.name=2024 or data.hf_config=20220301 stay the text typed
     return path, value
+
+
+def _is_text_setting(path: list[str]) -> bool:
+    """Whether ``path`` names a free-text (``str`` or ``str | None``) setting."""
+    model: type[BaseModel] = MeshtrainConfig
+    for part in path[:-1]:
+        annotation = model.model_fields[part].annotation if part in model.model_fields else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return False
+        model = annotation
+    field = model.model_fields.get(path[-1])
+    if field is None:
+        return False
+    annotation = field.annotation
+    return annotation is str or (
+        get_origin(annotation) in (Union, UnionType) and set(get_args(annotation)) == {str, type(None)}
+    )
 
 
 def _set_dotted(tree: dict[str, Any], path: list[str], value: Any) -> None:
@@ -328,7 +362,16 @@ def _format_validation_error(error: ValidationError) -> str:
     if _NAMES_ITS_FIELD.match(message):
         return message
     value = first.get("input")
-    shown = "" if isinstance(value, dict) or value is None else f" (got {value!r})"
+    # Our own validators (value_error) already quote the value they reject.
+    quoted = first["type"] == "value_error"
+    if quoted:
+        shown = ""
+    elif isinstance(value, dict):
+        shown = " (got a mapping of sub-keys, not a single value)"
+    elif value is None:
+        shown = " (got an empty value)"
+    else:
+        shown = f" (got {value!r})"
     return f"{location}: {message}{shown}" if location else message
 
 

@@ -46,8 +46,34 @@ def expand_local_source(source: str) -> list[Path]:
     return [p for p in candidates if p.suffix.lower() in _LOADERS_BY_SUFFIX]
 
 
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 def load_documents(cfg: DataConfig) -> "datasets.Dataset":  # noqa: F821
     """The corpus as a ``datasets.Dataset`` with a single ``text`` column."""
+    try:
+        return _load_documents(cfg)
+    except ConfigError:
+        raise
+    except Exception as exc:  # datasets raises many types; the user needs the source named
+        hint = "check network access and the dataset name" if cfg.source.startswith("hf:") else "check the files"
+        raise ConfigError(f"data.source: cannot read {cfg.source!r} ({_first_line(exc)}); {hint}") from None
+
+
+def load_tokenizer_file(path: str) -> "tokenizers.Tokenizer":  # noqa: F821
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(Path(path).expanduser()))
+    except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
+        raise ConfigError(
+            f"data.tokenizer: {path!r} is not a readable tokenizer.json ({_first_line(exc)}); "
+            "give a file saved by the tokenizers library or 'train'"
+        ) from None
+
+
+def _load_documents(cfg: DataConfig) -> "datasets.Dataset":  # noqa: F821
     import datasets
 
     datasets.disable_progress_bars()
@@ -138,7 +164,7 @@ def prepare_corpus(cfg: DataConfig, tokenizer_json: str | None = None) -> Corpus
     elif cfg.tokenizer == "train":
         tokenizer = train_tokenizer(docs, cfg.vocab_size)
     else:
-        tokenizer = Tokenizer.from_file(str(Path(cfg.tokenizer).expanduser()))
+        tokenizer = load_tokenizer_file(cfg.tokenizer)
     tokens = tokenize_documents(docs, tokenizer)
     if len(tokens) < cfg.seq_len + 1:
         raise ConfigError(
@@ -224,6 +250,6 @@ def tokenizer_vocab_size(cfg: DataConfig) -> int:
     """Vocabulary size the tokenizer will have, without reading the corpus."""
     if cfg.tokenizer == "train":
         return cfg.vocab_size
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(Path(cfg.tokenizer).expanduser())).get_vocab_size()
+    tokenizer = load_tokenizer_file(cfg.tokenizer)
+    eos_token_id(tokenizer)  # the same check training does, before any worker starts
+    return tokenizer.get_vocab_size()

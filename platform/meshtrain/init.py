@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from meshtrain.model import Transformer
@@ -53,7 +52,7 @@ def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 @torch.no_grad()
 def fill_normal_rows(local: torch.Tensor, first_row: int, full_shape: torch.Size, name: str, seed: int, std: float) -> None:
-    """Fill ``local`` (rows ``first_row``.. of a ``full_shape`` parameter) with a truncated normal."""
+    """Fill ``local`` (rows ``first_row``.. of a ``full_shape`` parameter) from N(0, std)."""
     if local.numel() == 0:
         return
     row_elements = max(1, full_shape.numel() // full_shape[0])
@@ -66,8 +65,7 @@ def fill_normal_rows(local: torch.Tensor, first_row: int, full_shape: torch.Size
         rows = min(block_rows, full_shape[0] - block * block_rows)
         generator.manual_seed(block_seed(seed, name, block))
         piece = torch.empty((rows, *full_shape[1:]), dtype=torch.float32, device=local.device)
-        nn.init.trunc_normal_(piece, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
-        pieces.append(piece)
+        pieces.append(piece.normal_(mean=0.0, std=std, generator=generator))
     start = first_row - first_block * block_rows
     local.copy_(torch.cat(pieces)[start : start + local.shape[0]])
 

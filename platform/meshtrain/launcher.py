@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from meshtrain.config import ConfigError, MeshtrainConfig
-from meshtrain.data import Corpus, prepare_corpus
+from meshtrain.data import Corpus, prepare_corpus, tokenizer_vocab_size
 from meshtrain.outputs import RunPaths, read_summary, write_summary
 
 
@@ -65,6 +65,8 @@ def _prepare_corpus_task(data_cfg: Any, tokenizer_json: str | None) -> tuple[Cor
 
 def _config_error_in(exc: BaseException) -> ConfigError | None:
     """A ConfigError raised on a worker or task, found in the chain Ray wraps around it."""
+    from ray.exceptions import RayTaskError
+
     seen: set[int] = set()
     stack = [exc]
     while stack:
@@ -72,15 +74,17 @@ def _config_error_in(exc: BaseException) -> ConfigError | None:
         if id(current) in seen:
             continue
         seen.add(id(current))
+        if isinstance(current, RayTaskError):
+            # Ray re-raises a task's error as a subclass of both RayTaskError and the original type,
+            # with the remote traceback in its message; the original is its ``cause``.
+            stack.append(current.cause)
+            continue
         if isinstance(current, ConfigError):
             return current
-        stack.extend(e for e in (current.__cause__, current.__context__, getattr(current, "cause", None)) if e)
-        for attr in ("worker_failures", "training_failed_error"):
-            value = getattr(current, attr, None)
-            if isinstance(value, dict):
-                stack.extend(v for v in value.values() if isinstance(v, BaseException))
-            elif isinstance(value, BaseException):
-                stack.append(value)
+        stack.extend(e for e in (current.__cause__, current.__context__) if e)
+        failures = getattr(current, "worker_failures", None)
+        if isinstance(failures, dict):
+            stack.extend(v for v in failures.values() if isinstance(v, BaseException))
     return None
 
 
@@ -103,7 +107,9 @@ def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, corpus_ref: Any) -> Any
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
-            "config": cfg.model_dump(mode="json"),
+            # The validated object itself: re-validating on workers would re-check data paths that
+            # exist only where the driver runs (the corpus reaches workers through Ray).
+            "config": cfg,
             "corpus": corpus_ref,
         },
         torch_config=TorchConfig(backend=backend, timeout_s=scaling.timeout_s),
@@ -128,6 +134,8 @@ def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
 
     started = time.perf_counter()
     cfg, paths = resolve_run(cfg)
+    if cfg.data.tokenizer != "train":
+        tokenizer_vocab_size(cfg.data)  # a broken tokenizer file fails here, before Ray starts
     write_run_config(cfg, paths)
     init_ray()
     cached_tokenizer = paths.tokenizer.read_text() if paths.tokenizer.exists() else None
@@ -136,6 +144,8 @@ def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
     try:
         info = ray.get(info_ref)
     except ray.exceptions.RayTaskError as exc:
+        ray.wait([corpus_ref])  # the sibling result holds the same error; consume it quietly
+        del corpus_ref
         raise _config_error_in(exc) or exc from None
     if cached_tokenizer is None:
         paths.tokenizer.write_text(info["tokenizer_json"])

@@ -167,6 +167,17 @@ class Transformer(nn.Module):
         return plan
 
 
+def materialize(model: Transformer, device: torch.device | str) -> Transformer:
+    """Allocate (uninitialized) storage for a meta-built model on ``device``, keeping tied weights tied.
+
+    ``to_empty`` swaps in new parameter objects, which would silently untie a shared embedding.
+    """
+    model.to_empty(device=device)
+    if model.args.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:
+        model.output.weight = model.tok_embeddings.weight
+    return model
+
+
 def build_model(args: ModelArgs, device: torch.device | str = "meta") -> Transformer:
     """The model with storage on ``device`` (meta by default: shapes only, no memory)."""
     with torch.device(device):
@@ -192,6 +203,7 @@ __all__ = [
     "TransformerBlock",
     "apply_rope",
     "build_model",
+    "materialize",
     "count_parameters",
     "rope_tables",
     "token_cross_entropy_sum",

@@ -14,7 +14,7 @@ from meshtrain.config import ConfigError, MeshtrainConfig
 from meshtrain.data import Corpus, DataParallelBatches, PackedSequences
 from meshtrain.init import init_weights
 from meshtrain.mesh import MeshPlan, resolve_mesh_shape
-from meshtrain.model import Transformer, build_model, count_parameters, token_cross_entropy_sum
+from meshtrain.model import Transformer, build_model, count_parameters, materialize, token_cross_entropy_sum
 from meshtrain.optim import build_lr_scheduler, build_optimizer
 from meshtrain.parallel import build_mesh, clip_grad_norm_, parallelize
 
@@ -86,7 +86,7 @@ def build_sharded_model(
             cfg.parallel.shard,
         )
         parallelize(model, build_mesh(plan, device.type), plan, cfg.parallel)
-    model.to_empty(device="cpu" if cfg.parallel.cpu_offload else device)
+    materialize(model, "cpu" if cfg.parallel.cpu_offload else device)
     init_weights(model, cfg.train.seed)
     return model, plan
 

@@ -16,7 +16,7 @@ from meshtrain.training import WorkerLayout, train
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    cfg = MeshtrainConfig.model_validate(loop_config["config"])
+    cfg: MeshtrainConfig = loop_config["config"]
     corpus = ray.get(loop_config["corpus"])
     context = ray.train.get_context()
     layout = WorkerLayout(

@@ -1,0 +1,6 @@
+"""Shared test setup: tests import helpers (``ranks``) from this folder."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))

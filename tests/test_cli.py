@@ -1,0 +1,428 @@
+"""The command line: one-line config errors with exit code 2, and --dry-run without Ray.
+
+A few cases run ``python jobs/pretrain.py`` for real (exit code, stderr and the absence of a
+traceback are then proven end to end); the rest call ``meshtrain.cli.main`` in-process, with the
+launcher replaced so that a config that wrongly passes validation fails the test instead of
+starting Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import meshtrain.launcher
+from meshtrain.cli import EXIT_CONFIG_ERROR, main
+from meshtrain.config import MeshtrainConfig, describe_fields, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+PRETRAIN = "jobs/pretrain.py"
+ERROR_PREFIX = "meshtrain: config error: "
+# Should a bad input ever get past validation, the launcher would try to join this (unreachable)
+# cluster instead of starting a local Ray instance; the subprocess timeout then fails the test.
+NO_CLUSTER = "127.0.0.1:9"
+SUBPROCESS_TIMEOUT_S = 60
+
+
+# --- helpers and fixtures ------------------------------------------------------------------------
+
+
+def run_pretrain(*args: str, python_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "RAY_ADDRESS": NO_CLUSTER}
+    return subprocess.run(
+        [sys.executable, *python_flags, PRETRAIN, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+    )
+
+
+def _refuse_launch(cfg: MeshtrainConfig) -> dict:
+    raise AssertionError(f"the CLI tried to launch a run (and start Ray) for {cfg.model_dump()}")
+
+
+def run_main(
+    argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of ``main(argv)`` in this process, with launching forbidden."""
+    monkeypatch.setattr(meshtrain.launcher, "launch", _refuse_launch)
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse exits on its own
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_config_error(code: int, out: str, err: str, names: str) -> None:
+    assert code == EXIT_CONFIG_ERROR == 2, (code, err)
+    assert "Traceback" not in err and "Traceback" not in out
+    assert err.endswith("\n")
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(ERROR_PREFIX), lines[0]
+    assert names in lines[0], lines[0]
+    assert len(lines[0]) > len(ERROR_PREFIX) + len(names) + 10  # it says more than the name
+    assert out == ""
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny tokenizer.json with an end-of-text token (what --dry-run needs from a tokenizer file)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, "hello": 2, "world": 3}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bad_configs")
+    files = {
+        "invalid_yaml": ("invalid.yaml", "train:\n  steps: 5\n  seed: [1, 2\n"),
+        "list_yaml": ("list.yaml", "- train.steps=5\n- model.preset=125m\n"),
+        "bad_value_yaml": ("bad_value.yaml", "train:\n  steps: -1\n"),
+        "unknown_key_yaml": ("unknown_key.yaml", "parallel:\n  sharding: 2\n"),
+        "broken_tokenizer": ("tokenizer.json", '{"this is": "not a tokenizer"}'),
+    }
+    paths = {}
+    for key, (name, text) in files.items():
+        paths[key] = root / name
+        paths[key].write_text(text)
+    paths["missing"] = root / "does-not-exist.yaml"
+    paths["missing_tokenizer"] = root / "no-tokenizer.json"
+    return paths
+
+
+# --- real subprocesses: bad inputs ---------------------------------------------------------------
+
+SUBPROCESS_CASES = [
+    (["train.stepz=5"], "train.stepz"),
+    (["train.steps=abc"], "train.steps"),
+    (["parallel.shard=3"], "parallel.shard"),
+    (["--config", "{missing}"], "--config"),
+    (["data.source=/nonexistent/x.jsonl"], "data.source"),
+    (["--bogus"], "--bogus"),
+]
+
+
+@pytest.mark.parametrize(("argv", "names"), SUBPROCESS_CASES, ids=[" ".join(a) for a, _ in SUBPROCESS_CASES])
+def test_bad_input_subprocess(
+    argv: list[str], names: str, bad_files: dict[str, Path], tmp_path: Path
+) -> None:
+    argv = [arg.format(missing=bad_files["missing"]) for arg in argv]
+    # run.storage_path keeps any run a regression might start out of the repository's runs/.
+    result = run_pretrain(*argv, f"run.storage_path={tmp_path}")
+    assert_one_line_config_error(result.returncode, result.stdout, result.stderr, names)
+    assert list(tmp_path.iterdir()) == []  # nothing written: the run never started
+
+
+# --- in-process: every kind of bad input ---------------------------------------------------------
+
+IN_PROCESS_CASES = [
+    # unknown keys
+    (["train.stepz=5"], "train.stepz"),
+    (["foo.bar=1"], "foo"),
+    (["model.layers=2"], "model.layers"),
+    # wrong types
+    (["train.steps=abc"], "train.steps"),
+    (["optim.lr=fast"], "optim.lr"),
+    (["scaling.use_gpu=maybe"], "scaling.use_gpu"),
+    (["parallel.shard=two"], "parallel.shard"),
+    (["parallel.shard=2.5"], "parallel.shard"),
+    (["parallel.strategy=zero3"], "parallel.strategy"),
+    (["train.steps="], "train.steps"),
+    (["model=debug"], "model"),
+    # zero / negative
+    (["train.steps=0"], "train.steps"),
+    (["train.steps=-5"], "train.steps"),
+    (["train.micro_batch_size=-4"], "train.micro_batch_size"),
+    (["scaling.num_workers=0"], "scaling.num_workers"),
+    (["optim.lr=0"], "optim.lr"),
+    (["parallel.shard=0"], "parallel.shard"),
+    # malformed overrides
+    (["train"], "override 'train'"),
+    (["train..steps=1"], "override 'train..steps=1'"),
+    # mesh: shard sizes that do not fit the workers
+    (["parallel.shard=3"], "parallel.shard"),
+    (["scaling.num_workers=4", "parallel.shard=3"], "parallel.shard"),
+    (["scaling.num_workers=6", "scaling.workers_per_node=4", "train.global_batch_size=48"], "parallel.shard"),
+    (["parallel.strategy=full_shard", "parallel.shard=1"], "parallel.shard"),
+    (["parallel.strategy=no_shard", "parallel.shard=2"], "parallel.shard"),
+    # model
+    (["model.preset=llama9"], "model.preset"),
+    (["model.vocab_size=100"], "model.vocab_size"),
+    (["model.n_kv_heads=3"], "model.n_kv_heads"),
+    (["data.seq_len=2048"], "data.seq_len"),
+    (["model.preset=125m", "data.seq_len=4096"], "data.seq_len"),
+    # batch
+    (["train.global_batch_size=12"], "train.global_batch_size"),
+    (["scaling.num_workers=3"], "train.global_batch_size"),
+    # paths
+    (["data.source=/nonexistent/x.jsonl"], "data.source"),
+    (["data.tokenizer={missing_tokenizer}"], "data.tokenizer"),
+    (["run.name=a/b"], "run.name"),
+    # --config files
+    (["--config", "{missing}"], "--config"),
+    (["--config", "{invalid_yaml}"], "--config"),
+    (["--config", "{list_yaml}"], "--config"),
+    (["--config", "{bad_value_yaml}"], "train.steps"),
+    (["--config", "{unknown_key_yaml}"], "parallel.sharding"),
+    # command-line flags
+    (["--bogus"], "--bogus"),
+    (["--config"], "--config"),
+    # also caught under --dry-run, before anything is printed
+    (["--dry-run", "train.global_batch_size=12"], "train.global_batch_size"),
+    (["--dry-run", "parallel.shard=3"], "parallel.shard"),
+    (["--dry-run", "data.tokenizer={broken_tokenizer}"], "data.tokenizer"),
+    (["--dry-run", "data.tokenizer={missing_tokenizer}"], "data.tokenizer"),
+    # GPU dry run with 12 workers: 8 per node is assumed, which does not divide 12
+    (
+        ["--dry-run", "scaling.use_gpu=true", "scaling.num_workers=12", "train.global_batch_size=96"],
+        "parallel.shard",
+    ),
+]
+
+
+@pytest.mark.parametrize(("argv", "names"), IN_PROCESS_CASES, ids=[" ".join(a) for a, _ in IN_PROCESS_CASES])
+def test_bad_input(
+    argv: list[str],
+    names: str,
+    bad_files: dict[str, Path],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    argv = [arg.format(**bad_files) for arg in argv]
+    code, out, err = run_main(argv, capsys, monkeypatch)
+    assert_one_line_config_error(code, out, err, names)
+
+
+def test_missing_config_message_says_what_to_do(
+    bad_files: dict[str, Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, _, err = run_main(["--config", str(bad_files["missing"])], capsys, monkeypatch)
+    assert code == 2
+    missing = str(bad_files["missing"])
+    assert err == f"{ERROR_PREFIX}--config: {missing!r} is not a file; give a YAML config path\n"
+
+
+def test_invalid_yaml_message_names_the_line(
+    bad_files: dict[str, Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, _, err = run_main(["--config", str(bad_files["invalid_yaml"])], capsys, monkeypatch)
+    assert code == 2
+    assert re.fullmatch(
+        re.escape(f"{ERROR_PREFIX}--config: {bad_files['invalid_yaml']} is not valid YAML at line ")
+        + r"\d+; fix the syntax\n",
+        err,
+    ), err
+
+
+def test_unknown_flag_message(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    code, _, err = run_main(["--bogus"], capsys, monkeypatch)
+    assert code == 2
+    assert err == f"{ERROR_PREFIX}unrecognized arguments: --bogus; see --help\n"
+
+
+def test_help_lists_every_setting(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, out, err = run_main(["--help"], capsys, monkeypatch)
+    assert code == 0 and err == ""
+    assert "--config" in out and "--dry-run" in out
+    for name, _, description in describe_fields():
+        row = rf"^  {re.escape(name)} +{re.escape(description)} \[default "
+        assert re.search(row, out, re.MULTILINE), name
+
+
+# --- --dry-run -----------------------------------------------------------------------------------
+
+MEMORY_LABELS = (
+    "parameters (fp32, sharded)",
+    "gradients (fp32, sharded)",
+    "optimizer state (AdamW, sharded)",
+    "gathered units + their grads",
+    "activations (estimate, recompute=",
+    "logits + loss (estimate)",
+    "total",
+)
+
+
+def parse_dry_run(out: str) -> tuple[dict, dict[str, str], dict[str, float]]:
+    """(printed config, report lines by their leading word, memory GiB by label)."""
+    config_text, _, report = out.partition("\n---\n")
+    config = yaml.safe_load(config_text)
+    lines = report.splitlines()
+    by_key = {line.split(":", 1)[0]: line for line in lines if not line.startswith(" ")}
+    memory: dict[str, float] = {}
+    header = next(i for i, line in enumerate(lines) if line.startswith("memory per rank (GiB):"))
+    for line in lines[header + 1 :]:
+        label, value = line.strip().rsplit(None, 1)
+        memory[label] = float(value)
+    return config, by_key, memory
+
+
+def check_memory(memory: dict[str, float]) -> None:
+    labels = list(memory)
+    assert len(labels) == len(MEMORY_LABELS)
+    for label, expected in zip(labels, MEMORY_LABELS, strict=True):
+        assert label.startswith(expected), (label, expected)
+    parts = [value for label, value in memory.items() if label != "total"]
+    assert all(value >= 0 for value in parts)
+    assert memory["total"] == pytest.approx(sum(parts), abs=0.01)
+    assert memory["total"] > 0
+
+
+def test_dry_run_default_subprocess() -> None:
+    started = time.monotonic()
+    # -X importtime lists every imported module on stderr: proof that Ray is not even imported.
+    result = run_pretrain("--dry-run", python_flags=("-X", "importtime"))
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert elapsed < 20
+    assert "Traceback" not in result.stderr
+    imported = {
+        line.split("|")[-1].strip()
+        for line in result.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert "meshtrain.cli" in imported  # the listing is real
+    assert not {module for module in imported if module == "ray" or module.startswith("ray.")}
+    assert "Started a local Ray instance" not in result.stdout + result.stderr
+
+    config, lines, memory = parse_dry_run(result.stdout)
+    assert config == MeshtrainConfig().model_dump(mode="json")
+    assert lines["parameters"] == "parameters: 1,311,872 (1.3M)"
+    assert lines["mesh"].startswith("mesh: (replicate=1, shard=2) on 2 workers, strategy=hybrid_shard, ")
+    assert "batch" in lines and "micro-batch 8 x 2 workers x 1 accumulation steps" in lines["batch"]
+    check_memory(memory)
+
+
+def test_dry_run_llama3_8b_subprocess(tokenizer_json: Path) -> None:
+    started = time.monotonic()
+    result = run_pretrain(
+        "--dry-run",
+        "model.preset=llama3_8b",
+        "scaling.use_gpu=true",
+        "scaling.num_workers=16",
+        "scaling.workers_per_node=8",
+        "train.global_batch_size=64",
+        "train.micro_batch_size=1",
+        "data.seq_len=4096",
+        f"data.tokenizer={tokenizer_json}",
+    )
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert elapsed < 20
+    assert "Traceback" not in result.stderr
+    assert "Started a local Ray instance" not in result.stdout + result.stderr
+
+    config, lines, memory = parse_dry_run(result.stdout)
+    assert config["model"]["preset"] == "llama3_8b" and config["data"]["tokenizer"] == str(tokenizer_json)
+    match = re.fullmatch(r"parameters: ([\d,]+) \(([\d.]+)M\)", lines["parameters"])
+    assert match, lines["parameters"]
+    assert 7_900_000_000 <= int(match.group(1).replace(",", "")) <= 8_100_000_000
+    assert "vocab=128256" in lines["model"] and "tied=False" in lines["model"]
+    assert lines["mesh"] == (
+        "mesh: (replicate=2, shard=8) on 16 workers, strategy=hybrid_shard, reshard_after_forward=True"
+    )
+    assert "micro-batch 1 x 16 workers x 4 accumulation steps" in lines["batch"]
+    check_memory(memory)
+    # bf16 compute on GPU; 8-way sharded fp32 state of ~8B parameters is ~3.7 GiB each for params/grads.
+    assert memory["parameters (fp32, sharded)"] == pytest.approx(8.03e9 * 4 / 8 / 2**30, rel=0.01)
+    sharded_params = memory["parameters (fp32, sharded)"]
+    assert memory["optimizer state (AdamW, sharded)"] == pytest.approx(2 * sharded_params, abs=0.002)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "mesh"),
+    [
+        ([], "mesh: (replicate=1, shard=2) on 2 workers, strategy=hybrid_shard, reshard_after_forward=True"),
+        (
+            ["scaling.num_workers=4", "scaling.workers_per_node=2", "train.global_batch_size=32"],
+            "mesh: (replicate=2, shard=2) on 4 workers, strategy=hybrid_shard, reshard_after_forward=True",
+        ),
+        (
+            ["scaling.num_workers=4", "parallel.strategy=full_shard", "train.global_batch_size=32"],
+            "mesh: (replicate=1, shard=4) on 4 workers, strategy=full_shard, reshard_after_forward=True",
+        ),
+        (
+            ["scaling.num_workers=4", "parallel.strategy=no_shard", "train.global_batch_size=32"],
+            "mesh: (replicate=4, shard=1) on 4 workers, strategy=no_shard, reshard_after_forward=True",
+        ),
+        (
+            ["scaling.num_workers=8", "parallel.strategy=hybrid_shard_zero2", "parallel.shard=4",
+             "train.global_batch_size=64"],
+            "mesh: (replicate=2, shard=4) on 8 workers, strategy=hybrid_shard_zero2, "
+            "reshard_after_forward=False",
+        ),
+        (
+            ["scaling.num_workers=16", "scaling.use_gpu=true", "train.global_batch_size=128"],
+            "mesh: (replicate=2, shard=8) on 16 workers, strategy=hybrid_shard, reshard_after_forward=True "
+            "(assuming 8 workers per node; set scaling.workers_per_node to be sure)",
+        ),
+    ],
+)
+def test_dry_run_mesh(
+    overrides: list[str], mesh: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, out, err = run_main(["--dry-run", *overrides], capsys, monkeypatch)
+    assert code == 0, err
+    assert err == ""
+    _, lines, memory = parse_dry_run(out)
+    assert lines["mesh"].split(" (assuming all workers")[0] == mesh
+    check_memory(memory)
+
+
+def test_dry_run_config_round_trips(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    overrides = ["model.preset=125m", "train.steps=10", "optim.lr=1e-4", "parallel.shard=1", "run.name=2024"]
+    code, out, err = run_main(["--dry-run", *overrides], capsys, monkeypatch)
+    assert code == 0, err
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(out.partition("\n---\n")[0])
+    assert load_config(printed) == load_config(None, overrides)
+
+
+def test_dry_run_with_config_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("scaling:\n  num_workers: 4\n  workers_per_node: 2\ntrain:\n  global_batch_size: 32\n")
+    argv = ["--config", str(path), "--dry-run", "parallel.strategy=hybrid_shard_zero2"]
+    code, out, err = run_main(argv, capsys, monkeypatch)
+    assert code == 0, err
+    config, lines, _ = parse_dry_run(out)
+    assert config["scaling"]["num_workers"] == 4 and config["parallel"]["strategy"] == "hybrid_shard_zero2"
+    assert lines["mesh"].startswith(
+        "mesh: (replicate=2, shard=2) on 4 workers, strategy=hybrid_shard_zero2, "
+    )
+
+
+JOB_CONFIGS = sorted((REPO / "jobs" / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", JOB_CONFIGS, ids=[path.name for path in JOB_CONFIGS])
+def test_dry_run_shipped_job_config(
+    path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, out, err = run_main(["--config", str(path), "--dry-run"], capsys, monkeypatch)
+    assert code == 0, err
+    config, lines, memory = parse_dry_run(out)
+    assert config == load_config(path).model_dump(mode="json")
+    assert lines["parameters"].startswith("parameters: ")
+    check_memory(memory)

@@ -1,0 +1,488 @@
+"""The configuration tree: defaults, YAML + dotted overrides, typed parsing, descriptions, presets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from meshtrain.config import (
+    ConfigError,
+    DataConfig,
+    MeshtrainConfig,
+    ModelArgs,
+    ModelConfig,
+    ParallelConfig,
+    ScalingConfig,
+    TrainConfig,
+    describe_fields,
+    load_config,
+)
+from meshtrain.model import build_model, count_parameters
+from meshtrain.presets import MODEL_PRESETS
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+# --- defaults -------------------------------------------------------------------------------------
+
+
+def test_defaults_validate() -> None:
+    cfg = MeshtrainConfig()
+    assert load_config() == cfg
+    assert load_config(None, []) == cfg
+    assert cfg.model.preset == "debug"
+    assert cfg.data.source == "stdlib" and cfg.data.tokenizer == "train"
+    assert cfg.parallel.strategy == "hybrid_shard" and cfg.parallel.shard == "auto"
+    assert cfg.scaling.num_workers == 2 and cfg.scaling.use_gpu is False
+    # The defaults must also describe a runnable batch layout and model.
+    micro, accumulation = cfg.batch_layout(cfg.scaling.num_workers)
+    assert micro * cfg.scaling.num_workers * accumulation == cfg.train.global_batch_size
+    args = cfg.model_args(cfg.data.vocab_size)
+    assert isinstance(args, ModelArgs)
+    assert cfg.data.seq_len <= args.max_seq_len
+
+
+def test_default_instances_are_independent() -> None:
+    first, second = MeshtrainConfig(), MeshtrainConfig()
+    first.train.steps = 7
+    assert second.train.steps == 200
+
+
+def test_assignment_is_validated() -> None:
+    cfg = MeshtrainConfig()
+    with pytest.raises(ValueError):
+        cfg.train.steps = 0
+
+
+# --- precedence: defaults < YAML file < overrides --------------------------------------------------
+
+
+def test_yaml_then_overrides_precedence(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path / "run.yaml",
+        "train:\n  steps: 50\n  seed: 3\noptim:\n  lr: 1.0e-3\nparallel:\n  strategy: full_shard\n",
+    )
+    cfg = load_config(path, ["train.steps=7", "optim.warmup_steps=2"])
+    assert cfg.train.steps == 7  # override beats the file
+    assert cfg.train.seed == 3  # file beats the default
+    assert cfg.optim.lr == pytest.approx(1e-3)
+    assert cfg.optim.warmup_steps == 2  # override of a key the file does not set
+    assert cfg.parallel.strategy == "full_shard"
+    assert cfg.train.log_every == TrainConfig().log_every  # untouched default
+    assert load_config(path).train.steps == 50
+
+
+def test_later_override_wins() -> None:
+    assert load_config(None, ["train.steps=7", "train.steps=9"]).train.steps == 9
+
+
+def test_override_may_replace_yaml_scalar_with_auto(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path / "run.yaml",
+        "scaling:\n  num_workers: 4\ntrain:\n  global_batch_size: 32\nparallel:\n  shard: 2\n",
+    )
+    assert load_config(path).parallel.shard == 2
+    assert load_config(path, ["parallel.shard=auto"]).parallel.shard == "auto"
+
+
+def test_empty_yaml_file_means_defaults(tmp_path: Path) -> None:
+    assert load_config(_write(tmp_path / "empty.yaml", "")) == MeshtrainConfig()
+    assert load_config(_write(tmp_path / "comment.yaml", "# nothing\n")) == MeshtrainConfig()
+
+
+def test_config_path_accepts_str_and_path(tmp_path: Path) -> None:
+    path = _write(tmp_path / "run.yaml", "train:\n  steps: 11\n")
+    assert load_config(str(path)).train.steps == 11
+    assert load_config(path).train.steps == 11
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_config(missing)
+    assert str(info.value) == f"--config: {str(missing)!r} is not a file; give a YAML config path"
+
+
+def test_invalid_yaml_names_the_line(tmp_path: Path) -> None:
+    path = _write(tmp_path / "bad.yaml", "train:\n  steps: 5\n  seed: [1, 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"--config: {path} is not valid YAML at line ")
+    assert message.endswith("; fix the syntax")
+    assert "\n" not in message
+
+
+def test_yaml_list_is_rejected(tmp_path: Path) -> None:
+    path = _write(tmp_path / "list.yaml", "- train\n- model\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"--config: {path} must hold a mapping of sections (model:, train:, ...)"
+
+
+def test_yaml_unknown_key_is_rejected(tmp_path: Path) -> None:
+    path = _write(tmp_path / "typo.yaml", "optim:\n  learning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match=r"^optim\.learning_rate: unknown setting; optim accepts lr, "):
+        load_config(path)
+
+
+# --- typed parsing of overrides ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "section", "field", "expected", "kind"),
+    [
+        ("train.steps=100", "train", "steps", 100, int),
+        ("train.seed=-1", "train", "seed", -1, int),
+        ("optim.lr=0.25", "optim", "lr", 0.25, float),
+        ("optim.lr=1e-4", "optim", "lr", 1e-4, float),  # YAML 1.1 reads this as text; pydantic as float
+        ("optim.lr=2", "optim", "lr", 2.0, float),
+        ("optim.min_lr_ratio=0", "optim", "min_lr_ratio", 0.0, float),
+        ("scaling.cpus_per_worker=0.5", "scaling", "cpus_per_worker", 0.5, float),
+        ("scaling.use_gpu=true", "scaling", "use_gpu", True, bool),
+        ("parallel.cpu_offload=false", "parallel", "cpu_offload", False, bool),
+        ("parallel.shard=auto", "parallel", "shard", "auto", str),
+        ("parallel.shard=2", "parallel", "shard", 2, int),
+        ("parallel.shard='2'", "parallel", "shard", 2, int),
+        ("parallel.shard=1", "parallel", "shard", 1, int),
+        ("parallel.strategy=no_shard", "parallel", "strategy", "no_shard", str),
+        ("model.preset=125m", "model", "preset", "125m", str),
+        ("model.tie_embeddings=true", "model", "tie_embeddings", True, bool),
+        ("model.rope_theta=500000", "model", "rope_theta", 500000.0, float),
+        ("data.seq_len=64", "data", "seq_len", 64, int),
+        ("data.source=stdlib", "data", "source", "stdlib", str),
+        ("data.max_documents=10", "data", "max_documents", 10, int),
+        ("run.name=my-run", "run", "name", "my-run", str),
+        # Free-text settings keep what was typed even when it looks like a number or a boolean.
+        ("run.name=2024", "run", "name", "2024", str),
+        ("run.name=1.10", "run", "name", "1.10", str),
+        ("data.hf_config=20220301", "data", "hf_config", "20220301", str),
+        ("data.split=7", "data", "split", "7", str),
+        ("run.name=", "run", "name", None, type(None)),  # empty = unset
+        ("run.max_failures=-1", "run", "max_failures", -1, int),
+        ("train.steps= 12 ", "train", "steps", 12, int),
+    ],
+)
+def test_override_types(override: str, section: str, field: str, expected: object, kind: type) -> None:
+    cfg = load_config(None, [override])
+    value = getattr(getattr(cfg, section), field)
+    assert type(value) is kind, (override, value)
+    assert value == expected
+
+
+def test_value_may_contain_equals_sign() -> None:
+    assert load_config(None, ["run.name=a=b"]).run.name == "a=b"
+
+
+def test_shard_with_more_workers() -> None:
+    cfg = load_config(None, ["scaling.num_workers=4", "parallel.shard=2", "train.global_batch_size=32"])
+    assert (cfg.scaling.num_workers, cfg.parallel.shard) == (4, 2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train"], "override 'train': expected dotted.key=value, e.g. train.steps=100"),
+        (["train.steps"], "override 'train.steps': expected dotted.key=value, e.g. train.steps=100"),
+        (["train..steps=1"], "override 'train..steps=1': empty key segment; expected dotted.key=value"),
+        (["train.steps=5", "train.steps.x=1"], "train.steps.x: 'steps' is a value, not a section"),
+        (
+            ["train.stepz=5"],
+            "train.stepz: unknown setting; train accepts " + ", ".join(TrainConfig.model_fields),
+        ),
+        (
+            ["foo.bar=1"],
+            "foo: unknown setting; top level accepts " + ", ".join(MeshtrainConfig.model_fields),
+        ),
+        (
+            ["train.steps=abc"],
+            "train.steps: Input should be a valid integer, unable to parse string as an integer (got 'abc')",
+        ),
+        (["train.steps=0"], "train.steps: Input should be greater than 0 (got 0)"),
+        (["train.steps=-3"], "train.steps: Input should be greater than 0 (got -3)"),
+        (["train.steps="], "train.steps: Input should be a valid integer (got an empty value)"),
+        (
+            ["train.steps.x=1"],
+            "train.steps: Input should be a valid integer (got a mapping of sub-keys, not a single value)",
+        ),
+        (["optim.lr=-1"], "optim.lr: Input should be greater than 0 (got -1)"),
+        (["optim.beta2=1"], "optim.beta2: Input should be less than 1 (got 1)"),
+        (
+            ["scaling.use_gpu=maybe"],
+            "scaling.use_gpu: Input should be a valid boolean, unable to interpret input (got 'maybe')",
+        ),
+        (["parallel.shard=0"], "parallel.shard: expected a positive integer or 'auto', got 0"),
+        (["parallel.shard=-2"], "parallel.shard: expected a positive integer or 'auto', got -2"),
+        (["parallel.shard=abc"], "parallel.shard: expected a positive integer or 'auto', got 'abc'"),
+        (["parallel.shard=2.5"], "parallel.shard: expected a positive integer or 'auto', got 2.5"),
+        (["parallel.shard=true"], "parallel.shard: expected a positive integer or 'auto', got True"),
+        (["parallel.shard=3"], "parallel.shard=3 does not divide scaling.num_workers=2; choose one of 1, 2"),
+        (
+            ["scaling.num_workers=4", "parallel.shard=3"],
+            "parallel.shard=3 does not divide scaling.num_workers=4; choose one of 1, 2, 4",
+        ),
+        (
+            ["scaling.num_workers=6", "scaling.workers_per_node=4", "train.global_batch_size=48"],
+            "parallel.shard=auto: 4 workers per node do not divide scaling.num_workers=6; "
+            "set parallel.shard to one of 1, 2, 3, 6",
+        ),
+        (
+            ["parallel.strategy=no_shard", "parallel.shard=2"],
+            "parallel.shard=2 conflicts with parallel.strategy=no_shard, which replicates parameters on "
+            "every worker; use strategy hybrid_shard or drop parallel.shard",
+        ),
+        (
+            ["parallel.strategy=bogus"],
+            "parallel.strategy: Input should be 'full_shard', 'shard_grad_op', 'no_shard', 'hybrid_shard' "
+            "or 'hybrid_shard_zero2' (got 'bogus')",
+        ),
+        (
+            ["model.preset=llama9"],
+            "model.preset: unknown preset 'llama9'; choose one of " + ", ".join(MODEL_PRESETS),
+        ),
+        (
+            ["data.seq_len=2048"],
+            "data.seq_len=2048 exceeds model.max_seq_len=1024; lower data.seq_len or raise model.max_seq_len",
+        ),
+        (
+            ["train.global_batch_size=12"],
+            "train.global_batch_size=12 is not a multiple of train.micro_batch_size (8) x data-parallel "
+            "workers (2); make it a multiple of 16",
+        ),
+        (
+            ["scaling.num_workers=3"],
+            "train.global_batch_size=16 is not a multiple of train.micro_batch_size (8) x data-parallel "
+            "workers (3); make it a multiple of 24",
+        ),
+        (
+            ["model.vocab_size=100"],
+            "model.vocab_size: 100 is smaller than the tokenizer's 2048 tokens; raise it or leave it unset",
+        ),
+        (
+            ["model.dim=100"],
+            "model.dim=100: the head size model.dim / model.n_heads=4 is 25, which must be even for rotary "
+            "embeddings; change model.dim or model.n_heads",
+        ),
+        (["model.n_kv_heads=3"], "model.n_kv_heads=3 must divide model.n_heads=4"),
+        (["model.dim=130"], "model.dim=130 must be divisible by model.n_heads=4"),
+        (
+            ["run.name=a/b"],
+            "run.name: must be a plain folder name (no '/', not '.' or '..'), got 'a/b'",
+        ),
+        (["run.name=.."], "run.name: must be a plain folder name (no '/', not '.' or '..'), got '..'"),
+        (
+            ["data.source=/nonexistent/x.jsonl"],
+            "data.source: no files at '/nonexistent/x.jsonl'; give an existing file, directory or glob, "
+            "'stdlib', or 'hf:<dataset>'",
+        ),
+        (
+            ["data.tokenizer=/nonexistent/tokenizer.json"],
+            "data.tokenizer: '/nonexistent/tokenizer.json' is not a file; "
+            "give a tokenizer.json path or 'train'",
+        ),
+        (["data.vocab_size=10"], "data.vocab_size: Input should be greater than or equal to 260 (got 10)"),
+    ],
+)
+def test_bad_overrides(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert str(info.value) == message
+
+
+def test_error_messages_are_single_lines() -> None:
+    for overrides in (["train.stepz=5"], ["train.steps=abc"], ["parallel.shard=3"], ["data.seq_len=4096"]):
+        with pytest.raises(ConfigError) as info:
+            load_config(None, overrides)
+        assert "\n" not in str(info.value)
+
+
+# --- data paths ----------------------------------------------------------------------------------
+
+
+def test_local_data_sources(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    _write(corpus / "a.jsonl", '{"text": "hello"}\n')
+    _write(corpus / "sub" / "b.jsonl", '{"text": "world"}\n')
+    assert load_config(None, [f"data.source={corpus / 'a.jsonl'}"]).data.source.endswith("a.jsonl")
+    assert load_config(None, [f"data.source={corpus}"]).data.source == str(corpus)
+    assert load_config(None, [f"data.source={corpus}/**/*.jsonl"])
+    assert load_config(None, ["data.source=hf:someone/dataset"]).data.source == "hf:someone/dataset"
+
+
+def test_directory_without_data_files_is_rejected(tmp_path: Path) -> None:
+    _write(tmp_path / "notes.md", "not a data file")
+    with pytest.raises(ConfigError, match=r"^data\.source: no files at "):
+        load_config(None, [f"data.source={tmp_path}"])
+
+
+def test_existing_tokenizer_file_is_accepted(tmp_path: Path) -> None:
+    path = _write(tmp_path / "tokenizer.json", "{}")
+    assert DataConfig(tokenizer=str(path)).tokenizer == str(path)
+
+
+# --- every setting is documented -----------------------------------------------------------------
+
+
+def _walk(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str | None, bool]]:
+    """(dotted name, description, is a section) for every field, sections included."""
+    rows: list[tuple[str, str | None, bool]] = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        is_section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        rows.append((f"{prefix}{name}", field.description, is_section))
+        if is_section:
+            rows.extend(_walk(annotation, f"{prefix}{name}."))
+    return rows
+
+
+def test_every_field_has_a_description() -> None:
+    rows = _walk(MeshtrainConfig)
+    assert {name for name, _, is_section in rows if is_section} == {
+        "model", "data", "optim", "train", "parallel", "scaling", "run"
+    }
+    assert len(rows) > 50
+    missing = [name for name, description, _ in rows if not (description and description.strip())]
+    assert missing == []
+
+
+def test_describe_fields_lists_every_leaf_setting() -> None:
+    leaves = [name for name, _, is_section in _walk(MeshtrainConfig) if not is_section]
+    rows = describe_fields()
+    assert [name for name, _, _ in rows] == leaves
+    assert all(description.strip() for _, _, description in rows)
+    assert ("train.steps", "200", TrainConfig.model_fields["steps"].description) in rows
+    assert ("parallel.shard", "'auto'", ParallelConfig.model_fields["shard"].description) in rows
+
+
+def test_preset_description_lists_every_preset() -> None:
+    description = ModelConfig.model_fields["preset"].description or ""
+    for preset in MODEL_PRESETS:
+        assert preset in description
+
+
+# --- model presets -------------------------------------------------------------------------------
+
+# preset -> (parameter range, tied embeddings, vocab used when the preset has none)
+PRESETS = {
+    "debug": ((1_000_000, 2_000_000), False),
+    "125m": ((100_000_000, 150_000_000), False),
+    "llama3_1b": ((1_200_000_000, 1_300_000_000), True),
+    "llama3_8b": ((7_900_000_000, 8_100_000_000), False),
+    "llama3_70b": ((69_500_000_000, 71_000_000_000), False),
+}
+
+
+def test_preset_table_covers_every_preset() -> None:
+    assert set(PRESETS) == set(MODEL_PRESETS)
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_preset_builds_on_meta_with_expected_size(preset: str) -> None:
+    (low, high), tied = PRESETS[preset]
+    cfg = load_config(None, [f"model.preset={preset}"])
+    args = cfg.model_args(2048)
+    assert args == ModelConfig(preset=preset).resolved(2048)
+    model = build_model(args, "meta")
+    assert all(p.device.type == "meta" for p in model.parameters())
+    total = count_parameters(model)
+    assert low <= total <= high, f"{preset}: {total:,} parameters"
+    assert args.tie_embeddings is tied
+    assert (model.output.weight is model.tok_embeddings.weight) is tied
+    if MODEL_PRESETS[preset]["vocab_size"] is not None:
+        assert args.vocab_size == MODEL_PRESETS[preset]["vocab_size"]
+    if tied:
+        # Counted once: the untied model would be larger by one vocab x dim matrix.
+        assert total == sum(p.numel() for p in model.parameters())
+        assert total + args.vocab_size * args.dim > high
+
+
+def test_llama3_shapes() -> None:
+    args = ModelConfig(preset="llama3_8b").resolved(128000)
+    assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.ffn_dim) == (4096, 32, 32, 8, 14336)
+    assert args.vocab_size == 128256 and args.rope_theta == 500000.0 and args.head_dim == 128
+    args = ModelConfig(preset="llama3_70b").resolved(None)
+    assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads) == (8192, 80, 64, 8)
+
+
+def test_tokenizer_vocab_is_rounded_up_when_the_preset_has_none() -> None:
+    assert ModelConfig().resolved(2048).vocab_size == 2048
+    assert ModelConfig().resolved(2000).vocab_size == 2048
+    assert ModelConfig().resolved(2049).vocab_size == 2112
+    # A preset's own vocabulary wins when the tokenizer fits in it.
+    assert ModelConfig(preset="125m").resolved(2000).vocab_size == 32000
+
+
+def test_explicit_fields_override_the_preset() -> None:
+    cfg = load_config(None, ["model.preset=125m", "model.n_layers=2", "model.vocab_size=50304"])
+    args = cfg.model_args(50257)
+    assert (args.dim, args.n_layers, args.vocab_size) == (768, 2, 50304)
+    assert count_parameters(build_model(args, "meta")) < 100_000_000
+
+
+def test_vocab_must_be_known() -> None:
+    with pytest.raises(ConfigError) as info:
+        ModelConfig().resolved(None)
+    assert str(info.value) == "model.vocab_size: unknown; set it or let the tokenizer define it"
+
+
+def test_tokenizer_larger_than_the_preset_vocab() -> None:
+    with pytest.raises(ConfigError) as info:
+        ModelConfig(preset="125m").resolved(50257)
+    assert str(info.value) == (
+        "model.vocab_size: 32000 is smaller than the tokenizer's 50257 tokens; raise it or leave it unset"
+    )
+
+
+def test_longer_sequences_need_a_longer_rope_table() -> None:
+    cfg = load_config(None, ["data.seq_len=2048", "model.max_seq_len=2048"])
+    assert cfg.model_args(2048).max_seq_len == 2048
+    assert load_config(None, ["model.preset=llama3_8b", "data.seq_len=8192"]).data.seq_len == 8192
+
+
+# --- batch layout --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("global_batch", "micro", "dp", "expected"),
+    [(16, 8, 2, (8, 1)), (64, 1, 16, (1, 4)), (32, 4, 2, (4, 4)), (8, 8, 1, (8, 1))],
+)
+def test_batch_layout(global_batch: int, micro: int, dp: int, expected: tuple[int, int]) -> None:
+    cfg = MeshtrainConfig(
+        train=TrainConfig(global_batch_size=global_batch, micro_batch_size=micro),
+        scaling=ScalingConfig(num_workers=dp),
+    )
+    assert cfg.batch_layout(dp) == expected
+
+
+def test_batch_layout_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        MeshtrainConfig().batch_layout(3)
+    assert str(info.value) == (
+        "train.global_batch_size=16 is not a multiple of train.micro_batch_size (8) x "
+        "data-parallel workers (3); make it a multiple of 24"
+    )
+
+
+# --- the shipped job configs ---------------------------------------------------------------------
+
+JOB_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "jobs" / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", JOB_CONFIGS, ids=[path.name for path in JOB_CONFIGS])
+def test_shipped_job_config_validates(path: Path) -> None:
+    cfg = load_config(path)
+    assert cfg.model.preset in MODEL_PRESETS
+    assert cfg.batch_layout(cfg.scaling.num_workers)[1] >= 1
+
+
+def test_debug_job_config_is_the_default() -> None:
+    path = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "debug.yaml"
+    if not path.is_file():
+        pytest.skip("jobs/configs/debug.yaml is not there")
+    assert load_config(path) == MeshtrainConfig()

@@ -1,0 +1,147 @@
+"""Mesh-shape resolution: strategy x cluster layout x parallel.shard -> (replicate, shard)."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshtrain.config import ConfigError
+from meshtrain.mesh import MESH_DIM_NAMES, MeshPlan, resolve_mesh_shape
+
+STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
+
+# (world_size, workers_per_node, strategy, shard) -> ((replicate, shard), reshard_after_forward)
+SHAPES = [
+    # hybrid_shard: shard within a group, replicate across groups; auto = one group per node.
+    ((4, 2, "hybrid_shard", "auto"), ((2, 2), True)),
+    ((4, 4, "hybrid_shard", "auto"), ((1, 4), True)),
+    ((16, 8, "hybrid_shard", "auto"), ((2, 8), True)),
+    ((2, 1, "hybrid_shard", "auto"), ((2, 1), True)),
+    ((1, 1, "hybrid_shard", "auto"), ((1, 1), True)),
+    ((8, 8, "hybrid_shard", 2), ((4, 2), True)),
+    ((8, 4, "hybrid_shard", 8), ((1, 8), True)),  # a shard group may span nodes
+    ((8, 4, "hybrid_shard", 1), ((8, 1), True)),
+    ((6, 4, "hybrid_shard", 3), ((2, 3), True)),  # explicit shard: workers per node is not consulted
+    # hybrid_shard_zero2: same shapes, parameters stay gathered after forward.
+    ((4, 2, "hybrid_shard_zero2", "auto"), ((2, 2), False)),
+    ((8, 8, "hybrid_shard_zero2", "auto"), ((1, 8), False)),
+    ((8, 8, "hybrid_shard_zero2", 4), ((2, 4), False)),
+    # full_shard / shard_grad_op: one shard group over every worker, whatever the node layout.
+    ((4, 2, "full_shard", "auto"), ((1, 4), True)),
+    ((4, 2, "full_shard", 4), ((1, 4), True)),
+    ((6, 4, "full_shard", "auto"), ((1, 6), True)),
+    ((1, 1, "full_shard", "auto"), ((1, 1), True)),
+    ((8, 8, "shard_grad_op", "auto"), ((1, 8), False)),
+    ((8, 4, "shard_grad_op", 8), ((1, 8), False)),
+    ((2, 2, "shard_grad_op", "auto"), ((1, 2), False)),
+    # no_shard: plain data parallelism, every worker holds everything.
+    ((4, 2, "no_shard", "auto"), ((4, 1), True)),
+    ((4, 2, "no_shard", 1), ((4, 1), True)),
+    ((6, 4, "no_shard", "auto"), ((6, 1), True)),
+    ((1, 1, "no_shard", "auto"), ((1, 1), True)),
+]
+
+
+def test_table_covers_every_strategy_with_auto_and_explicit_shard() -> None:
+    for strategy in STRATEGIES:
+        shards = {case[3] for case, _ in SHAPES if case[2] == strategy}
+        assert "auto" in shards, strategy
+        assert any(isinstance(shard, int) for shard in shards), strategy
+
+
+def _ids(table: list) -> list[str]:
+    return [f"{w}w-{n}pn-{s}-{sh}" for (w, n, s, sh), _ in table]
+
+
+@pytest.mark.parametrize(("case", "expected"), SHAPES, ids=_ids(SHAPES))
+def test_resolve_mesh_shape(case: tuple, expected: tuple) -> None:
+    world_size, workers_per_node, strategy, shard = case
+    shape, reshard = expected
+    plan = resolve_mesh_shape(world_size, workers_per_node, strategy, shard)
+    assert isinstance(plan, MeshPlan)
+    assert plan.shape == shape
+    assert (plan.replicate, plan.shard) == shape
+    assert plan.reshard_after_forward is reshard
+    assert plan.world_size == world_size
+    # Every worker is a data-parallel rank, whichever dimension it sits on.
+    assert plan.data_parallel_size == world_size
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("world_size", [1, 2, 4, 6, 8, 12, 16])
+def test_auto_shape_always_covers_the_world(strategy: str, world_size: int) -> None:
+    for workers_per_node in (d for d in range(1, world_size + 1) if world_size % d == 0):
+        plan = resolve_mesh_shape(world_size, workers_per_node, strategy, "auto")
+        assert plan.replicate * plan.shard == world_size
+        assert plan.replicate >= 1 and plan.shard >= 1
+
+
+def test_mesh_dim_names() -> None:
+    assert MESH_DIM_NAMES == ("replicate", "shard")
+
+
+# (world_size, workers_per_node, strategy, shard) -> the exact one-line message
+ERRORS = [
+    (
+        (4, 2, "hybrid_shard", 3),
+        "parallel.shard=3 does not divide scaling.num_workers=4; choose one of 1, 2, 4",
+    ),
+    (
+        (2, 2, "hybrid_shard", 3),
+        "parallel.shard=3 does not divide scaling.num_workers=2; choose one of 1, 2",
+    ),
+    (
+        (4, 2, "hybrid_shard", 8),
+        "parallel.shard=8 does not divide scaling.num_workers=4; choose one of 1, 2, 4",
+    ),
+    (
+        (12, 8, "hybrid_shard_zero2", 5),
+        "parallel.shard=5 does not divide scaling.num_workers=12; choose one of 1, 2, 3, 4, 6, 12",
+    ),
+    (
+        (6, 4, "hybrid_shard", "auto"),
+        "parallel.shard=auto: 4 workers per node do not divide scaling.num_workers=6; "
+        "set parallel.shard to one of 1, 2, 3, 6",
+    ),
+    (
+        (12, 8, "hybrid_shard_zero2", "auto"),
+        "parallel.shard=auto: 8 workers per node do not divide scaling.num_workers=12; "
+        "set parallel.shard to one of 1, 2, 3, 4, 6, 12",
+    ),
+    (
+        (4, 2, "full_shard", 2),
+        "parallel.shard=2 conflicts with parallel.strategy=full_shard, which shards over all 4 workers; "
+        "use strategy hybrid_shard for a smaller shard group or drop parallel.shard",
+    ),
+    (
+        (2, 2, "full_shard", 1),
+        "parallel.shard=1 conflicts with parallel.strategy=full_shard, which shards over all 2 workers; "
+        "use strategy hybrid_shard for a smaller shard group or drop parallel.shard",
+    ),
+    (
+        (8, 8, "shard_grad_op", 4),
+        "parallel.shard=4 conflicts with parallel.strategy=shard_grad_op, which shards over all 8 workers; "
+        "use strategy hybrid_shard for a smaller shard group or drop parallel.shard",
+    ),
+    (
+        (4, 2, "no_shard", 2),
+        "parallel.shard=2 conflicts with parallel.strategy=no_shard, which replicates parameters on every "
+        "worker; use strategy hybrid_shard or drop parallel.shard",
+    ),
+    (
+        (4, 4, "no_shard", 4),
+        "parallel.shard=4 conflicts with parallel.strategy=no_shard, which replicates parameters on every "
+        "worker; use strategy hybrid_shard or drop parallel.shard",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "message"), ERRORS, ids=_ids(ERRORS))
+def test_resolve_mesh_shape_errors(case: tuple, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        resolve_mesh_shape(*case)
+    assert str(info.value) == message
+    assert "\n" not in str(info.value)
+
+
+def test_config_error_is_a_value_error() -> None:
+    assert issubclass(ConfigError, ValueError)

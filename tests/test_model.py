@@ -1,0 +1,163 @@
+"""The Llama decoder on its own: shapes, causality, attention against explicit references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshtrain.config import ModelArgs
+from meshtrain.init import init_weights
+from meshtrain.model import Attention, apply_rope, build_model, count_parameters, materialize, rope_tables
+
+
+def tiny_args(**overrides: object) -> ModelArgs:
+    values = dict(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=97, max_seq_len=64,
+        rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False, init_std=0.02,
+    )
+    values.update(overrides)
+    return ModelArgs(**values)
+
+
+def initialized_model(args: ModelArgs, seed: int = 0) -> torch.nn.Module:
+    model = materialize(build_model(args, "meta"), "cpu")
+    init_weights(model, seed)
+    return model
+
+
+def test_logits_shape_and_meta_build_allocates_nothing() -> None:
+    args = tiny_args()
+    meta = build_model(args, "meta")
+    assert all(p.is_meta for p in meta.parameters())
+    model = initialized_model(args)
+    tokens = torch.randint(0, args.vocab_size, (3, 17))
+    assert model(tokens).shape == (3, 17, args.vocab_size)
+
+
+def test_changing_a_later_token_leaves_earlier_logits_unchanged() -> None:
+    model = initialized_model(tiny_args())
+    tokens = torch.randint(0, 97, (2, 24))
+    t = 10
+    changed = tokens.clone()
+    changed[:, t + 1] = (changed[:, t + 1] + 1) % 97
+    with torch.no_grad():
+        before, after = model(tokens), model(changed)
+    torch.testing.assert_close(after[:, : t + 1], before[:, : t + 1], rtol=0, atol=1e-6)
+    assert not torch.allclose(after[:, t + 1 :], before[:, t + 1 :])
+
+
+def reference_attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Textbook multi-head attention with an explicit causal mask (kv heads repeated by hand)."""
+    batch, seq, _ = x.shape
+    group = attn.n_heads // attn.n_kv_heads
+    q = apply_rope(attn.wq(x).view(batch, seq, attn.n_heads, -1), cos, sin).transpose(1, 2)
+    k = apply_rope(attn.wk(x).view(batch, seq, attn.n_kv_heads, -1), cos, sin).transpose(1, 2)
+    v = attn.wv(x).view(batch, seq, attn.n_kv_heads, -1).transpose(1, 2)
+    k = torch.stack([k[:, h // group] for h in range(attn.n_heads)], dim=1)
+    v = torch.stack([v[:, h // group] for h in range(attn.n_heads)], dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(attn.head_dim)
+    mask = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+    weights = scores.masked_fill(mask, float("-inf")).softmax(-1)
+    return attn.wo((weights @ v).transpose(1, 2).reshape(batch, seq, -1))
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+def test_attention_matches_explicit_masked_softmax(n_kv_heads: int) -> None:
+    torch.manual_seed(0)
+    args = tiny_args(n_kv_heads=n_kv_heads)
+    attn = Attention(args)
+    cos, sin = rope_tables(args.head_dim, 16, args.rope_theta)
+    x = torch.randn(2, 16, args.dim)
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x, cos, sin), reference_attention(attn, x, cos, sin), rtol=1e-5, atol=1e-6)
+
+
+def test_gqa_with_all_kv_heads_is_multi_head_attention() -> None:
+    """kv heads = heads is plain MHA: equal to torch's own MultiheadAttention (RoPE disabled)."""
+    torch.manual_seed(0)
+    args = tiny_args(n_kv_heads=4)
+    attn = Attention(args)
+    mha = torch.nn.MultiheadAttention(args.dim, args.n_heads, bias=False, batch_first=True)
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(torch.cat([attn.wq.weight, attn.wk.weight, attn.wv.weight]))
+        mha.out_proj.weight.copy_(attn.wo.weight)
+        seq = 12
+        x = torch.randn(2, seq, args.dim)
+        identity_cos, zero_sin = torch.ones(seq, args.head_dim), torch.zeros(seq, args.head_dim)
+        mask = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+        expected, _ = mha(x, x, x, attn_mask=mask, need_weights=False)
+        torch.testing.assert_close(attn(x, identity_cos, zero_sin), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_query_attention_equals_mha_with_shared_kv_weights() -> None:
+    """GQA with 2 kv heads = MHA whose k/v projections repeat each kv head for its query group."""
+    torch.manual_seed(0)
+    gqa = Attention(tiny_args(n_kv_heads=2))
+    mha = Attention(tiny_args(n_kv_heads=4))
+    with torch.no_grad():
+        mha.wq.weight.copy_(gqa.wq.weight)
+        mha.wo.weight.copy_(gqa.wo.weight)
+        for name in ("wk", "wv"):
+            heads = getattr(gqa, name).weight.view(2, gqa.head_dim, -1)
+            getattr(mha, name).weight.copy_(heads.repeat_interleave(2, dim=0).reshape(-1, heads.shape[-1]))
+        cos, sin = rope_tables(gqa.head_dim, 10, 10000.0)
+        x = torch.randn(2, 10, 64)
+        torch.testing.assert_close(gqa(x, cos, sin), mha(x, cos, sin), rtol=1e-5, atol=1e-6)
+
+
+def test_rope_scores_depend_only_on_relative_position() -> None:
+    torch.manual_seed(0)
+    head_dim = 16
+    cos, sin = rope_tables(head_dim, 32, 10000.0)
+    q, k = torch.randn(1, 1, 1, head_dim), torch.randn(1, 1, 1, head_dim)
+
+    def score(i: int, j: int) -> torch.Tensor:
+        qi = apply_rope(q.expand(1, 32, 1, head_dim), cos, sin)[0, i, 0]
+        kj = apply_rope(k.expand(1, 32, 1, head_dim), cos, sin)[0, j, 0]
+        return qi @ kj
+
+    torch.testing.assert_close(score(5, 2), score(20, 17), rtol=1e-4, atol=1e-5)
+
+
+def test_tied_embeddings_share_one_parameter() -> None:
+    untied = build_model(tiny_args(), "meta")
+    tied = build_model(tiny_args(tie_embeddings=True), "meta")
+    assert tied.output.weight is tied.tok_embeddings.weight
+    assert count_parameters(untied) - count_parameters(tied) == 97 * 64
+
+
+def test_init_is_seeded_and_depth_scaled() -> None:
+    args = tiny_args(n_layers=8, dim=256, n_heads=4, n_kv_heads=4, ffn_dim=512, vocab_size=512)
+    a, b, c = initialized_model(args, 0), initialized_model(args, 0), initialized_model(args, 1)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+        if "norm" not in name:
+            assert not torch.equal(pa, pc), name
+    assert torch.equal(a.layers[0].attention_norm.weight, torch.ones(256))
+    std_q = a.layers[0].attention.wq.weight.std().item()
+    std_o = a.layers[0].attention.wo.weight.std().item()
+    assert std_q == pytest.approx(0.02, rel=0.05)
+    assert std_o == pytest.approx(std_q / math.sqrt(2 * 8), rel=0.05)
+
+
+def test_selective_and_full_recompute_match_plain_gradients() -> None:
+    args = tiny_args()
+    tokens = torch.randint(0, 97, (2, 16))
+    grads = {}
+    for mode in ("none", "full", "selective"):
+        model = initialized_model(args)
+        for block in model.layers:
+            block.recompute = mode
+        F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+        grads[mode] = [p.grad.clone() for p in model.parameters()]
+    for mode in ("full", "selective"):
+        for g_plain, g_mode in zip(grads["none"], grads[mode]):
+            torch.testing.assert_close(g_mode, g_plain, rtol=1e-5, atol=1e-7)
+
+
+def test_materialized_tied_model_stays_tied() -> None:
+    model = initialized_model(tiny_args(tie_embeddings=True))
+    assert model.output.weight is model.tok_embeddings.weight
