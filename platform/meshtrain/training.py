@@ -46,10 +46,10 @@ class TrainResult:
     @property
     def mean_tokens_per_s(self) -> float:
         """Throughput after the first logged interval (which pays for warm-up and compilation)."""
-        steady = self.records[1:] or self.records
-        seconds = sum(r["step_time_s"] * r["steps_in_interval"] for r in steady)
-        tokens = sum(r["tokens_per_s"] * r["step_time_s"] * r["steps_in_interval"] for r in steady)
-        return tokens / seconds if seconds else 0.0
+        first, last = self.records[0], self.records[-1]
+        if len(self.records) == 1:
+            return last["tokens"] / last["elapsed_s"]
+        return (last["tokens"] - first["tokens"]) / (last["elapsed_s"] - first["elapsed_s"])
 
 
 def workers_per_node(layout: WorkerLayout, expected: int | None) -> int:
@@ -174,7 +174,6 @@ def train(
             "tokens": result.tokens,
             "tokens_per_s": step_tokens / step_time,
             "step_time_s": step_time,
-            "steps_in_interval": interval_steps,
             "elapsed_s": now - start,
         }
         result.records.append(record)
