@@ -115,3 +115,18 @@ def test_compiled_blocks_equal_single_process(corpus: Corpus) -> None:
     reference = single_process(config(), corpus)
     result = run_on_ranks(_train_rank, 2, config("scaling.num_workers=2", "parallel.compile=true"), corpus, 2)[0]
     assert_same_curves(result, reference, "compiled blocks", rtol=1e-4)
+
+
+def test_cpu_offload_and_full_recompute_equal_single_process(corpus: Corpus) -> None:
+    reference = single_process(config(), corpus)
+    cfg = config("scaling.num_workers=2", "parallel.cpu_offload=true", "parallel.activation_checkpointing=full")
+    result = run_on_ranks(_train_rank, 2, cfg, corpus, 2)[0]
+    assert_same_curves(result, reference, "cpu_offload+full recompute")
+
+
+def test_bf16_mixed_precision_tracks_fp32(corpus: Corpus) -> None:
+    """The GPU default (bf16 compute, fp32 shards and reduction), run on CPU: close, not equal."""
+    reference = single_process(config(), corpus)
+    result = run_on_ranks(_train_rank, 2, config("scaling.num_workers=2", "parallel.mixed_precision=bf16"), corpus, 2)[0]
+    assert result["loss"] != reference["loss"]
+    assert largest_relative_difference(result["loss"], reference["loss"]) < 1e-3

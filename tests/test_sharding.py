@@ -107,3 +107,26 @@ def test_shards_hold_different_values() -> None:
     embedding = weights["tok_embeddings.weight"].detach()
     first, second = embedding.chunk(2)
     assert not torch.equal(first[: second.shape[0]], second)
+
+
+def _compute_dtypes(rank: int, world: int) -> dict[str, str]:
+    cfg = load_config(None, [f"scaling.num_workers={world}", "parallel.mixed_precision=bf16", "data.vocab_size=512"])
+    model, _ = build_sharded_model(cfg, 512, WorkerLayout(rank, world, rank, world, 0), torch.device("cpu"))
+    seen: dict[str, str] = {}
+    model.layers[0].attention.wq.register_forward_hook(lambda m, i, o: seen.update(block=str(o.dtype)))
+    logits = model(torch.randint(0, 512, (2, 16)))
+    logits.float().sum().backward()
+    seen["logits"] = str(logits.dtype)
+    seen["shards"] = str({p.dtype for p in model.parameters()})
+    seen["grads"] = str({p.grad.dtype for p in model.parameters()})
+    return seen
+
+
+def test_bf16_policy_computes_in_bf16_and_keeps_fp32_shards_and_grads() -> None:
+    for seen in run_on_ranks(_compute_dtypes, 2):
+        assert seen == {
+            "block": "torch.bfloat16",
+            "logits": "torch.bfloat16",
+            "shards": "{torch.float32}",
+            "grads": "{torch.float32}",
+        }

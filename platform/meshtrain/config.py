@@ -162,7 +162,7 @@ class OptimConfig(_Section):
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient L2 norm to this (0 = off).")
     implementation: Literal["auto", "fused", "foreach", "for_loop"] = Field(
-        "auto", description="AdamW kernel; auto = fused on CUDA, foreach elsewhere."
+        "auto", description="AdamW kernel; auto = fused on CUDA and CPU, foreach elsewhere."
     )
 
 

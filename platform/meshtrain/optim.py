@@ -10,8 +10,12 @@ from torch.optim.lr_scheduler import LambdaLR
 from meshtrain.config import OptimConfig
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device_type: str) -> torch.optim.AdamW:
-    """AdamW; norms and other vectors get no weight decay. Fused kernels on CUDA by default."""
+# Devices with a fused AdamW kernel (one kernel per parameter group instead of one per op).
+_FUSED_ADAMW_DEVICES = {"cuda", "cpu"}
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW; norms and other vectors get no weight decay. Fused kernels where the device has them."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
@@ -19,7 +23,8 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device_type: str) 
     ]
     implementation = cfg.implementation
     if implementation == "auto":
-        implementation = "fused" if device_type == "cuda" else "foreach"
+        # The optimizer runs where the sharded parameters live (host memory under CPU offload).
+        implementation = "fused" if params[0].device.type in _FUSED_ADAMW_DEVICES else "foreach"
     kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[implementation]
     return torch.optim.AdamW(
         [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel

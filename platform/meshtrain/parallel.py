@@ -46,7 +46,10 @@ def parallelize(model: Transformer, mesh: DeviceMesh, plan: MeshPlan, cfg: Paral
         "mp_policy": MixedPrecisionPolicy(
             param_dtype=param_dtype(cfg.mixed_precision, mesh.device_type), reduce_dtype=torch.float32
         ),
-        "offload_policy": CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
+        # Pinned host memory makes the host<->GPU copies asynchronous; it needs an accelerator.
+        "offload_policy": (
+            CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cfg.cpu_offload else OffloadPolicy()
+        ),
     }
     reshard = plan.reshard_after_forward
     last = len(model.layers) - 1

@@ -136,7 +136,7 @@ def train(
     """Train for ``cfg.train.steps`` steps; ``on_record`` receives every logged step (all ranks)."""
     torch.manual_seed(cfg.train.seed)
     model, plan = build_sharded_model(cfg, corpus.vocab_size, layout, device)
-    optimizer = build_optimizer(model, cfg.optim, device.type)
+    optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.train.steps)
     micro_batch, _ = cfg.batch_layout(layout.world_size)
     batches = DataParallelBatches(
