@@ -29,7 +29,7 @@ def config(*overrides: str) -> MeshtrainConfig:
         [
             f"train.steps={STEPS}", "train.log_every=1", "train.global_batch_size=8", "train.micro_batch_size=2",
             "data.seq_len=32", "data.vocab_size=512", "data.max_documents=24", "optim.warmup_steps=3",
-            "optim.lr=0.003", "scaling.num_workers=1", *overrides,
+            "optim.lr=0.003", "scaling.num_workers=1", "checkpoint.enabled=false", *overrides,
         ],
     )
 

@@ -253,6 +253,35 @@ class RunConfig(_Section):
         return value
 
 
+class CheckpointConfig(_Section):
+    enabled: bool = Field(True, description="Save checkpoints and resume from the newest committed one.")
+    interval: int = Field(50, gt=0, description="Save every N steps (and always after the last step).")
+    keep: int = Field(3, ge=1, description="Committed checkpoints to keep; older ones are deleted.")
+    mode: Literal["async", "sync"] = Field(
+        "async", description="async: the loop waits only while state is staged to host memory; sync: until written."
+    )
+    path: str | None = Field(
+        None,
+        description="Root for checkpoints: a local/NFS path or s3://bucket/prefix (run.name is appended); "
+        "unset = checkpoints/ in the run directory.",
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="fsspec options for a remote path, e.g. {client_kwargs: {endpoint_url: ...}} for S3-compatible stores.",
+    )
+    resume: bool = Field(True, description="Continue from the newest committed checkpoint when one exists.")
+
+
+class FaultConfig(_Section):
+    kill_rank: int | None = Field(
+        None, ge=0, description="Chaos testing: this worker kills itself with SIGKILL once, at fault.at_step."
+    )
+    at_step: int | None = Field(None, gt=0, description="Step at which fault.kill_rank dies.")
+    during_checkpoint: bool = Field(
+        False, description="Die right after the checkpoint of fault.at_step starts writing (it must be a save step)."
+    )
+
+
 class MeshtrainConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="Model shape.")
     data: DataConfig = Field(default_factory=DataConfig, description="Corpus, tokenizer and packing.")
@@ -261,6 +290,8 @@ class MeshtrainConfig(_Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="FSDP2 / HSDP layout.")
     scaling: ScalingConfig = Field(default_factory=ScalingConfig, description="Ray worker group.")
     run: RunConfig = Field(default_factory=RunConfig, description="Where and under which name outputs go.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Sharded checkpoints and resume.")
+    fault: FaultConfig = Field(default_factory=FaultConfig, description="Fault injection for tests and demos.")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "MeshtrainConfig":
@@ -287,6 +318,21 @@ class MeshtrainConfig(_Section):
             )
         # Every worker is a data-parallel rank whatever the mesh, so this holds before Ray is asked.
         self.batch_layout(self.scaling.num_workers)
+        fault = self.fault
+        if (fault.kill_rank is None) != (fault.at_step is None):
+            raise ValueError("fault.kill_rank and fault.at_step go together; set both or neither")
+        if fault.kill_rank is not None and fault.kill_rank >= self.scaling.num_workers:
+            raise ValueError(
+                f"fault.kill_rank={fault.kill_rank} is not a worker rank; use 0..{self.scaling.num_workers - 1}"
+            )
+        if fault.during_checkpoint and fault.at_step is not None:
+            if not self.checkpoint.enabled or (
+                fault.at_step % self.checkpoint.interval and fault.at_step != self.train.steps
+            ):
+                raise ValueError(
+                    f"fault.at_step={fault.at_step} is not a checkpoint step; with fault.during_checkpoint "
+                    f"use a multiple of checkpoint.interval={self.checkpoint.interval}"
+                )
         return self
 
     def batch_layout(self, data_parallel_size: int) -> tuple[int, int]:

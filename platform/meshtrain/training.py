@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,8 +11,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshtrain.checkpoint import CheckpointManager, CheckpointStorage, Progress, TrainState
 from meshtrain.config import ConfigError, MeshtrainConfig
 from meshtrain.data import Corpus, DataParallelBatches, PackedSequences
+from meshtrain.faults import maybe_kill_self
 from meshtrain.init import init_weights
 from meshtrain.mesh import MeshPlan, resolve_mesh_shape
 from meshtrain.model import Transformer, build_model, count_parameters, materialize, token_cross_entropy_sum
@@ -40,12 +43,14 @@ class TrainResult:
     tokens: int = 0
 
     @property
-    def final_loss(self) -> float:
-        return self.records[-1]["loss"]
+    def final_loss(self) -> float | None:
+        return self.records[-1]["loss"] if self.records else None
 
     @property
-    def mean_tokens_per_s(self) -> float:
+    def mean_tokens_per_s(self) -> float | None:
         """Throughput after the first logged interval (which pays for warm-up and compilation)."""
+        if not self.records:
+            return None
         first, last = self.records[0], self.records[-1]
         if len(self.records) == 1:
             return last["tokens"] / last["elapsed_s"]
@@ -126,6 +131,15 @@ def train_step(
     return loss_sum, grad_norm, global_tokens
 
 
+def checkpoint_root(cfg: MeshtrainConfig) -> str:
+    """Where this run's checkpoints live (``checkpoint.path/<run.name>`` or ``<run dir>/checkpoints``)."""
+    if cfg.run.name is None:
+        raise ValueError("run.name must be resolved before training (the launcher does this)")
+    if cfg.checkpoint.path:
+        return f"{cfg.checkpoint.path.rstrip('/')}/{cfg.run.name}"
+    return str(Path(cfg.run.storage_path) / cfg.run.name / "checkpoints")
+
+
 def train(
     cfg: MeshtrainConfig,
     corpus: Corpus,
@@ -133,11 +147,29 @@ def train(
     device: torch.device,
     on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> TrainResult:
-    """Train for ``cfg.train.steps`` steps; ``on_record`` receives every logged step (all ranks)."""
+    """Train until ``cfg.train.steps``, resuming from the newest committed checkpoint if any.
+
+    ``on_record`` receives every logged step and checkpoint event (rank 0 emits the save events).
+    """
     torch.manual_seed(cfg.train.seed)
     model, plan = build_sharded_model(cfg, corpus.vocab_size, layout, device)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    progress = Progress()
+    state = TrainState(model, optimizer, scheduler, progress, layout.world_rank)
+    checkpoints = None
+    if cfg.checkpoint.enabled:
+        checkpoints = CheckpointManager(
+            CheckpointStorage(checkpoint_root(cfg), cfg.checkpoint.storage_options),
+            rank=layout.world_rank,
+            world_size=layout.world_size,
+            interval=cfg.checkpoint.interval,
+            keep=cfg.checkpoint.keep,
+            asynchronous=cfg.checkpoint.mode == "async",
+            on_event=on_record,
+        )
+        if cfg.checkpoint.resume:
+            checkpoints.restore(state)
     micro_batch, _ = cfg.batch_layout(layout.world_size)
     batches = DataParallelBatches(
         PackedSequences(corpus.tokens, cfg.data.seq_len, cfg.train.seed),
@@ -146,20 +178,34 @@ def train(
         dp_rank=layout.world_rank,
         dp_size=layout.world_size,
         device=device,
+        position=progress.data_position,
     )
     result = TrainResult(
         mesh_shape=plan.shape, world_size=layout.world_size, parameters=count_parameters(model)
     )
+    manifest = {
+        "world_size": layout.world_size,
+        "mesh_shape": list(plan.shape),
+        "model_args": cfg.model_args(corpus.vocab_size).model_dump(),
+        "config": cfg.model_dump(mode="json"),
+    }
+    run_dir = Path(cfg.run.storage_path) / (cfg.run.name or "")
     model.train()
     start = interval_start = time.perf_counter()
     interval_steps = 0
-    for step in range(1, cfg.train.steps + 1):
+    for step in range(progress.step + 1, cfg.train.steps + 1):
+        maybe_kill_self(cfg.fault, layout.world_rank, step, False, run_dir / "faults")
         lr = scheduler.get_last_lr()[0]
         loss_sum, grad_norm, step_tokens = train_step(
             model, optimizer, list(batches.next_step()), layout.world_size, cfg.optim.grad_clip
         )
         scheduler.step()
-        result.tokens += step_tokens
+        progress.step, progress.tokens, progress.data_position = step, progress.tokens + step_tokens, batches.position
+        if checkpoints is not None:
+            checkpoints.poll()
+            if checkpoints.due(step, cfg.train.steps):
+                checkpoints.save(state, {**manifest, **vars(progress)}, wait=step == cfg.train.steps)
+                maybe_kill_self(cfg.fault, layout.world_rank, step, True, run_dir / "faults")
         interval_steps += 1
         if step % cfg.train.log_every and step != cfg.train.steps:
             continue
@@ -167,11 +213,12 @@ def train(
         now = time.perf_counter()
         step_time = (now - interval_start) / interval_steps
         record = {
+            "event": "train",
             "step": step,
             "loss": loss,
             "lr": lr,
             "grad_norm": grad_norm.item(),
-            "tokens": result.tokens,
+            "tokens": progress.tokens,
             "tokens_per_s": step_tokens / step_time,
             "step_time_s": step_time,
             "elapsed_s": now - start,
@@ -180,5 +227,8 @@ def train(
         if on_record is not None:
             on_record(record)
         interval_start, interval_steps = now, 0
+    if checkpoints is not None:
+        checkpoints.close()
+    result.tokens = progress.tokens
     result.train_time_s = time.perf_counter() - start
     return result

@@ -1,0 +1,29 @@
+"""Fault injection for tests and demos: a worker that kills itself once with SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+from meshtrain.config import FaultConfig
+
+
+def maybe_kill_self(fault: FaultConfig, rank: int, step: int, during_checkpoint: bool, marker_dir: Path) -> None:
+    """SIGKILL this process if ``fault`` names this rank and step, unless it already happened.
+
+    A marker file in the run directory records the kill, so the restarted worker passes the same
+    step without dying again.
+    """
+    if (fault.kill_rank, fault.at_step, fault.during_checkpoint) != (rank, step, during_checkpoint):
+        return
+    marker = marker_dir / f"killed-rank{rank}-step{step}"
+    if marker.exists():
+        return
+    marker_dir.mkdir(parents=True, exist_ok=True)
+    marker.write_text(f"{os.getpid()}\n")
+    where = "while its checkpoint is being written" if during_checkpoint else "before the step"
+    sys.stdout.write(f"[meshtrain] fault injection: rank {rank} sends itself SIGKILL at step {step} {where}\n")
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)

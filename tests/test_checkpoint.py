@@ -1,0 +1,219 @@
+"""Checkpoints: exact resume, resharding across meshes, corruption fallback (gloo ranks, no Ray)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.tensor import DTensor
+
+from meshtrain.checkpoint import COMMIT_MARKER, CheckpointManager, CheckpointStorage, Progress, TrainState
+from meshtrain.config import DataConfig, MeshtrainConfig, load_config
+from meshtrain.data import Corpus, prepare_corpus
+from meshtrain.optim import build_lr_scheduler, build_optimizer
+from meshtrain.training import WorkerLayout, build_sharded_model, train
+from ranks import run_on_ranks
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def corpus() -> Corpus:
+    return prepare_corpus(DataConfig(max_documents=24, vocab_size=512, seq_len=32))
+
+
+def config(storage: Path, name: str, world: int, *overrides: str) -> MeshtrainConfig:
+    return load_config(
+        None,
+        [
+            "train.steps=12", "train.log_every=1", "train.global_batch_size=8", "train.micro_batch_size=2",
+            "data.seq_len=32", "data.vocab_size=512", "data.max_documents=24", "optim.warmup_steps=3",
+            f"scaling.num_workers={world}", "checkpoint.interval=4", "checkpoint.keep=10",
+            f"run.storage_path={storage}", f"run.name={name}", *overrides,
+        ],
+    )
+
+
+def _train_rank(rank: int, world: int, cfg: MeshtrainConfig, corpus: Corpus, shard: int) -> dict[str, Any]:
+    events: list[dict[str, Any]] = []
+    result = train(cfg, corpus, WorkerLayout(rank, world, rank % shard, shard, rank // shard), torch.device("cpu"), events.append)
+    return {"events": events, "mesh": result.mesh_shape}
+
+
+def run(cfg: MeshtrainConfig, corpus: Corpus, world: int, shard: int | None = None) -> dict[str, Any]:
+    return run_on_ranks(_train_rank, world, cfg, corpus, shard or world)[0]
+
+
+def losses(outcome: dict[str, Any]) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in outcome["events"] if e["event"] == "train"}
+
+
+def ckpt_dir(storage: Path, name: str, step: int) -> Path:
+    return storage / name / "checkpoints" / f"step-{step:08d}"
+
+
+def consolidated(path: Path, tmp_path: Path) -> dict[str, Any]:
+    """Every tensor of a checkpoint (model and optimizer), gathered into one process."""
+    out = tmp_path / f"consolidated-{path.parent.parent.name}-{path.name}.pt"
+    dcp_to_torch_save(path, out)
+    state = torch.load(out, weights_only=False)["train"]
+    return {"model": state["model"], "optimizer": state["optimizer"]["state"], "progress": state["progress"]}
+
+
+def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_bitwise_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+def seed_run_with(storage: Path, name: str, source: Path) -> None:
+    """Start a run whose only checkpoint is a copy of ``source`` (a run stopped at that step)."""
+    target = storage / name / "checkpoints" / source.name
+    shutil.copytree(source, target)
+
+
+@pytest.fixture(scope="module")
+def unbroken(corpus: Corpus, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    storage = tmp_path_factory.mktemp("runs")
+    outcome = run(config(storage, "unbroken", 2), corpus, 2)
+    return {"storage": storage, "outcome": outcome}
+
+
+def test_saves_are_committed_on_the_cadence_with_their_measurements(unbroken: dict) -> None:
+    storage = unbroken["storage"]
+    saves = [e for e in unbroken["outcome"]["events"] if e["event"] == "checkpoint_save"]
+    assert [s["step"] for s in saves] == [4, 8, 12]
+    for save in saves:
+        assert save["mode"] == "async" and save["bytes"] > 0 and 0 < save["blocking_s"] <= save["total_s"]
+        assert (ckpt_dir(storage, "unbroken", save["step"]) / COMMIT_MARKER).is_file()
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_resume_is_bitwise_identical_to_never_stopping(unbroken: dict, corpus: Corpus, tmp_path: Path, mode: str) -> None:
+    storage = unbroken["storage"]
+    name = f"resumed-{mode}"
+    seed_run_with(storage, name, ckpt_dir(storage, "unbroken", 4))
+    outcome = run(config(storage, name, 2, f"checkpoint.mode={mode}"), corpus, 2)
+    loads = [e for e in outcome["events"] if e["event"] == "checkpoint_load"]
+    assert [(e["step"], e["rng_restored"]) for e in loads] == [(4, True)]
+    expected = losses(unbroken["outcome"])
+    assert losses(outcome) == {step: expected[step] for step in range(5, 13)}  # exact float equality
+    assert_bitwise_equal(
+        consolidated(ckpt_dir(storage, name, 12), tmp_path),
+        consolidated(ckpt_dir(storage, "unbroken", 12), tmp_path),
+    )
+
+
+def _restore_and_gather(rank: int, world: int, cfg: MeshtrainConfig, shard: int) -> dict[str, Any]:
+    """Restore the newest checkpoint on this mesh; return the full model and optimizer state."""
+    layout = WorkerLayout(rank, world, rank % shard, shard, rank // shard)
+    model, _ = build_sharded_model(cfg, 512, layout, torch.device("cpu"))
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    progress = Progress()
+    from meshtrain.training import checkpoint_root
+
+    manager = CheckpointManager(
+        CheckpointStorage(checkpoint_root(cfg)), rank=rank, world_size=world, interval=4, keep=10, asynchronous=True
+    )
+    manager.restore(TrainState(model, optimizer, scheduler, progress, rank))
+    manager.close()
+
+    def full(value: Any) -> Any:
+        return value.full_tensor() if isinstance(value, DTensor) else value
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {
+        "model": {name: full(p.detach()) for name, p in model.named_parameters()},
+        "optimizer": {names[id(p)]: {k: full(v) for k, v in s.items()} for p, s in optimizer.state.items()},
+        "progress": vars(progress),
+        "last_epoch": scheduler.last_epoch,
+    }
+
+
+def test_resharding_2x2_to_1x2_to_1x4_restores_state_and_continues_the_data(
+    corpus: Corpus, tmp_path: Path
+) -> None:
+    storage = tmp_path
+    first = run(config(storage, "mesh2x2", 4, "parallel.shard=2"), corpus, 4, 2)
+    assert first["mesh"] == (2, 2)
+    reference = losses(first)
+
+    # 2x2 -> 1x2: the step-4 state loads exactly, and training continues at the same data position.
+    seed_run_with(storage, "mesh1x2", ckpt_dir(storage, "mesh2x2", 4))
+    saved = consolidated(ckpt_dir(storage, "mesh2x2", 4), tmp_path)
+    restored = run_on_ranks(_restore_and_gather, 2, config(storage, "mesh1x2", 2), 2)[0]
+    assert restored["progress"] == {"step": 4, "tokens": 4 * 8 * 32, "data_position": 4 * 8}
+    assert restored["last_epoch"] == 4
+    assert_bitwise_equal(restored["model"], saved["model"], "model")
+    assert_bitwise_equal(restored["optimizer"], saved["optimizer"], "optimizer")
+    second = run(config(storage, "mesh1x2", 2), corpus, 2)
+    assert second["mesh"] == (1, 2)
+    assert [e["step"] for e in second["events"] if e["event"] == "checkpoint_load"] == [4]
+
+    # 1x2 -> 1x4, from the 1x2 run's step-8 checkpoint.
+    seed_run_with(storage, "mesh1x4", ckpt_dir(storage, "mesh1x2", 8))
+    third = run(config(storage, "mesh1x4", 4), corpus, 4)
+    assert third["mesh"] == (1, 4)
+    assert [(e["step"], e["rng_restored"]) for e in third["events"] if e["event"] == "checkpoint_load"] == [(8, False)]
+
+    continued = {**losses(second), **losses(third)}
+    assert sorted(continued) == list(range(5, 13))
+    for step, loss in continued.items():
+        assert loss == pytest.approx(reference[step], rel=1e-5), step
+
+
+def corrupt_run(storage: Path, unbroken_storage: Path, name: str) -> Path:
+    for step in (4, 8):
+        seed_run_with(storage, name, ckpt_dir(unbroken_storage, "unbroken", step))
+    return ckpt_dir(storage, name, 8)
+
+
+@pytest.mark.parametrize("damage", ["truncated shard", "missing metadata"])
+def test_broken_newest_checkpoint_falls_back_to_the_previous_one(
+    unbroken: dict, corpus: Corpus, tmp_path: Path, capfd: pytest.CaptureFixture[str], damage: str
+) -> None:
+    broken = corrupt_run(tmp_path, unbroken["storage"], "broken")
+    if damage == "truncated shard":
+        shard = sorted(broken.glob("*.distcp"))[0]
+        shard.write_bytes(shard.read_bytes()[:100])
+        detail = f"{shard.name} has 100 bytes, expected"
+    else:
+        (broken / ".metadata").unlink()
+        detail = ".metadata is missing"
+    outcome = run(config(tmp_path, "broken", 2), corpus, 2)
+    assert [e["step"] for e in outcome["events"] if e["event"] == "checkpoint_load"] == [4]
+    out = capfd.readouterr().out
+    assert f"checkpoint {broken}: {detail}" in out and "falling back to the previous committed checkpoint" in out
+    expected = losses(unbroken["outcome"])
+    assert losses(outcome) == {step: expected[step] for step in range(5, 13)}
+    assert_bitwise_equal(
+        consolidated(ckpt_dir(tmp_path, "broken", 12), tmp_path),
+        consolidated(ckpt_dir(unbroken["storage"], "unbroken", 12), tmp_path),
+    )
+
+
+def test_only_broken_checkpoints_stop_the_run_instead_of_starting_over(unbroken: dict, corpus: Corpus, tmp_path: Path) -> None:
+    seed_run_with(tmp_path, "hopeless", ckpt_dir(unbroken["storage"], "unbroken", 8))
+    (ckpt_dir(tmp_path, "hopeless", 8) / ".metadata").unlink()
+    with pytest.raises(AssertionError, match="no usable checkpoint in .*hopeless/checkpoints"):
+        run(config(tmp_path, "hopeless", 2), corpus, 2)
+    assert not ckpt_dir(tmp_path, "hopeless", 12).exists()
+
+
+def test_uncommitted_checkpoint_is_ignored_and_cleared(unbroken: dict, corpus: Corpus, tmp_path: Path) -> None:
+    seed_run_with(tmp_path, "partial", ckpt_dir(unbroken["storage"], "unbroken", 4))
+    seed_run_with(tmp_path, "partial", ckpt_dir(unbroken["storage"], "unbroken", 8))
+    (ckpt_dir(tmp_path, "partial", 8) / COMMIT_MARKER).unlink()  # as if killed before the commit
+    outcome = run(config(tmp_path, "partial", 2, "train.steps=12"), corpus, 2)
+    assert [e["step"] for e in outcome["events"] if e["event"] == "checkpoint_load"] == [4]
+    assert (ckpt_dir(tmp_path, "partial", 8) / COMMIT_MARKER).is_file()  # rewritten by this run
