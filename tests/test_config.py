@@ -344,7 +344,7 @@ def _walk(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str | Non
 def test_every_field_has_a_description() -> None:
     rows = _walk(MeshtrainConfig)
     assert {name for name, _, is_section in rows if is_section} == {
-        "model", "data", "optim", "train", "parallel", "scaling", "run"
+        "model", "data", "optim", "train", "parallel", "scaling", "run", "checkpoint", "fault"
     }
     assert len(rows) > 50
     missing = [name for name, description, _ in rows if not (description and description.strip())]
