@@ -33,6 +33,9 @@ def test_default_job_trains_and_writes_run_outputs(tmp_path: Path) -> None:
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(5, 201, 5))
+    saves = [r for r in records if r["event"] == "checkpoint_save"]
+    records = [r for r in records if r["event"] == "train"]
+    assert [s["step"] for s in saves] == [50, 100, 150, 200]
     for record in records:
         assert STEP_KEYS <= record.keys()
     first, last = records[0]["loss"], sum(r["loss"] for r in records[-5:]) / 5
@@ -48,11 +51,13 @@ def test_default_job_trains_and_writes_run_outputs(tmp_path: Path) -> None:
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["run"]["name"] == "default" and config["model"]["preset"] == "debug"
     assert (run_dir / "tokenizer.json").is_file()
+    committed = sorted(p.parent.name for p in (run_dir / "checkpoints").glob("step-*/COMMITTED"))
+    assert committed == ["step-00000100", "step-00000150", "step-00000200"]  # checkpoint.keep=3
 
 
 def test_layout_error_found_on_workers_exits_2_with_the_field(tmp_path: Path) -> None:
     """Workers learn the real workers-per-node from Ray; a wrong expectation is a config error."""
-    job = run_job(f"run.storage_path={tmp_path}", "scaling.workers_per_node=1", "train.steps=2")
+    job = run_job(f"run.storage_path={tmp_path}", "scaling.workers_per_node=1", "train.steps=2", "run.max_failures=0")
     assert job.returncode == 2
     ours = [line for line in job.stderr.splitlines() if line.startswith("meshtrain: config error")]
     assert ours == [

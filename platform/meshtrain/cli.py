@@ -9,6 +9,7 @@ from typing import NoReturn
 from meshtrain.config import ConfigError, describe_fields, load_config
 
 EXIT_CONFIG_ERROR = 2
+EXIT_TRAINING_FAILED = 1
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -60,16 +61,24 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             dry_run(cfg)
             return 0
-        from meshtrain.launcher import launch
+        from meshtrain.launcher import TrainingFailed, launch
 
         summary = launch(cfg)
     except ConfigError as exc:
         print(f"meshtrain: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    print(
+    except TrainingFailed as exc:
+        print(f"meshtrain: {exc}", file=sys.stderr)
+        return EXIT_TRAINING_FAILED
+    print(done_line(summary), flush=True)
+    return 0
+
+
+def done_line(summary: dict) -> str:
+    if summary["final_loss"] is None:  # resumed from the final checkpoint: nothing left to train
+        return f"[meshtrain] done: run {summary['run']} had already finished its {summary['steps']} steps"
+    return (
         f"[meshtrain] done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
         f"{summary['mean_tokens_per_s']:,.0f} tok/s, wall {summary['wall_time_s']:.1f}s, "
-        f"mesh {tuple(summary['mesh_shape'])} on {summary['world_size']} workers -> {summary['run_dir']}",
-        flush=True,
+        f"mesh {tuple(summary['mesh_shape'])} on {summary['world_size']} workers -> {summary['run_dir']}"
     )
-    return 0

@@ -243,7 +243,9 @@ class RunConfig(_Section):
     storage_path: str = Field(
         "runs", description="Directory (shared by all nodes on a cluster) where runs are written."
     )
-    max_failures: int = Field(0, ge=-1, description="Worker-group restarts Ray Train may do (-1 = unlimited).")
+    max_failures: int = Field(
+        3, ge=-1, description="Worker-group restarts Ray Train may do; each resumes from the newest checkpoint (-1 = unlimited)."
+    )
 
     @field_validator("name")
     @classmethod

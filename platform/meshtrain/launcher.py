@@ -11,7 +11,9 @@ from typing import Any
 import yaml
 
 from meshtrain.config import ConfigError, MeshtrainConfig
+from meshtrain.checkpoint import CheckpointStorage, newest_committed
 from meshtrain.data import Corpus, prepare_corpus, tokenizer_vocab_size
+from meshtrain.training import checkpoint_root
 from meshtrain.outputs import RunPaths, read_summary, write_summary
 
 
@@ -28,15 +30,39 @@ def config_yaml(cfg: MeshtrainConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
+# Settings a re-run of an existing run name may change: it resumes from the run's checkpoints, so
+# the model, data, optimizer, seed and global batch must stay as they were.
+RESUMABLE_CHANGES = ("train.steps", "train.log_every", "train.micro_batch_size", "parallel", "scaling", "run", "checkpoint", "fault")
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "storage_options":
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def write_run_config(cfg: MeshtrainConfig, paths: RunPaths) -> None:
-    """Write config.yaml; a run folder that already holds a different config is left untouched."""
+    """Write config.yaml. Re-running a run name may change only RESUMABLE_CHANGES; the earlier
+    config is then kept beside it as config.<time>.yaml."""
     text = config_yaml(cfg)
-    if paths.config.exists() and paths.config.read_text() != text:
-        raise ConfigError(
-            f"run.name={paths.name}: {paths.run_dir} already holds a run with a different config; "
-            "choose another run.name (or run.storage_path)"
-        )
     paths.run_dir.mkdir(parents=True, exist_ok=True)
+    if paths.config.exists():
+        previous_text = paths.config.read_text()
+        if previous_text == text:
+            return
+        previous, current = _flatten(yaml.safe_load(previous_text)), _flatten(yaml.safe_load(text))
+        for key in sorted(previous.keys() | current.keys()):
+            allowed = any(key == p or key.startswith(p + ".") for p in RESUMABLE_CHANGES)
+            if previous.get(key) != current.get(key) and not allowed:
+                raise ConfigError(
+                    f"{key}: run {paths.name} was started with {previous.get(key)!r}, not {current.get(key)!r}; "
+                    "a re-run resumes the same training, so keep it or choose another run.name"
+                )
+        paths.config.rename(paths.run_dir / f"config.{datetime.now():%Y%m%d-%H%M%S}.yaml")
     paths.config.write_text(text)
 
 
@@ -86,6 +112,27 @@ def _config_error_in(exc: BaseException) -> ConfigError | None:
         if isinstance(failures, dict):
             stack.extend(v for v in failures.values() if isinstance(v, BaseException))
     return None
+
+
+class TrainingFailed(RuntimeError):
+    """The worker group failed for good (restarts exhausted); the message says how to resume."""
+
+
+def _failure_message(cfg: MeshtrainConfig, exc: BaseException) -> str:
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    restarts = f"after {cfg.run.max_failures} restart(s)" if cfg.run.max_failures else "(run.max_failures=0)"
+    latest = None
+    if cfg.checkpoint.enabled:
+        latest = newest_committed(checkpoint_root(cfg), cfg.checkpoint.storage_options)
+    if latest is None:
+        where = "no checkpoint was committed"
+    else:
+        storage = CheckpointStorage(checkpoint_root(cfg), cfg.checkpoint.storage_options)
+        where = f"last committed checkpoint: {storage.display(latest.path)} (step {latest.step})"
+    return (
+        f"training failed {restarts}: {reason}; {where}; "
+        f"run the same command again (run.name={cfg.run.name}) to resume"
+    )
 
 
 def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, corpus_ref: Any) -> Any:
@@ -156,10 +203,13 @@ def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
     )
     trainer = build_trainer(cfg, paths, corpus_ref)
     try:
-        result = trainer.fit()
+        trainer.fit()
     except Exception as exc:
-        raise _config_error_in(exc) or exc from None
-    del result  # the workers wrote the run outputs; the driver adds the job's wall time
+        config_error = _config_error_in(exc)
+        if config_error is not None:
+            raise config_error from None
+        raise TrainingFailed(_failure_message(cfg, exc)) from None
+    # The workers wrote the run outputs; the driver adds the job's wall time.
     summary = read_summary(paths)
     summary["wall_time_s"] = time.perf_counter() - started
     write_summary(paths, summary)

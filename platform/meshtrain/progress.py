@@ -16,6 +16,13 @@ def format_duration(seconds: float) -> str:
 
 
 def progress_line(record: dict[str, Any], total_steps: int) -> str:
+    if record["event"] == "checkpoint_save":
+        return (
+            f"[meshtrain] checkpoint step {record['step']} committed: {record['bytes'] / 2**20:,.1f} MiB, "
+            f"loop blocked {record['blocking_s']:.2f}s, written in {record['total_s']:.2f}s -> {record['path']}"
+        )
+    if record["event"] == "checkpoint_load":
+        return f"[meshtrain] resumed from {record['path']} (step {record['step']}) in {record['load_s']:.2f}s"
     eta = (total_steps - record["step"]) * record["step_time_s"]
     return (
         f"[meshtrain] step {record['step']}/{total_steps} | loss {record['loss']:.4f} | "

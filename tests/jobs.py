@@ -1,0 +1,51 @@
+"""Helpers for tests that run ``jobs/pretrain.py`` as a user would, through a local Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def job_command(*args: str) -> list[str]:
+    return [sys.executable, "jobs/pretrain.py", *args]
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(extra)
+    return env
+
+
+def run_job(*args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        job_command(*args), cwd=REPO, env=job_env(**env), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def model_weights(checkpoint: Path | str, scratch: Path) -> dict[str, torch.Tensor]:
+    """The full model tensors of a DCP checkpoint, consolidated in this process."""
+    out = scratch / f"weights-{abs(hash(str(checkpoint)))}.pt"
+    dcp_to_torch_save(checkpoint, out)
+    return torch.load(out, weights_only=False)["train"]["model"]
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name

@@ -1,0 +1,105 @@
+"""Recovery through Ray Train: workers die (by their own hand, from outside, mid-checkpoint) and the
+run still finishes with exactly the weights of a run that never broke."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs import REPO, assert_same_weights, job_command, job_env, model_weights, read_metrics, run_job
+
+pytestmark = pytest.mark.ray
+
+SETTINGS = (
+    "train.steps=40", "train.log_every=1", "checkpoint.interval=10", "data.max_documents=40", "run.max_failures=2",
+)
+
+
+def final_checkpoint(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / "step-00000040"
+
+
+def loads(run_dir: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(run_dir) if r["event"] == "checkpoint_load"]
+
+
+@pytest.fixture(scope="module")
+def storage(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("recovery")
+
+
+@pytest.fixture(scope="module")
+def unbroken(storage: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    job = run_job(f"run.storage_path={storage}", "run.name=unbroken", *SETTINGS)
+    assert job.returncode == 0, job.stderr[-3000:]
+    return model_weights(final_checkpoint(storage / "unbroken"), tmp_path_factory.mktemp("weights"))
+
+
+def test_worker_that_kills_itself_is_replaced_and_the_run_matches(storage: Path, unbroken: dict, tmp_path: Path) -> None:
+    job = run_job(f"run.storage_path={storage}", "run.name=chaos", *SETTINGS, "fault.kill_rank=1", "fault.at_step=15")
+    assert job.returncode == 0, job.stderr[-3000:]
+    run_dir = storage / "chaos"
+    assert "fault injection: rank 1 sends itself SIGKILL at step 15" in job.stdout + job.stderr
+    assert (run_dir / "faults" / "killed-rank1-step15").is_file()
+    assert loads(run_dir) == [10]
+    assert_same_weights(model_weights(final_checkpoint(run_dir), tmp_path), unbroken)
+
+
+def worker_pids() -> list[int]:
+    listing = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
+    return [int(line.split()[0]) for line in listing.splitlines() if "RayTrainWorker" in line]
+
+
+def test_worker_killed_from_outside_by_pid_is_recovered(storage: Path, unbroken: dict, tmp_path: Path) -> None:
+    run_dir = storage / "killed"
+    job = subprocess.Popen(
+        job_command(f"run.storage_path={storage}", "run.name=killed", *SETTINGS),
+        cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not any(r["event"] == "checkpoint_save" for r in read_metrics(run_dir)):
+            assert job.poll() is None and time.monotonic() < deadline, "the job ended before its first checkpoint"
+            time.sleep(0.1)
+        victims = worker_pids()
+        assert len(victims) == 2
+        os.kill(victims[-1], signal.SIGKILL)
+        output, _ = job.communicate(timeout=300)
+    finally:
+        job.kill()
+    assert job.returncode == 0, output[-3000:]
+    assert loads(run_dir) and loads(run_dir)[0] >= 10
+    assert_same_weights(model_weights(final_checkpoint(run_dir), tmp_path), unbroken)
+
+
+def test_kill_during_a_checkpoint_write_leaves_it_uncommitted_and_resumes_from_the_previous(
+    storage: Path, unbroken: dict, tmp_path: Path
+) -> None:
+    job = run_job(
+        f"run.storage_path={storage}", "run.name=midsave", *SETTINGS,
+        "fault.kill_rank=1", "fault.at_step=20", "fault.during_checkpoint=true",
+    )
+    assert job.returncode == 0, job.stderr[-3000:]
+    run_dir = storage / "midsave"
+    assert loads(run_dir) == [10]  # step 20 was never committed, so the restart used step 10
+    saves = [r["step"] for r in read_metrics(run_dir) if r["event"] == "checkpoint_save"]
+    assert saves == [10, 20, 30, 40]  # the second 20 is the resumed run's
+    assert_same_weights(model_weights(final_checkpoint(run_dir), tmp_path), unbroken)
+
+
+def test_exhausted_restarts_fail_naming_the_last_committed_checkpoint(storage: Path) -> None:
+    job = run_job(
+        f"run.storage_path={storage}", "run.name=doomed", *SETTINGS,
+        "run.max_failures=0", "fault.kill_rank=0", "fault.at_step=15",
+    )
+    assert job.returncode == 1
+    lines = [line for line in job.stderr.splitlines() if line.startswith("meshtrain: training failed")]
+    assert len(lines) == 1
+    checkpoint = storage / "doomed" / "checkpoints" / "step-00000010"
+    assert f"last committed checkpoint: {checkpoint} (step 10)" in lines[0]
+    assert "run.name=doomed" in lines[0]
