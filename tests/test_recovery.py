@@ -103,3 +103,76 @@ def test_exhausted_restarts_fail_naming_the_last_committed_checkpoint(storage: P
     checkpoint = storage / "doomed" / "checkpoints" / "step-00000010"
     assert f"last committed checkpoint: {checkpoint} (step 10)" in lines[0]
     assert "run.name=doomed" in lines[0]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> str:
+    """A real S3 endpoint on loopback: moto's server, in its own process."""
+    import socket
+    import sys
+
+    import boto3
+
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "moto server did not start"
+                time.sleep(0.1)
+        endpoint = f"http://127.0.0.1:{port}"
+        boto3.client("s3", endpoint_url=endpoint, **_boto_credentials()).create_bucket(Bucket="meshtrain")
+        yield endpoint
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def _boto_credentials() -> dict[str, str]:
+    return {
+        "aws_access_key_id": S3_ENV["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": S3_ENV["AWS_SECRET_ACCESS_KEY"],
+        "region_name": S3_ENV["AWS_DEFAULT_REGION"],
+    }
+
+
+def test_s3_checkpoints_survive_a_killed_worker(storage: Path, unbroken: dict, s3_endpoint: str, tmp_path: Path) -> None:
+    import s3fs
+
+    options = '{client_kwargs: {endpoint_url: "%s"}}' % s3_endpoint
+    job = run_job(
+        f"run.storage_path={storage}", "run.name=on-s3", *SETTINGS,
+        "checkpoint.path=s3://meshtrain/runs", f"checkpoint.storage_options={options}",
+        "fault.kill_rank=1", "fault.at_step=15",
+        **S3_ENV,
+    )
+    assert job.returncode == 0, job.stderr[-3000:]
+    run_dir = storage / "on-s3"
+    assert [r["path"] for r in read_metrics(run_dir) if r["event"] == "checkpoint_load"] == [
+        "s3://meshtrain/runs/on-s3/step-00000010"
+    ]
+    assert not (run_dir / "checkpoints").exists()  # nothing went to local storage
+    fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": s3_endpoint})
+    steps = sorted(p.rsplit("/", 1)[-1] for p in fs.ls("meshtrain/runs/on-s3"))
+    assert steps == ["step-00000020", "step-00000030", "step-00000040"]
+    assert fs.exists("meshtrain/runs/on-s3/step-00000040/COMMITTED")
+    fs.get("meshtrain/runs/on-s3/step-00000040", str(tmp_path / "step-00000040"), recursive=True)
+    assert_same_weights(model_weights(tmp_path / "step-00000040", tmp_path), unbroken)

@@ -1,4 +1,4 @@
-"""Turn a committed DCP checkpoint into consolidated weights: one torch/safetensors file or a Hugging Face dir.
+"""Turn a committed DCP checkpoint into consolidated weights: one file, or a Hugging Face directory.
 
 Only the model tensors are read (never the optimizer state), in this one process, into full fp32
 tensors on CPU. The checkpoint may live on a local path or an fsspec URL (``s3://bucket/prefix``).
@@ -54,7 +54,11 @@ _HF_LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_HF_TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_HF_TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 class ExportError(ValueError):
@@ -95,7 +99,9 @@ def _read_committed(storage: CheckpointStorage) -> CommittedCheckpoint:
     path = storage.root.rstrip("/")
     shown = storage.display(path)
     if not storage.fs.exists(path):
-        raise CheckpointError(f"checkpoint {shown} does not exist; give a step-XXXXXXXX directory or a checkpoint root")
+        raise CheckpointError(
+            f"checkpoint {shown} does not exist; give a step-XXXXXXXX directory or a checkpoint root"
+        )
     marker = f"{path}/{COMMIT_MARKER}"
     if not storage.fs.exists(marker):
         raise CheckpointError(
@@ -108,13 +114,17 @@ def _read_committed(storage: CheckpointStorage) -> CommittedCheckpoint:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"checkpoint {shown}: {COMMIT_MARKER} is not valid JSON ({exc})") from None
     if "model_args" not in manifest:
-        raise CheckpointError(f"checkpoint {shown}: {COMMIT_MARKER} has no model_args; it was not written by meshtrain")
+        raise CheckpointError(
+            f"checkpoint {shown}: {COMMIT_MARKER} has no model_args; it was not written by meshtrain"
+        )
     checkpoint = CommittedCheckpoint(path, int(manifest.get("step", -1)), manifest)
     storage.validate(checkpoint)
     return checkpoint
 
 
-def _state_to_load(model_state: dict[str, torch.Tensor], stored: dict[str, Any], args: ModelArgs, shown: str) -> dict[str, torch.Tensor]:
+def _state_to_load(
+    model_state: dict[str, torch.Tensor], stored: dict[str, Any], args: ModelArgs, shown: str
+) -> dict[str, torch.Tensor]:
     """The model tensors to request from DCP, checked against the checkpoint's metadata.
 
     A tied embedding is one tensor under two names; meshtrain checkpoints store both, and one is
@@ -126,11 +136,16 @@ def _state_to_load(model_state: dict[str, torch.Tensor], stored: dict[str, Any],
         del wanted[drop]
     missing = [name for name in wanted if _STATE_PREFIX + name not in stored]
     if missing:
-        raise CheckpointError(f"checkpoint {shown} lacks model tensors {', '.join(missing[:5])}; it does not match its model_args")
+        raise CheckpointError(
+            f"checkpoint {shown} lacks model tensors {', '.join(missing[:5])}; "
+            "it does not match its model_args"
+        )
     for name, tensor in wanted.items():
         size = tuple(stored[_STATE_PREFIX + name].size)
         if size != tuple(tensor.shape):
-            raise CheckpointError(f"checkpoint {shown}: {name} has shape {size}, model_args give {tuple(tensor.shape)}")
+            raise CheckpointError(
+                f"checkpoint {shown}: {name} has shape {size}, model_args give {tuple(tensor.shape)}"
+            )
     return wanted
 
 
@@ -147,7 +162,8 @@ def load_model_state(
     try:
         args = ModelArgs(**committed.manifest["model_args"])
     except ValidationError as exc:
-        raise CheckpointError(f"checkpoint {storage.display(committed.path)}: bad model_args ({exc.errors()[0]['msg']})") from None
+        shown = storage.display(committed.path)
+        raise CheckpointError(f"checkpoint {shown}: bad model_args ({exc.errors()[0]['msg']})") from None
     model = materialize(build_model(args, "meta"), "cpu")
     reader = storage.reader(committed.path)
     stored = reader.read_metadata().state_dict_metadata
@@ -205,7 +221,9 @@ def hf_config(args: ModelArgs, eos_token_id: int | None = None) -> dict[str, Any
     }
 
 
-def _run_tokenizer(checkpoint: str, manifest: dict[str, Any], storage_options: dict[str, Any] | None) -> str | None:
+def _run_tokenizer(
+    checkpoint: str, manifest: dict[str, Any], storage_options: dict[str, Any] | None
+) -> str | None:
     """The run's ``tokenizer.json`` text, if the run directory has one."""
     config = manifest.get("config", {})
     run = config.get("run", {})
@@ -236,13 +254,16 @@ def _tokenizer_files(tokenizer_json: str, max_length: int) -> tuple[dict[str, st
         eos_id: int | None = eos_token_id(tokenizer)
     except ConfigError:
         eos_id = None
-    # The generic fast-tokenizer class loads tokenizer.json as it is; model_type "llama" alone
-    # would make AutoTokenizer pick LlamaTokenizer, whose own defaults differ from this tokenizer.
-    tokenizer_config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length}
+    # Names the generic class, so AutoTokenizer loads tokenizer.json as it is rather than a
+    # Llama-specific class picked by model_type, and tells it which token ends a document.
+    tokenizer_config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_length,
+    }
     if eos_id is not None:
         tokenizer_config["eos_token"] = tokenizer.id_to_token(eos_id)
-    files = {"tokenizer.json": tokenizer_json, "tokenizer_config.json": json.dumps(tokenizer_config, indent=2) + "\n"}
-    return files, eos_id
+    config_text = json.dumps(tokenizer_config, indent=2) + "\n"
+    return {"tokenizer.json": tokenizer_json, "tokenizer_config.json": config_text}, eos_id
 
 
 # --- writing ------------------------------------------------------------------------------------
@@ -252,7 +273,9 @@ def _check_output_free(out: Path, fmt: str) -> None:
     fix = "choose another path or remove it first"
     if out.is_dir():
         if fmt != "hf":
-            raise ExportError(f"output {out} is a directory; --format {fmt} writes one file, give a file path")
+            raise ExportError(
+                f"output {out} is a directory; --format {fmt} writes one file, give a file path"
+            )
         if any(out.iterdir()):
             raise ExportError(f"output {out} already exists and is not empty; {fix}")
     elif out.exists():
@@ -269,7 +292,9 @@ def _publish(staged: Path, out: Path, fmt: str) -> None:
         try:
             os.rename(staged, out)  # replaces at most an empty directory
         except OSError as exc:
-            raise ExportError(f"output {out} appeared during the export ({exc.strerror}); choose another path") from None
+            raise ExportError(
+                f"output {out} appeared during the export ({exc.strerror}); choose another path"
+            ) from None
         return
     if out.exists():
         out.unlink()  # an empty file (just checked)
@@ -282,31 +307,47 @@ def _publish(staged: Path, out: Path, fmt: str) -> None:
     staged.unlink(missing_ok=True)
 
 
-def _save_torch(target: Path, state: dict[str, torch.Tensor], args: ModelArgs, manifest: dict[str, Any], tokenizer: str | None) -> None:
-    torch.save(state, target)
+@dataclass(frozen=True)
+class _Model:
+    """What the writers need: the loaded weights and where they came from."""
+
+    state: dict[str, torch.Tensor]
+    args: ModelArgs
+    manifest: dict[str, Any]
+    tokenizer_json: str | None
+
+    def unique_state(self) -> dict[str, torch.Tensor]:
+        """The state without the tied alias (safetensors refuses two names for one tensor)."""
+        tied = self.args.tie_embeddings
+        return {name: t for name, t in self.state.items() if not (tied and name == _TIED_ALIAS)}
 
 
-def _safetensors_metadata(args: ModelArgs, manifest: dict[str, Any]) -> dict[str, str]:
-    return {"format": "pt", "step": str(manifest.get("step")), "model_args": json.dumps(args.model_dump())}
+def _save_torch(target: Path, model: _Model) -> None:
+    torch.save(model.state, target)
 
 
-def _save_safetensors(target: Path, state: dict[str, torch.Tensor], args: ModelArgs, manifest: dict[str, Any], tokenizer: str | None) -> None:
-    unique = {name: t for name, t in state.items() if not (args.tie_embeddings and name == _TIED_ALIAS)}
-    save_file(unique, target, metadata=_safetensors_metadata(args, manifest))
+def _save_safetensors(target: Path, model: _Model) -> None:
+    metadata = {
+        "format": "pt",
+        "step": str(model.manifest.get("step")),
+        "model_args": json.dumps(model.args.model_dump()),
+    }
+    save_file(model.unique_state(), target, metadata=metadata)
 
 
-def _save_hf(target: Path, state: dict[str, torch.Tensor], args: ModelArgs, manifest: dict[str, Any], tokenizer: str | None) -> None:
+def _save_hf(target: Path, model: _Model) -> None:
     target.mkdir()
     eos_id = None
-    if tokenizer is not None:
-        files, eos_id = _tokenizer_files(tokenizer, args.max_seq_len)
+    if model.tokenizer_json is not None:
+        files, eos_id = _tokenizer_files(model.tokenizer_json, model.args.max_seq_len)
         for name, text in files.items():
             (target / name).write_text(text, encoding="utf-8")
-    (target / "config.json").write_text(json.dumps(hf_config(args, eos_id), indent=2) + "\n", encoding="utf-8")
-    save_file(hf_state_dict(state, args), target / "model.safetensors", metadata={"format": "pt"})
+    config = json.dumps(hf_config(model.args, eos_id), indent=2) + "\n"
+    (target / "config.json").write_text(config, encoding="utf-8")
+    save_file(hf_state_dict(model.state, model.args), target / "model.safetensors", metadata={"format": "pt"})
 
 
-_WRITERS: dict[str, Callable[[Path, dict[str, torch.Tensor], ModelArgs, dict[str, Any], str | None], None]] = {
+_WRITERS: dict[str, Callable[[Path, _Model], None]] = {
     "torch": _save_torch,
     "safetensors": _save_safetensors,
     "hf": _save_hf,
@@ -323,10 +364,11 @@ def export_checkpoint(
     _check_output_free(out, fmt)  # before the (possibly long) load
     state, args, manifest = load_model_state(checkpoint, storage_options)
     tokenizer = _run_tokenizer(checkpoint, manifest, storage_options) if fmt == "hf" else None
+    model = _Model(state, args, manifest, tokenizer)
     out.parent.mkdir(parents=True, exist_ok=True)
     staged = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
-        _WRITERS[fmt](staged, state, args, manifest, tokenizer)
+        _WRITERS[fmt](staged, model)
         _publish(staged, out, fmt)
     finally:
         if staged.is_dir():
@@ -334,7 +376,7 @@ def export_checkpoint(
         else:
             staged.unlink(missing_ok=True)
     files = sorted(p.name for p in out.iterdir()) if out.is_dir() else [out.name]
-    parameters = sum(t.numel() for name, t in state.items() if not (args.tie_embeddings and name == _TIED_ALIAS))
+    parameters = sum(t.numel() for t in model.unique_state().values())
     return ExportResult(out, fmt, int(manifest.get("step", -1)), parameters, files)
 
 

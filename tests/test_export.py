@@ -1,0 +1,340 @@
+"""Export: DCP checkpoint → consolidated torch/safetensors files and a Hugging Face Llama directory.
+
+Real checkpoints come from ``train()`` in this process (no process group, so DCP saves with
+``no_dist``). The HF export is checked against ``transformers.LlamaForCausalLM`` logit by logit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import load_file, load_model
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from meshtrain.checkpoint import COMMIT_MARKER, CheckpointError
+from meshtrain.config import MeshtrainConfig, ModelArgs, load_config
+from meshtrain.data import Corpus, prepare_corpus
+from meshtrain.export import ExportError, export_checkpoint, load_model_state, resolve_checkpoint
+from meshtrain.model import Transformer, build_model
+from meshtrain.training import WorkerLayout, checkpoint_root, train
+
+REPO = Path(__file__).resolve().parents[1]
+EXPORT_JOB = REPO / "jobs" / "export.py"
+
+BASE_OVERRIDES = [
+    "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.ffn_dim=128",
+    "data.max_documents=8", "data.vocab_size=300", "data.seq_len=32",
+    "train.steps=4", "train.global_batch_size=4", "train.micro_batch_size=2",
+    "scaling.num_workers=1", "checkpoint.interval=2", "checkpoint.mode=sync",
+]
+# rope_theta differs from LlamaConfig's default in one variant, so a config.json that lost it fails.
+VARIANTS = {
+    "untied-gqa": ["model.n_kv_heads=2", "model.tie_embeddings=false", "model.rope_theta=500000"],
+    "tied-gqa": ["model.n_kv_heads=2", "model.tie_embeddings=true"],
+    "untied-mha": ["model.n_kv_heads=4", "model.tie_embeddings=false"],
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    cfg: MeshtrainConfig
+    corpus: Corpus
+    root: Path  # the checkpoint root
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root.parent
+
+    def step(self, step: int) -> Path:
+        return self.root / f"step-{step:08d}"
+
+
+def config(storage: Path, variant: str) -> MeshtrainConfig:
+    overrides = [*BASE_OVERRIDES, *VARIANTS[variant], f"run.storage_path={storage}", f"run.name={variant}"]
+    return load_config(None, overrides)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
+    return prepare_corpus(config(tmp_path_factory.mktemp("corpus"), "untied-gqa").data)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, corpus: Corpus) -> dict[str, Run]:
+    """One trained run per variant, each with committed checkpoints at steps 2 and 4."""
+    storage = tmp_path_factory.mktemp("runs")
+    result = {}
+    for variant in VARIANTS:
+        cfg = config(storage, variant)
+        train(cfg, corpus, WorkerLayout(), torch.device("cpu"))
+        run = Run(cfg, corpus, Path(checkpoint_root(cfg)))
+        (run.run_dir / "tokenizer.json").write_text(corpus.tokenizer_json)  # as the launcher does
+        result[variant] = run
+    return result
+
+
+def consolidated_model(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+    """Every model tensor of a checkpoint via DCP's own full consolidation (optimizer included)."""
+    out = tmp_path / "dcp_to_torch_save.pt"
+    dcp_to_torch_save(checkpoint, out)
+    return torch.load(out, weights_only=False)["train"]["model"]
+
+
+def meshtrain_model(state: dict[str, torch.Tensor], args: ModelArgs) -> Transformer:
+    model = build_model(args, "cpu")  # built on CPU, so the RoPE tables are computed
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def run_export(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(EXPORT_JOB), *args], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+# --- reading ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["untied-gqa", "tied-gqa"])
+def test_load_model_state_reads_only_model_tensors(
+    runs: dict[str, Run], variant: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = runs[variant]
+    requested: list[str] = []
+    read_data = dcp.FileSystemReader.read_data
+
+    def spy(self: dcp.FileSystemReader, plan, planner):  # noqa: ANN001 - DCP's own types
+        requested.extend(item.storage_index.fqn for item in plan.items)
+        return read_data(self, plan, planner)
+
+    monkeypatch.setattr(dcp.FileSystemReader, "read_data", spy)
+    state, args, manifest = load_model_state(str(run.step(4)))
+
+    assert requested and all(fqn.startswith("train.model.") for fqn in requested)
+    assert args == run.cfg.model_args(run.corpus.vocab_size)
+    assert manifest["step"] == 4
+    reference = consolidated_model(run.step(4), tmp_path)
+    assert state.keys() == reference.keys()
+    for name, tensor in state.items():
+        assert tensor.dtype == torch.float32 and tensor.device.type == "cpu"
+        assert torch.equal(tensor, reference[name]), name
+    if args.tie_embeddings:
+        assert state["output.weight"].data_ptr() == state["tok_embeddings.weight"].data_ptr()
+
+
+@pytest.mark.parametrize("variant", ["untied-gqa", "tied-gqa"])
+def test_torch_and_safetensors_exports_are_bitwise_equal(
+    runs: dict[str, Run], variant: str, tmp_path: Path
+) -> None:
+    run = runs[variant]
+    loaded, args, _ = load_model_state(str(run.step(4)))
+    reference = consolidated_model(run.step(4), tmp_path)
+
+    result = export_checkpoint(str(run.step(4)), "torch", tmp_path / "model.pt")
+    assert (result.step, result.parameters) == (4, sum(p.numel() for p in build_model(args).parameters()))
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert exported.keys() == reference.keys()
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, reference[name]) and torch.equal(tensor, loaded[name]), name
+    meshtrain_model(exported, args)  # strict load into the model
+
+    export_checkpoint(str(run.step(4)), "safetensors", tmp_path / "model.safetensors")
+    flat = load_file(tmp_path / "model.safetensors")
+    tied_alias = {"output.weight"} if args.tie_embeddings else set()
+    assert flat.keys() == reference.keys() - tied_alias
+    for name, tensor in flat.items():
+        assert torch.equal(tensor, reference[name]) and torch.equal(tensor, loaded[name]), name
+    with safe_open(tmp_path / "model.safetensors", "pt") as handle:
+        assert ModelArgs(**json.loads(handle.metadata()["model_args"])) == args
+    model = build_model(args, "cpu")
+    load_model(model, tmp_path / "model.safetensors")  # restores the tie that the file leaves out
+    assert torch.equal(model.output.weight, reference["output.weight"])
+    assert (model.output.weight is model.tok_embeddings.weight) == args.tie_embeddings
+
+
+# --- Hugging Face -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_hf_export_matches_meshtrain_logits(runs: dict[str, Run], variant: str, tmp_path: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    run = runs[variant]
+    out = tmp_path / "hf"
+    export_checkpoint(str(run.step(4)), "hf", out)
+    state, args, _ = load_model_state(str(run.step(4)))
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] == args.tie_embeddings
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (args.n_heads, args.n_kv_heads)
+    hf, info = LlamaForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert hf.config.rope_parameters["rope_theta"] == args.rope_theta
+    assert (hf.lm_head.weight is hf.model.embed_tokens.weight) == args.tie_embeddings
+    hf.eval()
+
+    tokens = torch.randint(0, args.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = meshtrain_model(state, args)(tokens)
+        actual = hf(tokens).logits
+    assert actual.dtype == expected.dtype == torch.float32
+    difference = (actual - expected).abs().max().item()
+    print(f"\n[export] {variant}: max |logit difference| = {difference:.3e}")
+    assert difference <= 1e-4
+
+
+def test_hf_export_carries_the_run_tokenizer(runs: dict[str, Run], tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    run = runs["untied-gqa"]
+    export_checkpoint(str(run.step(4)), "hf", tmp_path / "hf")
+    assert (tmp_path / "hf" / "tokenizer.json").read_text() == run.corpus.tokenizer_json
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == run.corpus.eos_id
+    text = "def export(path):\n    return path  # done\n"
+    hf_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert hf_tokenizer(text)["input_ids"] == Tokenizer.from_str(run.corpus.tokenizer_json).encode(text).ids
+    assert hf_tokenizer.eos_token_id == run.corpus.eos_id
+
+
+def test_hf_config_needs_no_transformers(runs: dict[str, Run], tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "from meshtrain.export import export_checkpoint\n"
+        f"export_checkpoint({str(runs['tied-gqa'].step(4))!r}, 'hf', {str(tmp_path / 'hf')!r})\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == "float32"
+
+
+# --- remote storage -----------------------------------------------------------------------------
+
+
+def test_exports_from_s3(runs: dict[str, Run], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s3fs = pytest.importorskip("s3fs")
+    server_module = pytest.importorskip("moto.server")
+    boto3 = pytest.importorskip("boto3")
+    # moto accepts any credentials; the export subprocess inherits them.
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        options = {"client_kwargs": {"endpoint_url": f"http://{host}:{port}", "region_name": "us-east-1"}}
+        boto3.client("s3", **options["client_kwargs"]).create_bucket(Bucket="exports")
+        fs = s3fs.S3FileSystem(**options)
+        fs.put(str(runs["tied-gqa"].root), "exports/tied", recursive=True)
+        fs.invalidate_cache()
+
+        newest = resolve_checkpoint("s3://exports/tied", options)
+        assert newest == "s3://exports/tied/step-00000004"
+        remote, args, manifest = load_model_state(newest, options)
+        local, _, _ = load_model_state(str(runs["tied-gqa"].step(4)))
+        assert manifest["step"] == 4 and args.tie_embeddings
+        assert remote.keys() == local.keys()
+        assert all(torch.equal(remote[name], local[name]) for name in local)
+
+        endpoint = f"client_kwargs.endpoint_url={options['client_kwargs']['endpoint_url']}"
+        out = tmp_path / "model.safetensors"
+        result = run_export("s3://exports/tied", "--format", "safetensors", str(out), f"--storage-option={endpoint}")
+        assert result.returncode == 0, result.stderr
+        assert "step 4" in result.stdout
+        assert all(torch.equal(tensor, local[name]) for name, tensor in load_file(out).items())
+    finally:
+        server.stop()
+
+
+# --- refusals -----------------------------------------------------------------------------------
+
+
+def test_uncommitted_and_missing_checkpoints_are_refused(runs: dict[str, Run], tmp_path: Path) -> None:
+    copy = tmp_path / "checkpoints" / "step-00000004"
+    shutil.copytree(runs["untied-gqa"].step(4), copy)
+    (copy / COMMIT_MARKER).unlink()
+    with pytest.raises(CheckpointError, match=re.escape(f"{copy} is not a committed checkpoint")):
+        export_checkpoint(str(copy), "torch", tmp_path / "out.pt")
+    with pytest.raises(CheckpointError, match=re.escape(f"no committed checkpoint under {copy.parent}")):
+        resolve_checkpoint(str(copy.parent))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model_state(str(tmp_path / "nowhere"))
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_existing_outputs_are_never_overwritten(runs: dict[str, Run], tmp_path: Path) -> None:
+    checkpoint = str(runs["untied-gqa"].step(4))
+    kept = tmp_path / "kept.pt"
+    kept.write_bytes(b"precious")
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match=re.escape(f"output {kept} already exists")):
+        export_checkpoint(checkpoint, "torch", kept)
+    with pytest.raises(ExportError, match=re.escape(f"output {hf_dir} already exists and is not empty")):
+        export_checkpoint(checkpoint, "hf", hf_dir)
+    with pytest.raises(ExportError, match="is a directory"):
+        export_checkpoint(checkpoint, "safetensors", hf_dir)
+    assert kept.read_bytes() == b"precious" and (hf_dir / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "kept.pt"]  # no staging leftovers
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    export_checkpoint(checkpoint, "hf", empty)  # an empty directory is fine to fill
+    assert {"config.json", "model.safetensors"} <= {p.name for p in empty.iterdir()}
+
+
+# --- command line -------------------------------------------------------------------------------
+
+
+def test_cli_rejects_bad_input_with_one_line(runs: dict[str, Run], tmp_path: Path) -> None:
+    missing = tmp_path / "missing"
+    result = run_export(str(missing), "--format", "torch", str(tmp_path / "a.pt"))
+    assert_one_line_error(result, str(missing), "does not exist")
+
+    uncommitted = tmp_path / "step-00000004"
+    shutil.copytree(runs["untied-gqa"].step(4), uncommitted)
+    (uncommitted / COMMIT_MARKER).unlink()
+    result = run_export(str(uncommitted), "--format", "hf", str(tmp_path / "hf"))
+    assert_one_line_error(result, str(uncommitted), "not a committed checkpoint")
+
+    existing = tmp_path / "existing.safetensors"
+    existing.write_bytes(b"x")
+    result = run_export(str(runs["untied-gqa"].root), "--format", "safetensors", str(existing))
+    assert_one_line_error(result, str(existing), "already exists", "choose another path")
+    assert existing.read_bytes() == b"x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing.safetensors", "step-00000004"]
+
+
+def test_cli_exports_newest_step_of_a_root(runs: dict[str, Run], tmp_path: Path) -> None:
+    run = runs["untied-gqa"]
+    assert sorted(p.name for p in run.root.iterdir()) == ["step-00000002", "step-00000004"]
+    out = tmp_path / "hf"
+    result = run_export(str(run.root), "--format", "hf", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "step 4" in result.stdout and str(out) in result.stdout
+    newest, args, _ = load_model_state(str(run.step(4)))
+    assert f"{sum(p.numel() for p in build_model(args).parameters()):,} parameters" in result.stdout
+    weights = load_file(out / "model.safetensors")
+    assert torch.equal(weights["model.embed_tokens.weight"], newest["tok_embeddings.weight"])
+    assert torch.equal(weights["lm_head.weight"], newest["output.weight"])
+    assert os.path.isfile(out / "tokenizer.json")
