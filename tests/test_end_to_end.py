@@ -32,9 +32,9 @@ def test_default_job_trains_and_writes_run_outputs(tmp_path: Path) -> None:
     run_dir = tmp_path / "default"
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(5, 201, 5))
     saves = [r for r in records if r["event"] == "checkpoint_save"]
     records = [r for r in records if r["event"] == "train"]
+    assert [r["step"] for r in records] == list(range(5, 201, 5))
     assert [s["step"] for s in saves] == [50, 100, 150, 200]
     for record in records:
         assert STEP_KEYS <= record.keys()
