@@ -50,9 +50,22 @@ def test_worker_that_kills_itself_is_replaced_and_the_run_matches(storage: Path,
     assert_same_weights(model_weights(final_checkpoint(run_dir), tmp_path), unbroken)
 
 
-def worker_pids() -> list[int]:
-    listing = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
-    return [int(line.split()[0]) for line in listing.splitlines() if "RayTrainWorker" in line]
+def worker_pids(job_pid: int) -> list[int]:
+    """Ray Train worker processes started under this job (its local Ray is the job's child)."""
+    listing = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True).stdout
+    parent, args = {}, {}
+    for line in listing.splitlines():
+        pid, ppid, *rest = line.split(maxsplit=2)
+        parent[int(pid)], args[int(pid)] = int(ppid), rest[0] if rest else ""
+
+    def under_job(pid: int) -> bool:
+        while pid > 1:
+            if pid == job_pid:
+                return True
+            pid = parent.get(pid, 1)
+        return False
+
+    return [pid for pid, command in args.items() if "RayTrainWorker" in command and under_job(pid)]
 
 
 def test_worker_killed_from_outside_by_pid_is_recovered(storage: Path, unbroken: dict, tmp_path: Path) -> None:
@@ -66,7 +79,7 @@ def test_worker_killed_from_outside_by_pid_is_recovered(storage: Path, unbroken:
         while not any(r["event"] == "checkpoint_save" for r in read_metrics(run_dir)):
             assert job.poll() is None and time.monotonic() < deadline, "the job ended before its first checkpoint"
             time.sleep(0.1)
-        victims = worker_pids()
+        victims = worker_pids(job.pid)
         assert len(victims) == 2
         os.kill(victims[-1], signal.SIGKILL)
         output, _ = job.communicate(timeout=300)
