@@ -3,25 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from jobs import read_metrics, run_job
+
 STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s"}
 
 pytestmark = pytest.mark.ray
-
-
-def run_job(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return subprocess.run(
-        [sys.executable, "jobs/pretrain.py", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-    )
 
 
 def test_default_job_trains_and_writes_run_outputs(tmp_path: Path) -> None:
@@ -31,7 +22,7 @@ def test_default_job_trains_and_writes_run_outputs(tmp_path: Path) -> None:
     assert "[meshtrain] step 200/200 | loss" in log and "tok/s" in log and "ETA" in log
     run_dir = tmp_path / "default"
 
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir)
     saves = [r for r in records if r["event"] == "checkpoint_save"]
     records = [r for r in records if r["event"] == "train"]
     assert [r["step"] for r in records] == list(range(5, 201, 5))

@@ -147,14 +147,24 @@ class CheckpointStorage:
                 found.append((int(match.group(1)), entry.rstrip("/")))
         return sorted(found, reverse=True)
 
+    def read_marker(self, path: str) -> dict[str, Any] | None:
+        """The manifest in ``path``'s commit marker, or None when the checkpoint is not committed."""
+        marker = f"{path}/{COMMIT_MARKER}"
+        if not self.fs.exists(marker):
+            return None
+        try:
+            with self.fs.open(marker, "r") as handle:
+                return json.load(handle)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"checkpoint {self.display(path)}: {COMMIT_MARKER} is not valid JSON ({exc})") from None
+
     def committed(self) -> list[CommittedCheckpoint]:
         """Committed checkpoints, newest first."""
         result = []
         for step, path in self._step_dirs():
-            marker = f"{path}/{COMMIT_MARKER}"
-            if self.fs.exists(marker):
-                with self.fs.open(marker, "r") as handle:
-                    result.append(CommittedCheckpoint(path, step, json.load(handle)))
+            manifest = self.read_marker(path)
+            if manifest is not None:
+                result.append(CommittedCheckpoint(path, step, manifest))
         return result
 
     def uncommitted(self) -> list[tuple[int, str]]:
@@ -405,9 +415,3 @@ class CheckpointManager:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return (text.splitlines() or [type(exc).__name__])[0][:300]
-
-
-def newest_committed(root: str, storage_options: dict[str, Any] | None = None) -> CommittedCheckpoint | None:
-    """The newest committed checkpoint under ``root`` (used by the driver for its messages)."""
-    committed = CheckpointStorage(root, storage_options).committed()
-    return committed[0] if committed else None

@@ -102,17 +102,12 @@ def _read_committed(storage: CheckpointStorage) -> CommittedCheckpoint:
         raise CheckpointError(
             f"checkpoint {shown} does not exist; give a step-XXXXXXXX directory or a checkpoint root"
         )
-    marker = f"{path}/{COMMIT_MARKER}"
-    if not storage.fs.exists(marker):
+    manifest = storage.read_marker(path)
+    if manifest is None:
         raise CheckpointError(
             f"{shown} is not a committed checkpoint (no {COMMIT_MARKER} marker: an interrupted save or "
             "another directory); give a committed step-XXXXXXXX directory or the run's checkpoint root"
         )
-    try:
-        with storage.fs.open(marker, "r") as handle:
-            manifest = json.load(handle)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {shown}: {COMMIT_MARKER} is not valid JSON ({exc})") from None
     if "model_args" not in manifest:
         raise CheckpointError(
             f"checkpoint {shown}: {COMMIT_MARKER} has no model_args; it was not written by meshtrain"

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from meshtrain.config import ConfigError, MeshtrainConfig
-from meshtrain.checkpoint import CheckpointStorage, newest_committed
+from meshtrain.checkpoint import CheckpointStorage
 from meshtrain.data import Corpus, prepare_corpus, tokenizer_vocab_size
 from meshtrain.training import checkpoint_root
 from meshtrain.outputs import RunPaths, read_summary, write_summary
@@ -121,14 +121,12 @@ class TrainingFailed(RuntimeError):
 def _failure_message(cfg: MeshtrainConfig, exc: BaseException) -> str:
     reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
     restarts = f"after {cfg.run.max_failures} restart(s)" if cfg.run.max_failures else "(run.max_failures=0)"
-    latest = None
-    if cfg.checkpoint.enabled:
-        latest = newest_committed(checkpoint_root(cfg), cfg.checkpoint.storage_options)
-    if latest is None:
-        where = "no checkpoint was committed"
+    storage = CheckpointStorage(checkpoint_root(cfg), cfg.checkpoint.storage_options)
+    committed = storage.committed() if cfg.checkpoint.enabled else []
+    if committed:
+        where = f"last committed checkpoint: {storage.display(committed[0].path)} (step {committed[0].step})"
     else:
-        storage = CheckpointStorage(checkpoint_root(cfg), cfg.checkpoint.storage_options)
-        where = f"last committed checkpoint: {storage.display(latest.path)} (step {latest.step})"
+        where = "no checkpoint was committed"
     return (
         f"training failed {restarts}: {reason}; {where}; "
         f"run the same command again (run.name={cfg.run.name}) to resume"

@@ -189,11 +189,9 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def token_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def token_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum (not mean) of next-token cross entropy in fp32, so callers can normalize globally."""
-    return F.cross_entropy(
-        logits.float().flatten(0, 1), targets.flatten(), ignore_index=ignore_index, reduction="sum"
-    )
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
 
 
 __all__ = [

@@ -113,12 +113,13 @@ def train_step(
 
     The loss is the mean over every target token of the global batch. Each micro-batch contributes
     its token-summed loss scaled by ``dp_size / global_tokens``: FSDP averages gradients over the
-    ``dp_size`` ranks, so the result is the gradient of the global mean. Returns this rank's summed
-    (unscaled) loss, the pre-clip gradient norm and the global number of target tokens.
+    ``dp_size`` ranks, so the result is the gradient of the global mean. Packed windows have no
+    ignored targets and every rank holds the same shapes, so the global token count follows from the
+    shapes, with no collective or device sync. Returns this rank's summed (unscaled) loss, the
+    pre-clip gradient norm and the global number of target tokens.
     """
     device = micro_batches[0][1].device
-    local_tokens = sum(int((targets != -100).sum()) for _, targets in micro_batches)
-    global_tokens = int(_sum_over_ranks(torch.tensor(float(local_tokens), device=device)).item())
+    global_tokens = sum(targets.numel() for _, targets in micro_batches) * dp_size
     scale = dp_size / global_tokens
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     for inputs, targets in micro_batches:
