@@ -211,6 +211,12 @@ def test_shard_with_more_workers() -> None:
             "train.steps: Input should be a valid integer (got a mapping of sub-keys, not a single value)",
         ),
         (["optim.lr=-1"], "optim.lr: Input should be greater than 0 (got -1)"),
+        (["metrics.port=70000"], "metrics.port: Input should be less than or equal to 65535 (got 70000)"),
+        (
+            ["metrics.bind_address=localhost"],
+            "metrics.bind_address: must be an IP address such as 0.0.0.0 or 127.0.0.1, got 'localhost'",
+        ),
+        (["metrics.peak_flops_per_s=0"], "metrics.peak_flops_per_s: Input should be greater than 0 (got 0)"),
         (["optim.beta2=1"], "optim.beta2: Input should be less than 1 (got 1)"),
         (
             ["scaling.use_gpu=maybe"],
@@ -344,7 +350,7 @@ def _walk(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str | Non
 def test_every_field_has_a_description() -> None:
     rows = _walk(MeshtrainConfig)
     assert {name for name, _, is_section in rows if is_section} == {
-        "model", "data", "optim", "train", "parallel", "scaling", "run", "checkpoint", "fault"
+        "model", "data", "optim", "train", "parallel", "scaling", "run", "checkpoint", "metrics", "fault"
     }
     assert len(rows) > 50
     missing = [name for name, description, _ in rows if not (description and description.strip())]

@@ -284,6 +284,51 @@ class FaultConfig(_Section):
     )
 
 
+class MetricsConfig(_Section):
+    port: int = Field(
+        9800,
+        ge=0,
+        le=65535,
+        description="Base port of each worker's Prometheus /metrics endpoint (port + local rank); 0 disables it.",
+    )
+    bind_address: str = Field(
+        "0.0.0.0", description="Address the /metrics endpoints listen on (127.0.0.1 keeps them on the machine)."
+    )
+    targets_dir: str | None = Field(
+        None,
+        description="Folder of Prometheus file_sd target files (<run.name>.json); unset = <run.storage_path>/prometheus.",
+    )
+    peak_flops_per_s: float | None = Field(
+        None,
+        gt=0,
+        description="Peak FLOP/s of one device for MFU; unset = looked up from the GPU model (CPU: cpu_peak_flops_per_s).",
+    )
+    cpu_peak_flops_per_s: float = Field(
+        1e11, gt=0, description="Peak FLOP/s of one CPU worker, used for MFU when training on CPU."
+    )
+    final_scrape_timeout_s: float = Field(
+        10.0,
+        ge=0,
+        description="After the last step, wait up to this long for a scrape of the final values (only if scraped lately).",
+    )
+    progress_interval_s: float = Field(
+        30.0,
+        ge=0,
+        description="Driver progress line at most this often when output is not a terminal (0 = every logged step).",
+    )
+
+    @field_validator("bind_address")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        import ipaddress
+
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(f"must be an IP address such as 0.0.0.0 or 127.0.0.1, got {value!r}") from None
+        return value
+
+
 class MeshtrainConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="Model shape.")
     data: DataConfig = Field(default_factory=DataConfig, description="Corpus, tokenizer and packing.")
@@ -293,6 +338,7 @@ class MeshtrainConfig(_Section):
     scaling: ScalingConfig = Field(default_factory=ScalingConfig, description="Ray worker group.")
     run: RunConfig = Field(default_factory=RunConfig, description="Where and under which name outputs go.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Sharded checkpoints and resume.")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus metrics and progress output.")
     fault: FaultConfig = Field(default_factory=FaultConfig, description="Fault injection for tests and demos.")
 
     @model_validator(mode="after")

@@ -13,6 +13,8 @@ import yaml
 from meshtrain.config import ConfigError, MeshtrainConfig
 from meshtrain.checkpoint import CheckpointStorage
 from meshtrain.data import Corpus, prepare_corpus, tokenizer_vocab_size
+from meshtrain.metrics import targets_path, write_targets
+from meshtrain.progress import ProgressMonitor
 from meshtrain.training import checkpoint_root
 from meshtrain.outputs import RunPaths, read_summary, write_summary
 
@@ -32,7 +34,7 @@ def config_yaml(cfg: MeshtrainConfig) -> str:
 
 # Settings a re-run of an existing run name may change: it resumes from the run's checkpoints, so
 # the model, data, optimizer, seed and global batch must stay as they were.
-RESUMABLE_CHANGES = ("train.steps", "train.log_every", "train.micro_batch_size", "parallel", "scaling", "run", "checkpoint", "fault")
+RESUMABLE_CHANGES = ("train.steps", "train.log_every", "train.micro_batch_size", "parallel", "scaling", "run", "checkpoint", "metrics", "fault")
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -133,7 +135,7 @@ def _failure_message(cfg: MeshtrainConfig, exc: BaseException) -> str:
     )
 
 
-def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, corpus_ref: Any) -> Any:
+def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, corpus_ref: Any, launch_id: str) -> Any:
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -156,6 +158,7 @@ def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, corpus_ref: Any) -> Any
             # exist only where the driver runs (the corpus reaches workers through Ray).
             "config": cfg,
             "corpus": corpus_ref,
+            "launch_id": launch_id,  # tells this job's worker-group restarts from earlier jobs of the run
         },
         torch_config=TorchConfig(backend=backend, timeout_s=scaling.timeout_s),
         scaling_config=ray.train.ScalingConfig(
@@ -199,14 +202,19 @@ def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
         f"vocab {info['vocab_size']}; outputs in {paths.run_dir}",
         flush=True,
     )
-    trainer = build_trainer(cfg, paths, corpus_ref)
+    trainer = build_trainer(cfg, paths, corpus_ref, launch_id=f"{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}")
     try:
-        trainer.fit()
+        with ProgressMonitor(paths.metrics, cfg.train.steps, cfg.metrics.progress_interval_s):
+            trainer.fit()
     except Exception as exc:
         config_error = _config_error_in(exc)
         if config_error is not None:
             raise config_error from None
         raise TrainingFailed(_failure_message(cfg, exc)) from None
+    finally:
+        targets = targets_path(cfg.metrics.targets_dir, cfg.run.storage_path, paths.name)
+        if targets.exists():
+            write_targets(targets, [])  # the workers are gone: Prometheus stops scraping them
     # The workers wrote the run outputs; the driver adds the job's wall time.
     summary = read_summary(paths)
     summary["wall_time_s"] = time.perf_counter() - started

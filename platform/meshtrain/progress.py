@@ -1,9 +1,11 @@
-"""Step records: the progress line in the job log and ``metrics.jsonl`` in the run directory."""
+"""Step records: ``metrics.jsonl`` in the run directory, and the progress the driver prints from it."""
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -33,24 +35,98 @@ def progress_line(record: dict[str, Any], total_steps: int) -> str:
 
 
 class StepRecorder:
-    """Rank 0's sink for logged steps: appends to metrics.jsonl and prints the progress line."""
+    """Rank 0's sink for logged steps and checkpoint events: appends them to metrics.jsonl."""
 
-    def __init__(self, metrics_path: Path | None, total_steps: int, stream: TextIO = sys.stdout) -> None:
-        self.total_steps, self.stream = total_steps, stream
-        self._file = None
-        if metrics_path is not None:
-            metrics_path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = metrics_path.open("a", encoding="utf-8")
+    def __init__(self, metrics_path: Path) -> None:
+        metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: TextIO | None = metrics_path.open("a", encoding="utf-8")
 
     def record(self, record: dict[str, Any]) -> None:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
-        # Written to the stream directly: Ray Train patches print() on workers and would echo it twice.
-        self.stream.write(progress_line(record, self.total_steps) + "\n")
-        self.stream.flush()
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+class ProgressMonitor:
+    """The driver's view of a run: follows metrics.jsonl and prints progress to the job log.
+
+    On a terminal one status line is rewritten in place. Otherwise (a Ray job log, a file, CI) a
+    line is printed at most every ``interval_s`` seconds, plus the first and last step and every
+    checkpoint or resume, so a long run does not flood the log. Records come from whichever worker
+    group is alive, so progress continues across worker restarts.
+    """
+
+    def __init__(
+        self, path: Path, total_steps: int, interval_s: float, stream: TextIO = sys.stdout, poll_s: float = 1.0
+    ) -> None:
+        self.path, self.total_steps, self.interval_s = path, total_steps, interval_s
+        self.stream, self.poll_s = stream, poll_s
+        self.tty = stream.isatty()
+        self._offset = path.stat().st_size if path.exists() else 0  # a resumed run's earlier lines stay unprinted
+        self._partial = b""
+        self._last_printed_at: float | None = None
+        self._unprinted: dict[str, Any] | None = None
+        self._status_shown = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="meshtrain-progress", daemon=True)
+
+    def __enter__(self) -> "ProgressMonitor":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.poll()
+        if self._unprinted is not None:
+            self._print(progress_line(self._unprinted, self.total_steps))
+        if self._status_shown:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _follow(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.poll()
+
+    def poll(self) -> None:
+        """Read the lines appended since the last poll and show what they say."""
+        try:
+            with self.path.open("rb") as file:
+                file.seek(self._offset)
+                chunk = file.read()
+        except FileNotFoundError:
+            return
+        self._offset += len(chunk)
+        *lines, self._partial = (self._partial + chunk).split(b"\n")
+        for line in lines:
+            if line.strip():
+                self.show(json.loads(line))
+
+    def show(self, record: dict[str, Any]) -> None:
+        line = progress_line(record, self.total_steps)
+        if record["event"] != "train":
+            self._print(line)
+        elif self.tty:
+            self.stream.write("\r\033[K" + line)
+            self.stream.flush()
+            self._status_shown = True
+        else:
+            now = time.monotonic()
+            due = self._last_printed_at is None or now - self._last_printed_at >= self.interval_s
+            if due or record["step"] >= self.total_steps:
+                self._print(line)
+                self._last_printed_at = now
+            else:
+                self._unprinted = record
+
+    def _print(self, line: str) -> None:
+        prefix = "\r\033[K" if self._status_shown else ""
+        self.stream.write(prefix + line + "\n")
+        self.stream.flush()
+        self._status_shown = False
+        self._unprinted = None

@@ -16,6 +16,7 @@ from meshtrain.config import ConfigError, MeshtrainConfig
 from meshtrain.data import Corpus, DataParallelBatches, PackedSequences
 from meshtrain.faults import maybe_kill_self
 from meshtrain.init import init_weights
+from meshtrain.metrics import TrainingMetrics
 from meshtrain.mesh import MeshPlan, resolve_mesh_shape
 from meshtrain.model import Transformer, build_model, count_parameters, materialize, token_cross_entropy_sum
 from meshtrain.optim import build_lr_scheduler, build_optimizer
@@ -147,11 +148,20 @@ def train(
     layout: WorkerLayout,
     device: torch.device,
     on_record: Callable[[dict[str, Any]], None] | None = None,
+    metrics: TrainingMetrics | None = None,
 ) -> TrainResult:
     """Train until ``cfg.train.steps``, resuming from the newest committed checkpoint if any.
 
-    ``on_record`` receives every logged step and checkpoint event (rank 0 emits the save events).
+    ``on_record`` receives every logged step and checkpoint event (rank 0 emits the save events);
+    ``metrics`` (when given) is updated every step.
     """
+
+    def on_checkpoint_event(event: dict[str, Any]) -> None:
+        if metrics is not None:
+            metrics.checkpoint_event(event)
+        if on_record is not None:
+            on_record(event)
+
     torch.manual_seed(cfg.train.seed)
     model, plan = build_sharded_model(cfg, corpus.vocab_size, layout, device)
     optimizer = build_optimizer(model, cfg.optim)
@@ -167,7 +177,7 @@ def train(
             interval=cfg.checkpoint.interval,
             keep=cfg.checkpoint.keep,
             asynchronous=cfg.checkpoint.mode == "async",
-            on_event=on_record,
+            on_event=on_checkpoint_event,
         )
         if cfg.checkpoint.resume:
             checkpoints.restore(state)
@@ -191,22 +201,33 @@ def train(
         "config": cfg.model_dump(mode="json"),
     }
     run_dir = Path(cfg.run.storage_path) / (cfg.run.name or "")
+    if metrics is not None:
+        metrics.set_mesh(layout.world_size, plan.shape)
+        metrics.start_steps(progress.step, progress.tokens)
     model.train()
     start = interval_start = time.perf_counter()
     interval_steps = 0
     for step in range(progress.step + 1, cfg.train.steps + 1):
         maybe_kill_self(cfg.fault, layout.world_rank, step, False, run_dir / "faults")
         lr = scheduler.get_last_lr()[0]
+        waiting_since = time.perf_counter()
+        micro_batches = list(batches.next_step())
+        data_wait = time.perf_counter() - waiting_since
         loss_sum, grad_norm, step_tokens = train_step(
-            model, optimizer, list(batches.next_step()), layout.world_size, cfg.optim.grad_clip
+            model, optimizer, micro_batches, layout.world_size, cfg.optim.grad_clip
         )
         scheduler.step()
         progress.step, progress.tokens, progress.data_position = step, progress.tokens + step_tokens, batches.position
         if checkpoints is not None:
             checkpoints.poll()
             if checkpoints.due(step, cfg.train.steps):
+                saving_since = time.perf_counter()
                 checkpoints.save(state, {**manifest, **vars(progress)}, wait=step == cfg.train.steps)
+                if metrics is not None:
+                    metrics.checkpoint_blocked(time.perf_counter() - saving_since)
                 maybe_kill_self(cfg.fault, layout.world_rank, step, True, run_dir / "faults")
+        if metrics is not None:
+            metrics.step_done(step, step_tokens // layout.world_size, data_wait)
         interval_steps += 1
         if step % cfg.train.log_every and step != cfg.train.steps:
             continue
@@ -225,6 +246,8 @@ def train(
             "elapsed_s": now - start,
         }
         result.records.append(record)
+        if metrics is not None:
+            metrics.logged(record, layout.world_size)
         if on_record is not None:
             on_record(record)
         interval_start, interval_steps = now, 0

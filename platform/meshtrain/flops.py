@@ -1,0 +1,60 @@
+"""Model FLOPs per token and accelerator peaks: what MFU (model FLOPs utilization) is made of."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from meshtrain.config import ModelArgs
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token, from the model shape alone.
+
+    Each weight of a matrix multiply costs 2 FLOPs per token forward and 4 backward, so 6 per
+    weight. Attention adds QK^T and AV: 2 * 2 * seq_len * dim per layer forward, 12 * layers *
+    seq_len * dim in all. This is the PaLM / torchtitan convention (no discount for the causal
+    mask), so meshtrain's MFU compares with theirs. The input embedding is a lookup and costs
+    nothing, unless it is tied to the output head, which is a matrix multiply.
+    """
+    kv_dim = args.n_kv_heads * args.head_dim
+    attention = 2 * args.dim * args.dim + 2 * args.dim * kv_dim
+    feed_forward = 3 * args.dim * args.ffn_dim
+    head = args.vocab_size * args.dim
+    matmul_weights = args.n_layers * (attention + feed_forward) + head
+    return 6.0 * matmul_weights + 12.0 * args.n_layers * seq_len * args.dim
+
+
+# Dense (no sparsity) peak FLOP/s from the vendors' data sheets: (bf16, tf32). The first pattern
+# that matches torch.cuda.get_device_name() wins, so more specific names come first.
+GPU_PEAK_FLOPS: list[tuple[str, float, float]] = [
+    (r"GH200|H200|H800|H100.*(SXM|HBM3)", 989.4e12, 494.7e12),
+    (r"H100.*NVL", 835.0e12, 417.5e12),
+    (r"H100", 756.0e12, 378.0e12),  # PCIe
+    (r"B200", 2250.0e12, 1100.0e12),
+    (r"A100|A800", 312.0e12, 156.0e12),
+    (r"L40S", 362.0e12, 183.0e12),
+    (r"\bL4\b", 121.0e12, 60.0e12),
+    (r"\bA10\b", 125.0e12, 62.5e12),
+    (r"MI300X", 1307.4e12, 653.7e12),
+]
+
+
+def gpu_peak_flops(device_name: str, compute_dtype: torch.dtype) -> float | None:
+    """Peak FLOP/s of a GPU model for the dtype matrix multiplies run in, or None if unknown."""
+    for pattern, bf16, tf32 in GPU_PEAK_FLOPS:
+        if re.search(pattern, device_name):
+            return bf16 if compute_dtype in (torch.bfloat16, torch.float16) else tf32
+    return None
+
+
+def device_peak_flops(
+    device: torch.device, compute_dtype: torch.dtype, override: float | None, cpu_peak: float
+) -> float | None:
+    """The peak MFU divides by: the user's override, else the GPU table, else the CPU setting."""
+    if override is not None:
+        return override
+    if device.type == "cuda":
+        return gpu_peak_flops(torch.cuda.get_device_name(device), compute_dtype)
+    return cpu_peak
