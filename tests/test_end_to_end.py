@@ -1,27 +1,70 @@
-"""The default job, run the way a user runs it: ``python jobs/pretrain.py`` through a local Ray."""
+"""The default job, run the way users run it: submitted with ``ray job submit`` to a Ray head
+started with ``ray start --head``, and directly with ``python jobs/pretrain.py`` (a local Ray)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from jobs import read_metrics, run_job
+from jobs import REPO, read_metrics, run_job
+from raynodes import RAY, RayNode, free_port, ray_env, wait_until
 
 STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s"}
 
 pytestmark = pytest.mark.ray
 
 
-def test_default_job_trains_and_writes_run_outputs(tmp_path: Path) -> None:
-    job = run_job(f"run.storage_path={tmp_path}", "run.name=default")
-    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
-    log = job.stdout + job.stderr
-    assert "[meshtrain] step 200/200 | loss" in log and "tok/s" in log and "ETA" in log
-    run_dir = tmp_path / "default"
+def test_default_job_submitted_with_ray_job_submit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A head started with `ray start` requires Ray's token (ray 2.60); clients send it in token mode.
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    dashboard = f"http://127.0.0.1:{free_port()}"
+    head = RayNode(
+        [
+            "--head", f"--port={free_port()}", "--num-cpus=2", "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard.rsplit(':', 1)[1]}", f"--metrics-export-port={free_port()}",
+            "--object-store-memory=500000000",
+        ],
+        log=tmp_path / "ray-head.log",
+    ).start()
+    try:
+        from ray.job_submission import JobStatus, JobSubmissionClient
 
+        def dashboard_up() -> bool:
+            try:
+                JobSubmissionClient(dashboard).list_jobs()
+                return True
+            except Exception:
+                assert head.alive(), (tmp_path / "ray-head.log").read_text()[-3000:]
+                return False
+
+        wait_until(dashboard_up, 120, "the Ray head's job server")
+        # Exactly the README's form, plus where this run's outputs go.
+        submit = subprocess.run(
+            [RAY, "job", "submit", "--address", dashboard, "--submission-id", "meshtrain-default",
+             "--working-dir", ".", "--", "python", "jobs/pretrain.py",
+             f"run.storage_path={tmp_path}", "run.name=default"],
+            cwd=REPO, env=ray_env(RAY_AUTH_MODE="token"), capture_output=True, text=True, timeout=600,
+        )
+        client = JobSubmissionClient(dashboard)
+        status = client.get_job_status("meshtrain-default")
+        log = client.get_job_logs("meshtrain-default")
+        assert status == JobStatus.SUCCEEDED, f"{status}: {submit.stdout[-2000:]} {submit.stderr[-2000:]} {log[-3000:]}"
+        assert submit.returncode == 0
+    finally:
+        head.kill()
+    # Off a terminal the driver prints a handful of progress lines, not one per logged step.
+    progress = [line for line in log.splitlines() if line.startswith("[meshtrain] step ")]
+    assert progress[-1].startswith("[meshtrain] step 200/200 | loss") and "tok/s" in log and "ETA" in log
+    assert 2 <= len(progress) <= 8, progress
+    assert "RayTrainWorker" not in "".join(progress)
+    check_default_run(tmp_path / "default")
+
+
+def check_default_run(run_dir: Path) -> None:
     records = read_metrics(run_dir)
     saves = [r for r in records if r["event"] == "checkpoint_save"]
     records = [r for r in records if r["event"] == "train"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -30,16 +31,27 @@ def _gather(value: Any) -> list[Any]:
     return gathered
 
 
-def record_worker_start(paths: RunPaths, launch_id: str, layout: WorkerLayout) -> int:
-    """Log this worker group's start in the run directory; returns the restarts of this launch."""
+def record_worker_start(paths: RunPaths, launch_id: str, layout: WorkerLayout) -> tuple[int, list[dict[str, Any]]]:
+    """Log this worker group's start, with where every rank runs, in the run directory.
+
+    Returns the restarts of this launch (earlier starts with the same launch id) and the placements.
+    """
+    placement = {
+        "rank": layout.world_rank,
+        "node_rank": layout.node_rank,
+        "local_rank": layout.local_rank,
+        "node_ip": ray.util.get_node_ip_address(),
+        "pid": os.getpid(),
+    }
+    workers = _gather(placement)
     starts = paths.run_dir / "worker_starts.jsonl"
     restarts = 0
     if layout.world_rank == 0:
         with starts.open("a", encoding="utf-8") as file:
-            file.write(json.dumps({"launch": launch_id, "time": time.time(), "world_size": layout.world_size}) + "\n")
+            file.write(json.dumps({"launch": launch_id, "time": time.time(), "workers": workers}) + "\n")
         launches = [json.loads(line)["launch"] for line in starts.read_text().splitlines() if line.strip()]
         restarts = launches.count(launch_id) - 1
-    return _gather(restarts)[0]
+    return _gather(restarts)[0], workers
 
 
 def start_metrics(
@@ -89,7 +101,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     assert cfg.run.name is not None, "the launcher resolves run.name before starting workers"
     paths = RunPaths(cfg.run.name, Path(cfg.run.storage_path))
     device = ray.train.torch.get_device()
-    restarts = record_worker_start(paths, loop_config["launch_id"], layout)
+    restarts, workers = record_worker_start(paths, loop_config["launch_id"], layout)
     metrics = start_metrics(cfg, layout, device, corpus.vocab_size, restarts) if cfg.metrics.port else None
     recorder = StepRecorder(paths.metrics) if layout.world_rank == 0 else None
     try:
@@ -115,5 +127,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 "world_size": result.world_size,
                 "parameters": result.parameters,
                 "run_dir": str(paths.run_dir),
+                "workers": workers,
             },
         )

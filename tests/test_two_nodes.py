@@ -1,0 +1,186 @@
+"""A real two-node Ray cluster on one machine: two network namespaces with their own IPs, a Ray
+head in one, a Ray worker node in the other, the driver beside the head.
+
+Ray Train groups workers by node IP, so only nodes with their own addresses give ``node_rank`` 0
+and 1 and make ``parallel.shard=auto`` build the 2 (replicate) x 2 (shard) HSDP mesh. Needs root
+on Linux (``ip netns``); elsewhere it is skipped with that reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from jobs import REPO, assert_same_weights, model_weights, read_metrics
+from raynodes import RayNode, ray_env, wait_until
+
+pytestmark = pytest.mark.ray
+
+IFACE = "mt0"  # the veth end in each namespace has this name, so one GLOO_SOCKET_IFNAME fits both
+JOB = [
+    "scaling.num_workers=4", "train.global_batch_size=16", "train.micro_batch_size=4",
+    "train.steps=30", "train.log_every=1", "checkpoint.interval=10", "checkpoint.keep=5",
+]
+
+
+def unavailable() -> str | None:
+    if sys.platform != "linux":
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    if shutil.which("ip") is None:
+        return "the ip command (iproute2) is not installed"
+    return None
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@dataclass
+class Cluster:
+    head_ns: str
+    worker_ns: str
+    head_ip: str
+    worker_ip: str
+    storage: Path
+    logs: Path
+    head: RayNode | None = None
+    worker: RayNode | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.head_ip}:6379"
+
+    def node_env(self) -> dict[str, str]:
+        # Gloo otherwise binds to the address of the machine's hostname, unreachable from the namespaces.
+        # Ray 2.60 clusters started with `ray start` require its token: nodes and drivers send it.
+        return ray_env(GLOO_SOCKET_IFNAME=IFACE, RAY_AUTH_MODE="token")
+
+    def start_head(self) -> None:
+        self.head = RayNode(
+            ["--head", f"--node-ip-address={self.head_ip}", "--port=6379", "--num-cpus=2",
+             "--include-dashboard=false", "--object-store-memory=400000000"],
+            prefix=["ip", "netns", "exec", self.head_ns], env=self.node_env(), log=self.logs / "head.log",
+        ).start()
+
+    def start_worker(self) -> None:
+        self.worker = RayNode(
+            [f"--address={self.address}", f"--node-ip-address={self.worker_ip}", "--num-cpus=2",
+             "--object-store-memory=400000000"],
+            prefix=["ip", "netns", "exec", self.worker_ns], env=self.node_env(), log=self.logs / "worker.log",
+        ).start()
+
+    def alive_nodes(self) -> int:
+        probe = subprocess.run(
+            ["ip", "netns", "exec", self.head_ns, sys.executable, "-c",
+             "import ray; ray.init(logging_level='ERROR'); print(sum(n['Alive'] for n in ray.nodes()))"],
+            env={**self.node_env(), "RAY_ADDRESS": self.address}, capture_output=True, text=True, timeout=120,
+        )
+        return int(probe.stdout.strip().splitlines()[-1]) if probe.returncode == 0 else 0
+
+    def job(self, name: str, *overrides: str) -> subprocess.Popen[str]:
+        """``python jobs/pretrain.py`` as a driver on the head's namespace, joining the cluster."""
+        return subprocess.Popen(
+            ["ip", "netns", "exec", self.head_ns, sys.executable, "jobs/pretrain.py", *JOB,
+             f"run.storage_path={self.storage}", f"run.name={name}", *overrides],
+            cwd=REPO, env={**self.node_env(), "RAY_ADDRESS": self.address},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+
+
+def finish(job: subprocess.Popen[str], timeout: float = 400) -> str:
+    output, _ = job.communicate(timeout=timeout)
+    assert job.returncode == 0, output[-4000:]
+    return output
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    tag = os.getpid() % 200 + 20
+    home = tmp_path_factory.mktemp("two-nodes")
+    nodes = Cluster(f"mt{tag}head", f"mt{tag}work", f"10.213.{tag}.1", f"10.213.{tag}.2", home / "runs", home)
+    ip("netns", "add", nodes.head_ns)
+    ip("netns", "add", nodes.worker_ns)
+    try:
+        ip("link", "add", f"mt{tag}h", "type", "veth", "peer", "name", f"mt{tag}w")
+        for namespace, end, address in ((nodes.head_ns, f"mt{tag}h", nodes.head_ip), (nodes.worker_ns, f"mt{tag}w", nodes.worker_ip)):
+            ip("link", "set", end, "netns", namespace)
+            ip("-n", namespace, "link", "set", end, "name", IFACE)
+            ip("-n", namespace, "addr", "add", f"{address}/24", "dev", IFACE)
+            ip("-n", namespace, "link", "set", IFACE, "up")
+            ip("-n", namespace, "link", "set", "lo", "up")
+        nodes.start_head()
+        nodes.start_worker()
+        wait_until(lambda: nodes.alive_nodes() == 2, 180, "two live Ray nodes", interval=2)
+        yield nodes
+    finally:
+        for node in (nodes.worker, nodes.head):
+            if node is not None:
+                node.kill()
+        subprocess.run(["ip", "netns", "del", nodes.worker_ns], capture_output=True)
+        subprocess.run(["ip", "netns", "del", nodes.head_ns], capture_output=True)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r["event"] == "train"}
+
+
+def test_auto_mesh_on_two_nodes_is_2x2_and_matches_a_1x4_mesh(cluster: Cluster) -> None:
+    finish(cluster.job("hsdp"))
+    summary = json.loads((cluster.storage / "hsdp" / "summary.json").read_text())
+    assert summary["mesh_shape"] == [2, 2] and summary["world_size"] == 4
+    placement = {(w["node_rank"], w["node_ip"]) for w in summary["workers"]}
+    assert placement == {(0, cluster.head_ip), (1, cluster.worker_ip)}, summary["workers"]
+    assert sorted(w["local_rank"] for w in summary["workers"]) == [0, 0, 1, 1]
+
+    finish(cluster.job("fsdp", "parallel.shard=4"))
+    flat = json.loads((cluster.storage / "fsdp" / "summary.json").read_text())
+    assert flat["mesh_shape"] == [1, 4]
+    hsdp, fsdp = losses(cluster.storage / "hsdp"), losses(cluster.storage / "fsdp")
+    assert list(hsdp) == list(range(1, 31)) and hsdp.keys() == fsdp.keys()
+    for step in hsdp:
+        assert hsdp[step] == pytest.approx(fsdp[step], rel=1e-5), step
+
+
+def test_losing_the_second_node_recovers_once_it_is_back(cluster: Cluster) -> None:
+    reference = cluster.storage / "hsdp" / "checkpoints" / "step-00000030"
+    if not (reference / "COMMITTED").exists():
+        finish(cluster.job("hsdp"))
+    run_dir = cluster.storage / "recovered"
+    job = cluster.job("recovered")
+    try:
+        first = run_dir / "checkpoints" / "step-00000010" / "COMMITTED"
+        wait_until(lambda: first.exists() or job.poll() is not None, 300, "the first committed checkpoint", interval=0.1)
+        assert job.poll() is None, "the job ended before the node could be stopped"
+        stopped_at = max(losses(run_dir))
+        assert cluster.worker is not None
+        cluster.worker.kill()  # every Ray process of the second node, its training workers included
+        time.sleep(5)
+        cluster.start_worker()
+        output = finish(job)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert stopped_at < 30
+    loads = [r for r in read_metrics(run_dir) if r["event"] == "checkpoint_load"]
+    assert loads and loads[-1]["step"] in (10, 20), output[-3000:]
+    starts = [json.loads(line) for line in (run_dir / "worker_starts.jsonl").read_text().splitlines()]
+    assert len(starts) >= 2 and {w["node_ip"] for w in starts[-1]["workers"]} == {cluster.head_ip, cluster.worker_ip}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["mesh_shape"] == [2, 2]
+    scratch = cluster.logs / "weights"
+    scratch.mkdir(exist_ok=True)
+    assert_same_weights(model_weights(reference, scratch), model_weights(run_dir / "checkpoints" / "step-00000030", scratch))
