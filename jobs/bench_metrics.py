@@ -24,6 +24,7 @@ import urllib.request
 from pathlib import Path
 
 import torch
+from prometheus_client import generate_latest
 
 from meshtrain.metrics import TrainingMetrics
 
@@ -69,8 +70,8 @@ def run_job(storage: Path, name: str, exporter: bool, scrape_interval: float, ov
     return summary["mean_tokens_per_s"]
 
 
-def update_cost_us() -> tuple[float, float]:
-    """Microseconds per step_done() and per logged() call."""
+def update_cost_us() -> tuple[float, float, float]:
+    """Microseconds per step_done() call, per logged() call, and per scrape (rendering /metrics)."""
     metrics = TrainingMetrics(
         run="bench", rank=0, node="127.0.0.1", device=torch.device("cpu"), flops_per_token=1e6, peak_flops_per_s=1e11
     )
@@ -86,7 +87,12 @@ def update_cost_us() -> tuple[float, float]:
         metrics.step_done(0, 1024, 0.001)
         metrics.logged(record, 2)
     per_log = (time.perf_counter() - started) / (calls // 10) * 1e6 - per_step
-    return per_step, per_log
+    scrapes = 500
+    started = time.perf_counter()
+    for _ in range(scrapes):
+        generate_latest(metrics.registry)
+    per_scrape = (time.perf_counter() - started) / scrapes * 1e6
+    return per_step, per_log, per_scrape
 
 
 def main() -> None:
@@ -96,8 +102,12 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="dotted key=value settings for every job")
     args = parser.parse_args()
 
-    per_step, per_log = update_cost_us()
-    print(f"metric updates: {per_step:.1f} us per step, {per_log:.1f} us more per logged step", flush=True)
+    per_step, per_log, per_scrape = update_cost_us()
+    print(
+        f"metric updates: {per_step:.1f} us per step, {per_log:.1f} us more per logged step; "
+        f"{per_scrape:.0f} us to render one scrape",
+        flush=True,
+    )
     with_exporter: list[float] = []
     without: list[float] = []
     with tempfile.TemporaryDirectory(prefix="meshtrain-bench-metrics-") as tmp:

@@ -90,8 +90,22 @@ def check_default_run(run_dir: Path) -> None:
 
 
 def test_layout_error_found_on_workers_exits_2_with_the_field(tmp_path: Path) -> None:
-    """Workers learn the real workers-per-node from Ray; a wrong expectation is a config error."""
-    job = run_job(f"run.storage_path={tmp_path}", "scaling.workers_per_node=1", "train.steps=2", "run.max_failures=0")
+    """Workers learn the real workers-per-node from Ray; a wrong expectation is a config error.
+
+    The job starts its own local Ray even though Ray's "current cluster" file names a cluster that is
+    gone (what a killed `ray start` node leaves behind).
+    """
+    current = Path("/tmp/ray/ray_current_cluster")
+    before = current.read_text() if current.exists() else None
+    current.parent.mkdir(parents=True, exist_ok=True)
+    current.write_text("127.0.0.1:1")  # nothing listens there
+    try:
+        job = run_job(f"run.storage_path={tmp_path}", "scaling.workers_per_node=1", "train.steps=2", "run.max_failures=0")
+    finally:
+        if before is None:
+            current.unlink(missing_ok=True)
+        else:
+            current.write_text(before)
     assert job.returncode == 2
     ours = [line for line in job.stderr.splitlines() if line.startswith("meshtrain: config error")]
     assert ours == [

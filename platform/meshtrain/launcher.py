@@ -69,7 +69,8 @@ def write_run_config(cfg: MeshtrainConfig, paths: RunPaths) -> None:
 
 
 def init_ray() -> None:
-    """Join the cluster in RAY_ADDRESS when set, otherwise start a local Ray sized to this machine."""
+    """Join the cluster in RAY_ADDRESS when set (``auto``: the one started on this machine),
+    otherwise start a local Ray sized to this machine."""
     import ray
 
     if ray.is_initialized():
@@ -77,7 +78,9 @@ def init_ray() -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"])
     else:
-        ray.init(num_cpus=os.cpu_count())
+        # "local", not None: None would follow /tmp/ray/ray_current_cluster, which still names a
+        # cluster whose processes were killed rather than stopped with `ray stop`.
+        ray.init(address="local", num_cpus=os.cpu_count())
 
 
 def _prepare_corpus_task(data_cfg: Any, tokenizer_json: str | None) -> tuple[Corpus, dict[str, Any]]:
