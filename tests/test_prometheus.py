@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -25,6 +24,7 @@ import pytest
 import yaml
 
 from jobs import REPO, read_metrics, run_job
+from raynodes import free_port
 
 pytestmark = pytest.mark.ray
 
@@ -32,12 +32,6 @@ DASHBOARD = REPO / "dashboards" / "meshtrain.json"
 RUN = "observed"
 SCRAPE_INTERVAL = "1s"
 RATE_INTERVAL = "4s"  # what Grafana's $__rate_interval is for a 1s scrape interval
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def prometheus_config(storage: Path) -> dict[str, Any]:
