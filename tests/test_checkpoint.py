@@ -12,8 +12,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.tensor import DTensor
 
 from meshtrain.checkpoint import COMMIT_MARKER, CheckpointManager, CheckpointStorage, Progress, TrainState
-from meshtrain.config import DataConfig, MeshtrainConfig, load_config
-from meshtrain.data import Corpus, prepare_corpus
+from meshtrain.config import MeshtrainConfig, load_config
+from corpora import stdlib_plan
+from meshtrain.data import DataPlan
 from meshtrain.optim import build_lr_scheduler, build_optimizer
 from meshtrain.training import WorkerLayout, build_sharded_model, train
 from ranks import run_on_ranks
@@ -22,8 +23,8 @@ pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
-def corpus() -> Corpus:
-    return prepare_corpus(DataConfig(max_documents=24, vocab_size=512, seq_len=32))
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> DataPlan:
+    return stdlib_plan(tmp_path_factory.mktemp("token_stores"))
 
 
 def config(storage: Path, name: str, world: int, *overrides: str) -> MeshtrainConfig:
@@ -38,13 +39,13 @@ def config(storage: Path, name: str, world: int, *overrides: str) -> MeshtrainCo
     )
 
 
-def _train_rank(rank: int, world: int, cfg: MeshtrainConfig, corpus: Corpus, shard: int) -> dict[str, Any]:
+def _train_rank(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan, shard: int) -> dict[str, Any]:
     events: list[dict[str, Any]] = []
     result = train(cfg, corpus, WorkerLayout(rank, world, rank % shard, shard, rank // shard), torch.device("cpu"), events.append)
     return {"events": events, "mesh": result.mesh_shape}
 
 
-def run(cfg: MeshtrainConfig, corpus: Corpus, world: int, shard: int | None = None) -> dict[str, Any]:
+def run(cfg: MeshtrainConfig, corpus: DataPlan, world: int, shard: int | None = None) -> dict[str, Any]:
     return run_on_ranks(_train_rank, world, cfg, corpus, shard or world)[0]
 
 
@@ -82,7 +83,7 @@ def seed_run_with(storage: Path, name: str, source: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def unbroken(corpus: Corpus, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def unbroken(corpus: DataPlan, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     storage = tmp_path_factory.mktemp("runs")
     outcome = run(config(storage, "unbroken", 2), corpus, 2)
     return {"storage": storage, "outcome": outcome}
@@ -98,7 +99,7 @@ def test_saves_are_committed_on_the_cadence_with_their_measurements(unbroken: di
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
-def test_resume_is_bitwise_identical_to_never_stopping(unbroken: dict, corpus: Corpus, tmp_path: Path, mode: str) -> None:
+def test_resume_is_bitwise_identical_to_never_stopping(unbroken: dict, corpus: DataPlan, tmp_path: Path, mode: str) -> None:
     storage = unbroken["storage"]
     name = f"resumed-{mode}"
     seed_run_with(storage, name, ckpt_dir(storage, "unbroken", 4))
@@ -141,7 +142,7 @@ def _restore_and_gather(rank: int, world: int, cfg: MeshtrainConfig, shard: int)
 
 
 def test_resharding_2x2_to_1x2_to_1x4_restores_state_and_continues_the_data(
-    corpus: Corpus, tmp_path: Path
+    corpus: DataPlan, tmp_path: Path
 ) -> None:
     storage = tmp_path
     first = run(config(storage, "mesh2x2", 4, "parallel.shard=2"), corpus, 4, 2)
@@ -180,7 +181,7 @@ def corrupt_run(storage: Path, unbroken_storage: Path, name: str) -> Path:
 
 @pytest.mark.parametrize("damage", ["truncated shard", "missing metadata"])
 def test_broken_newest_checkpoint_falls_back_to_the_previous_one(
-    unbroken: dict, corpus: Corpus, tmp_path: Path, capfd: pytest.CaptureFixture[str], damage: str
+    unbroken: dict, corpus: DataPlan, tmp_path: Path, capfd: pytest.CaptureFixture[str], damage: str
 ) -> None:
     broken = corrupt_run(tmp_path, unbroken["storage"], "broken")
     if damage == "truncated shard":
@@ -202,7 +203,7 @@ def test_broken_newest_checkpoint_falls_back_to_the_previous_one(
     )
 
 
-def test_only_broken_checkpoints_stop_the_run_instead_of_starting_over(unbroken: dict, corpus: Corpus, tmp_path: Path) -> None:
+def test_only_broken_checkpoints_stop_the_run_instead_of_starting_over(unbroken: dict, corpus: DataPlan, tmp_path: Path) -> None:
     seed_run_with(tmp_path, "hopeless", ckpt_dir(unbroken["storage"], "unbroken", 8))
     (ckpt_dir(tmp_path, "hopeless", 8) / ".metadata").unlink()
     with pytest.raises(AssertionError, match="no usable checkpoint in .*hopeless/checkpoints"):
@@ -210,7 +211,7 @@ def test_only_broken_checkpoints_stop_the_run_instead_of_starting_over(unbroken:
     assert not ckpt_dir(tmp_path, "hopeless", 12).exists()
 
 
-def test_uncommitted_checkpoint_is_ignored_and_cleared(unbroken: dict, corpus: Corpus, tmp_path: Path) -> None:
+def test_uncommitted_checkpoint_is_ignored_and_cleared(unbroken: dict, corpus: DataPlan, tmp_path: Path) -> None:
     seed_run_with(tmp_path, "partial", ckpt_dir(unbroken["storage"], "unbroken", 4))
     seed_run_with(tmp_path, "partial", ckpt_dir(unbroken["storage"], "unbroken", 8))
     (ckpt_dir(tmp_path, "partial", 8) / COMMIT_MARKER).unlink()  # as if killed before the commit

@@ -284,7 +284,7 @@ def test_shard_with_more_workers() -> None:
         (
             ["data.source=/nonexistent/x.jsonl"],
             "data.source: no files at '/nonexistent/x.jsonl'; give an existing file, directory or glob, "
-            "'stdlib', or 'hf:<dataset>'",
+            "a token store, 'stdlib', or 'hf:<dataset>'",
         ),
         (
             ["data.tokenizer=/nonexistent/tokenizer.json"],
@@ -350,7 +350,8 @@ def _walk(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str | Non
 def test_every_field_has_a_description() -> None:
     rows = _walk(MeshtrainConfig)
     assert {name for name, _, is_section in rows if is_section} == {
-        "model", "data", "optim", "train", "parallel", "scaling", "run", "checkpoint", "metrics", "fault"
+        "model", "data", "optim", "train", "parallel", "scaling", "run", "checkpoint", "metrics", "fault",
+        "data.validation",
     }
     assert len(rows) > 50
     missing = [name for name, description, _ in rows if not (description and description.strip())]

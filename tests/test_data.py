@@ -8,25 +8,24 @@ import numpy as np
 import pytest
 import torch
 
-from meshtrain.config import ConfigError, DataConfig
-from meshtrain.data import (
-    EOS_TOKEN,
-    DataParallelBatches,
-    PackedSequences,
-    load_documents,
-    prepare_corpus,
-    stdlib_source_files,
-)
+from corpora import stdlib_plan
+from meshtrain.config import ConfigError, DataConfig, SourceConfig
+from meshtrain.data import EOS_TOKEN, DataParallelBatches, PackedSequences, TokenStore, stdlib_source_files
+from meshtrain.data.sources import plan_source, read_unit
 
 DOCS = [f"document {i}: " + "def f(x):\n    return x + %d\n" % i * (i + 1) for i in range(12)]
+
+
+def all_documents(source: SourceConfig, unit_bytes: int = 1 << 20) -> list[str]:
+    plan = plan_source(source, unit_bytes)
+    return [text for unit in plan.units for text in read_unit(plan, unit)]
 
 
 def test_stdlib_corpus_is_the_standard_library() -> None:
     files = stdlib_source_files()
     assert len(files) > 100 and all(f.suffix == ".py" for f in files)
-    docs = load_documents(DataConfig(max_documents=5))
-    assert docs.column_names == ["text"] and len(docs) == 5
-    assert docs[0]["text"] == files[0].read_text()
+    docs = all_documents(SourceConfig(max_documents=5), unit_bytes=1)
+    assert docs == [f.read_text() for f in files[:5]]
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "parquet", "txt", "directory"])
@@ -34,60 +33,67 @@ def test_user_files_are_read_through_the_same_path(tmp_path, kind: str) -> None:
     if kind == "jsonl":
         source = tmp_path / "corpus.jsonl"
         source.write_text("".join(json.dumps({"body": d, "id": i}) + "\n" for i, d in enumerate(DOCS)))
-        cfg = DataConfig(source=str(source), text_field="body")
+        cfg = SourceConfig(source=str(source), text_field="body")
     elif kind == "parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         source = tmp_path / "corpus.parquet"
         pq.write_table(pa.table({"text": DOCS}), source)
-        cfg = DataConfig(source=str(source))
+        cfg = SourceConfig(source=str(source))
     else:
         for i, doc in enumerate(DOCS):
             (tmp_path / f"doc{i:02d}.txt").write_text(doc)
-        cfg = DataConfig(source=str(tmp_path / "*.txt") if kind == "txt" else str(tmp_path))
-    docs = load_documents(cfg)
-    assert sorted(docs["text"]) == sorted(DOCS)
+        cfg = SourceConfig(source=str(tmp_path / "*.txt") if kind == "txt" else str(tmp_path))
+    assert sorted(all_documents(cfg)) == sorted(DOCS)
 
 
 def test_missing_text_column_is_a_config_error(tmp_path) -> None:
     source = tmp_path / "corpus.jsonl"
     source.write_text(json.dumps({"body": "x"}) + "\n")
     with pytest.raises(ConfigError, match="data.text_field: column 'text' not in"):
-        load_documents(DataConfig(source=str(source)))
+        all_documents(SourceConfig(source=str(source)))
 
 
 @pytest.fixture(scope="module")
-def corpus():
-    return prepare_corpus(DataConfig(max_documents=12, vocab_size=400, seq_len=16))
+def plan(tmp_path_factory):
+    return stdlib_plan(tmp_path_factory.mktemp("stores"), documents=12, vocab_size=400, seq_len=16)
 
 
-def test_documents_are_joined_by_end_of_document_tokens(corpus) -> None:
+@pytest.fixture(scope="module")
+def tokens(plan) -> np.ndarray:
+    store = TokenStore(plan.stores[0].url)
+    return np.asarray(store.read(0, len(store)))
+
+
+def test_documents_are_joined_by_end_of_document_tokens(plan, tokens) -> None:
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_str(corpus.tokenizer_json)
-    assert tokenizer.token_to_id(EOS_TOKEN) == corpus.eos_id
-    assert int((corpus.tokens == corpus.eos_id).sum()) == corpus.documents == 12
-    assert corpus.tokens[-1] == corpus.eos_id
-    first_doc = corpus.tokens[: int(np.argmax(corpus.tokens == corpus.eos_id))]
+    tokenizer = Tokenizer.from_str(plan.tokenizer_json)
+    assert tokenizer.token_to_id(EOS_TOKEN) == plan.eos_id
+    assert int((tokens == plan.eos_id).sum()) == plan.documents == 12
+    assert tokens[-1] == plan.eos_id
+    first_doc = tokens[: int(np.argmax(tokens == plan.eos_id))]
     assert tokenizer.decode(first_doc.tolist()) == stdlib_source_files()[0].read_text()
 
 
-def test_a_user_tokenizer_file_is_used_as_is(tmp_path, corpus) -> None:
+def test_a_user_tokenizer_file_is_used_as_is(tmp_path, plan, tokens) -> None:
     path = tmp_path / "tokenizer.json"
-    path.write_text(corpus.tokenizer_json)
-    again = prepare_corpus(DataConfig(max_documents=12, tokenizer=str(path), seq_len=16))
-    assert np.array_equal(again.tokens, corpus.tokens)
+    path.write_text(plan.tokenizer_json)
+    again = stdlib_plan(tmp_path / "stores", documents=12, seq_len=16, tokenizer=str(path))
+    assert again.tokenizer_json == plan.tokenizer_json
+    store = TokenStore(again.stores[0].url)
+    assert np.array_equal(store.read(0, len(store)), tokens)
 
 
-def test_windows_are_packed_without_padding_and_shifted_by_one(corpus) -> None:
-    samples = PackedSequences(corpus.tokens, 16, seed=0)
-    assert samples.windows == (len(corpus.tokens) - 1) // 16
+def test_windows_are_packed_without_padding_and_shifted_by_one(tokens) -> None:
+    samples = PackedSequences(tokens, 16, seed=0)
+    assert samples.windows == (len(tokens) - 1) // 16
     batches = DataParallelBatches(samples, 4, 4, dp_rank=0, dp_size=1, device=torch.device("cpu"))
     [(inputs, targets)] = list(batches.next_step())
     assert inputs.shape == targets.shape == (4, 16)
     assert torch.equal(inputs[:, 1:], targets[:, :-1])
-    stream = torch.from_numpy(corpus.tokens.astype(np.int64))
+    stream = torch.from_numpy(tokens.astype(np.int64))
     for row_in, row_target in zip(inputs, targets):
         starts = [s for s in range(0, len(stream) - 16, 16) if torch.equal(stream[s : s + 16], row_in)]
         assert starts and torch.equal(stream[starts[0] + 1 : starts[0] + 17], row_target)
@@ -129,8 +135,8 @@ def test_ranks_read_disjoint_slices_of_the_same_global_batch() -> None:
             assert set().union(*sets) == single[step][0]  # the same global batch as one process
 
 
-def test_position_state_resumes_the_exact_stream(corpus) -> None:
-    samples = PackedSequences(corpus.tokens, 16, seed=0)
+def test_position_state_resumes_the_exact_stream(tokens) -> None:
+    samples = PackedSequences(tokens, 16, seed=0)
     straight = DataParallelBatches(samples, 4, 2, 1, 2, torch.device("cpu"))
     for _ in range(3):
         list(straight.next_step())
@@ -144,5 +150,7 @@ def test_position_state_resumes_the_exact_stream(corpus) -> None:
 def test_too_little_data_for_one_window_is_a_config_error(tmp_path) -> None:
     source = tmp_path / "tiny.txt"
     source.write_text("x")
+    from meshtrain.data import prepare_data
+
     with pytest.raises(ConfigError, match="data.source: .* fewer than data.seq_len"):
-        prepare_corpus(DataConfig(source=str(source), seq_len=64))
+        prepare_data(DataConfig(source=str(source), seq_len=64), str(tmp_path / "c"), 64, use_ray=False, log=print)

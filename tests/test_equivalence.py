@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 import torch
 
-from meshtrain.config import DataConfig, MeshtrainConfig, load_config
-from meshtrain.data import Corpus, prepare_corpus
+from meshtrain.config import MeshtrainConfig, load_config
+from corpora import stdlib_plan
+from meshtrain.data import DataPlan
 from meshtrain.training import WorkerLayout, train
 from ranks import run_on_ranks
 
@@ -19,8 +20,8 @@ pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
-def corpus() -> Corpus:
-    return prepare_corpus(DataConfig(max_documents=24, vocab_size=512, seq_len=32))
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> DataPlan:
+    return stdlib_plan(tmp_path_factory.mktemp("token_stores"))
 
 
 def config(*overrides: str) -> MeshtrainConfig:
@@ -38,11 +39,11 @@ def curves(records: list[dict[str, Any]]) -> dict[str, list[float]]:
     return {key: [r[key] for r in records] for key in ("loss", "grad_norm")}
 
 
-def single_process(cfg: MeshtrainConfig, corpus: Corpus) -> dict[str, list[float]]:
+def single_process(cfg: MeshtrainConfig, corpus: DataPlan) -> dict[str, list[float]]:
     return curves(train(cfg, corpus, WorkerLayout(), torch.device("cpu")).records)
 
 
-def _train_rank(rank: int, world: int, cfg: MeshtrainConfig, corpus: Corpus, per_node: int) -> dict[str, Any]:
+def _train_rank(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan, per_node: int) -> dict[str, Any]:
     layout = WorkerLayout(rank, world, rank % per_node, per_node, rank // per_node)
     result = train(cfg, corpus, layout, torch.device("cpu"))
     return {"mesh": result.mesh_shape, **curves(result.records)}
@@ -70,7 +71,7 @@ def assert_same_curves(
     ],
     ids=["2x2", "1x2"],
 )
-def test_sharded_losses_equal_single_process(corpus: Corpus, world: int, overrides: list[str], mesh: tuple) -> None:
+def test_sharded_losses_equal_single_process(corpus: DataPlan, world: int, overrides: list[str], mesh: tuple) -> None:
     reference = single_process(config(), corpus)
     assert reference["loss"][-1] < reference["loss"][0], "the reference run should learn"
     results = run_on_ranks(_train_rank, world, config(f"scaling.num_workers={world}", *overrides), corpus, world)
@@ -83,7 +84,7 @@ def test_sharded_losses_equal_single_process(corpus: Corpus, world: int, overrid
     "strategy,mesh",
     [("full_shard", (1, 2)), ("shard_grad_op", (1, 2)), ("no_shard", (2, 1)), ("hybrid_shard_zero2", (1, 2))],
 )
-def test_every_strategy_equals_single_process(corpus: Corpus, strategy: str, mesh: tuple) -> None:
+def test_every_strategy_equals_single_process(corpus: DataPlan, strategy: str, mesh: tuple) -> None:
     reference = single_process(config(), corpus)
     cfg = config("scaling.num_workers=2", f"parallel.strategy={strategy}")
     result = run_on_ranks(_train_rank, 2, cfg, corpus, 2)[0]
@@ -91,7 +92,7 @@ def test_every_strategy_equals_single_process(corpus: Corpus, strategy: str, mes
     assert_same_curves(result, reference, strategy)
 
 
-def test_recompute_prefetch_and_tied_embeddings_equal_single_process(corpus: Corpus) -> None:
+def test_recompute_prefetch_and_tied_embeddings_equal_single_process(corpus: DataPlan) -> None:
     """Selective recomputation, deeper prefetch and a tied embedding in the root unit, sharded."""
     tied = ["model.tie_embeddings=true"]
     reference = single_process(config(*tied), corpus)
@@ -100,13 +101,13 @@ def test_recompute_prefetch_and_tied_embeddings_equal_single_process(corpus: Cor
     assert_same_curves(result, reference, "selective+prefetch2+tied")
 
 
-def test_two_micro_batches_equal_one_batch_of_twice_the_size(corpus: Corpus) -> None:
+def test_two_micro_batches_equal_one_batch_of_twice_the_size(corpus: DataPlan) -> None:
     accumulated = single_process(config("train.micro_batch_size=4"), corpus)  # 8 = 2 x 4
     whole = single_process(config("train.micro_batch_size=8"), corpus)  # 8 = 1 x 8
     assert_same_curves(accumulated, whole, "2 micro-batches vs 1 batch")
 
 
-def test_compiled_blocks_equal_single_process(corpus: Corpus) -> None:
+def test_compiled_blocks_equal_single_process(corpus: DataPlan) -> None:
     """torch.compile per block (inductor's CPU backend here) inside FSDP2 units.
 
     Inductor fuses and reorders fp32 arithmetic, so the bound is 1e-4 here (measured: losses about
@@ -117,14 +118,14 @@ def test_compiled_blocks_equal_single_process(corpus: Corpus) -> None:
     assert_same_curves(result, reference, "compiled blocks", rtol=1e-4)
 
 
-def test_cpu_offload_and_full_recompute_equal_single_process(corpus: Corpus) -> None:
+def test_cpu_offload_and_full_recompute_equal_single_process(corpus: DataPlan) -> None:
     reference = single_process(config(), corpus)
     cfg = config("scaling.num_workers=2", "parallel.cpu_offload=true", "parallel.activation_checkpointing=full")
     result = run_on_ranks(_train_rank, 2, cfg, corpus, 2)[0]
     assert_same_curves(result, reference, "cpu_offload+full recompute")
 
 
-def test_bf16_mixed_precision_tracks_fp32(corpus: Corpus) -> None:
+def test_bf16_mixed_precision_tracks_fp32(corpus: DataPlan) -> None:
     """The GPU default (bf16 compute, fp32 shards and reduction), run on CPU: close, not equal."""
     reference = single_process(config(), corpus)
     result = run_on_ranks(_train_rank, 2, config("scaling.num_workers=2", "parallel.mixed_precision=bf16"), corpus, 2)[0]

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from meshtrain.checkpoint import COMMIT_MARKER, CheckpointError
 from meshtrain.config import MeshtrainConfig, ModelArgs, load_config
-from meshtrain.data import Corpus, prepare_corpus
+from meshtrain.data import DataPlan, prepare_data
 from meshtrain.export import ExportError, export_checkpoint, load_model_state, resolve_checkpoint
 from meshtrain.model import Transformer, build_model
 from meshtrain.training import WorkerLayout, checkpoint_root, train
@@ -49,7 +49,7 @@ VARIANTS = {
 @dataclass(frozen=True)
 class Run:
     cfg: MeshtrainConfig
-    corpus: Corpus
+    corpus: DataPlan
     root: Path  # the checkpoint root
 
     @property
@@ -66,12 +66,13 @@ def config(storage: Path, variant: str) -> MeshtrainConfig:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
-    return prepare_corpus(config(tmp_path_factory.mktemp("corpus"), "untied-gqa").data)
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> DataPlan:
+    data = config(tmp_path_factory.mktemp("corpus"), "untied-gqa").data
+    return prepare_data(data, str(tmp_path_factory.mktemp("stores")), data.seq_len, use_ray=False, log=lambda _: None)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, corpus: Corpus) -> dict[str, Run]:
+def runs(tmp_path_factory: pytest.TempPathFactory, corpus: DataPlan) -> dict[str, Run]:
     """One trained run per variant, each with committed checkpoints at steps 2 and 4."""
     storage = tmp_path_factory.mktemp("runs")
     result = {}

@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from meshtrain.config import DataConfig, load_config
-from meshtrain.data import prepare_corpus
+from meshtrain.config import load_config
+from corpora import stdlib_plan
 from meshtrain.flops import device_peak_flops, flops_per_token, gpu_peak_flops
 from meshtrain.metrics import Endpoint, StepClock, TrainingMetrics, advertised_host, targets_path, write_targets
 from meshtrain.model import token_cross_entropy_sum
@@ -191,7 +191,7 @@ def test_targets_file_lists_endpoints_and_is_emptied(tmp_path: Path) -> None:
 
 
 def test_training_leaves_the_logged_values_in_the_metrics(tmp_path: Path) -> None:
-    corpus = prepare_corpus(DataConfig(max_documents=24, vocab_size=512, seq_len=32))
+    corpus = stdlib_plan(tmp_path / "token_stores")
     cfg = load_config(
         None,
         [

@@ -47,7 +47,7 @@ def dry_run(cfg) -> None:  # noqa: ANN001 - MeshtrainConfig
     from meshtrain.launcher import config_yaml
     from meshtrain.plan import describe_plan
 
-    args = cfg.model_args(tokenizer_vocab_size(cfg.data))
+    args = cfg.model_args(tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size))
     report = describe_plan(cfg, args)  # may raise ConfigError: then nothing goes to stdout
     print(config_yaml(cfg), end="")
     print("---")

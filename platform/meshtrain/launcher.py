@@ -1,4 +1,4 @@
-"""Driver side: config → Ray → corpus task → TorchTrainer → run outputs."""
+"""Driver side: config → Ray → token stores (prepared or re-used) → TorchTrainer → run outputs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import yaml
 
 from meshtrain.config import ConfigError, MeshtrainConfig
 from meshtrain.checkpoint import CheckpointStorage
-from meshtrain.data import Corpus, prepare_corpus, tokenizer_vocab_size
+from meshtrain.data import DataPlan, prepare_data, tokenizer_vocab_size
+from meshtrain.rayerrors import config_error_in
 from meshtrain.metrics import targets_path, write_targets
 from meshtrain.progress import ProgressMonitor
 from meshtrain.training import checkpoint_root
@@ -83,40 +84,23 @@ def init_ray() -> None:
         ray.init(address="local", num_cpus=os.cpu_count())
 
 
-def _prepare_corpus_task(data_cfg: Any, tokenizer_json: str | None) -> tuple[Corpus, dict[str, Any]]:
-    corpus = prepare_corpus(data_cfg, tokenizer_json)
-    info = {
-        "tokenizer_json": corpus.tokenizer_json,
-        "vocab_size": corpus.vocab_size,
-        "tokens": int(len(corpus.tokens)),
-        "documents": corpus.documents,
-    }
-    return corpus, info
+def data_cache_url(cfg: MeshtrainConfig) -> str:
+    return cfg.data.cache_dir or str(Path(cfg.run.storage_path) / "token_stores")
 
 
-def _config_error_in(exc: BaseException) -> ConfigError | None:
-    """A ConfigError raised on a worker or task, found in the chain Ray wraps around it."""
-    from ray.exceptions import RayTaskError
-
-    seen: set[int] = set()
-    stack = [exc]
-    while stack:
-        current = stack.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, RayTaskError):
-            # Ray re-raises a task's error as a subclass of both RayTaskError and the original type,
-            # with the remote traceback in its message; the original is its ``cause``.
-            stack.append(current.cause)
-            continue
-        if isinstance(current, ConfigError):
-            return current
-        stack.extend(e for e in (current.__cause__, current.__context__) if e)
-        failures = getattr(current, "worker_failures", None)
-        if isinstance(failures, dict):
-            stack.extend(v for v in failures.values() if isinstance(v, BaseException))
-    return None
+def check_data_fingerprint(cfg: MeshtrainConfig, plan: DataPlan) -> None:
+    """Refuse to resume checkpoints trained on other token data, unless the user says so."""
+    if not (cfg.checkpoint.enabled and cfg.checkpoint.resume) or cfg.data.allow_fingerprint_change:
+        return
+    storage = CheckpointStorage(checkpoint_root(cfg), cfg.checkpoint.storage_options)
+    committed = storage.committed()
+    trained_on = committed[0].manifest.get("data_fingerprint") if committed else None
+    if trained_on is not None and trained_on != plan.fingerprint:
+        raise ConfigError(
+            f"data.source: the checkpoints of run {cfg.run.name} were trained on data {trained_on[:16]}, this launch "
+            f"reads {plan.fingerprint[:16]}; use the same data, another run.name, or set "
+            "data.allow_fingerprint_change=true to continue on the new data deliberately"
+        )
 
 
 class TrainingFailed(RuntimeError):
@@ -138,7 +122,7 @@ def _failure_message(cfg: MeshtrainConfig, exc: BaseException) -> str:
     )
 
 
-def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, corpus_ref: Any, launch_id: str) -> Any:
+def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, data: DataPlan, launch_id: str) -> Any:
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -158,9 +142,9 @@ def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, corpus_ref: Any, launch
         train_loop_per_worker,
         train_loop_config={
             # The validated object itself: re-validating on workers would re-check data paths that
-            # exist only where the driver runs (the corpus reaches workers through Ray).
+            # exist only where the driver runs.
             "config": cfg,
-            "corpus": corpus_ref,
+            "data": data,  # store locations and the tokenizer: workers map the shards themselves
             "launch_id": launch_id,  # tells this job's worker-group restarts from earlier jobs of the run
         },
         torch_config=TorchConfig(backend=backend, timeout_s=scaling.timeout_s),
@@ -181,36 +165,37 @@ def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, corpus_ref: Any, launch
 
 def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
     """Run the whole job; returns the summary also written to ``summary.json``."""
-    import ray
 
     started = time.perf_counter()
     cfg, paths = resolve_run(cfg)
     if cfg.data.tokenizer != "train":
-        tokenizer_vocab_size(cfg.data)  # a broken tokenizer file fails here, before Ray starts
+        tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size)  # a broken tokenizer file fails here, before Ray starts
     write_run_config(cfg, paths)
     init_ray()
     cached_tokenizer = paths.tokenizer.read_text() if paths.tokenizer.exists() else None
-    task = ray.remote(_prepare_corpus_task).options(num_returns=2, num_cpus=1)
-    corpus_ref, info_ref = task.remote(cfg.data, cached_tokenizer)
-    try:
-        info = ray.get(info_ref)
-    except ray.exceptions.RayTaskError as exc:
-        ray.wait([corpus_ref])  # the sibling result holds the same error; consume it quietly
-        del corpus_ref
-        raise _config_error_in(exc) or exc from None
+    data = prepare_data(
+        cfg.data,
+        data_cache_url(cfg),
+        cfg.data.seq_len,
+        run_tokenizer=cached_tokenizer,
+        log=lambda line: print(line, flush=True),
+        progress_interval_s=cfg.metrics.progress_interval_s,
+    )
+    check_data_fingerprint(cfg, data)
     if cached_tokenizer is None:
-        paths.tokenizer.write_text(info["tokenizer_json"])
+        paths.tokenizer.write_text(data.tokenizer_json)
+    stores = ", ".join(ref.url for ref in data.stores)
     print(
-        f"[meshtrain] run {paths.name}: {info['documents']} documents, {info['tokens']:,} tokens, "
-        f"vocab {info['vocab_size']}; outputs in {paths.run_dir}",
+        f"[meshtrain] run {paths.name}: {data.documents:,} documents, {data.tokens:,} tokens, "
+        f"vocab {data.vocab_size} from {stores}; outputs in {paths.run_dir}",
         flush=True,
     )
-    trainer = build_trainer(cfg, paths, corpus_ref, launch_id=f"{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}")
+    trainer = build_trainer(cfg, paths, data, launch_id=f"{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}")
     try:
         with ProgressMonitor(paths.metrics, cfg.train.steps, cfg.metrics.progress_interval_s):
             trainer.fit()
     except Exception as exc:
-        config_error = _config_error_in(exc)
+        config_error = config_error_in(exc)
         if config_error is not None:
             raise config_error from None
         raise TrainingFailed(_failure_message(cfg, exc)) from None

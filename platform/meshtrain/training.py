@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from meshtrain.checkpoint import CheckpointManager, CheckpointStorage, Progress, TrainState
 from meshtrain.config import ConfigError, MeshtrainConfig
-from meshtrain.data import Corpus, DataParallelBatches, PackedSequences
+from meshtrain.data import DataParallelBatches, DataPlan, TrainingData, open_data
 from meshtrain.faults import maybe_kill_self
 from meshtrain.init import init_weights
 from meshtrain.metrics import TrainingMetrics
@@ -144,7 +144,7 @@ def checkpoint_root(cfg: MeshtrainConfig) -> str:
 
 def train(
     cfg: MeshtrainConfig,
-    corpus: Corpus,
+    data: DataPlan | TrainingData,
     layout: WorkerLayout,
     device: torch.device,
     on_record: Callable[[dict[str, Any]], None] | None = None,
@@ -162,8 +162,10 @@ def train(
         if on_record is not None:
             on_record(event)
 
+    if isinstance(data, DataPlan):
+        data = open_data(data, cfg.data.seq_len, cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
-    model, plan = build_sharded_model(cfg, corpus.vocab_size, layout, device)
+    model, plan = build_sharded_model(cfg, data.vocab_size, layout, device)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.train.steps)
     progress = Progress()
@@ -183,7 +185,7 @@ def train(
             checkpoints.restore(state)
     micro_batch, _ = cfg.batch_layout(layout.world_size)
     batches = DataParallelBatches(
-        PackedSequences(corpus.tokens, cfg.data.seq_len, cfg.train.seed),
+        data.train,
         cfg.train.global_batch_size,
         micro_batch,
         dp_rank=layout.world_rank,
@@ -197,7 +199,8 @@ def train(
     manifest = {
         "world_size": layout.world_size,
         "mesh_shape": list(plan.shape),
-        "model_args": cfg.model_args(corpus.vocab_size).model_dump(),
+        "model_args": cfg.model_args(data.vocab_size).model_dump(),
+        "data_fingerprint": data.fingerprint,
         "config": cfg.model_dump(mode="json"),
     }
     run_dir = Path(cfg.run.storage_path) / (cfg.run.name or "")

@@ -89,7 +89,7 @@ def start_metrics(
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     cfg: MeshtrainConfig = loop_config["config"]
-    corpus = ray.get(loop_config["corpus"])
+    data = loop_config["data"]
     context = ray.train.get_context()
     layout = WorkerLayout(
         world_rank=context.get_world_rank(),
@@ -102,10 +102,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     paths = RunPaths(cfg.run.name, Path(cfg.run.storage_path))
     device = ray.train.torch.get_device()
     restarts, workers = record_worker_start(paths, loop_config["launch_id"], layout)
-    metrics = start_metrics(cfg, layout, device, corpus.vocab_size, restarts) if cfg.metrics.port else None
+    metrics = start_metrics(cfg, layout, device, data.vocab_size, restarts) if cfg.metrics.port else None
     recorder = StepRecorder(paths.metrics) if layout.world_rank == 0 else None
     try:
-        result = train(cfg, corpus, layout, device, recorder.record if recorder else None, metrics)
+        result = train(cfg, data, layout, device, recorder.record if recorder else None, metrics)
         if metrics is not None:
             metrics.await_final_scrape(cfg.metrics.final_scrape_timeout_s)
     finally:

@@ -1,0 +1,30 @@
+"""Data: sources → tokenizer → token stores on shared storage → memory-mapped, packed samples.
+
+``sources`` lists and reads documents, ``tokenizer`` trains or loads the tokenizer, ``prepare``
+tokenizes a source into a ``store`` in parallel Ray tasks, ``sampling`` turns stores into per-rank
+batches from one global position, and ``pipeline`` ties them together for the driver and workers.
+"""
+
+from meshtrain.data.pipeline import DataPlan, TrainingData, open_data, prepare_data
+from meshtrain.data.sampling import DataParallelBatches, HeldOutSamples, MixtureSamples, PackedSequences
+from meshtrain.data.sources import expand_local_source, stdlib_source_files
+from meshtrain.data.store import TokenStore, verify_store
+from meshtrain.data.tokenizer import EOS_TOKEN, eos_token_id, tokenizer_vocab_size
+
+__all__ = [
+    "EOS_TOKEN",
+    "DataParallelBatches",
+    "DataPlan",
+    "HeldOutSamples",
+    "MixtureSamples",
+    "PackedSequences",
+    "TokenStore",
+    "TrainingData",
+    "eos_token_id",
+    "expand_local_source",
+    "open_data",
+    "prepare_data",
+    "stdlib_source_files",
+    "tokenizer_vocab_size",
+    "verify_store",
+]

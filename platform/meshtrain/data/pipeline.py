@@ -1,0 +1,236 @@
+"""The data of a run: prepared once on the driver's side, opened by every worker.
+
+``prepare_data`` (driver) resolves the tokenizer, prepares or re-uses a token store for every raw
+source (cached under ``data.cache_dir`` by the fingerprint of source + tokenizer + format) and
+returns a small :class:`DataPlan`; ``open_data`` (each worker) maps the stores and builds the
+training and validation samples. Nothing corpus-sized passes through Ray.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from meshtrain.config import ConfigError, DataConfig, SourceConfig
+from meshtrain.data.prepare import prepare_store, store_key
+from meshtrain.data.sampling import HeldOutSamples, MixtureSamples, PackedSequences, Samples, held_out_windows, window_count
+from meshtrain.data.sources import SourcePlan, plan_source
+from meshtrain.data.store import FORMAT, FORMAT_VERSION, StoreLocation, TokenStore, is_token_store, read_manifest, TOKENIZER
+from meshtrain.data.tokenizer import (
+    eos_token_id,
+    load_tokenizer_file,
+    sample_documents,
+    tokenizer_sha256,
+    train_tokenizer,
+)
+
+
+@dataclass(frozen=True)
+class StoreRef:
+    url: str
+    weight: float
+    fingerprint: str
+    tokens: int
+    documents: int
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """What workers need to open a run's data: store locations and the tokenizer, nothing more."""
+
+    stores: tuple[StoreRef, ...]
+    tokenizer_json: str
+    vocab_size: int
+    eos_id: int
+    validation_fraction: float = 0.0
+    validation: StoreRef | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def fingerprint(self) -> str:
+        """One id for the training data: every store's content fingerprint and weight, and the split."""
+        parts = [[s.fingerprint, s.weight] for s in self.stores]
+        split = self.validation.fingerprint if self.validation else self.validation_fraction
+        return hashlib.sha256(json.dumps([parts, split]).encode()).hexdigest()
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.stores)
+
+    @property
+    def documents(self) -> int:
+        return sum(s.documents for s in self.stores)
+
+
+def tokenizer_cache_key(plans: list[SourcePlan], weights: list[float], vocab_size: int, sample_bytes: int) -> str:
+    text = json.dumps([FORMAT, FORMAT_VERSION, [p.fingerprint for p in plans], weights, vocab_size, sample_bytes])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _train_tokenizer_task(plans: list[SourcePlan], weights: list[float], vocab_size: int, sample_bytes: int) -> str:
+    return train_tokenizer(sample_documents(plans, weights, sample_bytes), vocab_size).to_str()
+
+
+def _resolve_tokenizer(
+    data: DataConfig,
+    raw: list[tuple[SourceConfig, SourcePlan]],
+    store_tokenizers: dict[str, str],
+    cache: StoreLocation,
+    run_tokenizer: str | None,
+    use_ray: bool,
+) -> str:
+    """The tokenizer every store of the run is encoded with."""
+    if store_tokenizers:
+        hashes = {tokenizer_sha256(text) for text in store_tokenizers.values()}
+        if len(hashes) > 1:
+            raise ConfigError(
+                f"data.sources: the token stores {', '.join(store_tokenizers)} were encoded with different tokenizers; "
+                "prepare them with one tokenizer"
+            )
+        text = next(iter(store_tokenizers.values()))
+        if data.tokenizer != "train" and tokenizer_sha256(load_tokenizer_file(data.tokenizer).to_str()) != tokenizer_sha256(text):
+            raise ConfigError(
+                f"data.tokenizer: {data.tokenizer!r} is not the tokenizer the token store was encoded with; "
+                "leave data.tokenizer=train to use the store's own"
+            )
+        return text
+    if run_tokenizer is not None:
+        return run_tokenizer
+    if data.tokenizer != "train":
+        return load_tokenizer_file(data.tokenizer).to_str()
+    plans = [plan for _, plan in raw]
+    weights = [source.weight for source, _ in raw]
+    key = tokenizer_cache_key(plans, weights, data.vocab_size, data.tokenizer_sample_bytes)
+    name = f"tokenizers/{key[:24]}.json"
+    if cache.exists(name):
+        return cache.read_text(name)
+    if use_ray:
+        import ray
+
+        from meshtrain.rayerrors import config_error_in
+
+        task = ray.remote(_train_tokenizer_task).options(num_cpus=1)
+        try:
+            text = ray.get(task.remote(plans, weights, data.vocab_size, data.tokenizer_sample_bytes))
+        except ray.exceptions.RayTaskError as exc:
+            raise config_error_in(exc) or exc from None
+    else:
+        text = _train_tokenizer_task(plans, weights, data.vocab_size, data.tokenizer_sample_bytes)
+    cache.write_text(name, text)
+    return text
+
+
+def prepare_data(
+    data: DataConfig,
+    cache_url: str,
+    seq_len: int,
+    *,
+    run_tokenizer: str | None = None,
+    use_ray: bool = True,
+    log: Callable[[str], None] = print,
+    progress_interval_s: float = 30.0,
+    max_parallel: int | None = None,
+) -> DataPlan:
+    """Make sure every source has a complete token store and say where they are."""
+    options = data.storage_options
+    cache = StoreLocation(cache_url, options)
+    entries: list[tuple[SourceConfig, bool]] = [(s, False) for s in data.source_list()]
+    validation_source = data.validation_source()
+    if validation_source is not None:
+        entries.append((validation_source, True))
+    raw: list[tuple[SourceConfig, SourcePlan]] = []
+    store_tokenizers: dict[str, str] = {}
+    for source, _ in entries:
+        if is_token_store(source.source, options):
+            store_tokenizers[source.source] = StoreLocation(source.source, options).read_text(TOKENIZER)
+        else:
+            raw.append((source, plan_source(source, data.prepare_unit_bytes)))
+    tokenizer_json = _resolve_tokenizer(data, raw, store_tokenizers, cache, run_tokenizer, use_ray)
+    plans = dict((id(source), plan) for source, plan in raw)
+
+    refs: list[StoreRef] = []
+    for source, _ in entries:
+        plan = plans.get(id(source))
+        if plan is None:
+            url = source.source
+        else:
+            url = f"{cache.url}/{store_key(plan, tokenizer_sha256(tokenizer_json), data.prepare_unit_bytes)[:24]}"
+            report = prepare_store(
+                plan, tokenizer_json, url, options, use_ray=use_ray, max_parallel=max_parallel,
+                progress_interval_s=progress_interval_s,
+            )
+            if report.prepared_tokens:
+                log(
+                    f"[meshtrain] prepared {source.source!r}: {report.manifest.tokens:,} tokens in "
+                    f"{len(report.manifest.shards)} shards ({report.reused_shards} re-used), {report.seconds:.1f}s "
+                    f"({report.tokens_per_s:,.0f} tok/s) -> {url}"
+                )
+        manifest = read_manifest(StoreLocation(url, options))
+        if manifest.tokenizer_sha256 != tokenizer_sha256(tokenizer_json):
+            raise ConfigError(f"data.source: {url} was encoded with another tokenizer than this run's; prepare it again")
+        if manifest.tokens < seq_len + 1:
+            raise ConfigError(
+                f"data.source: {source.source!r} holds {manifest.tokens} tokens, fewer than data.seq_len+1="
+                f"{seq_len + 1}; add documents or lower data.seq_len"
+            )
+        refs.append(StoreRef(url, source.weight, manifest.fingerprint, manifest.tokens, manifest.documents))
+
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    validation = refs.pop() if validation_source is not None else None
+    return DataPlan(
+        stores=tuple(refs),
+        tokenizer_json=tokenizer_json,
+        vocab_size=tokenizer.get_vocab_size(),
+        eos_id=eos_token_id(tokenizer),
+        validation_fraction=data.validation.fraction,
+        validation=validation,
+        storage_options=dict(options),
+    )
+
+
+@dataclass
+class TrainingData:
+    """What a worker trains and validates on; ``fingerprint`` goes into every checkpoint."""
+
+    train: Samples
+    validation: HeldOutSamples | None
+    vocab_size: int
+    fingerprint: str
+
+
+def open_data(plan: DataPlan, seq_len: int, seed: int) -> TrainingData:
+    """Map every store and build this run's training samples and validation set."""
+    stores = [TokenStore(ref.url, plan.storage_options) for ref in plan.stores]
+    for store, ref in zip(stores, plan.stores):
+        if store.fingerprint != ref.fingerprint:
+            raise ConfigError(
+                f"data.source: {ref.url} changed after the driver checked it (fingerprint {store.fingerprint[:12]}, "
+                f"expected {ref.fingerprint[:12]}); do not rewrite a store while a run reads it"
+            )
+    components: list[PackedSequences] = []
+    held_out: list[tuple[PackedSequences, Any]] = []
+    for index, store in enumerate(stores):
+        exclude = held_out_windows(window_count(store, seq_len), plan.validation_fraction)
+        # One source keeps the plain seed, so its order equals the single-stream order of old.
+        component_seed = seed if len(stores) == 1 else (seed, index)
+        sequences = PackedSequences(store, seq_len, component_seed, exclude=exclude)
+        components.append(sequences)
+        held_out.append((sequences, exclude))
+    train: Samples = components[0] if len(components) == 1 else MixtureSamples(
+        components, [ref.weight for ref in plan.stores], seed
+    )
+    validation = None
+    if plan.validation is not None:
+        store = TokenStore(plan.validation.url, plan.storage_options)
+        sequences = PackedSequences(store, seq_len, seed)
+        validation = HeldOutSamples([(sequences, np.arange(window_count(store, seq_len)))])
+    elif plan.validation_fraction > 0:
+        validation = HeldOutSamples(held_out)
+    return TrainingData(train, validation, plan.vocab_size, plan.fingerprint)

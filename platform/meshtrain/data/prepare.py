@@ -1,0 +1,278 @@
+"""Tokenize a source into a token store: one task per unit, resumable, independent of parallelism.
+
+Every unit becomes exactly one shard, encoded on its own, so the bytes of each shard depend only on
+the unit's documents and the tokenizer, never on how many tasks ran at once or in which order they
+finished. A unit whose shard record and bytes are already in the store is not redone; the manifest
+is written last, after every shard is in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from meshtrain.config import ConfigError
+from meshtrain.data.sources import SourcePlan, Unit, read_unit
+from meshtrain.data.store import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    PLAN,
+    TOKENIZER,
+    Manifest,
+    ShardRecord,
+    StoreLocation,
+    read_manifest,
+    shard_name,
+    store_fingerprint,
+    token_dtype,
+)
+from meshtrain.data.tokenizer import eos_token_id, tokenizer_sha256
+
+ENCODE_BATCH = 256
+# Tokenizer threads in a prepare task: one per Ray CPU, so 1 vs N CPUs means what it says.
+TASK_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+def _record_name(index: int) -> str:
+    return shard_name(index).replace(".bin", ".json")
+
+
+def _unit_key(plan: SourcePlan, unit: Unit, tokenizer_hash: str, limit: int | None) -> str:
+    text = json.dumps([FORMAT_VERSION, plan.fingerprint, plan.field, unit.model_dump(), tokenizer_hash, limit])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def store_key(plan: SourcePlan, tokenizer_hash: str, unit_bytes: int) -> str:
+    """Cache key of the store a source + tokenizer + format prepare into."""
+    source = plan.source.model_dump(exclude={"weight"})
+    text = json.dumps([FORMAT, FORMAT_VERSION, source, plan.fingerprint, tokenizer_hash, unit_bytes], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def tokenize_unit(
+    plan: SourcePlan, unit: Unit, tokenizer_json: str, url: str, storage_options: dict[str, Any],
+    limit: int | None = None,
+) -> ShardRecord:
+    """Encode one unit's documents (each followed by the end-of-document token) into its shard."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    eos = eos_token_id(tokenizer)
+    dtype = token_dtype(tokenizer.get_vocab_size())
+    pieces: list[np.ndarray] = []
+    documents = 0
+    batch: list[str] = []
+
+    def flush() -> None:
+        for encoding in tokenizer.encode_batch(batch):
+            pieces.append(np.asarray(encoding.ids + [eos], dtype=dtype))
+        batch.clear()
+
+    for text in read_unit(plan, unit):
+        if limit is not None and documents >= limit:
+            break
+        batch.append(text)
+        documents += 1
+        if len(batch) == ENCODE_BATCH:
+            flush()
+    flush()
+    tokens = np.concatenate(pieces) if pieces else np.empty(0, dtype=dtype)
+    data = tokens.astype(dtype.newbyteorder("<"), copy=False).tobytes()
+    location = StoreLocation(url, storage_options)
+    name = shard_name(unit.index)
+    location.write_bytes(name, data)
+    record = ShardRecord(
+        file=name,
+        unit=_unit_key(plan, unit, tokenizer_sha256(tokenizer_json), limit),
+        tokens=len(tokens),
+        documents=documents,
+        sha256=hashlib.sha256(data).hexdigest(),
+        source_bytes=unit.bytes,
+    )
+    location.write_text(_record_name(unit.index), record.model_dump_json())
+    return record
+
+
+def _finished_record(location: StoreLocation, index: int, key: str, itemsize: int) -> ShardRecord | None:
+    """The record of a shard an earlier prepare finished and whose bytes still agree, else None."""
+    if not location.exists(_record_name(index)):
+        return None
+    try:
+        record = ShardRecord.model_validate_json(location.read_text(_record_name(index)))
+    except ValueError:
+        return None
+    if record.unit != key or location.size(record.file) != record.tokens * itemsize:
+        return None
+    return record if location.sha256(record.file) == record.sha256 else None
+
+
+@dataclass
+class PrepareReport:
+    manifest: Manifest
+    url: str
+    seconds: float
+    reused_shards: int
+    prepared_tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.prepared_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class _Progress:
+    """A progress line for prepare: rewritten in place on a terminal, throttled otherwise."""
+
+    def __init__(self, total: int, interval_s: float) -> None:
+        self.total, self.interval_s = total, interval_s
+        self.done, self.tokens = 0, 0
+        self.started = self.last = time.perf_counter()
+        self.tty = sys.stdout.isatty()
+
+    def update(self, record: ShardRecord) -> None:
+        self.done += 1
+        self.tokens += record.tokens
+        now = time.perf_counter()
+        if not self.tty and now - self.last < self.interval_s and self.done < self.total:
+            return
+        self.last = now
+        rate = self.tokens / max(now - self.started, 1e-9)
+        line = f"[meshtrain] prepare: {self.done}/{self.total} shards, {self.tokens:,} tokens, {rate:,.0f} tok/s"
+        print(f"\r{line}" if self.tty else line, end="" if self.tty and self.done < self.total else "\n", flush=True)
+
+
+def prepare_store(
+    plan: SourcePlan,
+    tokenizer_json: str,
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    use_ray: bool = True,
+    max_parallel: int | None = None,
+    progress_interval_s: float = 30.0,
+    on_shard: Callable[[ShardRecord], None] | None = None,
+) -> PrepareReport:
+    """Prepare (or finish, or reuse) the store of ``plan`` encoded with ``tokenizer_json`` at ``url``.
+
+    ``max_parallel`` bounds the Ray tasks in flight (default: as many as Ray will run). A source
+    with ``max_documents`` and one document per row is read in order in this process.
+    """
+    started = time.perf_counter()
+    storage_options = dict(storage_options or {})
+    location = StoreLocation(url, storage_options)
+    tokenizer_hash = tokenizer_sha256(tokenizer_json)
+    plan_text = json.dumps(
+        {"format": FORMAT, "version": FORMAT_VERSION, "source": plan.describe(), "tokenizer_sha256": tokenizer_hash},
+        indent=1,
+    )
+    if location.exists(MANIFEST):
+        manifest = read_manifest(location)
+        if manifest.source_fingerprint != plan.fingerprint or manifest.tokenizer_sha256 != tokenizer_hash:
+            raise ConfigError(
+                f"data.cache_dir: {location.url} already holds a store of another source or tokenizer; "
+                "choose another output folder (nothing was changed)"
+            )
+        return PrepareReport(manifest, location.url, time.perf_counter() - started, len(manifest.shards), 0)
+    if location.exists(PLAN) and location.read_text(PLAN) != plan_text:
+        raise ConfigError(
+            f"data.cache_dir: {location.url} holds an unfinished prepare of another source or tokenizer; "
+            "choose another output folder or remove that one"
+        )
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    dtype = token_dtype(tokenizer.get_vocab_size())
+    location.write_text(PLAN, plan_text)
+    location.write_text(TOKENIZER, tokenizer_json)
+
+    sequential_limit = plan.source.max_documents if plan.loader not in {"text"} else None
+    records: dict[str, ShardRecord] = {}  # by shard file
+    todo: list[Unit] = []
+    for unit in plan.units:
+        key = _unit_key(plan, unit, tokenizer_hash, None)
+        record = None if sequential_limit is not None else _finished_record(location, unit.index, key, dtype.itemsize)
+        if record is None:
+            todo.append(unit)
+        else:
+            records[record.file] = record
+    reused = len(records)
+    progress = _Progress(len(plan.units), progress_interval_s)
+    for record in records.values():
+        progress.update(record)
+
+    def finished(record: ShardRecord) -> None:
+        records[record.file] = record
+        progress.update(record)
+        if on_shard is not None:
+            on_shard(record)
+
+    if sequential_limit is not None:
+        remaining = sequential_limit
+        for unit in todo:
+            record = tokenize_unit(plan, unit, tokenizer_json, location.url, storage_options, limit=remaining)
+            remaining -= record.documents
+            finished(record)
+    elif use_ray and todo:
+        _run_on_ray(plan, todo, tokenizer_json, location.url, storage_options, max_parallel, finished)
+    else:
+        for unit in todo:
+            finished(tokenize_unit(plan, unit, tokenizer_json, location.url, storage_options))
+
+    shards = tuple(records[shard_name(unit.index)] for unit in plan.units)
+    manifest = Manifest(
+        format=FORMAT,
+        version=FORMAT_VERSION,
+        complete=True,
+        dtype=dtype.name,
+        vocab_size=tokenizer.get_vocab_size(),
+        eos_id=eos_token_id(tokenizer),
+        tokenizer_sha256=tokenizer_hash,
+        source=plan.describe(),
+        source_fingerprint=plan.fingerprint,
+        documents=sum(s.documents for s in shards),
+        tokens=sum(s.tokens for s in shards),
+        shards=shards,
+        fingerprint=store_fingerprint(dtype.name, tokenizer_hash, shards),
+    )
+    if manifest.documents == 0:
+        raise ConfigError(f"data.source: {plan.source.source!r} holds no documents; point it at files with text")
+    location.write_text(MANIFEST, manifest.model_dump_json(indent=1))
+    prepared = sum(records[shard_name(u.index)].tokens for u in todo)
+    return PrepareReport(manifest, location.url, time.perf_counter() - started, reused, prepared)
+
+
+def _run_on_ray(
+    plan: SourcePlan,
+    units: list[Unit],
+    tokenizer_json: str,
+    url: str,
+    storage_options: dict[str, Any],
+    max_parallel: int | None,
+    finished: Callable[[ShardRecord], None],
+) -> None:
+    import ray
+
+    from meshtrain.rayerrors import config_error_in
+
+    task = ray.remote(tokenize_unit).options(num_cpus=1, runtime_env={"env_vars": TASK_ENV})
+    plan_ref, tokenizer_ref = ray.put(plan), ray.put(tokenizer_json)
+    waiting = list(units)
+    running: list[Any] = []
+    limit = max_parallel or len(units)
+    try:
+        while waiting or running:
+            while waiting and len(running) < limit:
+                running.append(task.remote(plan_ref, waiting.pop(0), tokenizer_ref, url, storage_options))
+            done, running = ray.wait(running, num_returns=1)
+            finished(ray.get(done[0]))
+    except ray.exceptions.RayTaskError as exc:
+        for ref in running:
+            ray.cancel(ref)
+        raise config_error_in(exc) or exc from None

@@ -1,0 +1,238 @@
+"""Where documents come from: the standard library's sources, local files, or a Hub dataset.
+
+A source is cut into *units* (groups of whole files, or shards of a streamed Hub dataset) that are
+tokenized independently, one prepare task each. Documents are read through Hugging Face
+``datasets`` in streaming mode, so no Arrow copy of the corpus is written and memory stays bounded.
+The order of documents (units in listing order, documents in file order) is fixed by the source
+alone, never by how many CPUs read it.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import socket
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from pydantic import BaseModel, ConfigDict
+
+from meshtrain.config import ConfigError, SourceConfig
+
+LOADERS_BY_SUFFIX = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# Files with one document each (read whole); the others hold one document per row.
+_DOCUMENT_PER_FILE = {"text"}
+
+
+def stdlib_source_files() -> list[Path]:
+    """The top-level ``*.py`` files of this interpreter's standard library (present on every machine)."""
+    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+
+
+def expand_local_source(source: str) -> list[Path]:
+    """Data files named by a file, a directory (searched recursively) or a glob."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        candidates = [path]
+    elif path.is_dir():
+        candidates = sorted(p for p in path.rglob("*") if p.is_file())
+    else:
+        candidates = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+    return [p for p in candidates if p.suffix.lower() in LOADERS_BY_SUFFIX]
+
+
+def first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+class Unit(BaseModel):
+    """One prepare task's input: whole files, or one shard of a streamed Hub dataset."""
+
+    model_config = ConfigDict(frozen=True)
+
+    index: int
+    files: tuple[str, ...] = ()
+    hub_shard: int | None = None
+    bytes: int = 0
+
+
+class SourcePlan(BaseModel):
+    """A source resolved against the world: its loader, units and content fingerprint."""
+
+    model_config = ConfigDict(frozen=True)
+
+    source: SourceConfig
+    loader: str
+    field: str
+    units: tuple[Unit, ...]
+    fingerprint: str
+    hub_shards: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return sum(unit.bytes for unit in self.units)
+
+    def describe(self) -> dict[str, Any]:
+        return {"source": self.source.source, "loader": self.loader, "field": self.field,
+                "units": len(self.units), "bytes": self.bytes, "fingerprint": self.fingerprint}
+
+
+def _group_files(files: list[Path], unit_bytes: int) -> tuple[Unit, ...]:
+    """Consecutive files grouped until each group holds at least ``unit_bytes`` (a big file alone)."""
+    units: list[Unit] = []
+    group: list[str] = []
+    size = 0
+    for path in files:
+        group.append(str(path))
+        size += path.stat().st_size
+        if size >= unit_bytes:
+            units.append(Unit(index=len(units), files=tuple(group), bytes=size))
+            group, size = [], 0
+    if group:
+        units.append(Unit(index=len(units), files=tuple(group), bytes=size))
+    return tuple(units)
+
+
+def _files_fingerprint(files: list[Path], root: Path | None) -> str:
+    """Names, sizes and modification times of the files: cheap to compute on a 10 TB corpus, and it
+    changes whenever a file is rewritten. (The store's own fingerprint hashes the tokens.)"""
+    digest = hashlib.sha256()
+    for path in files:
+        stat = path.stat()
+        name = str(path.relative_to(root)) if root is not None else str(path)
+        digest.update(f"{name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def plan_source(source: SourceConfig, unit_bytes: int) -> SourcePlan:
+    """List a source's files (or Hub shards) and cut them into prepare units."""
+    if source.source == "stdlib":
+        files = stdlib_source_files()
+        if source.max_documents is not None:
+            files = files[: source.max_documents]
+        return SourcePlan(
+            source=source, loader="text", field="text", units=_group_files(files, unit_bytes),
+            fingerprint=_files_fingerprint(files, files[0].parent),
+        )
+    if source.source.startswith("hf:"):
+        return _plan_hub_source(source)
+    files = expand_local_source(source.source)
+    if not files:
+        raise ConfigError(
+            f"data.source: no .txt/.jsonl/.json/.parquet files at {source.source!r}; give an existing file, "
+            "directory or glob, 'stdlib', or 'hf:<dataset>'"
+        )
+    loaders = {LOADERS_BY_SUFFIX[p.suffix.lower()] for p in files}
+    if len(loaders) != 1:
+        raise ConfigError(
+            f"data.source: {source.source!r} mixes formats ({', '.join(sorted(loaders))}); point it at one kind of file"
+        )
+    empty = next((p for p in files if p.stat().st_size == 0), None)
+    if empty is not None:
+        raise ConfigError(f"data.source: {empty} is empty; remove it or point data.source at the other files")
+    loader = loaders.pop()
+    if loader in _DOCUMENT_PER_FILE and source.max_documents is not None:
+        files = files[: source.max_documents]
+    field = "text" if loader in _DOCUMENT_PER_FILE else source.text_field
+    root = Path(source.source).expanduser()
+    return SourcePlan(
+        source=source, loader=loader, field=field, units=_group_files(files, unit_bytes),
+        fingerprint=_files_fingerprint(files, root if root.is_dir() else None),
+    )
+
+
+def hub_endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+
+
+def check_hub_reachable(source: str, timeout_s: float = 3.0) -> None:
+    """Fail in seconds, with one line, where the Hub cannot be reached (instead of retrying for long)."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes"}:
+        raise ConfigError(
+            f"data.source: {source!r} needs the Hugging Face Hub but HF_HUB_OFFLINE is set; "
+            "prepare it on a connected machine (jobs/prepare_data.py) and point data.source at the token store"
+        )
+    url = urlparse(hub_endpoint())
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname or "", port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"data.source: cannot reach {url.scheme}://{url.hostname} to stream {source!r} ({exc}); "
+            "prepare it on a connected machine (jobs/prepare_data.py) and point data.source at the token store"
+        ) from None
+
+
+def _hub_stream(source: SourceConfig) -> Any:
+    import datasets
+
+    datasets.disable_progress_bars()
+    return datasets.load_dataset(source.source[3:], source.hf_config, split=source.split, streaming=True)
+
+
+def _plan_hub_source(source: SourceConfig) -> SourcePlan:
+    check_hub_reachable(source.source)
+    try:
+        stream = _hub_stream(source)
+        revision = _hub_revision(source.source[3:])
+    except Exception as exc:  # datasets/hub raise many types; the user needs the source named
+        raise ConfigError(
+            f"data.source: cannot open {source.source!r} ({first_line(exc)}); check the dataset name, "
+            "data.hf_config and data.split"
+        ) from None
+    if source.text_field not in (stream.column_names or [source.text_field]):
+        raise ConfigError(
+            f"data.text_field: column {source.text_field!r} not in {source.source!r} "
+            f"(columns: {', '.join(stream.column_names)})"
+        )
+    shards = stream.num_shards
+    key = json.dumps([source.source, source.hf_config, source.split, revision, source.max_documents])
+    return SourcePlan(
+        source=source, loader="hub", field=source.text_field,
+        units=tuple(Unit(index=i, hub_shard=i) for i in range(shards)),
+        fingerprint=hashlib.sha256(key.encode()).hexdigest(), hub_shards=shards,
+    )
+
+
+def _hub_revision(name: str) -> str:
+    from huggingface_hub import HfApi
+
+    return HfApi().dataset_info(name).sha or "unknown"
+
+
+def read_unit(plan: SourcePlan, unit: Unit) -> Iterator[str]:
+    """The documents of one unit, in order."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        if plan.loader == "hub":
+            stream = _hub_stream(plan.source).shard(num_shards=plan.hub_shards, index=unit.hub_shard)
+        else:
+            kwargs = {"sample_by": "document"} if plan.loader == "text" else {}
+            stream = datasets.load_dataset(
+                plan.loader, data_files=list(unit.files), split="train", streaming=True, **kwargs
+            )
+        for row in stream:
+            text = row.get(plan.field)
+            if text is None:
+                raise ConfigError(
+                    f"data.text_field: column {plan.field!r} not in {_where(unit)} (columns: {', '.join(row)}); "
+                    "set data.text_field to the column holding the text"
+                )
+            yield text
+    except ConfigError:
+        raise
+    except Exception as exc:  # pyarrow/json/datasets errors: name the files and the problem
+        raise ConfigError(f"data.source: cannot read {_where(unit)} ({first_line(exc)}); check the files") from None
+
+
+def _where(unit: Unit) -> str:
+    if unit.hub_shard is not None:
+        return f"hub shard {unit.hub_shard}"
+    return unit.files[0] if len(unit.files) == 1 else f"{unit.files[0]} (and {len(unit.files) - 1} more files)"

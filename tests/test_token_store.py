@@ -1,0 +1,361 @@
+"""Token stores: equal to the in-memory stream, built in parallel and resumably, mixtures, a
+validation split, and one-line errors for every kind of bad store."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from corpora import stdlib_plan
+from meshtrain.config import ConfigError, DataConfig, load_config
+from meshtrain.data import (
+    DataParallelBatches,
+    MixtureSamples,
+    PackedSequences,
+    TokenStore,
+    open_data,
+    prepare_data,
+    stdlib_source_files,
+    verify_store,
+)
+from meshtrain.data.pipeline import TrainingData
+from meshtrain.data.sampling import apportion
+from meshtrain.training import WorkerLayout, train
+
+REPO = Path(__file__).resolve().parents[1]
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    # Small units: the 24 files land in several shards, so windows cross shard boundaries.
+    return stdlib_plan(tmp_path_factory.mktemp("stores"), documents=24, prepare_unit_bytes=100_000)
+
+
+def in_memory_stream(tokenizer_json: str, eos: int, documents: int) -> np.ndarray:
+    """The stream the old in-memory path built: every document's ids then the end token, in file order."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    texts = [p.read_text() for p in stdlib_source_files()[:documents]]
+    return np.concatenate([np.asarray(e.ids + [eos], dtype=np.uint16) for e in tokenizer.encode_batch(texts)])
+
+
+def test_store_stream_equals_the_in_memory_stream_bitwise(plan) -> None:
+    store = TokenStore(plan.stores[0].url)
+    assert len(store.manifest.shards) > 2
+    reference = in_memory_stream(plan.tokenizer_json, plan.eos_id, 24)
+    assert np.array_equal(store.read(0, len(store)), reference)
+    a, b = PackedSequences(reference, SEQ, 0), open_data(plan, SEQ, 0).train
+    assert all(np.array_equal(a.sample(i), b.sample(i)) for i in range(2 * a.windows))
+    boundary = int(store.offsets[1])  # a read across the first shard boundary joins both
+    assert np.array_equal(store.read(boundary - 5, boundary + 5), reference[boundary - 5 : boundary + 5])
+
+
+def test_training_from_the_store_equals_training_in_memory(plan) -> None:
+    cfg = load_config(None, ["train.steps=6", "train.log_every=1", "train.global_batch_size=4", "train.micro_batch_size=2",
+                             f"data.seq_len={SEQ}", "data.vocab_size=512", "scaling.num_workers=1", "checkpoint.enabled=false"])
+    reference = in_memory_stream(plan.tokenizer_json, plan.eos_id, 24)
+    in_memory = TrainingData(PackedSequences(reference, SEQ, 0), None, plan.vocab_size, "in-memory")
+    losses = [[r["loss"] for r in train(cfg, data, WorkerLayout(), torch.device("cpu")).records] for data in (plan, in_memory)]
+    assert losses[0] == losses[1]  # bitwise
+
+
+def test_a_second_prepare_reuses_the_store(plan, tmp_path) -> None:
+    cache = str(Path(plan.stores[0].url).parent)
+    started = time.perf_counter()
+    again = stdlib_plan(Path(cache), documents=24, prepare_unit_bytes=100_000)
+    assert again == plan and time.perf_counter() - started < 2.0
+
+
+# --- mixtures and validation --------------------------------------------------------------------
+
+
+def test_apportion_is_exact() -> None:
+    assert apportion(4096, [0.7, 0.3]) == [2867, 1229]
+    assert sum(apportion(4096, [1, 1, 1])) == 4096
+
+
+def unique(n_windows: int, offset: int) -> np.ndarray:
+    return np.arange(offset, offset + SEQ * n_windows + 1, dtype=np.uint32)
+
+
+def mixture(seed: int = 0) -> MixtureSamples:
+    # Token values tell the sources apart: code < 1e6 <= text.
+    code, text = PackedSequences(unique(300, 0), SEQ, (seed, 0)), PackedSequences(unique(500, 10**6), SEQ, (seed, 1))
+    return MixtureSamples([code, text], [0.7, 0.3], seed)
+
+
+def test_mixture_proportions_hold_and_are_deterministic() -> None:
+    samples = [mixture().sample(i) for i in range(10_000)]
+    code_share = sum(int(s[0] < 10**6) for s in samples) / len(samples)
+    print(f"code share over 10,000 samples: {code_share:.4f} (weight 0.7)")
+    assert abs(code_share - 0.7) < 0.02
+    again = mixture()
+    assert all(np.array_equal(again.sample(i), samples[i]) for i in range(0, 10_000, 7))
+    other_seed = mixture(seed=1)
+    assert not all(np.array_equal(other_seed.sample(i), samples[i]) for i in range(64))
+
+
+def test_mixture_resumes_exactly_on_another_world_size() -> None:
+    def rows(world: int, start: int, steps: int) -> list[list[tuple]]:
+        out: list[list[tuple]] = []
+        for rank in range(world):
+            batches = DataParallelBatches(mixture(), 16, 16 // world // 2, rank, world, torch.device("cpu"), position=start)
+            for step in range(steps):
+                got = [tuple(r.tolist()) for inputs, _ in batches.next_step() for r in inputs]
+                if rank == 0:
+                    out.append(got)
+                else:
+                    out[step] += got
+        return [sorted(step) for step in out]
+
+    straight = rows(4, 0, 6)
+    assert rows(2, 3 * 16, 3) == straight[3:]  # resumed at step 3 on half the ranks
+
+
+def test_validation_windows_are_never_trained_on(plan) -> None:
+    split = DataConfig(validation={"fraction": 0.1})
+    data = open_data(type(plan)(**{**plan.__dict__, "validation_fraction": split.validation.fraction}), SEQ, 0)
+    assert data.validation is not None and len(data.validation) > 0
+    [(sequences, ids)] = data.validation.parts
+    held = set(ids.tolist())  # window ids (real text can repeat a window's contents)
+    trained = {data.train.window_of(i) for i in range(2 * data.train.windows)}
+    assert not held & trained and len(trained) == data.train.windows
+    assert np.array_equal(data.validation.sample(0), sequences.window(int(ids[0])))
+    total = data.train.windows + len(data.validation)
+    assert total == (plan.tokens - 1) // SEQ
+    single = [tuple(r.tolist()) for i, t in data.validation.batches(9, 4, 0, 1, torch.device("cpu")) for r in i]
+    split_ranks = [tuple(r.tolist()) for k in range(3) for i, t in data.validation.batches(9, 2, k, 3, torch.device("cpu")) for r in i]
+    assert sorted(single) == sorted(split_ranks) and len(single) == 9
+
+
+def test_a_separate_validation_source(tmp_path) -> None:
+    docs = tmp_path / "held_out"
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"v{i}.txt").write_text(stdlib_source_files()[-1 - i].read_text())
+    plan = stdlib_plan(tmp_path / "c", documents=8, validation={"source": str(docs)})
+    data = open_data(plan, SEQ, 0)
+    assert plan.validation is not None and data.validation is not None
+    assert len(data.validation) == (plan.validation.tokens - 1) // SEQ
+
+
+# --- preparing on Ray ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> Path:
+    """40 jsonl files of standard-library sources: one prepare unit each."""
+    folder = tmp_path_factory.mktemp("jsonl_corpus")
+    files = stdlib_source_files()
+    for i in range(40):
+        with (folder / f"part{i:03d}.jsonl").open("w") as out:
+            for path in files[3 * i : 3 * i + 3]:
+                out.write(json.dumps({"text": path.read_text()}) + "\n")
+    return folder
+
+
+def prepare_job(corpus: Path, output: Path, *extra: str) -> subprocess.Popen[str]:
+    command = [sys.executable, "jobs/prepare_data.py", "--output", str(output), f"data.source={corpus}",
+               "data.prepare_unit_bytes=1", "data.vocab_size=512", "metrics.progress_interval_s=0", *extra]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def shard_bytes(store: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(store.glob("shard-*.bin"))}
+
+
+@pytest.mark.ray
+def test_prepare_on_ray_with_one_or_two_cpus_and_after_a_kill_writes_the_same_shards(corpus_dir, tmp_path) -> None:
+    stores = {}
+    for cpus in (1, 2):
+        job = prepare_job(corpus_dir, tmp_path / f"cpus{cpus}", f"--max-parallel={cpus}")
+        output, _ = job.communicate(timeout=300)
+        assert job.returncode == 0, output
+        [store] = [p for p in (tmp_path / f"cpus{cpus}").iterdir() if p.name != "tokenizers"]
+        stores[cpus] = store
+        assert "40/40 shards" in output and "tok/s" in output
+    assert shard_bytes(stores[1]) == shard_bytes(stores[2]) and len(shard_bytes(stores[1])) == 40
+    manifests = [json.loads((s / "manifest.json").read_text()) for s in stores.values()]
+    assert manifests[0]["fingerprint"] == manifests[1]["fingerprint"]
+
+    # Killed midway (the whole process group: driver and its local Ray), then run again.
+    killed = tmp_path / "killed"
+    job = prepare_job(corpus_dir, killed, "--max-parallel=1")
+    deadline = time.monotonic() + 120
+    while len(list(killed.glob("*/shard-*.json"))) < 3:
+        assert job.poll() is None and time.monotonic() < deadline, "prepare ended before it could be killed"
+        time.sleep(0.1)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.communicate(timeout=60)
+    [store] = [p for p in killed.iterdir() if p.name != "tokenizers"]
+    assert not (store / "manifest.json").exists()
+    with pytest.raises(ConfigError, match="prepare was interrupted; run jobs/prepare_data.py again"):
+        TokenStore(str(store))
+    done_before = len(list(store.glob("shard-*.json")))
+    rerun = prepare_job(corpus_dir, killed, "--max-parallel=2")
+    output, _ = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, output
+    reused = int(output.split(" re-used")[0].rsplit("(", 1)[1])
+    assert reused >= min(done_before, 3) - 1  # a shard being written at the kill is redone
+    assert shard_bytes(store) == shard_bytes(stores[1])
+    assert json.loads((store / "manifest.json").read_text())["fingerprint"] == manifests[0]["fingerprint"]
+    verify_store(str(store))
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def store_copy(plan, tmp_path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(plan.stores[0].url, tmp_path / "store"))
+
+
+def test_truncated_shard_is_named(store_copy: Path) -> None:
+    shard = store_copy / "shard-000001.bin"
+    shard.write_bytes(shard.read_bytes()[:-2])
+    with pytest.raises(ConfigError, match=r"shard .*shard-000001.bin holds \d+ bytes, its manifest says"):
+        TokenStore(str(store_copy))
+
+
+def test_replaced_shard_fails_its_checksum(store_copy: Path) -> None:
+    shard = store_copy / "shard-000000.bin"
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 1
+    shard.write_bytes(bytes(data))
+    TokenStore(str(store_copy))  # same size: opening only checks sizes
+    with pytest.raises(ConfigError, match="shard-000000.bin does not match its manifest checksum"):
+        verify_store(str(store_copy))
+
+
+def test_store_of_another_format_version(store_copy: Path) -> None:
+    manifest = json.loads((store_copy / "manifest.json").read_text())
+    (store_copy / "manifest.json").write_text(json.dumps({**manifest, "version": 99}))
+    with pytest.raises(ConfigError, match="written in token store format 99, this meshtrain reads format 1"):
+        TokenStore(str(store_copy))
+
+
+def test_a_store_is_used_directly_as_data_source(plan, store_copy: Path, tmp_path) -> None:
+    cfg = load_config(None, [f"data.source={store_copy}"])
+    direct = prepare_data(cfg.data, str(tmp_path / "unused"), SEQ, use_ray=False, log=print)
+    assert direct.stores[0].fingerprint == plan.stores[0].fingerprint
+    assert not (tmp_path / "unused").exists() or not any((tmp_path / "unused").glob("*/manifest.json"))
+
+
+def test_an_occupied_output_is_never_overwritten(plan, tmp_path, corpus_dir) -> None:
+    from meshtrain.config import SourceConfig
+    from meshtrain.data.prepare import prepare_store
+    from meshtrain.data.sources import plan_source
+
+    url = plan.stores[0].url
+    before = {p.name: p.stat().st_mtime_ns for p in Path(url).iterdir()}
+    other = plan_source(SourceConfig(source=str(corpus_dir)), 1 << 20)
+    with pytest.raises(ConfigError, match="already holds a store of another source"):
+        prepare_store(other, plan.tokenizer_json, url, use_ray=False)
+    assert {p.name: p.stat().st_mtime_ns for p in Path(url).iterdir()} == before
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["data.sources=[{source: stdlib, weight: 0}]"], "data.sources.0.weight: .*positive finite number"),
+        (["data.sources=[{source: stdlib, weight: -1}]"], "data.sources.0.weight"),
+        (["data.sources=[]"], "data.sources: an empty list"),
+        (["data.source=stdlib", "data.sources=[{source: stdlib}]"], "set either data.source or data.sources"),
+        (["data.validation.fraction=0.6"], "data.validation.fraction"),
+    ],
+)
+def test_bad_mixture_and_validation_settings(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_bad_source_files(tmp_path) -> None:
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "mixed" / "b.txt").write_text("y")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.jsonl").write_text("")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "a.parquet").write_bytes(b"not parquet at all")
+    for folder, message in (("mixed", "mixes formats"), ("empty", "a.jsonl is empty"), ("broken", "cannot read .*a.parquet")):
+        with pytest.raises(ConfigError, match=f"data.source: .*{message}") as info:
+            prepare_data(DataConfig(source=str(tmp_path / folder)), str(tmp_path / "c"), SEQ, use_ray=False, log=print)
+        assert "\n" not in str(info.value)
+
+
+def test_resume_on_other_data_is_refused(plan, tmp_path) -> None:
+    from meshtrain.launcher import check_data_fingerprint
+
+    cfg = load_config(None, [f"run.storage_path={tmp_path}", "run.name=r"])
+    step = tmp_path / "r" / "checkpoints" / "step-00000010"
+    step.mkdir(parents=True)
+    (step / "COMMITTED").write_text(json.dumps({"step": 10, "data_fingerprint": "0" * 64, "files": {}}))
+    with pytest.raises(ConfigError, match=f"trained on data 0000000000000000, this launch reads {plan.fingerprint[:16]}.*allow_fingerprint_change"):
+        check_data_fingerprint(cfg, plan)
+    check_data_fingerprint(load_config(None, [f"run.storage_path={tmp_path}", "run.name=r", "data.allow_fingerprint_change=true"]), plan)
+    (step / "COMMITTED").write_text(json.dumps({"step": 10, "data_fingerprint": plan.fingerprint, "files": {}}))
+    check_data_fingerprint(cfg, plan)
+
+
+def test_hub_source_without_network_fails_fast_in_one_line(tmp_path) -> None:
+    started = time.perf_counter()
+    with pytest.raises(ConfigError) as info:
+        prepare_data(DataConfig(source="hf:meshtrain-tests/no-such-dataset"), str(tmp_path), SEQ, use_ray=False, log=print)
+    elapsed = time.perf_counter() - started
+    print(f"hub failure after {elapsed:.1f}s: {info.value}")
+    assert str(info.value).startswith("data.source: ") and "\n" not in str(info.value)
+    assert elapsed < 15
+
+
+# --- remote stores ------------------------------------------------------------------------------
+
+
+def test_a_store_on_s3_is_prepared_cached_locally_and_checked(plan, tmp_path, monkeypatch) -> None:
+    import boto3
+    import moto.server as server_module
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("MESHTRAIN_TOKEN_CACHE", str(tmp_path / "local_cache"))
+    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        options = {"client_kwargs": {"endpoint_url": f"http://{host}:{port}", "region_name": "us-east-1"}}
+        boto3.client("s3", **options["client_kwargs"]).create_bucket(Bucket="data")
+        data = DataConfig(max_documents=24, vocab_size=512, seq_len=SEQ, prepare_unit_bytes=100_000, storage_options=options)
+        remote = prepare_data(data, "s3://data/token_stores", SEQ, run_tokenizer=plan.tokenizer_json, use_ray=False, log=print)
+        assert remote.stores[0].url.startswith("s3://data/token_stores/")
+        assert remote.fingerprint == plan.fingerprint  # the same tokens wherever they are stored
+        local = TokenStore(plan.stores[0].url)
+        store = TokenStore(remote.stores[0].url, options)
+        assert np.array_equal(store.read(0, len(store)), local.read(0, len(local)))
+        cached = sorted(p.name for p in (tmp_path / "local_cache").rglob("shard-*.bin"))
+        assert cached == [s.file for s in store.manifest.shards]
+
+        import s3fs
+
+        fs = s3fs.S3FileSystem(**options)
+        shard = f"{remote.stores[0].url}/shard-000001.bin"
+        fs.pipe(shard, b"\0\0" * store.manifest.shards[1].tokens)  # same size, other bytes
+        monkeypatch.setenv("MESHTRAIN_TOKEN_CACHE", str(tmp_path / "fresh_cache"))
+        with pytest.raises(ConfigError, match="shard-000001.bin does not match its manifest checksum"):
+            fresh = TokenStore(remote.stores[0].url, options)
+            fresh.read(0, len(fresh))
+    finally:
+        server.stop()
