@@ -359,3 +359,16 @@ def test_a_store_on_s3_is_prepared_cached_locally_and_checked(plan, tmp_path, mo
             fresh.read(0, len(fresh))
     finally:
         server.stop()
+
+
+def test_a_rerun_may_move_the_cache_or_allow_other_data_but_not_change_the_source(tmp_path) -> None:
+    from meshtrain.launcher import resolve_run, write_run_config
+
+    def rerun(*overrides: str) -> None:
+        write_run_config(*resolve_run(load_config(None, [f"run.storage_path={tmp_path}", "run.name=r", *overrides])))
+
+    (tmp_path / "text.txt").write_text("other data")
+    rerun()
+    rerun(f"data.cache_dir={tmp_path / 'elsewhere'}", "data.allow_fingerprint_change=true")
+    with pytest.raises(ConfigError, match="data.source: run r was started with 'stdlib'"):
+        rerun(f"data.source={tmp_path / 'text.txt'}")

@@ -34,8 +34,12 @@ def config_yaml(cfg: MeshtrainConfig) -> str:
 
 
 # Settings a re-run of an existing run name may change: it resumes from the run's checkpoints, so
-# the model, data, optimizer, seed and global batch must stay as they were.
-RESUMABLE_CHANGES = ("train.steps", "train.log_every", "train.micro_batch_size", "parallel", "scaling", "run", "checkpoint", "metrics", "fault")
+# the model, data, optimizer, seed and global batch must stay as they were. Where the token stores
+# are cached and how storage is reached do not change the tokens (their fingerprint is checked).
+RESUMABLE_CHANGES = (
+    "train.steps", "train.log_every", "train.micro_batch_size", "parallel", "scaling", "run", "checkpoint",
+    "metrics", "fault", "data.cache_dir", "data.storage_options", "data.allow_fingerprint_change",
+)
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
