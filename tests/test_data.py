@@ -55,6 +55,79 @@ def test_missing_text_column_is_a_config_error(tmp_path) -> None:
         all_documents(SourceConfig(source=str(source)))
 
 
+def test_a_small_corpus_is_cut_finer_than_the_unit_size_but_not_below_one_mib() -> None:
+    from meshtrain.data.sources import MIN_UNIT_BYTES, UNITS_WANTED, unit_target
+
+    assert unit_target(100 * 2**30, 64 * 2**20) == 64 * 2**20
+    assert unit_target(UNITS_WANTED * 3 * 2**20, 64 * 2**20) == 3 * 2**20
+    assert unit_target(5 * 2**20, 64 * 2**20) == MIN_UNIT_BYTES
+    assert unit_target(5 * 2**20, 1000) == 1000  # an explicit small size is kept (tests, tiny corpora)
+    units = plan_source(SourceConfig(), 64 * 2**20).units  # the default job's corpus, about 5 MB of files
+    assert 3 <= len(units) <= 8 and all(unit.start is None for unit in units)
+
+
+def write_jsonl(path, documents: list[str], field: str = "text") -> None:
+    path.write_text("".join(json.dumps({field: d, "n": i}) + "\n" for i, d in enumerate(documents)))
+
+
+@pytest.mark.parametrize("range_bytes", [7, 50, 333, 4096])
+def test_a_big_jsonl_file_is_split_into_byte_ranges_that_read_every_line_once(
+    tmp_path, monkeypatch, range_bytes: int
+) -> None:
+    """Split anywhere, even inside a line or between the bytes of a newline-free long line, the
+    ranges together read exactly the documents `datasets` reads from the whole file, in order."""
+    import meshtrain.data.sources as sources
+
+    documents = DOCS + ["x" * 1000, "", "ünïcödé ✓"] + DOCS[:3]
+    write_jsonl(tmp_path / "a.jsonl", documents)
+    (tmp_path / "b.jsonl").write_text("\n" + json.dumps({"text": "after a blank line"}) + "\n\n")
+    monkeypatch.setattr(sources, "MIN_UNIT_BYTES", range_bytes)
+    plan = plan_source(SourceConfig(source=str(tmp_path)), range_bytes)
+    size = (tmp_path / "a.jsonl").stat().st_size
+    ranges = [(u.start, u.end) for u in plan.units if u.files == (str(tmp_path / "a.jsonl"),)]
+    if size >= 2 * range_bytes:
+        assert len(ranges) >= size // range_bytes // 2 and ranges[0][0] == 0 and ranges[-1][1] == size
+        assert all(end == next_start for (_, end), (next_start, _) in zip(ranges, ranges[1:]))
+    else:
+        assert all(unit.start is None for unit in plan.units)
+    split = [text for unit in plan.units for text in read_unit(plan, unit)]
+    import datasets
+
+    whole = [row["text"] for row in datasets.load_dataset(
+        "json", data_files=[str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], split="train", streaming=True)]
+    assert split == whole == documents + ["after a blank line"]
+
+
+def test_a_store_of_split_ranges_holds_the_whole_files_tokens(tmp_path, monkeypatch) -> None:
+    """Ranges that hold no line start become empty shards; the stream skips them."""
+    import meshtrain.data.sources as sources
+    from tokenizers import Tokenizer
+
+    from meshtrain.data import prepare_data
+
+    documents = DOCS + ["y" * 600] + DOCS
+    write_jsonl(tmp_path / "corpus.jsonl", documents)
+    monkeypatch.setattr(sources, "MIN_UNIT_BYTES", 64)
+    data = DataConfig(source=str(tmp_path / "corpus.jsonl"), vocab_size=300, seq_len=8, prepare_unit_bytes=64)
+    plan = prepare_data(data, str(tmp_path / "cache"), 8, use_ray=False, log=lambda _: None)
+    store = TokenStore(plan.stores[0].url)
+    assert any(s.tokens == 0 for s in store.manifest.shards) and len(store.manifest.shards) > 20
+    tokenizer = Tokenizer.from_str(plan.tokenizer_json)
+    expected = [i for e in tokenizer.encode_batch(documents) for i in e.ids + [plan.eos_id]]
+    assert store.read(0, len(store)).tolist() == expected
+    assert store.read(5, len(store) - 5).tolist() == expected[5:-5]
+
+
+def test_a_broken_jsonl_line_is_named_with_its_file_and_byte(tmp_path) -> None:
+    source = tmp_path / "corpus.jsonl"
+    source.write_text(json.dumps({"text": "fine"}) + "\n{not json\n")
+    with pytest.raises(ConfigError, match=r"data.source: .*corpus.jsonl is not JSON Lines at byte 17 .*fix or remove"):
+        all_documents(SourceConfig(source=str(source)))
+    source.write_text(json.dumps({"text": 3}) + "\n")
+    with pytest.raises(ConfigError, match="data.text_field: column 'text' of .* holds int, not text"):
+        all_documents(SourceConfig(source=str(source)))
+
+
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory):
     return stdlib_plan(tmp_path_factory.mktemp("stores"), documents=12, vocab_size=400, seq_len=16)

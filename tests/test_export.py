@@ -28,6 +28,7 @@ from meshtrain.data import DataPlan, prepare_data
 from meshtrain.export import ExportError, export_checkpoint, load_model_state, resolve_checkpoint
 from meshtrain.model import Transformer, build_model
 from meshtrain.training import WorkerLayout, checkpoint_root, train
+from s3server import moto_s3
 
 REPO = Path(__file__).resolve().parents[1]
 EXPORT_JOB = REPO / "jobs" / "export.py"
@@ -232,18 +233,9 @@ def test_hf_config_needs_no_transformers(runs: dict[str, Run], tmp_path: Path) -
 
 
 def test_exports_from_s3(runs: dict[str, Run], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import boto3
-    import moto.server as server_module
     import s3fs
-    # moto accepts any credentials; the export subprocess inherits them.
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        options = {"client_kwargs": {"endpoint_url": f"http://{host}:{port}", "region_name": "us-east-1"}}
-        boto3.client("s3", **options["client_kwargs"]).create_bucket(Bucket="exports")
+
+    with moto_s3(monkeypatch, "exports") as options:
         fs = s3fs.S3FileSystem(**options)
         fs.put(str(runs["tied-gqa"].root), "exports/tied", recursive=True)
         fs.invalidate_cache()
@@ -262,8 +254,6 @@ def test_exports_from_s3(runs: dict[str, Run], tmp_path: Path, monkeypatch: pyte
         assert result.returncode == 0, result.stderr
         assert "step 4" in result.stdout
         assert all(torch.equal(tensor, local[name]) for name, tensor in load_file(out).items())
-    finally:
-        server.stop()
 
 
 # --- refusals -----------------------------------------------------------------------------------

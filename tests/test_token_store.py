@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from corpora import stdlib_plan
+from s3server import moto_s3
 from meshtrain.config import ConfigError, DataConfig, load_config
 from meshtrain.data import (
     DataParallelBatches,
@@ -326,18 +327,10 @@ def test_hub_source_without_network_fails_fast_in_one_line(tmp_path) -> None:
 
 
 def test_a_store_on_s3_is_prepared_cached_locally_and_checked(plan, tmp_path, monkeypatch) -> None:
-    import boto3
-    import moto.server as server_module
+    import s3fs
 
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("MESHTRAIN_TOKEN_CACHE", str(tmp_path / "local_cache"))
-    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        options = {"client_kwargs": {"endpoint_url": f"http://{host}:{port}", "region_name": "us-east-1"}}
-        boto3.client("s3", **options["client_kwargs"]).create_bucket(Bucket="data")
+    with moto_s3(monkeypatch, "data") as options:
         data = DataConfig(max_documents=24, vocab_size=512, seq_len=SEQ, prepare_unit_bytes=100_000, storage_options=options)
         remote = prepare_data(data, "s3://data/token_stores", SEQ, run_tokenizer=plan.tokenizer_json, use_ray=False, log=print)
         assert remote.stores[0].url.startswith("s3://data/token_stores/")
@@ -348,8 +341,6 @@ def test_a_store_on_s3_is_prepared_cached_locally_and_checked(plan, tmp_path, mo
         cached = sorted(p.name for p in (tmp_path / "local_cache").rglob("shard-*.bin"))
         assert cached == [s.file for s in store.manifest.shards]
 
-        import s3fs
-
         fs = s3fs.S3FileSystem(**options)
         shard = f"{remote.stores[0].url}/shard-000001.bin"
         fs.pipe(shard, b"\0\0" * store.manifest.shards[1].tokens)  # same size, other bytes
@@ -357,8 +348,6 @@ def test_a_store_on_s3_is_prepared_cached_locally_and_checked(plan, tmp_path, mo
         with pytest.raises(ConfigError, match="shard-000001.bin does not match its manifest checksum"):
             fresh = TokenStore(remote.stores[0].url, options)
             fresh.read(0, len(fresh))
-    finally:
-        server.stop()
 
 
 def test_a_rerun_may_move_the_cache_or_allow_other_data_but_not_change_the_source(tmp_path) -> None:

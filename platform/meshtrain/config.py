@@ -191,7 +191,10 @@ class DataConfig(_Section):
         "unset = <run.storage_path>/token_stores.",
     )
     prepare_unit_bytes: int = Field(
-        64 * 2**20, gt=0, description="Source bytes per prepare task and token shard (whole files are never split)."
+        64 * 2**20,
+        gt=0,
+        description="Most source bytes per prepare task and token shard; a small corpus is cut finer (into about 64 "
+        "units, none under 1 MiB) and .jsonl files larger than a unit are split at line boundaries (ranges of 1 MiB or more).",
     )
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="fsspec options for s3:// stores and cache, e.g. {client_kwargs: {endpoint_url: ...}}."

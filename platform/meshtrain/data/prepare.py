@@ -53,7 +53,8 @@ def _unit_key(plan: SourcePlan, unit: Unit, tokenizer_hash: str, limit: int | No
 def store_key(plan: SourcePlan, tokenizer_hash: str, unit_bytes: int) -> str:
     """Cache key of the store a source + tokenizer + format prepare into."""
     source = plan.source.model_dump(exclude={"weight"})
-    text = json.dumps([FORMAT, FORMAT_VERSION, source, plan.fingerprint, tokenizer_hash, unit_bytes], sort_keys=True)
+    units = [unit.model_dump(exclude={"files"}) for unit in plan.units]  # how it is cut into shards
+    text = json.dumps([FORMAT, FORMAT_VERSION, source, plan.fingerprint, tokenizer_hash, unit_bytes, units], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -51,12 +51,15 @@ def first_line(exc: BaseException) -> str:
 
 
 class Unit(BaseModel):
-    """One prepare task's input: whole files, or one shard of a streamed Hub dataset."""
+    """One prepare task's input: whole files, a byte range of one JSON Lines file, or one Hub shard."""
 
     model_config = ConfigDict(frozen=True)
 
     index: int
     files: tuple[str, ...] = ()
+    # A byte range of the one file in ``files`` (JSON Lines only); None = whole files.
+    start: int | None = None
+    end: int | None = None
     hub_shard: int | None = None
     bytes: int = 0
 
@@ -82,19 +85,53 @@ class SourcePlan(BaseModel):
                 "units": len(self.units), "bytes": self.bytes, "fingerprint": self.fingerprint}
 
 
-def _group_files(files: list[Path], unit_bytes: int) -> tuple[Unit, ...]:
-    """Consecutive files grouped until each group holds at least ``unit_bytes`` (a big file alone)."""
+# A corpus is cut into at least this many units where it can be (files are split at JSON Lines
+# boundaries), so a cluster has work for all its CPUs and the last tasks finish close together.
+# Units are not made smaller than MIN_UNIT_BYTES for that (a task's start-up would dominate), and
+# no file is split into ranges smaller than MIN_UNIT_BYTES.
+UNITS_WANTED = 64
+MIN_UNIT_BYTES = 1 << 20
+
+
+def unit_target(total_bytes: int, unit_bytes: int) -> int:
+    """Source bytes per unit: at most ``unit_bytes``, less for a small corpus (see UNITS_WANTED)."""
+    return max(min(unit_bytes, MIN_UNIT_BYTES), min(unit_bytes, -(-total_bytes // UNITS_WANTED)))
+
+
+def _cut_units(files: list[Path], unit_bytes: int) -> tuple[Unit, ...]:
+    """Cut the listing into units of about ``unit_target`` bytes.
+
+    Small files are grouped in order; a ``.jsonl`` file larger than the target is split into equal
+    byte ranges of at least MIN_UNIT_BYTES (each owns the lines that start inside it, see
+    ``_jsonl_documents``). Other formats are never split: a text file is one document, and a parquet
+    file is read whole by Arrow.
+    """
+    sizes = [path.stat().st_size for path in files]
+    target = unit_target(sum(sizes), unit_bytes)
     units: list[Unit] = []
     group: list[str] = []
-    size = 0
-    for path in files:
+    grouped = 0
+
+    def close_group() -> None:
+        nonlocal group, grouped
+        if group:
+            units.append(Unit(index=len(units), files=tuple(group), bytes=grouped))
+        group, grouped = [], 0
+
+    for path, size in zip(files, sizes):
+        pieces = min(-(-size // target), size // MIN_UNIT_BYTES) if path.suffix.lower() == ".jsonl" else 1
+        if pieces > 1:
+            close_group()
+            step = -(-size // pieces)
+            for start in range(0, size, step):
+                end = min(start + step, size)
+                units.append(Unit(index=len(units), files=(str(path),), start=start, end=end, bytes=end - start))
+            continue
         group.append(str(path))
-        size += path.stat().st_size
-        if size >= unit_bytes:
-            units.append(Unit(index=len(units), files=tuple(group), bytes=size))
-            group, size = [], 0
-    if group:
-        units.append(Unit(index=len(units), files=tuple(group), bytes=size))
+        grouped += size
+        if grouped >= target:
+            close_group()
+    close_group()
     return tuple(units)
 
 
@@ -116,7 +153,7 @@ def plan_source(source: SourceConfig, unit_bytes: int) -> SourcePlan:
         if source.max_documents is not None:
             files = files[: source.max_documents]
         return SourcePlan(
-            source=source, loader="text", field="text", units=_group_files(files, unit_bytes),
+            source=source, loader="text", field="text", units=_cut_units(files, unit_bytes),
             fingerprint=_files_fingerprint(files, files[0].parent),
         )
     if source.source.startswith("hf:"):
@@ -141,7 +178,7 @@ def plan_source(source: SourceConfig, unit_bytes: int) -> SourcePlan:
     field = "text" if loader in _DOCUMENT_PER_FILE else source.text_field
     root = Path(source.source).expanduser()
     return SourcePlan(
-        source=source, loader=loader, field=field, units=_group_files(files, unit_bytes),
+        source=source, loader=loader, field=field, units=_cut_units(files, unit_bytes),
         fingerprint=_files_fingerprint(files, root if root.is_dir() else None),
     )
 
@@ -207,6 +244,10 @@ def _hub_revision(name: str) -> str:
 
 def read_unit(plan: SourcePlan, unit: Unit) -> Iterator[str]:
     """The documents of one unit, in order."""
+    if plan.loader == "json" and all(name.lower().endswith(".jsonl") for name in unit.files):
+        for name in unit.files:
+            yield from _jsonl_documents(name, unit.start or 0, unit.end, plan.field)
+        return
     import datasets
 
     datasets.disable_progress_bars()
@@ -236,3 +277,46 @@ def _where(unit: Unit) -> str:
     if unit.hub_shard is not None:
         return f"hub shard {unit.hub_shard}"
     return unit.files[0] if len(unit.files) == 1 else f"{unit.files[0]} (and {len(unit.files) - 1} more files)"
+
+
+def _jsonl_documents(path: str, start: int, end: int | None, field: str) -> Iterator[str]:
+    """The ``field`` of every JSON Lines record that *starts* in bytes ``[start, end)`` of ``path``.
+
+    Ranges cut anywhere: the line that straddles ``start`` belongs to the range before it, so
+    consecutive ranges read every line exactly once. Read directly (one ``json.loads`` per line)
+    rather than through ``datasets``, which cannot read a byte range.
+    """
+    try:
+        with open(path, "rb") as file:
+            if start > 0:
+                file.seek(start - 1)
+                if file.read(1) != b"\n":
+                    file.readline()
+            while end is None or file.tell() < end:
+                offset = file.tell()
+                line = file.readline()
+                if not line:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError as exc:
+                    raise ConfigError(
+                        f"data.source: {path} is not JSON Lines at byte {offset} ({first_line(exc)}); "
+                        "fix or remove that line"
+                    ) from None
+                if not isinstance(row, dict) or field not in row:
+                    columns = ", ".join(row) if isinstance(row, dict) else f"a {type(row).__name__}, not an object"
+                    raise ConfigError(
+                        f"data.text_field: column {field!r} not in {path} at byte {offset} (columns: {columns}); "
+                        "set data.text_field to the column holding the text"
+                    )
+                if not isinstance(row[field], str):
+                    raise ConfigError(
+                        f"data.text_field: column {field!r} of {path} at byte {offset} holds "
+                        f"{type(row[field]).__name__}, not text; set data.text_field to the column holding the text"
+                    )
+                yield row[field]
+    except OSError as exc:
+        raise ConfigError(f"data.source: cannot read {path} ({exc.strerror or exc}); check the file") from None

@@ -261,7 +261,8 @@ class TokenStore:
         while position < stop:
             shard_start = int(self.offsets[index])
             end = min(stop, int(self.offsets[index + 1]))
-            pieces.append(self._shard(index)[position - shard_start : end - shard_start])
+            if end > position:  # an empty shard (a byte range that held no line) is never mapped
+                pieces.append(self._shard(index)[position - shard_start : end - shard_start])
             position, index = end, index + 1
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
