@@ -105,7 +105,8 @@ def first_step(store: str, storage: Path, name: str) -> tuple[float, int]:
     """(seconds from launching jobs/pretrain.py to its first logged step, peak worker RSS)."""
     run_dir = storage / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    command = [sys.executable, "jobs/pretrain.py", f"data.source={store}", "train.steps=20", "train.log_every=1",
+    command = [sys.executable, "jobs/pretrain.py", f"data.source={store}", "train.steps=20", "optim.warmup_steps=5",
+               "train.log_every=1",
                f"run.storage_path={storage}", f"run.name={name}", "checkpoint.enabled=false", "metrics.port=0"]
     memory = WorkerMemory()
     memory.start()

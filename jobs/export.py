@@ -1,24 +1,31 @@
 """Export a meshtrain checkpoint as consolidated weights.
 
     python jobs/export.py runs/NAME/checkpoints --format hf exported/NAME-hf        # newest committed step
+    python jobs/export.py runs/NAME/checkpoints --format hf out/NAME-hf --max-shard-size 2GB --dtype bfloat16
     python jobs/export.py runs/NAME/checkpoints/step-00000200 --format safetensors model.safetensors
     python jobs/export.py s3://bucket/ckpt/NAME --format torch model.pt \\
         --storage-option client_kwargs.endpoint_url=http://minio:9000
 
 Formats: torch (one torch.save file), safetensors (one file), hf (a LlamaForCausalLM directory with
-config.json, model.safetensors and the run's tokenizer). Only model weights are read, in this process.
+config.json, the weights and the run's tokenizer; weights beyond --max-shard-size are split into
+model-0000x-of-0000N.safetensors files with a model.safetensors.index.json, and hf streams them tensor
+by tensor instead of holding the whole model). Only model weights are read, in this process.
 Exit code 2 with one line on stderr for a missing or uncommitted checkpoint or an existing output.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Any, NoReturn
 
 import yaml
 
 EXIT_BAD_INPUT = 2
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -47,8 +54,17 @@ def parse_storage_options(items: list[str]) -> dict[str, Any]:
     return options
 
 
+def parse_size(text: str) -> int:
+    """Bytes in a size such as 5GB (10^9, as Hugging Face counts), 500MiB (2^20) or 1000000."""
+    match = _SIZE.match(text)
+    size = int(float(match[1]) * _UNITS[(match[2] or "b").lower()]) if match else 0
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size such as 5GB, 500MiB or 1000000")
+    return size
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from meshtrain.export import FORMATS
+    from meshtrain.export import FORMATS, HF_DTYPES
 
     parser = _OneLineParser(
         prog="export.py",
@@ -69,7 +85,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="fsspec option for a remote checkpoint (repeatable; dotted keys nest), "
         "e.g. client_kwargs.endpoint_url=http://minio:9000",
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        metavar="SIZE",
+        help="hf: most bytes per weight file, e.g. 2GB or 500MiB; the rest go to further files (default 5GB)",
+    )
+    parser.add_argument(
+        "--dtype", choices=HF_DTYPES, help="hf: dtype of the written weights (default float32)"
+    )
+    args = parser.parse_args(argv)
+    if args.format != "hf" and (args.max_shard_size is not None or args.dtype is not None):
+        parser.error(f"--max-shard-size and --dtype shape --format hf only, not --format {args.format}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,11 +108,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"export: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     from meshtrain.checkpoint import CheckpointError
-    from meshtrain.export import ExportError, export_checkpoint, resolve_checkpoint
+    from meshtrain.export import DEFAULT_MAX_SHARD_BYTES, ExportError, export_checkpoint, resolve_checkpoint
 
     try:
         checkpoint = resolve_checkpoint(args.checkpoint, options)
-        result = export_checkpoint(checkpoint, args.format, args.out, options)
+        result = export_checkpoint(
+            checkpoint,
+            args.format,
+            args.out,
+            options,
+            max_shard_bytes=args.max_shard_size or DEFAULT_MAX_SHARD_BYTES,
+            dtype=args.dtype or "float32",
+        )
     except (CheckpointError, ExportError) as exc:
         message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         print(f"export: error: {message}", file=sys.stderr)

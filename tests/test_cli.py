@@ -116,6 +116,7 @@ SUBPROCESS_CASES = [
     (["--config", "{missing}"], "--config"),
     (["data.source=/nonexistent/x.jsonl"], "data.source"),
     (["--bogus"], "--bogus"),
+    (["--dry-run", "optim.lr=inf"], "optim.lr"),
 ]
 
 
@@ -175,6 +176,16 @@ IN_PROCESS_CASES = [
     (["data.source=/nonexistent/x.jsonl"], "data.source"),
     (["data.tokenizer={missing_tokenizer}"], "data.tokenizer"),
     (["run.name=a/b"], "run.name"),
+    (["checkpoint.path=gs://bucket/ckpt"], "checkpoint.path"),
+    (["data.cache_dir=gs://bucket/stores"], "data.cache_dir"),
+    # LR schedule
+    (["optim.schedule=wsd"], "optim.decay_fraction"),
+    (["optim.schedule=wsd", "optim.decay_fraction=1"], "optim.decay_fraction"),
+    (["train.steps=10"], "optim.warmup_steps"),
+    # non-finite numbers
+    (["optim.lr=inf"], "optim.lr"),
+    (["model.norm_eps=nan"], "model.norm_eps"),
+    (["metrics.peak_flops_per_s=-inf"], "metrics.peak_flops_per_s"),
     # --config files
     (["--config", "{missing}"], "--config"),
     (["--config", "{invalid_yaml}"], "--config"),
@@ -390,7 +401,7 @@ def test_dry_run_mesh(
 def test_dry_run_config_round_trips(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    overrides = ["model.preset=125m", "train.steps=10", "optim.lr=1e-4", "parallel.shard=1", "run.name=2024"]
+    overrides = ["model.preset=125m", "train.steps=100", "optim.lr=1e-4", "parallel.shard=1", "run.name=2024"]
     code, out, err = run_main(["--dry-run", *overrides], capsys, monkeypatch)
     assert code == 0, err
     printed = tmp_path / "printed.yaml"

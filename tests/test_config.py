@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 import pytest
+import yaml
 from pydantic import BaseModel
 
 from meshtrain.config import (
@@ -78,7 +81,7 @@ def test_yaml_then_overrides_precedence(tmp_path: Path) -> None:
 
 
 def test_later_override_wins() -> None:
-    assert load_config(None, ["train.steps=7", "train.steps=9"]).train.steps == 9
+    assert load_config(None, ["train.steps=70", "train.steps=90"]).train.steps == 90
 
 
 def test_override_may_replace_yaml_scalar_with_auto(tmp_path: Path) -> None:
@@ -96,9 +99,9 @@ def test_empty_yaml_file_means_defaults(tmp_path: Path) -> None:
 
 
 def test_config_path_accepts_str_and_path(tmp_path: Path) -> None:
-    path = _write(tmp_path / "run.yaml", "train:\n  steps: 11\n")
-    assert load_config(str(path)).train.steps == 11
-    assert load_config(path).train.steps == 11
+    path = _write(tmp_path / "run.yaml", "train:\n  steps: 110\n")
+    assert load_config(str(path)).train.steps == 110
+    assert load_config(path).train.steps == 110
 
 
 def test_missing_config_file(tmp_path: Path) -> None:
@@ -165,7 +168,7 @@ def test_yaml_unknown_key_is_rejected(tmp_path: Path) -> None:
         ("data.split=7", "data", "split", "7", str),
         ("run.name=", "run", "name", None, type(None)),  # empty = unset
         ("run.max_failures=-1", "run", "max_failures", -1, int),
-        ("train.steps= 12 ", "train", "steps", 12, int),
+        ("train.steps= 120 ", "train", "steps", 120, int),
     ],
 )
 def test_override_types(override: str, section: str, field: str, expected: object, kind: type) -> None:
@@ -332,6 +335,113 @@ def test_existing_tokenizer_file_is_accepted(tmp_path: Path) -> None:
     assert DataConfig(tokenizer=str(path)).tokenizer == str(path)
 
 
+# --- no float setting takes inf or nan -----------------------------------------------------------
+
+
+def _float_fields(model: type[BaseModel], prefix: tuple[str | int, ...] = ()) -> list[tuple[str | int, ...]]:
+    """Paths of every float (or float | None) setting, through sections and lists of sections (index 0)."""
+    paths: list[tuple[str | int, ...]] = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+        for member in members:
+            if isinstance(member, type) and issubclass(member, BaseModel):
+                paths.extend(_float_fields(member, (*prefix, name)))
+            elif get_origin(member) is list and issubclass(get_args(member)[0], BaseModel):
+                paths.extend(_float_fields(get_args(member)[0], (*prefix, name, 0)))
+            elif member is float:
+                paths.append((*prefix, name))
+    return paths
+
+
+def _override(path: tuple[str | int, ...], value: str) -> str:
+    """``dotted.key=value``; a list on the way becomes a one-item YAML list: ``data.sources=[{weight: inf}]``."""
+    for index, part in enumerate(path):
+        if isinstance(part, int):
+            item: Any = value
+            for key in reversed(path[index + 1 :]):
+                item = {key: item}
+            listed = yaml.safe_dump([item], default_flow_style=True).strip()
+            return f"{'.'.join(map(str, path[:index]))}={listed}"
+    return f"{'.'.join(map(str, path))}={value}"
+
+
+FLOAT_PATHS = _float_fields(MeshtrainConfig)
+FLOAT_FIELDS = [".".join(map(str, path)) for path in FLOAT_PATHS]
+
+
+def test_float_fields_are_discovered() -> None:
+    expected = {"optim.lr", "model.norm_eps", "metrics.peak_flops_per_s", "data.sources.0.weight"}
+    assert expected <= set(FLOAT_FIELDS)
+    assert "train.steps" not in FLOAT_FIELDS and "scaling.use_gpu" not in FLOAT_FIELDS
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+@pytest.mark.parametrize("path", FLOAT_PATHS, ids=FLOAT_FIELDS)
+def test_float_settings_must_be_finite(path: tuple[str | int, ...], value: str) -> None:
+    name = ".".join(map(str, path))
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [_override(path, value)])
+    assert str(info.value).startswith(f"{name}: Input should be a finite number (got "), str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_non_finite_message() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["optim.lr=inf"])
+    assert str(info.value) == "optim.lr: Input should be a finite number (got 'inf')"
+
+
+def test_non_finite_yaml_float(tmp_path: Path) -> None:
+    path = _write(tmp_path / "run.yaml", "model:\n  norm_eps: .inf\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == "model.norm_eps: Input should be a finite number (got inf)"
+
+
+# --- storage schemes -----------------------------------------------------------------------------
+
+TESTED_LOCATIONS = ["/mnt/ckpt", "relative/ckpt", "~/ckpt", "file:///mnt/ckpt", "s3://bucket/prefix"]
+UNTESTED_LOCATIONS = [
+    ("gs://bucket/prefix", "gs"),
+    ("gcs://bucket/prefix", "gcs"),
+    ("az://container/prefix", "az"),
+    ("hdfs://namenode/prefix", "hdfs"),
+    ("memory://prefix", "memory"),
+    ("simplecache::s3://bucket/prefix", "simplecache::s3"),
+]
+
+
+@pytest.mark.parametrize("location", TESTED_LOCATIONS)
+def test_tested_storage_schemes_are_accepted(location: str) -> None:
+    cfg = load_config(None, [f"checkpoint.path={location}", f"data.cache_dir={location}"])
+    assert (cfg.checkpoint.path, cfg.data.cache_dir) == (location, location)
+
+
+@pytest.mark.parametrize(("location", "scheme"), UNTESTED_LOCATIONS)
+def test_untested_checkpoint_scheme_is_refused_unless_allowed(location: str, scheme: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"checkpoint.path={location}"])
+    assert str(info.value) == (
+        f"checkpoint.path: scheme {scheme!r} is not tested with meshtrain (local paths and s3:// are); "
+        "use one of those or set checkpoint.allow_untested_scheme=true"
+    )
+    cfg = load_config(None, [f"checkpoint.path={location}", "checkpoint.allow_untested_scheme=true"])
+    assert cfg.checkpoint.path == location
+
+
+@pytest.mark.parametrize(("location", "scheme"), UNTESTED_LOCATIONS)
+def test_untested_cache_scheme_is_refused(location: str, scheme: str) -> None:
+    message = (
+        f"data.cache_dir: scheme {scheme!r} is not tested with meshtrain (local paths and s3:// are); "
+        "use one of those"
+    )
+    for overrides in ([], ["checkpoint.allow_untested_scheme=true"]):  # that opt-in is for checkpoints only
+        with pytest.raises(ConfigError) as info:
+            load_config(None, [f"data.cache_dir={location}", *overrides])
+        assert str(info.value) == message
+
+
 # --- every setting is documented -----------------------------------------------------------------
 
 
@@ -350,7 +460,7 @@ def _walk(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str | Non
 def test_every_field_has_a_description() -> None:
     rows = _walk(MeshtrainConfig)
     assert {name for name, _, is_section in rows if is_section} == {
-        "model", "data", "optim", "train", "parallel", "scaling", "run", "checkpoint", "metrics", "fault",
+        "model", "data", "optim", "train", "parallel", "scaling", "run", "checkpoint", "metrics", "fault", "eval",
         "data.validation",
     }
     assert len(rows) > 50

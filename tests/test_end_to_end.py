@@ -72,6 +72,7 @@ def test_default_job_submitted_with_ray_job_submit(tmp_path: Path) -> None:
 def check_default_run(run_dir: Path) -> None:
     records = read_metrics(run_dir)
     saves = [r for r in records if r["event"] == "checkpoint_save"]
+    evals = [r for r in records if r["event"] == "eval"]
     records = [r for r in records if r["event"] == "train"]
     assert [r["step"] for r in records] == list(range(5, 201, 5))
     assert [s["step"] for s in saves] == [50, 100, 150, 200]
@@ -86,6 +87,10 @@ def check_default_run(run_dir: Path) -> None:
     assert summary["final_loss"] == pytest.approx(records[-1]["loss"])
     assert summary["mesh_shape"] == [1, 2] and summary["world_size"] == 2
     assert summary["mean_tokens_per_s"] > 0 and summary["wall_time_s"] > summary["train_time_s"] > 0
+    # Validation on the held-out 1% every 50 steps; it falls with the training loss.
+    assert [e["step"] for e in evals] == [50, 100, 150, 200] and evals[-1]["samples"] == 64
+    assert evals[-1]["loss"] < evals[0]["loss"] and summary["eval_loss"] == evals[-1]["loss"]
+    assert summary["skipped_steps"] == 0 and summary["stopped"] is None
 
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["run"]["name"] == "default" and config["model"]["preset"] == "debug"
@@ -105,7 +110,10 @@ def test_layout_error_found_on_workers_exits_2_with_the_field(tmp_path: Path) ->
     current.parent.mkdir(parents=True, exist_ok=True)
     current.write_text("127.0.0.1:1")  # nothing listens there
     try:
-        job = run_job(f"run.storage_path={tmp_path}", "scaling.workers_per_node=1", "train.steps=2", "run.max_failures=0")
+        job = run_job(
+            f"run.storage_path={tmp_path}", "scaling.workers_per_node=1", "train.steps=2", "optim.warmup_steps=1",
+            "run.max_failures=0",
+        )
     finally:
         if before is None:
             current.unlink(missing_ok=True)

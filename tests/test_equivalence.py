@@ -21,7 +21,7 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> DataPlan:
-    return stdlib_plan(tmp_path_factory.mktemp("token_stores"))
+    return stdlib_plan(tmp_path_factory.mktemp("token_stores"), validation={"fraction": 0.0})
 
 
 def config(*overrides: str) -> MeshtrainConfig:

@@ -36,7 +36,7 @@ EXPORT_JOB = REPO / "jobs" / "export.py"
 BASE_OVERRIDES = [
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.ffn_dim=128",
     "data.max_documents=8", "data.vocab_size=300", "data.seq_len=32",
-    "train.steps=4", "train.global_batch_size=4", "train.micro_batch_size=2",
+    "train.steps=4", "train.global_batch_size=4", "train.micro_batch_size=2", "optim.warmup_steps=2",
     "scaling.num_workers=1", "checkpoint.interval=2", "checkpoint.mode=sync",
 ]
 # rope_theta differs from LlamaConfig's default in one variant, so a config.json that lost it fails.

@@ -195,7 +195,8 @@ def test_training_leaves_the_logged_values_in_the_metrics(tmp_path: Path) -> Non
     cfg = load_config(
         None,
         [
-            "train.steps=6", "train.log_every=2", "train.global_batch_size=4", "train.micro_batch_size=2",
+            "train.steps=6", "optim.warmup_steps=2", "train.log_every=2", "train.global_batch_size=4",
+            "train.micro_batch_size=2",
             "data.seq_len=32", "data.vocab_size=512", "data.max_documents=24", "scaling.num_workers=1",
             "checkpoint.interval=3", f"run.storage_path={tmp_path}", "run.name=metrics",
         ],

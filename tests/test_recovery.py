@@ -3,6 +3,7 @@ run still finishes with exactly the weights of a run that never broke."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -35,9 +36,25 @@ def storage(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def unbroken(storage: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    job = run_job(f"run.storage_path={storage}", "run.name=unbroken", *SETTINGS)
+    # The run also hands its metrics to a Ray Train callback (tests/reportlog.py) through Ray's controller.
+    job = run_job(
+        f"run.storage_path={storage}", "run.name=unbroken", *SETTINGS, "metrics.ray_callbacks=[reportlog:ReportLog]",
+        "metrics.ray_report_interval_s=2", PYTHONPATH=str(REPO / "tests"),
+        MESHTRAIN_TEST_REPORT_LOG=str(storage / "unbroken-reports.jsonl"),
+    )
     assert job.returncode == 0, job.stderr[-3000:]
     return model_weights(final_checkpoint(storage / "unbroken"), tmp_path_factory.mktemp("weights"))
+
+
+def test_logged_metrics_reach_ray_train_callbacks(storage: Path, unbroken: dict) -> None:
+    reports = [json.loads(line) for line in (storage / "unbroken-reports.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r for r in read_metrics(storage / "unbroken") if r["event"] == "train"}
+    evals = [r for r in read_metrics(storage / "unbroken") if r["event"] == "eval"]
+    assert reports and reports[0]["step"] == 1 and reports[-1]["step"] == 40  # the first and the last step
+    assert len(reports) < len(logged)  # spaced by metrics.ray_report_interval_s, not one per logged step
+    for report in reports:
+        assert report["loss"] == logged[report["step"]]["loss"] and report["lr"] == logged[report["step"]]["lr"]
+    assert reports[-1]["eval_loss"] == evals[-1]["loss"] and reports[-1]["eval_step"] == 40
 
 
 def test_worker_that_kills_itself_is_replaced_and_the_run_matches(storage: Path, unbroken: dict, tmp_path: Path) -> None:
@@ -46,6 +63,20 @@ def test_worker_that_kills_itself_is_replaced_and_the_run_matches(storage: Path,
     run_dir = storage / "chaos"
     assert "fault injection: rank 1 sends itself SIGKILL at step 15" in job.stdout + job.stderr
     assert (run_dir / "faults" / "killed-rank1-step15").is_file()
+    assert loads(run_dir) == [10]
+    assert_same_weights(model_weights(final_checkpoint(run_dir), tmp_path), unbroken)
+
+
+def test_a_hung_worker_is_detected_and_the_run_recovers_and_matches(storage: Path, unbroken: dict, tmp_path: Path) -> None:
+    job = run_job(
+        f"run.storage_path={storage}", "run.name=hung", *SETTINGS, "fault.kill_rank=1", "fault.at_step=15",
+        "fault.kind=hang", "run.hang_timeout_s=5",
+    )
+    assert job.returncode == 0, job.stderr[-3000:]
+    output = job.stdout + job.stderr
+    assert "fault injection: rank 1 hangs at step 15" in output
+    assert "no progress for" in output and "run.hang_timeout_s=5" in output
+    run_dir = storage / "hung"
     assert loads(run_dir) == [10]
     assert_same_weights(model_weights(final_checkpoint(run_dir), tmp_path), unbroken)
 

@@ -39,7 +39,10 @@ SEQ = 32
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory):
     # Small units: the 24 files land in several shards, so windows cross shard boundaries.
-    return stdlib_plan(tmp_path_factory.mktemp("stores"), documents=24, prepare_unit_bytes=100_000)
+    # No held-out windows: the stream is compared with the whole corpus.
+    return stdlib_plan(
+        tmp_path_factory.mktemp("stores"), documents=24, prepare_unit_bytes=100_000, validation={"fraction": 0.0}
+    )
 
 
 def in_memory_stream(tokenizer_json: str, eos: int, documents: int) -> np.ndarray:
@@ -63,7 +66,8 @@ def test_store_stream_equals_the_in_memory_stream_bitwise(plan) -> None:
 
 
 def test_training_from_the_store_equals_training_in_memory(plan) -> None:
-    cfg = load_config(None, ["train.steps=6", "train.log_every=1", "train.global_batch_size=4", "train.micro_batch_size=2",
+    cfg = load_config(None, ["train.steps=6", "optim.warmup_steps=2", "train.log_every=1", "train.global_batch_size=4",
+                             "train.micro_batch_size=2",
                              f"data.seq_len={SEQ}", "data.vocab_size=512", "scaling.num_workers=1", "checkpoint.enabled=false"])
     reference = in_memory_stream(plan.tokenizer_json, plan.eos_id, 24)
     in_memory = TrainingData(PackedSequences(reference, SEQ, 0), None, plan.vocab_size, "in-memory")
@@ -74,7 +78,7 @@ def test_training_from_the_store_equals_training_in_memory(plan) -> None:
 def test_a_second_prepare_reuses_the_store(plan, tmp_path) -> None:
     cache = str(Path(plan.stores[0].url).parent)
     started = time.perf_counter()
-    again = stdlib_plan(Path(cache), documents=24, prepare_unit_bytes=100_000)
+    again = stdlib_plan(Path(cache), documents=24, prepare_unit_bytes=100_000, validation={"fraction": 0.0})
     assert again == plan and time.perf_counter() - started < 2.0
 
 
@@ -331,7 +335,8 @@ def test_a_store_on_s3_is_prepared_cached_locally_and_checked(plan, tmp_path, mo
 
     monkeypatch.setenv("MESHTRAIN_TOKEN_CACHE", str(tmp_path / "local_cache"))
     with moto_s3(monkeypatch, "data") as options:
-        data = DataConfig(max_documents=24, vocab_size=512, seq_len=SEQ, prepare_unit_bytes=100_000, storage_options=options)
+        data = DataConfig(max_documents=24, vocab_size=512, seq_len=SEQ, prepare_unit_bytes=100_000,
+                          storage_options=options, validation={"fraction": 0.0})
         remote = prepare_data(data, "s3://data/token_stores", SEQ, run_tokenizer=plan.tokenizer_json, use_ray=False, log=print)
         assert remote.stores[0].url.startswith("s3://data/token_stores/")
         assert remote.fingerprint == plan.fingerprint  # the same tokens wherever they are stored

@@ -22,8 +22,8 @@ looks for the newest committed checkpoint in the same place.
 from __future__ import annotations
 
 import json
+import math
 import os
-import pickle
 import random
 import re
 import time
@@ -55,6 +55,7 @@ class Progress:
     step: int = 0
     tokens: int = 0
     data_position: int = 0
+    skipped_steps: int = 0  # steps the guard skipped (non-finite or spiking loss)
 
 
 class TrainState(Stateful):
@@ -82,10 +83,10 @@ class TrainState(Stateful):
             "model": model_state,
             "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict(),
-            "progress": vars(self.progress).copy(),
+            "progress": {key: torch.tensor(value) for key, value in vars(self.progress).items()},
         }
         if self.include_rng:
-            state[f"rng_rank{self.rank}"] = pickle.dumps(_rng_state())
+            state[f"rng_rank{self.rank}"] = _rng_state()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -96,20 +97,37 @@ class TrainState(Stateful):
         for key, value in state["progress"].items():
             setattr(self.progress, key, int(value))
         if self.include_rng:
-            _set_rng_state(pickle.loads(state[f"rng_rank{self.rank}"]))
+            _set_rng_state(state[f"rng_rank{self.rank}"])
 
 
-def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+def _rng_state() -> dict[str, torch.Tensor]:
+    """Every generator's state as tensors (DCP stores tensors as data; nothing is unpickled on load)."""
+    python_version, python_mt, python_gauss = random.getstate()
+    _, numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python_version": torch.tensor(python_version),
+        "python_mt": torch.tensor(python_mt, dtype=torch.int64),
+        "python_gauss": torch.tensor(math.nan if python_gauss is None else python_gauss, dtype=torch.float64),
+        "numpy_keys": torch.from_numpy(numpy_keys.astype(np.int64)),
+        "numpy_pos": torch.tensor(numpy_pos),
+        "numpy_has_gauss": torch.tensor(numpy_has_gauss),
+        "numpy_gauss": torch.tensor(numpy_gauss, dtype=torch.float64),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    gauss = float(state["python_gauss"])
+    python_gauss = None if math.isnan(gauss) else gauss
+    random.setstate((int(state["python_version"]), tuple(state["python_mt"].tolist()), python_gauss))
+    np.random.set_state((
+        "MT19937", state["numpy_keys"].numpy().astype(np.uint32), int(state["numpy_pos"]),
+        int(state["numpy_has_gauss"]), float(state["numpy_gauss"]),
+    ))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 

@@ -29,7 +29,8 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # No float setting may be inf or nan: pydantic rejects them on the field's own path ("finite_number").
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -51,6 +52,12 @@ class ModelConfig(_Section):
     norm_eps: float | None = Field(None, gt=0, description="RMSNorm epsilon.")
     tie_embeddings: bool | None = Field(None, description="Share the input embedding with the output head.")
     init_std: float | None = Field(None, gt=0, description="Std of the normal weight initialization.")
+    init_from: str | None = Field(
+        None,
+        description="Continued pretraining: a local Hugging Face Llama directory (config.json + safetensors, "
+        "on storage every worker reads); its weights replace the initialization and its config.json gives "
+        "the shape, so leave the shape fields unset.",
+    )
 
     @field_validator("preset")
     @classmethod
@@ -59,15 +66,47 @@ class ModelConfig(_Section):
             raise ValueError(f"unknown preset {value!r}; choose one of {', '.join(MODEL_PRESETS)}")
         return value
 
+    @field_validator("init_from")
+    @classmethod
+    def _absolute_init_from(cls, value: str | None) -> str | None:
+        # Absolute, because Ray workers may not run in the driver's working directory.
+        return None if value is None else str(Path(value).expanduser().absolute())
+
+    @model_validator(mode="after")
+    def _shape_of_init_from(self) -> "ModelConfig":
+        if self.init_from is None:
+            return self
+        from meshtrain.hf_weights import CONFIG_KEYS, llama_shape
+
+        for name, value in llama_shape(self.init_from).items():
+            explicit = getattr(self, name)
+            if explicit is not None and explicit != value:
+                raise ValueError(
+                    f"model.{name}: {explicit!r} conflicts with {CONFIG_KEYS[name]}={value!r} in "
+                    f"model.init_from's config.json; drop model.{name} (the weights fix the shape)"
+                )
+        return self
+
     def resolved(self, tokenizer_vocab_size: int | None = None) -> "ModelArgs":
-        """Preset values with the explicitly set fields laid over them."""
+        """Preset values (or model.init_from's config.json shape) with the explicitly set fields over them."""
         values = dict(MODEL_PRESETS[self.preset])
-        values.update({k: v for k, v in self.model_dump(exclude={"preset"}).items() if v is not None})
+        if self.init_from is not None:
+            from meshtrain.hf_weights import llama_shape
+
+            values.update(llama_shape(self.init_from))
+        explicit = self.model_dump(exclude={"preset", "init_from"})
+        values.update({k: v for k, v in explicit.items() if v is not None})
         if values.get("vocab_size") is None:
             if tokenizer_vocab_size is None:
                 raise ConfigError("model.vocab_size: unknown; set it or let the tokenizer define it")
             values["vocab_size"] = _round_up(tokenizer_vocab_size, 64)
         elif tokenizer_vocab_size is not None and tokenizer_vocab_size > values["vocab_size"]:
+            if self.init_from is not None:
+                raise ConfigError(
+                    f"data.tokenizer: its {tokenizer_vocab_size} tokens do not fit the {values['vocab_size']}"
+                    f" embedding rows (vocab_size) of model.init_from={self.init_from!r}; "
+                    "use the tokenizer the weights were trained with"
+                )
             raise ConfigError(
                 f"model.vocab_size: {values['vocab_size']} is smaller than the tokenizer's "
                 f"{tokenizer_vocab_size} tokens; raise it or leave it unset"
@@ -136,7 +175,7 @@ class SourceConfig(_Section):
     @field_validator("weight")
     @classmethod
     def _positive_weight(cls, value: float) -> float:
-        if not value > 0 or value == float("inf"):
+        if not value > 0:
             raise ValueError(f"a mixture weight must be a positive finite number, got {value!r}; give e.g. 0.3")
         return value
 
@@ -146,12 +185,23 @@ class SourceConfig(_Section):
 
 class ValidationConfig(_Section):
     fraction: float = Field(
-        0.0, ge=0, lt=0.5, description="Share of each source's windows held out of training for validation (0 = none)."
+        0.01,
+        ge=0,
+        lt=0.5,
+        description="Share of each source's windows held out of training for validation (0 = none; "
+        "0 when validation.source is set).",
     )
     source: str | None = Field(
         None, description="A separate validation source (same forms as data.source); all of it is held out."
     )
     text_field: str = Field("text", description="Text column of validation.source.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_default_fraction_beside_a_source(cls, values: Any) -> Any:
+        if isinstance(values, dict) and values.get("source") is not None and "fraction" not in values:
+            return {**values, "fraction": 0.0}
+        return values
 
     @model_validator(mode="after")
     def _one_kind(self) -> "ValidationConfig":
@@ -220,6 +270,8 @@ class DataConfig(_Section):
             raise ValueError(
                 f"data.tokenizer: {self.tokenizer!r} is not a file; give a tokenizer.json path or 'train'"
             )
+        if self.cache_dir is not None:
+            _check_tested_scheme(self.cache_dir, "data.cache_dir")
         return self
 
     def source_list(self) -> list[SourceConfig]:
@@ -252,10 +304,43 @@ def _check_source_exists(source: str, where: str, storage_options: dict[str, Any
         )
 
 
+def _check_tested_scheme(url: str, where: str, opt_in: str | None = None) -> None:
+    """Refuse a URL whose scheme meshtrain is not tested with (local paths, file:// and s3:// are)."""
+    from fsspec.core import split_protocol
+
+    scheme = split_protocol(url)[0]
+    if scheme not in (None, "file", "s3"):
+        fix = "use one of those" + (f" or set {opt_in}=true" if opt_in else "")
+        raise ValueError(
+            f"{where}: scheme {scheme!r} is not tested with meshtrain (local paths and s3:// are); {fix}"
+        )
+
+
 class OptimConfig(_Section):
     lr: float = Field(3e-3, gt=0, description="Peak learning rate (after warmup).")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR of the cosine decay, as a fraction of lr.")
+    schedule: Literal["cosine", "linear", "wsd", "constant"] = Field(
+        "cosine",
+        description="LR after warmup: cosine or linear decay to min_lr_ratio x lr by the end of the "
+        "schedule; wsd = stable at lr, then linear decay to min_lr_ratio x lr over the last "
+        "optim.decay_fraction of the schedule; constant = lr throughout.",
+    )
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1, description="Final LR of the cosine, linear and wsd decays, as a fraction of lr."
+    )
     warmup_steps: int = Field(20, ge=0, description="Steps of linear warmup from 0 to lr.")
+    decay_fraction: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="wsd only (and required there): share of the schedule's steps spent decaying, e.g. 0.2 "
+        "(rounded to whole steps, at least one).",
+    )
+    schedule_steps: int | None = Field(
+        None,
+        gt=0,
+        description="Steps the LR schedule spans; unset = train.steps of the run's first launch. "
+        "Later steps keep the final LR.",
+    )
     weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay (matrices only).")
     beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
     beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
@@ -264,6 +349,42 @@ class OptimConfig(_Section):
     implementation: Literal["auto", "fused", "foreach", "for_loop"] = Field(
         "auto", description="AdamW kernel; auto = fused on CUDA and CPU, foreach elsewhere."
     )
+
+    @model_validator(mode="after")
+    def _decay_fraction_only_for_wsd(self) -> "OptimConfig":
+        if self.schedule == "wsd" and self.decay_fraction is None:
+            raise ValueError(
+                "optim.decay_fraction: the wsd schedule needs it; "
+                "set the share of steps to decay over, e.g. 0.2"
+            )
+        if self.schedule != "wsd" and self.decay_fraction is not None:
+            raise ValueError(
+                f"optim.decay_fraction: only the wsd schedule uses it, not {self.schedule}; "
+                "set optim.schedule=wsd or leave optim.decay_fraction unset"
+            )
+        return self
+
+    def wsd_decay_steps(self, horizon: int) -> int:
+        """Steps at the end of a ``horizon``-step wsd schedule that decay the LR (at least one)."""
+        assert self.decay_fraction is not None, "only the wsd schedule decays over a fraction"
+        return max(1, round(self.decay_fraction * horizon))
+
+    def check_horizon(self, horizon: int) -> None:
+        """ConfigError unless the warmup (and a wsd decay) fit in a schedule of ``horizon`` steps."""
+        span = f"the LR schedule's {horizon} steps (optim.schedule_steps, unset = train.steps)"
+        if self.schedule == "wsd":
+            decay = self.wsd_decay_steps(horizon)
+            if self.warmup_steps + decay > horizon:
+                raise ConfigError(
+                    f"optim.warmup_steps={self.warmup_steps} plus the wsd decay of {decay} steps "
+                    f"(optim.decay_fraction={self.decay_fraction}) exceed {span}; "
+                    "lower optim.warmup_steps or optim.decay_fraction, or lengthen the schedule"
+                )
+        elif self.warmup_steps >= horizon:
+            raise ConfigError(
+                f"optim.warmup_steps={self.warmup_steps} does not fit in {span}; "
+                "lower optim.warmup_steps or lengthen the schedule"
+            )
 
 
 class TrainConfig(_Section):
@@ -274,6 +395,39 @@ class TrainConfig(_Section):
     )
     seed: int = Field(0, description="Seeds weight init and the data order.")
     log_every: int = Field(5, gt=0, description="Write metrics and the progress line every N steps.")
+    max_bad_steps: int = Field(
+        5,
+        gt=0,
+        description="Stop the run after this many skipped steps in a row (a step is skipped when its loss or "
+        "gradient norm is not finite, or it spikes); checked at logged and checkpoint steps.",
+    )
+    loss_spike_factor: float | None = Field(
+        None,
+        gt=1,
+        description="Also skip a step whose loss exceeds this many times the median of the last "
+        "train.loss_spike_window accepted losses; unset = no spike rule.",
+    )
+    loss_spike_window: int = Field(50, ge=3, description="Accepted steps the loss-spike median is taken over.")
+    gc_every: int = Field(
+        50,
+        ge=0,
+        description="Python's automatic garbage collection is off during training; every rank collects at the same "
+        "steps, every N (0 = leave automatic collection on).",
+    )
+
+
+class EvalConfig(_Section):
+    interval: int | None = Field(
+        50,
+        gt=0,
+        description="Compute the validation loss every N steps and after the last step; null = never.",
+    )
+    batches: int = Field(
+        4,
+        gt=0,
+        description="Size of the validation set in global batches (train.global_batch_size sequences each); "
+        "the same sequences every time, capped at what data.validation holds.",
+    )
 
 
 StrategyName = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"]
@@ -346,6 +500,13 @@ class RunConfig(_Section):
     max_failures: int = Field(
         3, ge=-1, description="Worker-group restarts Ray Train may do; each resumes from the newest checkpoint (-1 = unlimited)."
     )
+    hang_timeout_s: float | None = Field(
+        600.0,
+        gt=0,
+        description="After the first step, a worker with no progress for this long (a hung collective, a stuck "
+        "rank) exits so Ray restarts the group from the last checkpoint; must exceed the slowest checkpoint save "
+        "and evaluation; null = off.",
+    )
 
     @field_validator("name")
     @classmethod
@@ -372,13 +533,26 @@ class CheckpointConfig(_Section):
         description="fsspec options for a remote path, e.g. {client_kwargs: {endpoint_url: ...}} for S3-compatible stores.",
     )
     resume: bool = Field(True, description="Continue from the newest committed checkpoint when one exists.")
+    allow_untested_scheme: bool = Field(
+        False,
+        description="Accept a checkpoint.path scheme other than a local path or s3:// (untested with meshtrain).",
+    )
+
+    @model_validator(mode="after")
+    def _tested_path_scheme(self) -> "CheckpointConfig":
+        if self.path is not None and not self.allow_untested_scheme:
+            _check_tested_scheme(self.path, "checkpoint.path", opt_in="checkpoint.allow_untested_scheme")
+        return self
 
 
 class FaultConfig(_Section):
     kill_rank: int | None = Field(
-        None, ge=0, description="Chaos testing: this worker kills itself with SIGKILL once, at fault.at_step."
+        None, ge=0, description="Chaos testing: this worker fails once, at fault.at_step (how: fault.kind)."
     )
-    at_step: int | None = Field(None, gt=0, description="Step at which fault.kill_rank dies.")
+    at_step: int | None = Field(None, gt=0, description="Step at which fault.kill_rank fails.")
+    kind: Literal["kill", "hang"] = Field(
+        "kill", description="kill: the worker sends itself SIGKILL; hang: it stops making progress (sleeps forever)."
+    )
     during_checkpoint: bool = Field(
         False, description="Die right after the checkpoint of fault.at_step starts writing (it must be a save step)."
     )
@@ -416,6 +590,27 @@ class MetricsConfig(_Section):
         ge=0,
         description="Driver progress line at most this often when output is not a terminal (0 = every logged step).",
     )
+    ray_report_interval_s: float = Field(
+        10.0,
+        ge=0,
+        description="Hand the logged metrics to ray.train.report (Ray's dashboard, Result.metrics, Ray's "
+        "MLflow/W&B callbacks) at most this often, and after the last step (0 = every logged step; each report "
+        "may wait up to 2 s for Ray's controller).",
+    )
+    ray_callbacks: list[str] = Field(
+        default_factory=list,
+        description="Ray Train callbacks (ray.train.UserCallback subclasses) as 'module:Class', built with no "
+        "arguments on Ray's controller, where each receives every report, e.g. an MLflow or W&B logger.",
+    )
+    tensorboard: bool = Field(False, description="Also write TensorBoard event files to <run dir>/tensorboard.")
+
+    @field_validator("ray_callbacks")
+    @classmethod
+    def _import_paths(cls, value: list[str]) -> list[str]:
+        for spec in value:
+            if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", spec):
+                raise ValueError(f"expected 'module:Class' entries, e.g. 'mypackage.logging:WandbCallback', got {spec!r}")
+        return value
 
     @field_validator("bind_address")
     @classmethod
@@ -433,7 +628,8 @@ class MeshtrainConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="Model shape.")
     data: DataConfig = Field(default_factory=DataConfig, description="Corpus, tokenizer and packing.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="AdamW and LR schedule.")
-    train: TrainConfig = Field(default_factory=TrainConfig, description="Steps, batch sizes, seed, logging.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Steps, batch sizes, seed, logging, step guard.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Validation loss on held-out data.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="FSDP2 / HSDP layout.")
     scaling: ScalingConfig = Field(default_factory=ScalingConfig, description="Ray worker group.")
     run: RunConfig = Field(default_factory=RunConfig, description="Where and under which name outputs go.")
@@ -445,15 +641,23 @@ class MeshtrainConfig(_Section):
     def _cross_checks(self) -> "MeshtrainConfig":
         # Shape checks only: a tokenizer file's vocabulary is known once it is loaded; a trained
         # tokenizer has at most data.vocab_size tokens, so model.vocab_size must hold that many.
-        if self.data.tokenizer == "train":
+        if self.model.init_from is not None:
+            if self.data.tokenizer == "train":
+                # Continued pretraining keeps the tokenizer the weights were trained with.
+                from meshtrain.hf_weights import init_from_tokenizer
+
+                self.data.tokenizer = init_from_tokenizer(self.model.init_from)
+            tokenizer_vocab = None
+        elif self.data.tokenizer == "train":
             tokenizer_vocab = self.data.vocab_size
         else:
             tokenizer_vocab = self.model.vocab_size or self.data.vocab_size
         model = self.model.resolved(tokenizer_vocab)
         if self.data.seq_len > model.max_seq_len:
+            fix = "" if self.model.init_from is not None else " or raise model.max_seq_len"
             raise ValueError(
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={model.max_seq_len}; "
-                "lower data.seq_len or raise model.max_seq_len"
+                f"lower data.seq_len{fix}"
             )
         from meshtrain.mesh import resolve_mesh_shape
 
@@ -466,6 +670,13 @@ class MeshtrainConfig(_Section):
             )
         # Every worker is a data-parallel rank whatever the mesh, so this holds before Ray is asked.
         self.batch_layout(self.scaling.num_workers)
+        # A re-run may resolve another horizon (the launcher keeps the first launch's); it checks again.
+        self.optim.check_horizon(self.optim.schedule_steps or self.train.steps)
+        if self.eval.interval is not None and self.data.validation.fraction == 0 and self.data.validation.source is None:
+            raise ValueError(
+                f"eval.interval={self.eval.interval} needs validation data; set data.validation.fraction (e.g. 0.01) "
+                "or data.validation.source, or eval.interval=null to turn validation off"
+            )
         fault = self.fault
         if (fault.kill_rank is None) != (fault.at_step is None):
             raise ValueError("fault.kill_rank and fault.at_step go together; set both or neither")

@@ -2,6 +2,7 @@
 
 Only the model tensors are read (never the optimizer state), in this one process, into full fp32
 tensors on CPU. The checkpoint may live on a local path or an fsspec URL (``s3://bucket/prefix``).
+The torch and safetensors formats hold the whole model in memory; hf streams it tensor by tensor.
 
 Formats:
 
@@ -9,9 +10,12 @@ Formats:
   same tensor as the embedding, so ``Transformer.load_state_dict`` takes it as is).
 * ``safetensors``: one file, meshtrain names; a tied ``output.weight`` is left out (safetensors
   refuses shared tensors) and ``safetensors.torch.load_model`` restores the tie.
-* ``hf``: a ``LlamaForCausalLM`` directory: ``config.json``, ``model.safetensors`` and, when the run
-  has one, ``tokenizer.json``. The model's RoPE already uses Hugging Face's rotate-half pairing, so
-  the weights map by name only, without permuting q/k.
+* ``hf``: a ``LlamaForCausalLM`` directory: ``config.json``, the weights and, when the run has one,
+  ``tokenizer.json``. The weights are ``model.safetensors``, or, beyond ``max_shard_bytes``,
+  ``model-0000x-of-0000N.safetensors`` files with a ``model.safetensors.index.json`` (Hugging Face's
+  layout). Each tensor is read from the checkpoint on its own and each file written once full, so
+  memory peaks at about one file plus one tensor. The model's RoPE already uses Hugging Face's
+  rotate-half pairing, so the weights map by name only, without permuting q/k.
 
 Outputs are written next to their destination under a temporary name and moved into place at the
 end, so a failed export leaves nothing half-written, and an existing non-empty output is refused.
@@ -36,29 +40,14 @@ from safetensors.torch import save_file
 
 from meshtrain.checkpoint import COMMIT_MARKER, CheckpointError, CheckpointStorage, CommittedCheckpoint
 from meshtrain.config import ConfigError, ModelArgs
-from meshtrain.model import build_model, materialize
+from meshtrain.hf_weights import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, hf_config, hf_name
+from meshtrain.model import build_model, count_parameters, materialize
 
 FORMATS = ("torch", "safetensors", "hf")
+HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # "5GB", as transformers' save_pretrained
 _STATE_PREFIX = "train.model."  # dcp.save({"train": TrainState}) → TrainState's "model" entry
 _TIED_ALIAS, _TIED_SOURCE = "output.weight", "tok_embeddings.weight"
-
-# meshtrain name inside a block → Hugging Face name inside ``model.layers.N``.
-_HF_LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_HF_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 
 
 class ExportError(ValueError):
@@ -144,6 +133,48 @@ def _state_to_load(
     return wanted
 
 
+@dataclass(frozen=True)
+class _Checkpoint:
+    """A committed checkpoint opened for reading its model tensors."""
+
+    storage: CheckpointStorage
+    committed: CommittedCheckpoint
+    args: ModelArgs
+
+    @classmethod
+    def open(cls, checkpoint: str, storage_options: dict[str, Any] | None) -> "_Checkpoint":
+        storage = CheckpointStorage(checkpoint, storage_options)
+        committed = _read_committed(storage)
+        try:
+            args = ModelArgs(**committed.manifest["model_args"])
+        except ValidationError as exc:
+            shown = storage.display(committed.path)
+            raise CheckpointError(f"checkpoint {shown}: bad model_args ({exc.errors()[0]['msg']})") from None
+        return cls(storage, committed, args)
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        return self.committed.manifest
+
+    def to_load(self, model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The entries of ``model_state`` (a model's state dict) to read, checked against the metadata."""
+        stored = self.storage.reader(self.committed.path).read_metadata().state_dict_metadata
+        return _state_to_load(model_state, stored, self.args, self.storage.display(self.committed.path))
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        """Fill ``state``'s tensors (meshtrain names) from the checkpoint, reading nothing else."""
+        reader = self.storage.reader(self.committed.path)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load({"train": {"model": state}}, storage_reader=reader, no_dist=True)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The whole model as fp32 CPU tensors (a tied embedding is one tensor under both names)."""
+        model = materialize(build_model(self.args, "meta"), "cpu")
+        self.load(self.to_load(model.state_dict()))
+        return model.state_dict()
+
+
 def load_model_state(
     checkpoint: str, storage_options: dict[str, Any] | None = None
 ) -> tuple[dict[str, torch.Tensor], ModelArgs, dict[str, Any]]:
@@ -152,68 +183,11 @@ def load_model_state(
     ``checkpoint`` is a committed ``step-XXXXXXXX`` directory (local path or fsspec URL). With tied
     embeddings, ``output.weight`` and ``tok_embeddings.weight`` are the same tensor.
     """
-    storage = CheckpointStorage(checkpoint, storage_options)
-    committed = _read_committed(storage)
-    try:
-        args = ModelArgs(**committed.manifest["model_args"])
-    except ValidationError as exc:
-        shown = storage.display(committed.path)
-        raise CheckpointError(f"checkpoint {shown}: bad model_args ({exc.errors()[0]['msg']})") from None
-    model = materialize(build_model(args, "meta"), "cpu")
-    reader = storage.reader(committed.path)
-    stored = reader.read_metadata().state_dict_metadata
-    wanted = _state_to_load(model.state_dict(), stored, args, storage.display(committed.path))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load({"train": {"model": wanted}}, storage_reader=reader, no_dist=True)
-    return model.state_dict(), args, committed.manifest
+    source = _Checkpoint.open(checkpoint, storage_options)
+    return source.full_state(), source.args, source.manifest
 
 
 # --- Hugging Face layout ------------------------------------------------------------------------
-
-
-def hf_state_dict(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Meshtrain names → ``LlamaForCausalLM`` names (``lm_head.weight`` left out when tied)."""
-    converted = {}
-    for name, tensor in state.items():
-        if args.tie_embeddings and name == _TIED_ALIAS:
-            continue
-        if name.startswith("layers."):
-            _, index, rest = name.split(".", 2)
-            converted[f"model.layers.{index}.{_HF_LAYER_NAMES[rest]}"] = tensor
-        else:
-            converted[_HF_TOP_NAMES[name]] = tensor
-    return converted
-
-
-def hf_config(args: ModelArgs, eos_token_id: int | None = None) -> dict[str, Any]:
-    """``config.json`` of a ``LlamaForCausalLM`` with this shape (plain JSON, no transformers needed)."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "max_position_embeddings": args.max_seq_len,
-        "rms_norm_eps": args.norm_eps,
-        # transformers < 5 reads rope_theta; 5.x reads rope_parameters (and would fold rope_theta in).
-        "rope_theta": args.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
-        "tie_word_embeddings": args.tie_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "initializer_range": args.init_std,
-        # LlamaConfig's defaults (bos 1, eos 2) belong to Meta's tokenizer, not to this run's.
-        "bos_token_id": None,
-        "eos_token_id": eos_token_id,
-        "torch_dtype": "float32",
-    }
 
 
 def _run_tokenizer(
@@ -303,46 +277,89 @@ def _publish(staged: Path, out: Path, fmt: str) -> None:
 
 
 @dataclass(frozen=True)
-class _Model:
-    """What the writers need: the loaded weights and where they came from."""
+class _Export:
+    """What the writers need: the checkpoint, the run's tokenizer and the hf options."""
 
-    state: dict[str, torch.Tensor]
-    args: ModelArgs
-    manifest: dict[str, Any]
+    source: _Checkpoint
     tokenizer_json: str | None
-
-    def unique_state(self) -> dict[str, torch.Tensor]:
-        """The state without the tied alias (safetensors refuses two names for one tensor)."""
-        tied = self.args.tie_embeddings
-        return {name: t for name, t in self.state.items() if not (tied and name == _TIED_ALIAS)}
+    max_shard_bytes: int
+    dtype: str
 
 
-def _save_torch(target: Path, model: _Model) -> None:
-    torch.save(model.state, target)
+def _save_torch(target: Path, export: _Export) -> None:
+    torch.save(export.source.full_state(), target)
 
 
-def _save_safetensors(target: Path, model: _Model) -> None:
+def _save_safetensors(target: Path, export: _Export) -> None:
+    args = export.source.args
     metadata = {
         "format": "pt",
-        "step": str(model.manifest.get("step")),
-        "model_args": json.dumps(model.args.model_dump()),
+        "step": str(export.source.manifest.get("step")),
+        "model_args": json.dumps(args.model_dump()),
     }
-    save_file(model.unique_state(), target, metadata=metadata)
+    # safetensors refuses two names for one tensor: the tied alias is left out.
+    state = {
+        name: tensor
+        for name, tensor in export.source.full_state().items()
+        if not (args.tie_embeddings and name == _TIED_ALIAS)
+    }
+    save_file(state, target, metadata=metadata)
 
 
-def _save_hf(target: Path, model: _Model) -> None:
+def _save_hf(target: Path, export: _Export) -> None:
+    args = export.source.args
     target.mkdir()
     eos_id = None
-    if model.tokenizer_json is not None:
-        files, eos_id = _tokenizer_files(model.tokenizer_json, model.args.max_seq_len)
+    if export.tokenizer_json is not None:
+        files, eos_id = _tokenizer_files(export.tokenizer_json, args.max_seq_len)
         for name, text in files.items():
             (target / name).write_text(text, encoding="utf-8")
-    config = json.dumps(hf_config(model.args, eos_id), indent=2) + "\n"
-    (target / "config.json").write_text(config, encoding="utf-8")
-    save_file(hf_state_dict(model.state, model.args), target / "model.safetensors", metadata={"format": "pt"})
+    config = json.dumps(hf_config(args, eos_id, export.dtype), indent=2) + "\n"
+    (target / CONFIG_FILE).write_text(config, encoding="utf-8")
+    _write_hf_weights(target, export)
 
 
-_WRITERS: dict[str, Callable[[Path, _Model], None]] = {
+def _write_hf_weights(target: Path, export: _Export) -> None:
+    """The weights in ``dtype``, one checkpoint tensor read at a time, each file written once full."""
+    source, dtype = export.source, HF_DTYPES[export.dtype]
+    wanted = source.to_load(build_model(source.args, "meta").state_dict())  # shapes only
+    sizes = {name: meta.numel() * dtype.itemsize for name, meta in wanted.items()}
+    shards = _plan_shards(sizes, export.max_shard_bytes)
+    count = len(shards)
+    files = [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    if count == 1:
+        files = [WEIGHTS_FILE]
+    weight_map: dict[str, str] = {}
+    for file, names in zip(files, shards):
+        tensors = {}
+        for name in names:
+            tensor = torch.empty(wanted[name].shape, dtype=wanted[name].dtype)
+            source.load({name: tensor})
+            # A tied embedding read under its alias is still the embedding (no lm_head.weight when tied).
+            tied_alias = source.args.tie_embeddings and name == _TIED_ALIAS
+            tensors[hf_name(_TIED_SOURCE if tied_alias else name)] = tensor.to(dtype)
+        save_file(tensors, target / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+    if count > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (target / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+
+
+def _plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """Names grouped into files of at most ``max_bytes`` in order (a larger tensor gets a file alone),
+    the rule of transformers' save_pretrained."""
+    shards: list[list[str]] = [[]]
+    filled = 0
+    for name, size in sizes.items():
+        if shards[-1] and filled + size > max_bytes:
+            shards.append([])
+            filled = 0
+        shards[-1].append(name)
+        filled += size
+    return shards
+
+
+_WRITERS: dict[str, Callable[[Path, _Export], None]] = {
     "torch": _save_torch,
     "safetensors": _save_safetensors,
     "hf": _save_hf,
@@ -350,20 +367,32 @@ _WRITERS: dict[str, Callable[[Path, _Model], None]] = {
 
 
 def export_checkpoint(
-    checkpoint: str, fmt: str, out: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+    checkpoint: str,
+    fmt: str,
+    out: str | os.PathLike[str],
+    storage_options: dict[str, Any] | None = None,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    dtype: str = "float32",
 ) -> ExportResult:
-    """Write the model of a committed checkpoint to ``out`` (a local path) in ``fmt`` (see FORMATS)."""
+    """Write the model of a committed checkpoint to ``out`` (a local path) in ``fmt`` (see FORMATS).
+
+    ``max_shard_bytes`` and ``dtype`` (a key of HF_DTYPES) shape the hf format's weight files.
+    """
     if fmt not in _WRITERS:
         raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if dtype not in HF_DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(HF_DTYPES)}")
+    if max_shard_bytes <= 0:
+        raise ExportError(f"max_shard_bytes={max_shard_bytes}: give a positive size, e.g. 5GB")
     out = Path(out).expanduser()
     _check_output_free(out, fmt)  # before the (possibly long) load
-    state, args, manifest = load_model_state(checkpoint, storage_options)
-    tokenizer = _run_tokenizer(checkpoint, manifest, storage_options) if fmt == "hf" else None
-    model = _Model(state, args, manifest, tokenizer)
+    source = _Checkpoint.open(checkpoint, storage_options)
+    tokenizer = _run_tokenizer(checkpoint, source.manifest, storage_options) if fmt == "hf" else None
     out.parent.mkdir(parents=True, exist_ok=True)
     staged = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
-        _WRITERS[fmt](staged, model)
+        _WRITERS[fmt](staged, _Export(source, tokenizer, max_shard_bytes, dtype))
         _publish(staged, out, fmt)
     finally:
         if staged.is_dir():
@@ -371,17 +400,17 @@ def export_checkpoint(
         else:
             staged.unlink(missing_ok=True)
     files = sorted(p.name for p in out.iterdir()) if out.is_dir() else [out.name]
-    parameters = sum(t.numel() for t in model.unique_state().values())
-    return ExportResult(out, fmt, int(manifest.get("step", -1)), parameters, files)
+    parameters = count_parameters(build_model(source.args, "meta"))
+    return ExportResult(out, fmt, int(source.manifest.get("step", -1)), parameters, files)
 
 
 __all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
     "FORMATS",
+    "HF_DTYPES",
     "ExportError",
     "ExportResult",
     "export_checkpoint",
-    "hf_config",
-    "hf_state_dict",
     "load_model_state",
     "resolve_checkpoint",
 ]

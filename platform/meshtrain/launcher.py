@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from meshtrain.capacity import preflight, worker_resources
 from meshtrain.config import ConfigError, MeshtrainConfig
 from meshtrain.checkpoint import CheckpointStorage
 from meshtrain.data import DataPlan, prepare_data, tokenizer_vocab_size
@@ -29,6 +30,23 @@ def resolve_run(cfg: MeshtrainConfig) -> tuple[MeshtrainConfig, RunPaths]:
     return cfg, RunPaths(name, storage)
 
 
+def resolve_schedule_horizon(cfg: MeshtrainConfig, paths: RunPaths) -> MeshtrainConfig:
+    """Fix optim.schedule_steps when unset: the horizon in the run's config.yaml on a re-run (so a new
+    train.steps does not silently change the LR curve), train.steps on the first launch."""
+    if cfg.optim.schedule_steps is not None:
+        return cfg
+    if paths.config.exists():
+        previous = yaml.safe_load(paths.config.read_text())
+        # A config.yaml written before optim.schedule_steps existed spanned its train.steps.
+        horizon = previous["optim"].get("schedule_steps") or previous["train"]["steps"]
+    else:
+        horizon = cfg.train.steps
+    cfg.optim.check_horizon(horizon)
+    cfg = cfg.model_copy(deep=True)
+    cfg.optim.schedule_steps = horizon
+    return cfg
+
+
 def config_yaml(cfg: MeshtrainConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
@@ -39,6 +57,8 @@ def config_yaml(cfg: MeshtrainConfig) -> str:
 RESUMABLE_CHANGES = (
     "train.steps", "train.log_every", "train.micro_batch_size", "parallel", "scaling", "run", "checkpoint",
     "metrics", "fault", "data.cache_dir", "data.storage_options", "data.allow_fingerprint_change",
+    "optim.schedule_steps", "eval", "train.max_bad_steps", "train.loss_spike_factor", "train.loss_spike_window",
+    "train.gc_every",
 )
 
 
@@ -61,7 +81,10 @@ def write_run_config(cfg: MeshtrainConfig, paths: RunPaths) -> None:
         previous_text = paths.config.read_text()
         if previous_text == text:
             return
-        previous, current = _flatten(yaml.safe_load(previous_text)), _flatten(yaml.safe_load(text))
+        # A setting added to meshtrain after the run started counts as having had its default.
+        defaults = _flatten(MeshtrainConfig().model_dump(mode="json"))
+        previous = {**defaults, **_flatten(yaml.safe_load(previous_text))}
+        current = _flatten(yaml.safe_load(text))
         for key in sorted(previous.keys() | current.keys()):
             allowed = any(key == p or key.startswith(p + ".") for p in RESUMABLE_CHANGES)
             if previous.get(key) != current.get(key) and not allowed:
@@ -73,19 +96,21 @@ def write_run_config(cfg: MeshtrainConfig, paths: RunPaths) -> None:
     paths.config.write_text(text)
 
 
-def init_ray() -> None:
+def init_ray() -> bool:
     """Join the cluster in RAY_ADDRESS when set (``auto``: the one started on this machine),
-    otherwise start a local Ray sized to this machine."""
+    otherwise start a local Ray sized to this machine. True when it started one (it has no
+    autoscaler)."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"])
-    else:
-        # "local", not None: None would follow /tmp/ray/ray_current_cluster, which still names a
-        # cluster whose processes were killed rather than stopped with `ray stop`.
-        ray.init(address="local", num_cpus=os.cpu_count())
+        return False
+    # "local", not None: None would follow /tmp/ray/ray_current_cluster, which still names a
+    # cluster whose processes were killed rather than stopped with `ray stop`.
+    ray.init(address="local", num_cpus=os.cpu_count())
+    return True
 
 
 def data_cache_url(cfg: MeshtrainConfig) -> str:
@@ -108,22 +133,54 @@ def check_data_fingerprint(cfg: MeshtrainConfig, plan: DataPlan) -> None:
 
 
 class TrainingFailed(RuntimeError):
-    """The worker group failed for good (restarts exhausted); the message says how to resume."""
+    """The worker group failed for good (restarts exhausted) or the step guard stopped the run; the
+    message says where it can resume from."""
+
+
+def _last_committed(cfg: MeshtrainConfig) -> str:
+    storage = CheckpointStorage(checkpoint_root(cfg), cfg.checkpoint.storage_options)
+    committed = storage.committed() if cfg.checkpoint.enabled else []
+    if committed:
+        return f"last committed checkpoint: {storage.display(committed[0].path)} (step {committed[0].step})"
+    return "no checkpoint was committed"
 
 
 def _failure_message(cfg: MeshtrainConfig, exc: BaseException) -> str:
     reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
     restarts = f"after {cfg.run.max_failures} restart(s)" if cfg.run.max_failures else "(run.max_failures=0)"
-    storage = CheckpointStorage(checkpoint_root(cfg), cfg.checkpoint.storage_options)
-    committed = storage.committed() if cfg.checkpoint.enabled else []
-    if committed:
-        where = f"last committed checkpoint: {storage.display(committed[0].path)} (step {committed[0].step})"
-    else:
-        where = "no checkpoint was committed"
     return (
-        f"training failed {restarts}: {reason}; {where}; "
+        f"training failed {restarts}: {reason}; {_last_committed(cfg)}; "
         f"run the same command again (run.name={cfg.run.name}) to resume"
     )
+
+
+def _stopped_message(cfg: MeshtrainConfig, reason: str) -> str:
+    return (
+        f"training stopped: {reason}; {_last_committed(cfg)}; fix the cause (e.g. lower optim.lr or raise "
+        f"train.max_bad_steps) and run the same command again (run.name={cfg.run.name}) to resume from it"
+    )
+
+
+def load_ray_callbacks(specs: list[str]) -> list[Any]:
+    """Instances of the ``module:Class`` Ray Train callbacks named in metrics.ray_callbacks."""
+    import importlib
+
+    from ray.train import UserCallback
+
+    callbacks = []
+    for spec in specs:
+        module_name, class_name = spec.split(":")
+        try:
+            callback_class = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(
+                f"metrics.ray_callbacks: cannot import {spec!r} ({type(exc).__name__}: {exc}); install its package "
+                "on every node or fix the name"
+            ) from None
+        if not (isinstance(callback_class, type) and issubclass(callback_class, UserCallback)):
+            raise ConfigError(f"metrics.ray_callbacks: {spec!r} is not a ray.train.UserCallback subclass")
+        callbacks.append(callback_class())
+    return callbacks
 
 
 def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, data: DataPlan, launch_id: str) -> Any:
@@ -133,9 +190,6 @@ def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, data: DataPlan, launch_
     from meshtrain.worker import train_loop_per_worker
 
     scaling = cfg.scaling
-    resources: dict[str, float] = {"CPU": scaling.cpus_per_worker}
-    if scaling.use_gpu:
-        resources["GPU"] = 1
     if not scaling.use_gpu:
         backend = "gloo"
     elif cfg.parallel.cpu_offload:
@@ -155,7 +209,7 @@ def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, data: DataPlan, launch_
         scaling_config=ray.train.ScalingConfig(
             num_workers=scaling.num_workers,
             use_gpu=scaling.use_gpu,
-            resources_per_worker=resources,
+            resources_per_worker=worker_resources(scaling),
             placement_strategy=scaling.placement_strategy,
             accelerator_type=scaling.accelerator_type,
         ),
@@ -163,6 +217,7 @@ def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, data: DataPlan, launch_
             name=paths.name,
             storage_path=str(paths.storage_path),
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
+            callbacks=load_ray_callbacks(cfg.metrics.ray_callbacks),
         ),
     )
 
@@ -172,10 +227,13 @@ def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
 
     started = time.perf_counter()
     cfg, paths = resolve_run(cfg)
+    cfg = resolve_schedule_horizon(cfg, paths)
     if cfg.data.tokenizer != "train":
-        tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size)  # a broken tokenizer file fails here, before Ray starts
+        # A broken tokenizer file, or one too large for the model, fails here, before Ray starts.
+        cfg.model_args(tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size))
     write_run_config(cfg, paths)
-    init_ray()
+    local_ray = init_ray()
+    preflight(cfg.scaling, local_ray)  # before data preparation, which may take long
     cached_tokenizer = paths.tokenizer.read_text() if paths.tokenizer.exists() else None
     data = prepare_data(
         cfg.data,
@@ -211,4 +269,6 @@ def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
     summary = read_summary(paths)
     summary["wall_time_s"] = time.perf_counter() - started
     write_summary(paths, summary)
+    if summary.get("stopped"):
+        raise TrainingFailed(_stopped_message(cfg, summary["stopped"]))
     return summary

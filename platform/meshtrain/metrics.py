@@ -126,6 +126,12 @@ class TrainingMetrics:
         self.checkpoint_step = gauge("meshtrain_checkpoint_step", "Step of the last committed checkpoint.")
         self.checkpoint_saves = counter("meshtrain_checkpoint_saves", "Checkpoints committed by this worker process.")
         self.checkpoint_load = gauge("meshtrain_checkpoint_load_duration_seconds", "Time the last checkpoint load took on this worker.")
+        self.eval_loss = gauge("meshtrain_eval_loss", "Mean next-token cross entropy (nats) on the validation set, last evaluation.")
+        self.eval_step = gauge("meshtrain_eval_step", "Step of the last evaluation.")
+        self.skipped_steps = counter(
+            "meshtrain_skipped_steps", "Optimizer steps the guard skipped (non-finite or spiking loss or gradient norm)."
+        )
+        self._skipped_seen = 0
         self.restarts = gauge("meshtrain_run_restarts", "Times Ray restarted this run's worker group in the current job.")
         self.workers = gauge("meshtrain_workers", "Workers (world size) in the group.")
         self.replicate = gauge("meshtrain_mesh_replicate_degree", "Size of the mesh's replicate dimension (HSDP replicas).")
@@ -141,10 +147,11 @@ class TrainingMetrics:
         self.replicate.set(mesh_shape[0])
         self.shard.set(mesh_shape[1])
 
-    def start_steps(self, step: int, run_tokens: int) -> None:
+    def start_steps(self, step: int, run_tokens: int, skipped_steps: int = 0) -> None:
         """Called once before the first step (after any resume)."""
         self.step.set(step)
         self.run_tokens.set(run_tokens)
+        self._skipped_seen = skipped_steps
         self._clock = StepClock(self.device)
 
     def step_done(self, step: int, worker_tokens: int, data_wait_s: float) -> None:
@@ -166,6 +173,15 @@ class TrainingMetrics:
         self.tokens_per_second.set(worker_tokens_per_s)
         if self.peak_flops_per_s:
             self.mfu.set(worker_tokens_per_s * self.flops_per_token / self.peak_flops_per_s)
+
+    def evaluated(self, record: dict[str, Any]) -> None:
+        self.eval_loss.set(record["loss"])
+        self.eval_step.set(record["step"])
+
+    def skipped(self, skipped_total: int) -> None:
+        """The run's skipped steps so far (counted in this process from what it started with)."""
+        self.skipped_steps.inc(max(0, skipped_total - self._skipped_seen))
+        self._skipped_seen = max(self._skipped_seen, skipped_total)
 
     def checkpoint_event(self, event: dict[str, Any]) -> None:
         if event["event"] == "checkpoint_save":

@@ -1,4 +1,4 @@
-"""AdamW with decoupled weight decay on matrices, and a warmup + cosine learning-rate schedule."""
+"""AdamW with decoupled weight decay on matrices, and warmup + cosine/linear/wsd/constant LR schedules."""
 
 from __future__ import annotations
 
@@ -31,16 +31,26 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Ada
     )
 
 
-def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
-    """LR factor for the update that follows ``step`` completed steps: linear warmup, then cosine."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    decay_steps = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+def lr_multiplier(step: int, cfg: OptimConfig, horizon: int) -> float:
+    """LR factor for the update that follows ``step`` completed steps of a ``horizon``-step schedule:
+    linear warmup over ``cfg.warmup_steps``, then ``cfg.schedule``; steps past the horizon keep its
+    final factor (``cfg.min_lr_ratio`` for the decaying schedules)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    floor = cfg.min_lr_ratio
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "wsd":
+        decay_steps = cfg.wsd_decay_steps(horizon)
+        progress = min(1.0, max(0.0, (step - (horizon - decay_steps)) / decay_steps))
+        return 1.0 - (1.0 - floor) * progress
+    progress = min(1.0, (step - cfg.warmup_steps) / (horizon - cfg.warmup_steps))
+    if cfg.schedule == "linear":
+        return 1.0 - (1.0 - floor) * progress
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> LambdaLR:
-    return LambdaLR(
-        optimizer, lambda step: lr_multiplier(step, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
-    )
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, horizon: int) -> LambdaLR:
+    """The ``cfg`` schedule over ``horizon`` steps (ConfigError if the warmup does not fit in it)."""
+    cfg.check_horizon(horizon)
+    return LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, horizon))

@@ -25,12 +25,21 @@ def progress_line(record: dict[str, Any], total_steps: int) -> str:
         )
     if record["event"] == "checkpoint_load":
         return f"[meshtrain] resumed from {record['path']} (step {record['step']}) in {record['load_s']:.2f}s"
+    if record["event"] == "checkpoint_skipped":
+        return f"[meshtrain] checkpoint step {record['step']} not saved: {record['reason']}"
+    if record["event"] == "eval":
+        return (
+            f"[meshtrain] eval step {record['step']}: validation loss {record['loss']:.4f}, "
+            f"perplexity {record['perplexity']:,.2f} ({record['samples']} sequences)"
+        )
+    if record["event"] == "stopped":
+        return f"[meshtrain] stopped at step {record['step']}: {record['reason']}"
     eta = (total_steps - record["step"]) * record["step_time_s"]
     return (
         f"[meshtrain] step {record['step']}/{total_steps} | loss {record['loss']:.4f} | "
         f"lr {record['lr']:.2e} | grad_norm {record['grad_norm']:.3f} | "
         f"{record['tokens_per_s']:,.0f} tok/s | {record['step_time_s'] * 1000:.0f} ms/step | "
-        f"ETA {format_duration(eta)}"
+        f"ETA {format_duration(eta)}" + (f" | skipped {record['skipped_steps']}" if record.get("skipped_steps") else "")
     )
 
 

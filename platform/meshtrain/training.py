@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import time
-from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,13 +15,18 @@ import torch.distributed as dist
 from meshtrain.checkpoint import CheckpointManager, CheckpointStorage, Progress, TrainState
 from meshtrain.config import ConfigError, MeshtrainConfig
 from meshtrain.data import DataParallelBatches, DataPlan, TrainingData, open_data
+from meshtrain.evaluation import evaluate, validation_samples
 from meshtrain.faults import maybe_kill_self
+from meshtrain.gc_schedule import ScheduledCollection
+from meshtrain.guard import StepGuard
 from meshtrain.init import init_weights
 from meshtrain.metrics import TrainingMetrics
 from meshtrain.mesh import MeshPlan, resolve_mesh_shape
 from meshtrain.model import Transformer, build_model, count_parameters, materialize, token_cross_entropy_sum
 from meshtrain.optim import build_lr_scheduler, build_optimizer
 from meshtrain.parallel import build_mesh, clip_grad_norm_, parallelize
+from meshtrain.reporting import RayTrainReporter
+from meshtrain.watchdog import HangWatchdog
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,9 @@ class TrainResult:
     parameters: int = 0
     train_time_s: float = 0.0
     tokens: int = 0
+    eval_loss: float | None = None  # the last evaluation's
+    skipped_steps: int = 0
+    stopped: str | None = None  # why the run stopped before train.steps (the step guard)
 
     @property
     def final_loss(self) -> float | None:
@@ -81,7 +90,8 @@ def workers_per_node(layout: WorkerLayout, expected: int | None) -> int:
 def build_sharded_model(
     cfg: MeshtrainConfig, vocab_size: int, layout: WorkerLayout, device: torch.device
 ) -> tuple[Transformer, MeshPlan]:
-    """Model built on meta, sharded (when distributed), materialized on ``device`` and initialized."""
+    """Model built on meta, sharded (when distributed), materialized on ``device`` and initialized,
+    or filled from ``model.init_from`` (each rank reading only its own shards)."""
     model = build_model(cfg.model_args(vocab_size), "meta")
     plan = MeshPlan(1, 1, True)
     if dist.is_initialized():
@@ -93,7 +103,12 @@ def build_sharded_model(
         )
         parallelize(model, build_mesh(plan, device.type), plan, cfg.parallel)
     materialize(model, "cpu" if cfg.parallel.cpu_offload else device)
-    init_weights(model, cfg.train.seed)
+    if cfg.model.init_from is None:
+        init_weights(model, cfg.train.seed)
+    else:
+        from meshtrain.hf_weights import load_hf_weights
+
+        load_hf_weights(model, cfg.model.init_from)
     return model, plan
 
 
@@ -103,21 +118,31 @@ def _sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+@dataclass
+class StepOutput:
+    """One optimizer step, still on the device: read only at logged steps."""
+
+    loss_sum: torch.Tensor  # summed over every target token of the global batch (all ranks)
+    grad_norm: torch.Tensor  # global, before clipping
+    tokens: int  # target tokens of the global batch
+    skipped: torch.Tensor  # the guard skipped the update
+
+
 def train_step(
     model: Transformer,
-    optimizer: torch.optim.Optimizer,
+    guard: StepGuard,
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
     dp_size: int,
     grad_clip: float,
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """One optimizer step over this rank's micro-batches.
+) -> StepOutput:
+    """One optimizer step over this rank's micro-batches, skipped by ``guard`` when it goes bad.
 
     The loss is the mean over every target token of the global batch. Each micro-batch contributes
     its token-summed loss scaled by ``dp_size / global_tokens``: FSDP averages gradients over the
     ``dp_size`` ranks, so the result is the gradient of the global mean. Packed windows have no
     ignored targets and every rank holds the same shapes, so the global token count follows from the
-    shapes, with no collective or device sync. Returns this rank's summed (unscaled) loss, the
-    pre-clip gradient norm and the global number of target tokens.
+    shapes, with no collective or device sync. The loss sum is reduced over the ranks every step
+    (one scalar all-reduce, no host sync), so every rank's guard sees the same global loss.
     """
     device = micro_batches[0][1].device
     global_tokens = sum(targets.numel() for _, targets in micro_batches) * dp_size
@@ -127,10 +152,12 @@ def train_step(
         summed = token_cross_entropy_sum(model(inputs), targets)
         (summed * scale).backward()
         loss_sum += summed.detach()
+    loss_sum = _sum_over_ranks(loss_sum)
     grad_norm = clip_grad_norm_(list(model.parameters()), grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm, global_tokens
+    skipped = guard.check(loss_sum / global_tokens, grad_norm)
+    guard.step(skipped)
+    guard.optimizer.zero_grad(set_to_none=True)
+    return StepOutput(loss_sum, grad_norm, global_tokens, skipped)
 
 
 def checkpoint_root(cfg: MeshtrainConfig) -> str:
@@ -149,113 +176,231 @@ def train(
     device: torch.device,
     on_record: Callable[[dict[str, Any]], None] | None = None,
     metrics: TrainingMetrics | None = None,
+    reporter: RayTrainReporter | None = None,
 ) -> TrainResult:
     """Train until ``cfg.train.steps``, resuming from the newest committed checkpoint if any.
 
-    ``on_record`` receives every logged step and checkpoint event (rank 0 emits the save events);
-    ``metrics`` (when given) is updated every step.
+    ``on_record`` receives every logged step, evaluation and checkpoint event (rank 0 emits the save
+    events); ``metrics`` (when given) is updated every step; ``reporter`` (every rank, or none) hands
+    logged steps to Ray Train.
     """
-
-    def on_checkpoint_event(event: dict[str, Any]) -> None:
-        if metrics is not None:
-            metrics.checkpoint_event(event)
-        if on_record is not None:
-            on_record(event)
-
     if isinstance(data, DataPlan):
         data = open_data(data, cfg.data.seq_len, cfg.train.seed)
-    torch.manual_seed(cfg.train.seed)
-    model, plan = build_sharded_model(cfg, data.vocab_size, layout, device)
-    optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.train.steps)
-    progress = Progress()
-    state = TrainState(model, optimizer, scheduler, progress, layout.world_rank)
-    checkpoints = None
-    if cfg.checkpoint.enabled:
-        checkpoints = CheckpointManager(
-            CheckpointStorage(checkpoint_root(cfg), cfg.checkpoint.storage_options),
-            rank=layout.world_rank,
-            world_size=layout.world_size,
-            interval=cfg.checkpoint.interval,
-            keep=cfg.checkpoint.keep,
-            asynchronous=cfg.checkpoint.mode == "async",
-            on_event=on_checkpoint_event,
+    trainer = Trainer(cfg, data, layout, device, on_record, metrics, reporter)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+
+
+class Trainer:
+    """One rank's run: setup, then per step the named parts of the loop (see ``run``)."""
+
+    def __init__(
+        self,
+        cfg: MeshtrainConfig,
+        data: TrainingData,
+        layout: WorkerLayout,
+        device: torch.device,
+        on_record: Callable[[dict[str, Any]], None] | None,
+        metrics: TrainingMetrics | None,
+        reporter: RayTrainReporter | None = None,
+    ) -> None:
+        self.cfg, self.data, self.layout, self.device = cfg, data, layout, device
+        self.on_record, self.metrics, self.reporter = on_record, metrics, reporter
+        torch.manual_seed(cfg.train.seed)
+        self.model, plan = build_sharded_model(cfg, data.vocab_size, layout, device)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        horizon = cfg.optim.schedule_steps or cfg.train.steps
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, horizon)
+        self.guard = StepGuard(self.optimizer, device, cfg.train.loss_spike_factor, cfg.train.loss_spike_window)
+        self.progress = Progress()
+        self.state = TrainState(self.model, self.optimizer, self.scheduler, self.progress, layout.world_rank)
+        self.checkpoints = self._checkpoint_manager()
+        if self.checkpoints is not None and cfg.checkpoint.resume:
+            self.checkpoints.restore(self.state)
+        self.guard.skipped_before = self.progress.skipped_steps
+        self.micro_batch, _ = cfg.batch_layout(layout.world_size)
+        self.batches = DataParallelBatches(
+            data.train,
+            cfg.train.global_batch_size,
+            self.micro_batch,
+            dp_rank=layout.world_rank,
+            dp_size=layout.world_size,
+            device=device,
+            position=self.progress.data_position,
         )
-        if cfg.checkpoint.resume:
-            checkpoints.restore(state)
-    micro_batch, _ = cfg.batch_layout(layout.world_size)
-    batches = DataParallelBatches(
-        data.train,
-        cfg.train.global_batch_size,
-        micro_batch,
-        dp_rank=layout.world_rank,
-        dp_size=layout.world_size,
-        device=device,
-        position=progress.data_position,
-    )
-    result = TrainResult(
-        mesh_shape=plan.shape, world_size=layout.world_size, parameters=count_parameters(model)
-    )
-    manifest = {
-        "world_size": layout.world_size,
-        "mesh_shape": list(plan.shape),
-        "model_args": cfg.model_args(data.vocab_size).model_dump(),
-        "data_fingerprint": data.fingerprint,
-        "config": cfg.model_dump(mode="json"),
-    }
-    run_dir = Path(cfg.run.storage_path) / (cfg.run.name or "")
-    if metrics is not None:
-        metrics.set_mesh(layout.world_size, plan.shape)
-        metrics.start_steps(progress.step, progress.tokens)
-    model.train()
-    start = interval_start = time.perf_counter()
-    interval_steps = 0
-    for step in range(progress.step + 1, cfg.train.steps + 1):
-        maybe_kill_self(cfg.fault, layout.world_rank, step, False, run_dir / "faults")
-        lr = scheduler.get_last_lr()[0]
-        waiting_since = time.perf_counter()
-        micro_batches = list(batches.next_step())
-        data_wait = time.perf_counter() - waiting_since
-        loss_sum, grad_norm, step_tokens = train_step(
-            model, optimizer, micro_batches, layout.world_size, cfg.optim.grad_clip
+        self.validation_samples = 0
+        if cfg.eval.interval is not None and data.validation is not None:
+            self.validation_samples = validation_samples(
+                len(data.validation), cfg.eval.batches, cfg.train.global_batch_size
+            )
+        self.result = TrainResult(
+            mesh_shape=plan.shape, world_size=layout.world_size, parameters=count_parameters(self.model)
         )
-        scheduler.step()
-        progress.step, progress.tokens, progress.data_position = step, progress.tokens + step_tokens, batches.position
-        if checkpoints is not None:
-            checkpoints.poll()
-            if checkpoints.due(step, cfg.train.steps):
-                saving_since = time.perf_counter()
-                checkpoints.save(state, {**manifest, **vars(progress)}, wait=step == cfg.train.steps)
-                if metrics is not None:
-                    metrics.checkpoint_blocked(time.perf_counter() - saving_since)
-                maybe_kill_self(cfg.fault, layout.world_rank, step, True, run_dir / "faults")
-        if metrics is not None:
-            metrics.step_done(step, step_tokens // layout.world_size, data_wait)
-        interval_steps += 1
-        if step % cfg.train.log_every and step != cfg.train.steps:
-            continue
-        loss = _sum_over_ranks(loss_sum).item() / step_tokens
-        now = time.perf_counter()
-        step_time = (now - interval_start) / interval_steps
+        self.manifest = {
+            "world_size": layout.world_size,
+            "mesh_shape": list(plan.shape),
+            "model_args": cfg.model_args(data.vocab_size).model_dump(),
+            "data_fingerprint": data.fingerprint,
+            "config": cfg.model_dump(mode="json"),
+        }
+        self.run_dir = Path(cfg.run.storage_path) / (cfg.run.name or "")
+        # Last, so a setup that fails leaves neither a thread nor the collector switched off.
+        self.watchdog = HangWatchdog(cfg.run.hang_timeout_s, layout.world_rank) if cfg.run.hang_timeout_s else None
+        self.collection = ScheduledCollection(cfg.train.gc_every)
+
+    def _checkpoint_manager(self) -> CheckpointManager | None:
+        if not self.cfg.checkpoint.enabled:
+            return None
+        return CheckpointManager(
+            CheckpointStorage(checkpoint_root(self.cfg), self.cfg.checkpoint.storage_options),
+            rank=self.layout.world_rank,
+            world_size=self.layout.world_size,
+            interval=self.cfg.checkpoint.interval,
+            keep=self.cfg.checkpoint.keep,
+            asynchronous=self.cfg.checkpoint.mode == "async",
+            on_event=self._checkpoint_event,
+        )
+
+    def run(self) -> TrainResult:
+        cfg, layout, progress = self.cfg, self.layout, self.progress
+        if self.metrics is not None:
+            self.metrics.set_mesh(layout.world_size, self.result.mesh_shape)
+            self.metrics.start_steps(progress.step, progress.tokens, progress.skipped_steps)
+        self.model.train()
+        self.started = interval_start = time.perf_counter()
+        interval_steps = 0
+        first_step = progress.step + 1
+        for step in range(first_step, cfg.train.steps + 1):
+            self._beat(f"training step {step}", arm=step > first_step)
+            maybe_kill_self(cfg.fault, layout.world_rank, step, False, self.run_dir / "faults")
+            self.collection.step(step)
+            lr = self.scheduler.get_last_lr()[0]
+            waiting_since = time.perf_counter()
+            micro_batches = list(self.batches.next_step())
+            data_wait = time.perf_counter() - waiting_since
+            output = train_step(self.model, self.guard, micro_batches, layout.world_size, cfg.optim.grad_clip)
+            self.scheduler.step()
+            progress.step, progress.tokens = step, progress.tokens + output.tokens
+            progress.data_position = self.batches.position
+            last = step == cfg.train.steps
+            if self.checkpoints is not None:
+                self.checkpoints.poll()
+                if self.checkpoints.due(step, cfg.train.steps) and not self._maybe_checkpoint(step, last):
+                    break
+            if self.metrics is not None:
+                self.metrics.step_done(step, output.tokens // layout.world_size, data_wait)
+            if self.validation_samples and cfg.eval.interval and (step % cfg.eval.interval == 0 or last):
+                self._evaluate(step)
+            interval_steps += 1
+            if step % cfg.train.log_every and not last:
+                continue
+            now = time.perf_counter()
+            if not self._log(step, lr, output, (now - interval_start) / interval_steps, now, last):
+                break
+            interval_start, interval_steps = now, 0
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+        self.result.tokens = progress.tokens
+        self.result.skipped_steps = self.guard.read().skipped_total
+        self.result.train_time_s = time.perf_counter() - self.started
+        return self.result
+
+    def _read_guard(self, step: int) -> int | None:
+        """Reads the guard (a device sync) and records it: the skipped steps in a row up to now, or
+        None when there are ``train.max_bad_steps`` of them and the run must stop."""
+        reading = self.guard.read()
+        self.progress.skipped_steps = reading.skipped_total
+        if self.metrics is not None:
+            self.metrics.skipped(reading.skipped_total)
+        if reading.bad_in_a_row < self.cfg.train.max_bad_steps:
+            return reading.bad_in_a_row
+        self.result.stopped = (
+            f"train.max_bad_steps={self.cfg.train.max_bad_steps}: {reading.bad_in_a_row} steps in a row up to step "
+            f"{step} were skipped (non-finite or spiking loss or gradient norm)"
+        )
+        self._emit({"event": "stopped", "step": step, "reason": self.result.stopped})
+        return None
+
+    def _maybe_checkpoint(self, step: int, last: bool) -> bool:
+        """Save, unless the newest step was skipped: then the last good checkpoint stays the newest.
+        False when the run must stop."""
+        assert self.checkpoints is not None
+        bad_in_a_row = self._read_guard(step)
+        if bad_in_a_row is None:
+            return False
+        if bad_in_a_row:
+            self._emit({"event": "checkpoint_skipped", "step": step, "reason": "the step was skipped by the guard"})
+            return True
+        saving_since = time.perf_counter()
+        self._beat(f"saving the checkpoint of step {step}")
+        self.checkpoints.save(self.state, {**self.manifest, **vars(self.progress)}, wait=last)
+        self._beat(f"training after the checkpoint of step {step}")
+        if self.metrics is not None:
+            self.metrics.checkpoint_blocked(time.perf_counter() - saving_since)
+        maybe_kill_self(self.cfg.fault, self.layout.world_rank, step, True, self.run_dir / "faults")
+        return True
+
+    def _evaluate(self, step: int) -> None:
+        assert self.data.validation is not None
+        self._beat(f"evaluating at step {step}")
+        started = time.perf_counter()
+        self.model.eval()
+        loss = evaluate(
+            self.model, self.data.validation, self.validation_samples, self.micro_batch,
+            self.layout.world_rank, self.layout.world_size, self.device,
+        )
+        self.model.train()
+        self.result.eval_loss = loss
+        record = {
+            "event": "eval", "step": step, "loss": loss, "perplexity": math.exp(min(loss, 700.0)),
+            "samples": self.validation_samples, "seconds": time.perf_counter() - started,
+        }
+        if self.metrics is not None:
+            self.metrics.evaluated(record)
+        if self.reporter is not None:
+            self.reporter.evaluated(record)
+        self._emit(record)
+        self._beat(f"training after the evaluation at step {step}")
+
+    def _log(self, step: int, lr: float, output: StepOutput, step_time: float, now: float, last: bool) -> bool:
+        """Record a logged step; False when the guard says the run must stop."""
+        allowed = self._read_guard(step) is not None
         record = {
             "event": "train",
             "step": step,
-            "loss": loss,
+            "loss": output.loss_sum.item() / output.tokens,
             "lr": lr,
-            "grad_norm": grad_norm.item(),
-            "tokens": progress.tokens,
-            "tokens_per_s": step_tokens / step_time,
+            "grad_norm": output.grad_norm.item(),
+            "tokens": self.progress.tokens,
+            "tokens_per_s": output.tokens / step_time,
             "step_time_s": step_time,
-            "elapsed_s": now - start,
+            "elapsed_s": now - self.started,
+            "skipped_steps": self.progress.skipped_steps,
         }
-        result.records.append(record)
-        if metrics is not None:
-            metrics.logged(record, layout.world_size)
-        if on_record is not None:
-            on_record(record)
-        interval_start, interval_steps = now, 0
-    if checkpoints is not None:
-        checkpoints.close()
-    result.tokens = progress.tokens
-    result.train_time_s = time.perf_counter() - start
-    return result
+        self.result.records.append(record)
+        if self.metrics is not None:
+            self.metrics.logged(record, self.layout.world_size)
+        if self.reporter is not None:
+            self.reporter.logged(record, last or not allowed)
+        self._emit(record)
+        return allowed
+
+    def _checkpoint_event(self, event: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.checkpoint_event(event)
+        self._emit(event)
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        if self.on_record is not None:
+            self.on_record(record)
+
+    def _beat(self, doing: str, arm: bool = False) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(doing, arm)
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
+        self.collection.close()

@@ -20,6 +20,7 @@ from meshtrain.metrics import Endpoint, TrainingMetrics, advertised_host, target
 from meshtrain.outputs import RunPaths, write_summary
 from meshtrain.parallel import param_dtype
 from meshtrain.progress import StepRecorder
+from meshtrain.reporting import RayTrainReporter, TensorBoardWriter
 from meshtrain.training import WorkerLayout, train
 
 
@@ -103,14 +104,24 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     device = ray.train.torch.get_device()
     restarts, workers = record_worker_start(paths, loop_config["launch_id"], layout)
     metrics = start_metrics(cfg, layout, device, data.vocab_size, restarts) if cfg.metrics.port else None
-    recorder = StepRecorder(paths.metrics) if layout.world_rank == 0 else None
+    sinks: list[Any] = []
+    if layout.world_rank == 0:
+        sinks.append(StepRecorder(paths.metrics))
+        if cfg.metrics.tensorboard:
+            sinks.append(TensorBoardWriter(paths.run_dir / "tensorboard"))
+
+    def on_record(record: dict[str, Any]) -> None:
+        for sink in sinks:
+            sink.record(record)
+
+    reporter = RayTrainReporter(cfg.metrics.ray_report_interval_s, layout.world_rank, device)
     try:
-        result = train(cfg, data, layout, device, recorder.record if recorder else None, metrics)
+        result = train(cfg, data, layout, device, on_record if sinks else None, metrics, reporter)
         if metrics is not None:
             metrics.await_final_scrape(cfg.metrics.final_scrape_timeout_s)
     finally:
-        if recorder is not None:
-            recorder.close()
+        for sink in sinks:
+            sink.close()
         if metrics is not None:
             metrics.close()
     if layout.world_rank == 0:
@@ -120,6 +131,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 "run": paths.name,
                 "steps": cfg.train.steps,
                 "final_loss": result.final_loss,
+                "eval_loss": result.eval_loss,
+                "skipped_steps": result.skipped_steps,
+                "stopped": result.stopped,
                 "mean_tokens_per_s": result.mean_tokens_per_s,
                 "tokens": result.tokens,
                 "train_time_s": result.train_time_s,

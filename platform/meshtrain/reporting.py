@@ -1,0 +1,69 @@
+"""Logged metrics for Ray Train (``ray.train.report``) and TensorBoard.
+
+``ray.train.report`` is a barrier over every worker, and each worker's result queue holds one
+report until Ray's controller polls it (every 2 s), so reporting every logged step of a fast model
+would stall training. Reports are therefore spaced by time; rank 0's clock decides and the decision
+is shared with one scalar all-reduce at logged steps (which synchronize anyway), so every worker
+calls ``report`` at the same steps. Checkpoints are never handed to Ray (see checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+REPORTED_TRAIN_KEYS = ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "skipped_steps")
+
+
+class RayTrainReporter:
+    def __init__(self, interval_s: float, rank: int, device: torch.device) -> None:
+        self.interval_s, self.rank, self.device = interval_s, rank, device
+        self._last_report = -math.inf
+        self._eval: dict[str, Any] = {}
+
+    def evaluated(self, record: dict[str, Any]) -> None:
+        self._eval = {"eval_loss": record["loss"], "eval_perplexity": record["perplexity"], "eval_step": record["step"]}
+
+    def logged(self, record: dict[str, Any], last: bool) -> None:
+        """Called by every worker at every logged step."""
+        now = time.monotonic()
+        due = torch.tensor(int(self.rank == 0 and (last or now - self._last_report >= self.interval_s)),
+                           device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(due, op=dist.ReduceOp.MAX)
+        if not due.item():
+            return
+        import ray.train
+
+        ray.train.report({**{key: record[key] for key in REPORTED_TRAIN_KEYS}, **self._eval})
+        self._last_report = now
+
+
+class TensorBoardWriter:
+    """Rank 0's records as TensorBoard scalars, under ``<run dir>/tensorboard``."""
+
+    def __init__(self, log_dir: Path) -> None:
+        from tensorboardX import SummaryWriter
+
+        self._writer = SummaryWriter(str(log_dir))
+
+    def record(self, record: dict[str, Any]) -> None:
+        step, event = record["step"], record["event"]
+        if event == "train":
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "skipped_steps"):
+                self._writer.add_scalar(f"train/{key}", record[key], step)
+        elif event == "eval":
+            self._writer.add_scalar("eval/loss", record["loss"], step)
+            self._writer.add_scalar("eval/perplexity", record["perplexity"], step)
+        elif event == "checkpoint_save":
+            self._writer.add_scalar("checkpoint/blocking_s", record["blocking_s"], step)
+            self._writer.add_scalar("checkpoint/total_s", record["total_s"], step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()

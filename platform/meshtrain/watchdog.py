@@ -1,0 +1,55 @@
+"""A per-worker watchdog: a worker that stops making progress exits, so Ray restarts the group.
+
+A rank stuck in a collective (a peer died without its process exiting, a network partition, a
+deadlock) would otherwise wait for the process group's timeout (``scaling.timeout_s``, 30 minutes
+by default) while every other rank waits for it. The loop reports progress at every step and
+around checkpoint saves and evaluations; a thread checks that the last report is younger than
+``run.hang_timeout_s``. Blocking collectives release the GIL, so the thread runs while the main
+thread is stuck. The watchdog is armed after the first step, which may compile.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+
+def _exit_worker(message: str) -> None:
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(1)  # the main thread may be blocked inside a collective: only leaving the process ends it
+
+
+class HangWatchdog:
+    def __init__(self, timeout_s: float, rank: int, on_hang: Callable[[str], None] = _exit_worker) -> None:
+        self.timeout_s, self.rank, self.on_hang = timeout_s, rank, on_hang
+        self._last = time.monotonic()
+        self._doing = "starting"
+        self._armed = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="meshtrain-hang-watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self, doing: str, arm: bool = False) -> None:
+        """Progress: ``doing`` names what comes next (shown if it never finishes)."""
+        self._last, self._doing = time.monotonic(), doing
+        self._armed = self._armed or arm
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(5.0, self.timeout_s / 4)):
+            silent = time.monotonic() - self._last
+            if self._armed and silent > self.timeout_s:
+                self.on_hang(
+                    f"[meshtrain] rank {self.rank}: no progress for {silent:.0f}s while {self._doing} "
+                    f"(run.hang_timeout_s={self.timeout_s:g}); exiting so Ray restarts the worker group "
+                    "from the last committed checkpoint"
+                )
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -1,0 +1,85 @@
+"""Validation loss: the same value on any mesh, no effect on training, and the set it reads."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from corpora import stdlib_plan
+from meshtrain.config import ConfigError, MeshtrainConfig, load_config
+from meshtrain.data import DataPlan
+from meshtrain.evaluation import validation_samples
+from meshtrain.progress import progress_line
+from meshtrain.training import WorkerLayout, train
+from ranks import run_on_ranks
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> DataPlan:
+    return stdlib_plan(tmp_path_factory.mktemp("token_stores"), validation={"fraction": 0.1})
+
+
+def config(*overrides: str) -> MeshtrainConfig:
+    return load_config(
+        None,
+        [
+            "train.steps=6", "train.log_every=1", "train.global_batch_size=8", "train.micro_batch_size=2",
+            "data.seq_len=32", "data.vocab_size=512", "data.max_documents=24", "optim.warmup_steps=2",
+            "scaling.num_workers=1", "checkpoint.enabled=false", "eval.interval=4", "eval.batches=3", *overrides,
+        ],
+    )
+
+
+def events_of(cfg: MeshtrainConfig, corpus: DataPlan, layout: WorkerLayout = WorkerLayout()) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    train(cfg, corpus, layout, torch.device("cpu"), events.append)
+    return events
+
+
+def _rank_events(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan) -> list[dict[str, Any]]:
+    return events_of(cfg, corpus, WorkerLayout(rank, world, rank % 2, 2, rank // 2))
+
+
+def test_validation_loss_is_the_same_on_one_process_and_a_2x2_mesh(corpus: DataPlan) -> None:
+    single = [e for e in events_of(config(), corpus) if e["event"] == "eval"]
+    ranks = run_on_ranks(_rank_events, 4, config("scaling.num_workers=4", "parallel.shard=2"), corpus)
+    meshed = [e for e in ranks[0] if e["event"] == "eval"]
+    assert [e["step"] for e in single] == [e["step"] for e in meshed] == [4, 6]  # every interval and the end
+    assert all(e["samples"] == 24 for e in single + meshed)
+    for a, b in zip(single, meshed):
+        assert math.isfinite(a["loss"]) and abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (a, b)
+        assert a["perplexity"] == pytest.approx(math.exp(a["loss"]))
+    print(f"eval 1x1 vs 2x2: {[(a['loss'], b['loss']) for a, b in zip(single, meshed)]}")
+
+
+def test_evaluation_does_not_change_training(corpus: DataPlan) -> None:
+    with_eval = [e for e in events_of(config("eval.interval=1"), corpus) if e["event"] == "train"]
+    without = [e for e in events_of(config("eval.interval=null"), corpus) if e["event"] == "train"]
+    assert [(e["loss"], e["grad_norm"]) for e in with_eval] == [(e["loss"], e["grad_norm"]) for e in without]
+
+
+def test_the_validation_set_is_whole_global_batches_of_what_is_held_out() -> None:
+    assert validation_samples(available=1000, batches=4, global_batch_size=16) == 64
+    assert validation_samples(available=50, batches=4, global_batch_size=16) == 48
+    assert validation_samples(available=15, batches=4, global_batch_size=16) == 0
+
+
+def test_eval_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match=r"^eval.interval: Input should be greater than 0"):
+        load_config(None, ["eval.interval=0"])
+    with pytest.raises(ConfigError, match=r"^eval.interval=50 needs validation data; set data.validation.fraction"):
+        load_config(None, ["data.validation.fraction=0"])
+    assert load_config(None, ["data.validation.fraction=0", "eval.interval=null"]).eval.interval is None
+    # A separate validation source replaces the default held-out fraction.
+    assert load_config(None, ["data.validation.source=stdlib"]).data.validation.fraction == 0
+
+
+def test_progress_shows_evaluations_skips_and_stops() -> None:
+    assert progress_line({"event": "eval", "step": 50, "loss": 5.0, "perplexity": 148.41, "samples": 64}, 200) == (
+        "[meshtrain] eval step 50: validation loss 5.0000, perplexity 148.41 (64 sequences)"
+    )
+    assert progress_line({"event": "stopped", "step": 7, "reason": "why"}, 9) == "[meshtrain] stopped at step 7: why"
