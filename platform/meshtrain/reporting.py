@@ -9,6 +9,7 @@ calls ``report`` at the same steps. Checkpoints are never handed to Ray (see che
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from pathlib import Path
@@ -23,6 +24,12 @@ REPORTED_TRAIN_KEYS = ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_
 class RayTrainReporter:
     def __init__(self, interval_s: float, rank: int, device: torch.device) -> None:
         self.interval_s, self.rank, self.device = interval_s, rank, device
+        # Ray Train logs every report of every worker at INFO, which the job log receives: keep its
+        # warnings only (the metrics are in metrics.jsonl and the progress line already). Ray 2.60
+        # names that logger after the module's file.
+        from ray.train.v2._internal.execution import context as ray_train_context
+
+        logging.getLogger(ray_train_context.__file__).setLevel(logging.WARNING)
         self._last_report = -math.inf
         self._eval: dict[str, Any] = {}
 
