@@ -65,4 +65,5 @@ class StepGuard:
 
     def read(self) -> GuardReading:
         """The counters on the host (a device sync: call it where the loop syncs anyway)."""
-        return GuardReading(int(self.bad_in_a_row), self.skipped_before + int(self.skipped))
+        bad_in_a_row, skipped = torch.stack([self.bad_in_a_row, self.skipped]).tolist()  # one transfer
+        return GuardReading(bad_in_a_row, self.skipped_before + skipped)

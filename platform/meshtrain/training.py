@@ -125,7 +125,6 @@ class StepOutput:
     loss_sum: torch.Tensor  # summed over every target token of the global batch (all ranks)
     grad_norm: torch.Tensor  # global, before clipping
     tokens: int  # target tokens of the global batch
-    skipped: torch.Tensor  # the guard skipped the update
 
 
 def train_step(
@@ -154,10 +153,9 @@ def train_step(
         loss_sum += summed.detach()
     loss_sum = _sum_over_ranks(loss_sum)
     grad_norm = clip_grad_norm_(list(model.parameters()), grad_clip)
-    skipped = guard.check(loss_sum / global_tokens, grad_norm)
-    guard.step(skipped)
+    guard.step(guard.check(loss_sum / global_tokens, grad_norm))
     guard.optimizer.zero_grad(set_to_none=True)
-    return StepOutput(loss_sum, grad_norm, global_tokens, skipped)
+    return StepOutput(loss_sum, grad_norm, global_tokens)
 
 
 def checkpoint_root(cfg: MeshtrainConfig) -> str:
