@@ -182,6 +182,19 @@ def test_continued_training_starts_from_the_weights(trained: Trained, tmp_path: 
     assert result.records[0]["loss"] == pytest.approx(expected, rel=1e-6)
 
 
+def test_a_resumed_run_reads_its_checkpoint_not_the_hf_weights(trained: Trained, tmp_path: Path) -> None:
+    """Once a checkpoint is committed the run resumes from it: the Hugging Face weights, which the
+    checkpoint replaces anyway, are not read again (here they are no longer safetensors)."""
+    hf = Path(shutil.copytree(trained.hf, tmp_path / "hf"))
+    settings = [*RUN, "checkpoint.interval=2", "optim.schedule_steps=4", "eval.interval=null", f"run.storage_path={tmp_path}", "run.name=resumed"]
+    first = train(init_from_config(hf, *settings, "train.steps=2"), trained.corpus, WorkerLayout(), torch.device("cpu"))
+    for weights in hf.glob("*.safetensors"):
+        weights.write_bytes(b"overwritten")
+    resumed = train(init_from_config(hf, *settings), trained.corpus, WorkerLayout(), torch.device("cpu"))
+    assert [r["step"] for r in first.records if r["event"] == "train"] == [1, 2]
+    assert [r["step"] for r in resumed.records if r["event"] == "train"] == [3, 4]
+
+
 # --- a 2x2 mesh ---------------------------------------------------------------------------------
 
 
@@ -357,10 +370,19 @@ def test_hf_export_reads_one_tensor_at_a_time(
         reads.append({item.storage_index.fqn for item in plan.items})
         return read_data(self, plan, planner)
 
+    metadata_reads = []
+    read_metadata = dcp.FileSystemReader.read_metadata
+
+    def count(self: dcp.FileSystemReader, *args: Any, **kwargs: Any) -> Any:
+        metadata_reads.append(self.path)
+        return read_metadata(self, *args, **kwargs)
+
     monkeypatch.setattr(dcp.FileSystemReader, "read_data", spy)
+    monkeypatch.setattr(dcp.FileSystemReader, "read_metadata", count)
     export_checkpoint(str(trained.step), "hf", tmp_path / "hf", max_shard_bytes=SHARD_BYTES)
     assert sorted(fqn for fqns in reads for fqn in fqns) == sorted(f"train.model.{n}" for n in trained.state)
     assert all(len(fqns) == 1 for fqns in reads)
+    assert len(metadata_reads) == 1  # not once per tensor
 
 
 def _export_job() -> ModuleType:

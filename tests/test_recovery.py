@@ -57,16 +57,6 @@ def test_logged_metrics_reach_ray_train_callbacks(storage: Path, unbroken: dict)
     assert reports[-1]["eval_loss"] == evals[-1]["loss"] and reports[-1]["eval_step"] == 40
 
 
-def test_worker_that_kills_itself_is_replaced_and_the_run_matches(storage: Path, unbroken: dict, tmp_path: Path) -> None:
-    job = run_job(f"run.storage_path={storage}", "run.name=chaos", *SETTINGS, "fault.kill_rank=1", "fault.at_step=15")
-    assert job.returncode == 0, job.stderr[-3000:]
-    run_dir = storage / "chaos"
-    assert "fault injection: rank 1 sends itself SIGKILL at step 15" in job.stdout + job.stderr
-    assert (run_dir / "faults" / "killed-rank1-step15").is_file()
-    assert loads(run_dir) == [10]
-    assert_same_weights(model_weights(final_checkpoint(run_dir), tmp_path), unbroken)
-
-
 def test_a_hung_worker_is_detected_and_the_run_recovers_and_matches(storage: Path, unbroken: dict, tmp_path: Path) -> None:
     job = run_job(
         f"run.storage_path={storage}", "run.name=hung", *SETTINGS, "fault.kill_rank=1", "fault.at_step=15",
@@ -130,6 +120,9 @@ def test_kill_during_a_checkpoint_write_leaves_it_uncommitted_and_resumes_from_t
     )
     assert job.returncode == 0, job.stderr[-3000:]
     run_dir = storage / "midsave"
+    assert "fault injection: rank 1 sends itself SIGKILL at step 20" in job.stdout + job.stderr
+    # The marker keeps the restarted worker from failing again at the same step.
+    assert (run_dir / "faults" / "killed-rank1-step20").is_file()
     assert loads(run_dir) == [10]  # step 20 was never committed, so the restart used step 10
     saves = [r["step"] for r in read_metrics(run_dir) if r["event"] == "checkpoint_save"]
     assert saves == [10, 20, 30, 40]  # the second 20 is the resumed run's
@@ -147,6 +140,27 @@ def test_exhausted_restarts_fail_naming_the_last_committed_checkpoint(storage: P
     checkpoint = storage / "doomed" / "checkpoints" / "step-00000010"
     assert f"last committed checkpoint: {checkpoint} (step 10)" in lines[0]
     assert "run.name=doomed" in lines[0]
+
+
+def test_a_diverged_run_stops_at_max_bad_steps_and_keeps_its_good_checkpoint(storage: Path) -> None:
+    """Rank 1's logits turn NaN from step 12 on: every rank skips steps 12 and 13, the run stops with
+    one line, exit 1, and the checkpoint due at step 20 is never reached: step 10 stays the newest."""
+    settings = (f"run.storage_path={storage}", "run.name=diverged", *SETTINGS, "train.max_bad_steps=2")
+    job = run_job(*settings, "fault.kill_rank=1", "fault.at_step=12", "fault.kind=nan")
+    assert job.returncode == 1, job.stderr[-3000:]
+    assert "fault injection: rank 1 computes NaN logits from step 12 on" in job.stdout + job.stderr
+    lines = [line for line in job.stderr.splitlines() if line.startswith("meshtrain: training stopped")]
+    assert len(lines) == 1, job.stderr[-3000:]
+    checkpoints = storage / "diverged" / "checkpoints"
+    assert "train.max_bad_steps=2: 2 steps in a row up to step 13 were skipped" in lines[0]
+    assert f"last committed checkpoint: {checkpoints / 'step-00000010'} (step 10)" in lines[0]
+    assert "run.name=diverged" in lines[0]
+    run_dir = storage / "diverged"
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records if r["event"] == "checkpoint_save"] == [10]
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step-")) == ["step-00000010"]
+    assert [r["step"] for r in records if r["event"] == "train"][-1] == 13
+    assert json.loads((run_dir / "summary.json").read_text())["skipped_steps"] == 2
 
 
 def _free_port() -> int:

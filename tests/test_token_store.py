@@ -160,10 +160,10 @@ def test_a_separate_validation_source(tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory) -> Path:
-    """40 jsonl files of standard-library sources: one prepare unit each."""
+    """16 jsonl files of standard-library sources: one prepare unit each."""
     folder = tmp_path_factory.mktemp("jsonl_corpus")
     files = stdlib_source_files()
-    for i in range(40):
+    for i in range(16):
         with (folder / f"part{i:03d}.jsonl").open("w") as out:
             for path in files[3 * i : 3 * i + 3]:
                 out.write(json.dumps({"text": path.read_text()}) + "\n")
@@ -191,8 +191,8 @@ def test_prepare_on_ray_with_one_or_two_cpus_and_after_a_kill_writes_the_same_sh
         assert job.returncode == 0, output
         [store] = [p for p in (tmp_path / f"cpus{cpus}").iterdir() if p.name != "tokenizers"]
         stores[cpus] = store
-        assert "40/40 shards" in output and "tok/s" in output
-    assert shard_bytes(stores[1]) == shard_bytes(stores[2]) and len(shard_bytes(stores[1])) == 40
+        assert "16/16 shards" in output and "tok/s" in output
+    assert shard_bytes(stores[1]) == shard_bytes(stores[2]) and len(shard_bytes(stores[1])) == 16
     manifests = [json.loads((s / "manifest.json").read_text()) for s in stores.values()]
     assert manifests[0]["fingerprint"] == manifests[1]["fingerprint"]
 
@@ -301,6 +301,17 @@ def test_bad_source_files(tmp_path) -> None:
         with pytest.raises(ConfigError, match=f"data.source: .*{message}") as info:
             prepare_data(DataConfig(source=str(tmp_path / folder)), str(tmp_path / "c"), SEQ, use_ray=False, log=print)
         assert "\n" not in str(info.value)
+
+
+def test_a_store_read_with_another_tokenizer_is_refused(plan, tmp_path) -> None:
+    from meshtrain.data.tokenizer import train_tokenizer
+
+    other = tmp_path / "other-tokenizer.json"
+    other.write_text(train_tokenizer(iter(["a different sample of text"] * 50), 300).to_str())
+    store = plan.stores[0].url
+    with pytest.raises(ConfigError, match=rf"data.tokenizer: .*other-tokenizer.json' is not the tokenizer the token store was encoded with; prepare the store again with it .*model.init_from is unset, leave data.tokenizer=train") as info:
+        prepare_data(DataConfig(source=store, tokenizer=str(other)), str(tmp_path / "c"), SEQ, use_ray=False, log=print)
+    assert "\n" not in str(info.value)
 
 
 def test_resume_on_other_data_is_refused(plan, tmp_path) -> None:

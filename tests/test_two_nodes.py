@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,8 @@ class Cluster:
     logs: Path
     head: RayNode | None = None
     worker: RayNode | None = None
+    # The cluster's own token: the worker node may start before the head has written one to ~/.ray.
+    token: str = field(default_factory=lambda: secrets.token_hex(32))
 
     @property
     def address(self) -> str:
@@ -64,7 +67,7 @@ class Cluster:
     def node_env(self) -> dict[str, str]:
         # Gloo otherwise binds to the address of the machine's hostname, unreachable from the namespaces.
         # Ray 2.60 clusters started with `ray start` require its token: nodes and drivers send it.
-        return ray_env(GLOO_SOCKET_IFNAME=IFACE, RAY_AUTH_MODE="token")
+        return ray_env(GLOO_SOCKET_IFNAME=IFACE, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token)
 
     def start_head(self) -> None:
         self.head = RayNode(
@@ -98,8 +101,32 @@ class Cluster:
         )
 
 
+def controller_log_tail(lines: int = 15) -> str:
+    """The newest Ray Train controller's last decisions (for a job that did not end in time)."""
+    logs = sorted(Path("/tmp/ray/session_latest/logs/train").glob("ray-train-app-controller-*.log"), key=os.path.getmtime)
+    if not logs:
+        return "(no controller log)"
+    messages = []
+    for line in logs[-1].read_text(errors="replace").splitlines():
+        try:
+            message = json.loads(line)
+        except ValueError:
+            continue
+        if "Skipping resize decision" not in message.get("message", ""):
+            messages.append(f"{message.get('asctime')} {message.get('message', '')[:400]}")
+    return "\n".join(messages[-lines:])
+
+
 def finish(job: subprocess.Popen[str], timeout: float = 400) -> str:
-    output, _ = job.communicate(timeout=timeout)
+    try:
+        output, _ = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        output, _ = job.communicate()
+        raise AssertionError(
+            f"the job did not end in {timeout:.0f}s; its output ends:\n{output[-4000:]}\n"
+            f"Ray Train's controller said last:\n{controller_log_tail()}"
+        ) from None
     assert job.returncode == 0, output[-4000:]
     return output
 
@@ -139,9 +166,11 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def test_auto_mesh_on_two_nodes_is_2x2_and_matches_a_1x4_mesh(cluster: Cluster) -> None:
-    finish(cluster.job("hsdp"))
+    output = finish(cluster.job("hsdp"))
     summary = json.loads((cluster.storage / "hsdp" / "summary.json").read_text())
     assert summary["mesh_shape"] == [2, 2] and summary["world_size"] == 4
+    # Rank 0 checked, from every rank's node, that each shard group is on one node.
+    assert "[meshtrain] placement: each of the 2 shard groups of 2 ranks is on one node" in output, output[-3000:]
     # Ray numbers nodes from the one that holds world rank 0, which may be either of them.
     placement = {(w["node_rank"], w["node_ip"]) for w in summary["workers"]}
     assert len(placement) == 2 and {rank for rank, _ in placement} == {0, 1}, summary["workers"]
@@ -153,8 +182,10 @@ def test_auto_mesh_on_two_nodes_is_2x2_and_matches_a_1x4_mesh(cluster: Cluster) 
     assert flat["mesh_shape"] == [1, 4]
     hsdp, fsdp = losses(cluster.storage / "hsdp"), losses(cluster.storage / "fsdp")
     assert list(hsdp) == list(range(1, 31)) and hsdp.keys() == fsdp.keys()
+    # The meshes sum gradients in different orders; over 30 steps that drifts to about 1e-5 relative
+    # (a wrong reduction is off by far more).
     for step in hsdp:
-        assert hsdp[step] == pytest.approx(fsdp[step], rel=1e-5), step
+        assert hsdp[step] == pytest.approx(fsdp[step], rel=5e-5), step
 
 
 def test_losing_the_second_node_recovers_once_it_is_back(cluster: Cluster) -> None:
@@ -186,3 +217,103 @@ def test_losing_the_second_node_recovers_once_it_is_back(cluster: Cluster) -> No
     scratch = cluster.logs / "weights"
     scratch.mkdir(exist_ok=True)
     assert_same_weights(model_weights(reference, scratch), model_weights(run_dir / "checkpoints" / "step-00000030", scratch))
+
+
+ELASTIC = ("scaling.min_workers=2", "scaling.resize_check_interval_s=5")
+
+
+def train_records(run_dir: Path) -> dict[int, dict]:
+    """The last record of each step (a step trained twice, before and after a restart, keeps its second)."""
+    return {r["step"]: r for r in read_metrics(run_dir) if r["event"] == "train"}
+
+
+def node_down(cluster: Cluster) -> None:
+    if cluster.worker is not None:
+        cluster.worker.kill()
+    wait_until(lambda: cluster.alive_nodes() == 1, 120, "Ray to mark the second node dead", interval=2)
+
+
+def test_elastic_run_goes_on_without_the_lost_node_and_matches_a_resharded_run(cluster: Cluster) -> None:
+    """Elastic (scaling.min_workers=2): the second node is lost after the first checkpoint and never
+    comes back; the run resumes on the head's two workers (1x2) and completes. Same samples per step
+    and losses within 1e-4 of the unbroken 2x2 run; final weights bitwise those of a 1x2 run resumed
+    from the unbroken run's checkpoint at the same step."""
+    unbroken = cluster.storage / "hsdp"
+    if not (unbroken / "checkpoints" / "step-00000030" / "COMMITTED").exists():
+        finish(cluster.job("hsdp"))
+    if cluster.worker is None:
+        cluster.start_worker()
+        wait_until(lambda: cluster.alive_nodes() == 2, 180, "two live Ray nodes", interval=2)
+    run_dir = cluster.storage / "elastic"
+    job = cluster.job("elastic", *ELASTIC)
+    try:
+        first = run_dir / "checkpoints" / "step-00000010" / "COMMITTED"
+        wait_until(lambda: first.exists() or job.poll() is not None, 300, "the first committed checkpoint", interval=0.1)
+        assert job.poll() is None, "the job ended before the node could be lost"
+        lost_at = time.time()
+        assert cluster.worker is not None
+        cluster.worker.kill()
+        cluster.worker = None
+        output = finish(job)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    records = read_metrics(run_dir)
+    [resize] = [r for r in records if r["event"] == "resize"]
+    assert (resize["from_workers"], resize["to_workers"]) == (4, 2) and "capacity lost" in resize["reason"]
+    assert "worker group resized from 4 to 2 workers" in output
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["mesh_shape"] == [1, 2] and summary["world_size"] == 2
+    assert [(r["from_workers"], r["to_workers"]) for r in summary["resizes"]] == [(4, 2)]
+    starts = [json.loads(line) for line in (run_dir / "worker_starts.jsonl").read_text().splitlines()]
+    assert [s["world_size"] for s in starts] == [4, 2] and starts[-1]["resized_from"] == 4
+    [resumed_from] = [r["step"] for r in records if r["event"] == "checkpoint_load"]
+    assert resumed_from in (10, 20), output[-3000:]
+
+    steps, reference = train_records(run_dir), train_records(unbroken)
+    assert list(steps) == list(range(1, 31))
+    for step, record in steps.items():
+        assert record["samples"] == reference[step]["samples"], step
+        assert record["world_size"] == (2 if step > resumed_from else 4), step
+        assert record["loss"] == pytest.approx(reference[step]["loss"], rel=1e-4), step
+    back = min(r["time"] for r in steps.values() if r["world_size"] == 2)
+    print(f"node lost -> training on 1x2 again: {back - lost_at:.1f}s; "
+          f"max loss difference {max(abs(r['loss'] - reference[s]['loss']) / reference[s]['loss'] for s, r in steps.items()):.2e} (relative)")
+
+    # The same reshard by hand: the unbroken run's checkpoint, resumed on 2 workers (one node).
+    resharded = cluster.storage / "resharded"
+    name = f"step-{resumed_from:08d}"
+    shutil.copytree(unbroken / "checkpoints" / name, resharded / "checkpoints" / name)
+    finish(cluster.job("resharded", "scaling.num_workers=2"))
+    assert json.loads((resharded / "summary.json").read_text())["mesh_shape"] == [1, 2]
+    scratch = cluster.logs / "elastic-weights"
+    scratch.mkdir(exist_ok=True)
+    final = "checkpoints/step-00000030"
+    assert_same_weights(model_weights(resharded / final, scratch), model_weights(run_dir / final, scratch))
+
+
+def test_elastic_run_grows_back_when_the_node_returns(cluster: Cluster) -> None:
+    """Started while the second node is down, an elastic run trains on 1x2; when the node returns,
+    Ray's next capacity check (scaling.resize_check_interval_s) restarts the group on 2x2, which
+    resumes from the newest checkpoint and completes."""
+    node_down(cluster)
+    run_dir = cluster.storage / "regrown"
+    job = cluster.job("regrown", *ELASTIC, "train.steps=60", "optim.schedule_steps=60")
+    try:
+        wait_until(lambda: bool(train_records(run_dir)) or job.poll() is not None, 300, "training on one node", interval=0.2)
+        assert job.poll() is None
+        cluster.start_worker()
+        output = finish(job)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    resizes = [r for r in read_metrics(run_dir) if r["event"] == "resize"]
+    assert [(r["from_workers"], r["to_workers"]) for r in resizes] == [(2, 4)], output[-3000:]
+    assert "capacity returned" in resizes[0]["reason"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["mesh_shape"] == [2, 2] and summary["world_size"] == 4
+    steps = train_records(run_dir)
+    assert list(steps) == list(range(1, 61))
+    assert all(r["samples"] == [(s - 1) * 16, s * 16] for s, r in steps.items())
+    assert steps[60]["world_size"] == 4 and steps[1]["world_size"] == 2
+    wait_until(lambda: cluster.alive_nodes() == 2, 180, "two live Ray nodes", interval=2)

@@ -143,9 +143,9 @@ def _describe_groups(scaling: ScalingConfig, groups: Sequence[NodeGroup]) -> str
 
 
 def _needs(scaling: ScalingConfig) -> str:
-    count = scaling.num_workers
+    count = scaling.required_workers
     text = (
-        f"scaling.num_workers={count} needs {_plural(count * scaling.cpus_per_worker, 'CPU')} "
+        f"{scaling.required_setting}={count} needs {_plural(count * scaling.cpus_per_worker, 'CPU')} "
         f"({scaling.cpus_per_worker:g} per worker, scaling.cpus_per_worker)"
     )
     if scaling.use_gpu:
@@ -168,7 +168,7 @@ def _largest_cpus_per_worker(
 
     def fits(units: int) -> bool:
         cpus = {**bundle, "CPU": units / RESOURCE_UNIT}
-        return max_workers(nodes, cpus, scaling.placement_strategy, limits) >= scaling.num_workers
+        return max_workers(nodes, cpus, scaling.placement_strategy, limits) >= scaling.required_workers
 
     if not fits(1):
         return None
@@ -183,9 +183,9 @@ def _fixes(
     scaling: ScalingConfig, nodes: Sequence[Mapping[str, float]], limits: Mapping[str, float], held: int
 ) -> str:
     def fit(bundle: Mapping[str, float], strategy: str) -> bool:
-        return max_workers(nodes, bundle, strategy, limits) >= scaling.num_workers
+        return max_workers(nodes, bundle, strategy, limits) >= scaling.required_workers
 
-    lower = [f"scaling.num_workers to {held}"] if held > 0 else []
+    lower = [f"{scaling.required_setting} to {held}"] if held > 0 else []
     cpus = _largest_cpus_per_worker(scaling, nodes, limits)
     if cpus is not None:
         lower.append(f"scaling.cpus_per_worker to {cpus:g}")
@@ -204,7 +204,7 @@ def check(
     to print when they will once the autoscaler adds nodes, or may; ConfigError when they never
     can. ``autoscaler`` is None for a cluster without one."""
     bundle = worker_bundle(scaling)
-    wanted, strategy = scaling.num_workers, scaling.placement_strategy
+    wanted, strategy = scaling.required_workers, scaling.placement_strategy
     now = max_workers(nodes, bundle, strategy)
     if now >= wanted:
         return None
@@ -288,7 +288,7 @@ def preflight(scaling: ScalingConfig, local_ray: bool) -> None:
 
     nodes = [node for node in ray.nodes() if node["Alive"]]
     totals = [node["Resources"] for node in nodes]
-    if max_workers(totals, worker_bundle(scaling), scaling.placement_strategy) >= scaling.num_workers:
+    if max_workers(totals, worker_bundle(scaling), scaling.placement_strategy) >= scaling.required_workers:
         return  # the autoscaler is read only when needed: that may wait for its first report
     line = check(scaling, totals, None if local_ray else read_autoscaler(nodes))
     if line is not None:

@@ -21,6 +21,7 @@ looks for the newest committed checkpoint in the same place.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -245,12 +247,37 @@ class CheckpointStorage:
 
         return FsspecWriter(self.display(path), sync_files=True, overwrite=True, **self.storage_options)
 
-    def reader(self, path: str) -> dcp.StorageReader:
+    def reader(self, path: str, metadata_once: bool = False) -> dcp.StorageReader:
+        """A DCP reader of the checkpoint at ``path``. With ``metadata_once`` it reads ``.metadata``
+        at its first load only, for callers that load one checkpoint piece by piece."""
         if self.is_local:
-            return dcp.FileSystemReader(path)
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+            reader_class: type[dcp.StorageReader] = dcp.FileSystemReader
+            location = path
+        else:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-        return FsspecReader(self.display(path), **self.storage_options)
+            reader_class, location = FsspecReader, self.display(path)
+        if metadata_once:
+            reader_class = _reading_metadata_once(reader_class)
+        options = {} if self.is_local else self.storage_options
+        return reader_class(location, **options)
+
+
+class _MetadataOnce:
+    """Mixed into a DCP reader: ``dcp.load`` asks for the metadata at every call, and for an hf
+    export that loads a 70B checkpoint tensor by tensor each ask would re-read and unpickle it."""
+
+    _metadata: Any = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)  # type: ignore[misc]
+        return self._metadata
+
+
+@functools.cache
+def _reading_metadata_once(reader_class: type[dcp.StorageReader]) -> type[dcp.StorageReader]:
+    return type(f"MetadataOnce{reader_class.__name__}", (_MetadataOnce, reader_class), {})
 
 
 @dataclass
@@ -286,6 +313,7 @@ class CheckpointManager:
         self.interval, self.keep, self.asynchronous = interval, keep, asynchronous
         self.on_event, self.log = on_event, log
         self._pending: _PendingSave | None = None
+        self._stager: DefaultStager | None = None  # made at the first async save, kept for the next ones
         self.distributed = dist.is_initialized()
         # Background saves run their own collectives; a separate gloo group keeps them from
         # interleaving with the training step's collectives (and works for NCCL jobs too).
@@ -306,9 +334,10 @@ class CheckpointManager:
         self._barrier()
         state.include_rng = True
         started = time.perf_counter()
-        kwargs = {"storage_writer": self.storage.writer(path), "process_group": self.group, "no_dist": not self.distributed}
+        writer = self.storage.writer(path)
+        kwargs = {"storage_writer": writer, "process_group": self.group, "no_dist": not self.distributed}
         if self.asynchronous and not wait:
-            future = dcp.async_save({"train": state}, **kwargs)
+            future = dcp.async_save({"train": state}, async_stager=self._staging(state, writer), **kwargs)
         else:
             dcp.save({"train": state}, **kwargs)
             future = Future()
@@ -318,6 +347,28 @@ class CheckpointManager:
         self._pending = pending
         if wait or not self.asynchronous:
             self.finish_pending()
+
+    def _staging(self, state: TrainState, writer: dcp.StorageWriter) -> DefaultStager:
+        """The stager that copies the state to host memory, kept so every save refills the same host
+        buffers (pinned when training on CUDA) instead of allocating a new copy of the whole state.
+
+        DefaultStager keeps one host buffer per source storage, weakly keyed by that storage. The
+        sharded parameters and the optimizer's moments are updated in place, so every save finds its
+        buffers again; tensors built per save (progress, RNG state) get small fresh ones, released with
+        their source. A storage whose size changed would fail loudly, never be copied short. Refilling
+        is safe because ``save`` first waits for the previous save's writes (``finish_pending``).
+        """
+        if self._stager is None:
+            on_cuda = any(param.device.type == "cuda" for param in state.model.parameters())
+            options = StagingOptions(
+                use_pinned_memory=on_cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=on_cuda
+            )
+            self._stager = DefaultStager(options)
+        # With tensors already in host memory the writer's GPU copy-ahead only adds stream syncs
+        # (DCP's own staging writer turns it off the same way).
+        if hasattr(writer, "per_thread_copy_ahead"):
+            writer.per_thread_copy_ahead = 0
+        return self._stager
 
     def poll(self) -> None:
         """Commit the save in flight if it has finished (cheap; call every step)."""
@@ -357,6 +408,10 @@ class CheckpointManager:
                 self.storage.remove(path)
 
     # --- restoring ----------------------------------------------------------------------------
+
+    def any_committed(self) -> bool:
+        """Whether there is a committed checkpoint to resume from (rank 0 lists, every rank agrees)."""
+        return bool(self._broadcast(bool(self.storage.committed()) if self.rank == 0 else None))
 
     def restore(self, state: TrainState) -> CommittedCheckpoint | None:
         """Load the newest usable committed checkpoint into ``state``; fall back past broken ones.
@@ -425,6 +480,9 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.finish_pending()
+        if self._stager is not None:  # DCP leaves closing a stager it was given to its owner
+            self._stager.close()
+            self._stager = None
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None

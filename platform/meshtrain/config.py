@@ -487,7 +487,41 @@ class ScalingConfig(_Section):
         "PACK", description="Ray placement strategy for the worker group (PACK keeps shard groups on one node)."
     )
     accelerator_type: str | None = Field(None, description="Ray accelerator type to require, e.g. H100.")
+    device_memory_gib: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Memory of one GPU in GiB, for the --dry-run fit verdict; unset = known from "
+            "scaling.accelerator_type (H100, H200, A100-40G, A100-80G, L4, A10G, ...)."
+        ),
+    )
     timeout_s: int = Field(1800, gt=0, description="Collective timeout for the process group, seconds.")
+    min_workers: int | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Elastic training: the fewest workers to go on with when capacity is lost (unset = scaling.num_workers, "
+            "not elastic); the group regrows up to scaling.num_workers when capacity returns."
+        ),
+    )
+    resize_check_interval_s: float = Field(
+        60.0,
+        gt=0,
+        description="Elastic training: how often Ray checks a running group for capacity to grow it (seconds).",
+    )
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers is not None and self.min_workers < self.num_workers
+
+    @property
+    def required_workers(self) -> int:
+        """The fewest workers a run can start with."""
+        return self.min_workers if self.min_workers is not None else self.num_workers
+
+    @property
+    def required_setting(self) -> str:
+        return "scaling.min_workers" if self.elastic else "scaling.num_workers"
 
 
 class RunConfig(_Section):
@@ -550,8 +584,12 @@ class FaultConfig(_Section):
         None, ge=0, description="Chaos testing: this worker fails once, at fault.at_step (how: fault.kind)."
     )
     at_step: int | None = Field(None, gt=0, description="Step at which fault.kill_rank fails.")
-    kind: Literal["kill", "hang"] = Field(
-        "kill", description="kill: the worker sends itself SIGKILL; hang: it stops making progress (sleeps forever)."
+    kind: Literal["kill", "hang", "nan"] = Field(
+        "kill",
+        description=(
+            "kill: the worker sends itself SIGKILL; hang: it stops making progress (sleeps forever); nan: its "
+            "logits are NaN from fault.at_step on, so the global loss and gradients are (the step guard's case)."
+        ),
     )
     during_checkpoint: bool = Field(
         False, description="Die right after the checkpoint of fault.at_step starts writing (it must be a save step)."
@@ -670,6 +708,7 @@ class MeshtrainConfig(_Section):
             )
         # Every worker is a data-parallel rank whatever the mesh, so this holds before Ray is asked.
         self.batch_layout(self.scaling.num_workers)
+        self.elastic_sizes()
         # A re-run may resolve another horizon (the launcher keeps the first launch's); it checks again.
         self.optim.check_horizon(self.optim.schedule_steps or self.train.steps)
         if self.eval.interval is not None and self.data.validation.fraction == 0 and self.data.validation.source is None:
@@ -693,6 +732,46 @@ class MeshtrainConfig(_Section):
                     f"use a multiple of checkpoint.interval={self.checkpoint.interval}"
                 )
         return self
+
+    def elastic_sizes(self) -> list[int]:
+        """The worker-group sizes a run may train on, smallest first: ``scaling.num_workers`` alone, or
+        with ``scaling.min_workers`` every size down to it that is a whole number of shard groups (of
+        ``parallel.shard``, or of ``scaling.workers_per_node`` with shard=auto) and divides the global
+        batch. ValueError when an elastic setting cannot shrink."""
+        scaling = self.scaling
+        if scaling.min_workers is None or scaling.min_workers == scaling.num_workers:
+            return [scaling.num_workers]
+        if scaling.min_workers > scaling.num_workers:
+            raise ValueError(
+                f"scaling.min_workers={scaling.min_workers} exceeds scaling.num_workers={scaling.num_workers}; "
+                "set it to at most scaling.num_workers (or unset it: not elastic)"
+            )
+        shard = self.parallel.shard
+        if self.parallel.strategy in ("full_shard", "shard_grad_op", "no_shard"):
+            unit = 1  # the shard group is every worker (or one): any size holds it
+        elif shard != "auto":
+            if shard > scaling.min_workers:
+                raise ValueError(
+                    f"parallel.shard={shard} does not fit scaling.min_workers={scaling.min_workers}: a smaller group "
+                    f"could not hold one shard group; raise scaling.min_workers to {shard} or use parallel.shard=auto"
+                )
+            unit = shard
+        else:
+            unit = scaling.workers_per_node or 1  # learned from Ray when unset: checked when the group starts
+        step_samples = self.train.micro_batch_size
+        sizes = [
+            size
+            for size in range(scaling.min_workers, scaling.num_workers + 1)
+            if size % unit == 0 and self.train.global_batch_size % (size * step_samples) == 0
+        ]
+        if sizes == [scaling.num_workers]:
+            raise ValueError(
+                f"scaling.min_workers={scaling.min_workers}: no smaller group than scaling.num_workers="
+                f"{scaling.num_workers} is a whole number of shard groups of {unit} whose micro-batches "
+                f"(train.micro_batch_size={step_samples}) divide train.global_batch_size={self.train.global_batch_size}; "
+                "raise train.global_batch_size to a multiple of more sizes or lower scaling.min_workers"
+            )
+        return sizes
 
     def batch_layout(self, data_parallel_size: int) -> tuple[int, int]:
         """(micro-batch size, accumulation steps) for a data-parallel degree, or ConfigError."""

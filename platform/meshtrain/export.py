@@ -23,6 +23,7 @@ end, so a failed export leaves nothing half-written, and an existing non-empty o
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -156,17 +157,20 @@ class _Checkpoint:
     def manifest(self) -> dict[str, Any]:
         return self.committed.manifest
 
+    @functools.cached_property
+    def reader(self) -> dcp.StorageReader:
+        return self.storage.reader(self.committed.path, metadata_once=True)
+
     def to_load(self, model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The entries of ``model_state`` (a model's state dict) to read, checked against the metadata."""
-        stored = self.storage.reader(self.committed.path).read_metadata().state_dict_metadata
+        stored = self.reader.read_metadata().state_dict_metadata
         return _state_to_load(model_state, stored, self.args, self.storage.display(self.committed.path))
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
         """Fill ``state``'s tensors (meshtrain names) from the checkpoint, reading nothing else."""
-        reader = self.storage.reader(self.committed.path)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load({"train": {"model": state}}, storage_reader=reader, no_dist=True)
+            dcp.load({"train": {"model": state}}, storage_reader=self.reader, no_dist=True)
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """The whole model as fp32 CPU tensors (a tied embedding is one tensor under both names)."""

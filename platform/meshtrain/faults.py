@@ -1,4 +1,4 @@
-"""Fault injection for tests and demos: a worker that kills itself once with SIGKILL, or hangs."""
+"""Fault injection for tests and demos: a worker that kills itself once with SIGKILL, hangs, or turns NaN."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import signal
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 from meshtrain.config import FaultConfig
 
@@ -18,7 +20,8 @@ def maybe_kill_self(fault: FaultConfig, rank: int, step: int, during_checkpoint:
     A marker file in the run directory records the fault, so the restarted worker passes the same
     step without failing again.
     """
-    if (fault.kill_rank, fault.at_step, fault.during_checkpoint) != (rank, step, during_checkpoint):
+    named = (fault.kill_rank, fault.at_step, fault.during_checkpoint)
+    if fault.kind == "nan" or named != (rank, step, during_checkpoint):
         return
     marker = marker_dir / f"killed-rank{rank}-step{step}"
     if marker.exists():
@@ -34,3 +37,15 @@ def maybe_kill_self(fault: FaultConfig, rank: int, step: int, during_checkpoint:
     sys.stdout.write(f"[meshtrain] fault injection: rank {rank} sends itself SIGKILL at step {step} {where}\n")
     sys.stdout.flush()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_poison_outputs(fault: FaultConfig, rank: int, step: int, model: torch.nn.Module) -> None:
+    """``fault.kind=nan``: from ``fault.at_step`` on, this rank's logits are NaN. The loss sum is
+    reduced over the ranks and FSDP reduces the gradients, so every rank's step guard sees the step
+    go bad, as with a real divergence. Called before each step; a resumed run reaches the step again.
+    """
+    if fault.kind != "nan" or (fault.kill_rank, fault.at_step) != (rank, step):
+        return
+    sys.stdout.write(f"[meshtrain] fault injection: rank {rank} computes NaN logits from step {step} on\n")
+    sys.stdout.flush()
+    model.register_forward_hook(lambda _module, _inputs, logits: logits * float("nan"))

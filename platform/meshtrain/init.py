@@ -4,7 +4,8 @@ Each parameter is cut into fixed blocks of rows (the block size depends only on 
 shape). Block ``j`` of parameter ``name`` is drawn from its own generator seeded by
 ``(seed, name, j)``, so a rank can fill exactly the rows of its shard, and the values do not depend
 on how many ranks share the parameter. This avoids DTensor's RNG tracker, which on a CPU mesh gives
-every shard the same values.
+every shard the same values. The generators are CPU ones, so the values do not depend on the device
+either (GPU, or host memory under CPU offload).
 """
 
 from __future__ import annotations
@@ -52,22 +53,32 @@ def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 @torch.no_grad()
 def fill_normal_rows(local: torch.Tensor, first_row: int, full_shape: torch.Size, name: str, seed: int, std: float) -> None:
-    """Fill ``local`` (rows ``first_row``.. of a ``full_shape`` parameter) from N(0, std)."""
+    """Fill ``local`` (rows ``first_row``.. of a ``full_shape`` parameter) from N(0, std).
+
+    Blocks are drawn on the host, whatever ``local``'s device: a CUDA generator (Philox) and a CPU
+    one (Mersenne Twister) give different numbers for one seed, so drawing on the parameter's device
+    would make the weights depend on where they live (GPU, or host memory under CPU offload).
+    Each block is copied into its overlap with ``local`` at once, so only one block is ever held.
+    """
     if local.numel() == 0:
         return
-    row_elements = max(1, full_shape.numel() // full_shape[0])
-    block_rows = max(1, _BLOCK_ELEMENTS // row_elements)
+    block_rows = rows_per_block(full_shape)
     last_row = first_row + local.shape[0]
-    first_block, last_block = first_row // block_rows, (last_row - 1) // block_rows
-    pieces = []
-    generator = torch.Generator(device=local.device)
-    for block in range(first_block, last_block + 1):
-        rows = min(block_rows, full_shape[0] - block * block_rows)
+    generator = torch.Generator(device="cpu")
+    for block in range(first_row // block_rows, (last_row - 1) // block_rows + 1):
+        block_start = block * block_rows
+        rows = min(block_rows, full_shape[0] - block_start)
         generator.manual_seed(block_seed(seed, name, block))
-        piece = torch.empty((rows, *full_shape[1:]), dtype=torch.float32, device=local.device)
-        pieces.append(piece.normal_(mean=0.0, std=std, generator=generator))
-    start = first_row - first_block * block_rows
-    local.copy_(torch.cat(pieces)[start : start + local.shape[0]])
+        values = torch.empty((rows, *full_shape[1:]), dtype=torch.float32)
+        values.normal_(mean=0.0, std=std, generator=generator)
+        start, stop = max(first_row, block_start), min(last_row, block_start + rows)
+        local[start - first_row : stop - first_row].copy_(values[start - block_start : stop - block_start])
+
+
+def rows_per_block(full_shape: torch.Size) -> int:
+    """Rows of one random block of a ``full_shape`` parameter (a function of the shape alone)."""
+    row_elements = max(1, full_shape.numel() // full_shape[0])
+    return max(1, _BLOCK_ELEMENTS // row_elements)
 
 
 @torch.no_grad()

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from meshtrain.capacity import preflight, worker_resources
+from meshtrain.capacity import START_TIMEOUT_ENV, preflight, worker_resources
 from meshtrain.config import ConfigError, MeshtrainConfig
 from meshtrain.checkpoint import CheckpointStorage
 from meshtrain.data import DataPlan, prepare_data, tokenizer_vocab_size
@@ -207,7 +207,10 @@ def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, data: DataPlan, launch_
         },
         torch_config=TorchConfig(backend=backend, timeout_s=scaling.timeout_s),
         scaling_config=ray.train.ScalingConfig(
-            num_workers=scaling.num_workers,
+            # Elastic: Ray starts the group on as many workers as the cluster holds in this range,
+            # and restarts it larger when a check every resize_check_interval_s finds more.
+            num_workers=(scaling.min_workers, scaling.num_workers) if scaling.elastic else scaling.num_workers,
+            elastic_resize_monitor_interval_s=scaling.resize_check_interval_s,
             use_gpu=scaling.use_gpu,
             resources_per_worker=worker_resources(scaling),
             placement_strategy=scaling.placement_strategy,
@@ -222,6 +225,13 @@ def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, data: DataPlan, launch_
     )
 
 
+# Ray sizes an elastic group from the resources its autoscaling coordinator last saw (refreshed every
+# 20 s), so just after a node is lost it may still count that node and ask for too many workers.
+# Their placement group then never fills; giving up on it after this long (Ray's default: 60 s)
+# lets Ray size the group again from a fresh view sooner. A group sized right is placed at once.
+ELASTIC_START_TIMEOUT_S = 25
+
+
 def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
     """Run the whole job; returns the summary also written to ``summary.json``."""
 
@@ -234,6 +244,8 @@ def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
     write_run_config(cfg, paths)
     local_ray = init_ray()
     preflight(cfg.scaling, local_ray)  # before data preparation, which may take long
+    if cfg.scaling.elastic:
+        os.environ.setdefault(START_TIMEOUT_ENV, str(ELASTIC_START_TIMEOUT_S))
     cached_tokenizer = paths.tokenizer.read_text() if paths.tokenizer.exists() else None
     data = prepare_data(
         cfg.data,

@@ -7,6 +7,7 @@ ranks hold which shard of the parameters.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -76,3 +77,54 @@ def resolve_mesh_shape(
             f"choose one of {_divisors(world_size)}"
         )
     return MeshPlan(world_size // shard, shard, reshard)
+
+
+def shard_groups_off_node(plan: MeshPlan, node_of_rank: Sequence[int]) -> dict[int, list[int]]:
+    """Shard groups whose ranks sit on more than one node: group index -> its nodes, sorted.
+
+    ``node_of_rank[i]`` is the node of world rank ``i``. Shard group ``r`` is world ranks
+    ``r*shard .. r*shard+shard-1`` (the consecutive ranks of one mesh row, see ``build_mesh``).
+    """
+    if len(node_of_rank) != plan.world_size:
+        raise ValueError(f"{len(node_of_rank)} placements for a {plan.replicate}x{plan.shard} mesh")
+    split: dict[int, list[int]] = {}
+    for group in range(plan.replicate):
+        nodes = sorted(set(node_of_rank[group * plan.shard : (group + 1) * plan.shard]))
+        if len(nodes) > 1:
+            split[group] = nodes
+    return split
+
+
+def _describe(plan: MeshPlan, split: dict[int, list[int]], limit: int = 4) -> str:
+    parts = [
+        f"group {group} (ranks {group * plan.shard}-{(group + 1) * plan.shard - 1}) on nodes {','.join(map(str, nodes))}"
+        for group, nodes in list(split.items())[:limit]
+    ]
+    more = f" and {len(split) - limit} more" if len(split) > limit else ""
+    return "; ".join(parts) + more
+
+
+def check_shard_placement(plan: MeshPlan, node_of_rank: Sequence[int], shard: int | Literal["auto"]) -> str | None:
+    """Check that every HSDP shard group is on one node, so its all-gathers never cross the network.
+
+    Returns one line for rank 0 to print: the check passed, or (explicit ``parallel.shard``) a
+    warning. Raises ConfigError when ``parallel.shard=auto`` chose the shard size and Ray placed a
+    shard group across nodes. None when there is nothing to check: a single shard group over every
+    worker (plain FSDP) spans nodes by design, and groups of one rank cannot.
+    """
+    if plan.replicate == 1 or plan.shard == 1:
+        return None
+    split = shard_groups_off_node(plan, node_of_rank)
+    if not split:
+        return f"[meshtrain] placement: each of the {plan.replicate} shard groups of {plan.shard} ranks is on one node"
+    where = _describe(plan, split)
+    if shard == "auto":
+        raise ConfigError(
+            f"parallel.shard=auto: Ray placed shard groups across nodes ({where}), so their all-gathers would go "
+            "over the network; keep scaling.placement_strategy=PACK (or STRICT_PACK) with whole nodes of workers, "
+            "or set parallel.shard explicitly to accept it"
+        )
+    return (
+        f"[meshtrain] WARNING: parallel.shard={shard}: shard groups span nodes ({where}); their all-gathers go over "
+        "the network; set parallel.shard to the workers per node (or auto) to keep them on one node"
+    )

@@ -32,10 +32,14 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.dev
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (batch, seq, heads, head_dim) ``x`` by position; cos/sin are (seq, head_dim)."""
+    """Rotate (batch, seq, heads, head_dim) ``x`` by position; cos/sin are (seq, head_dim).
+
+    The rotation is computed in fp32 (with fp32 tables: bf16 tables would lose the angle at long
+    positions) and returned in ``x``'s dtype, so q, k and v reach attention in one dtype.
+    """
     first, second = x.chunk(2, dim=-1)
     rotated = torch.cat((-second, first), dim=-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = cos.float()[None, :, None, :], sin.float()[None, :, None, :]
     return (x.float() * cos + rotated.float() * sin).type_as(x)
 
 
@@ -48,6 +52,16 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
+    @staticmethod
+    def native_gqa(q: torch.Tensor) -> bool:
+        """Whether SDPA's fused kernels for ``q`` read the fewer K/V heads themselves (``enable_gqa``).
+
+        In torch 2.13 the CPU flash kernel does in any float dtype; on CUDA only flash and cuDNN do,
+        and both need fp16/bf16. fp32 CUDA with ``enable_gqa`` would fall to the math kernel, which
+        builds the full (seq, seq) scores: repeating K/V for the memory-efficient kernel is cheaper.
+        """
+        return q.device.type == "cpu" or q.dtype in (torch.float16, torch.bfloat16)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
@@ -55,11 +69,14 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if self.n_kv_heads != self.n_heads:
-            # Query head h reads key/value head h // group (Hugging Face's repeat_kv order).
+        grouped = self.n_kv_heads != self.n_heads
+        if grouped and not self.native_gqa(q):
+            # Query head h reads key/value head h // group (Hugging Face's repeat_kv order);
+            # enable_gqa below uses the same mapping without the copy.
             group = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            grouped = False
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -167,15 +184,30 @@ class Transformer(nn.Module):
         return plan
 
 
-def materialize(model: Transformer, device: torch.device | str) -> Transformer:
-    """Allocate (uninitialized) storage for a meta-built model on ``device``, keeping tied weights tied.
+def materialize(
+    model: Transformer, device: torch.device | str, buffer_device: torch.device | str | None = None
+) -> Transformer:
+    """Allocate (uninitialized) storage for a meta-built model, keeping tied weights tied: parameters
+    on ``device``, buffers (the RoPE tables) on ``buffer_device`` (default: ``device``).
 
+    Under FSDP2 CPU offload the parameters live on the host, but FSDP moves only the root's inputs to
+    the GPU: buffers read inside the blocks must already sit on the compute device.
     ``to_empty`` swaps in new parameter objects, which would silently untie a shared embedding.
     """
     model.to_empty(device=device)
+    if buffer_device is not None and torch.device(buffer_device) != torch.device(device):
+        _move_buffers_empty(model, torch.device(buffer_device))
     if model.args.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:
         model.output.weight = model.tok_embeddings.weight
     return model
+
+
+def _move_buffers_empty(model: nn.Module, device: torch.device) -> None:
+    """Replace every buffer with uninitialized storage on ``device`` (persistence unchanged)."""
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            # Module.__setattr__ on a registered buffer name rebinds the buffer in place.
+            setattr(module, name, torch.empty_like(buffer, device=device))
 
 
 def build_model(args: ModelArgs, device: torch.device | str = "meta") -> Transformer:
@@ -189,9 +221,83 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def token_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of next-token cross entropy in fp32, so callers can normalize globally."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+_LOSS_CHUNK_FP32_BYTES = 256 * 2**20  # one chunk's fp32 logits: ~520 tokens at a 128K vocabulary
+_IGNORE_INDEX = -100  # F.cross_entropy's default, kept so a -100 target still contributes nothing
+
+
+def loss_chunk_tokens(vocab_size: int) -> int:
+    return max(1, _LOSS_CHUNK_FP32_BYTES // (4 * vocab_size))
+
+
+# The per-chunk work lives in functions so each chunk's fp32 buffers are freed on return, before the
+# next chunk allocates its own (a loop variable would keep the previous chunk alive meanwhile).
+def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor, lse_out: torch.Tensor) -> torch.Tensor:
+    """One chunk's summed fp32 cross entropy; writes its per-token log-sum-exp into ``lse_out``."""
+    upcast = logits.float()
+    torch.logsumexp(upcast, dim=-1, out=lse_out)
+    valid = targets != _IGNORE_INDEX
+    target_logit = upcast.gather(-1, targets.where(valid, 0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, lse_out - target_logit, 0.0).sum()
+
+
+def _chunk_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad_total: torch.Tensor,
+                grad_out: torch.Tensor) -> None:
+    """Write ``(softmax - onehot) * grad_total`` for one chunk into ``grad_out``, computed in fp32."""
+    # copy=True: fp32 logits would otherwise alias the saved input and be overwritten in place.
+    probs = logits.to(torch.float32, copy=True).sub_(lse.unsqueeze(-1)).exp_()
+    valid = targets != _IGNORE_INDEX
+    probs.scatter_add_(-1, targets.where(valid, 0).unsqueeze(-1), probs.new_full((probs.shape[0], 1), -1.0))
+    probs.mul_(torch.where(valid, grad_total, 0.0).unsqueeze(-1))
+    grad_out.copy_(probs)
+
+
+def _chunked_cross_entropy(flat_logits: torch.Tensor, targets: torch.Tensor, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed fp32 cross entropy and each token's fp32 log-sum-exp, upcasting one chunk at a time."""
+    total = torch.zeros((), dtype=torch.float32, device=flat_logits.device)
+    lse = torch.empty(flat_logits.shape[0], dtype=torch.float32, device=flat_logits.device)
+    for start in range(0, flat_logits.shape[0], chunk_tokens):
+        rows = slice(start, start + chunk_tokens)
+        total += _chunk_loss(flat_logits[rows], targets[rows], lse[rows])
+    return total, lse
+
+
+class _ChunkedCrossEntropySum(torch.autograd.Function):
+    """Summed cross entropy whose backward writes ``(softmax - onehot) * grad`` chunk by chunk.
+
+    Only the input logits (in their own dtype) and an fp32 log-sum-exp per token are kept for
+    backward; no full-size fp32 tensor ever exists.
+    """
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, flat_logits: torch.Tensor, targets: torch.Tensor,
+                chunk_tokens: int) -> torch.Tensor:
+        total, lse = _chunked_cross_entropy(flat_logits, targets, chunk_tokens)
+        ctx.save_for_backward(flat_logits, targets, lse)
+        ctx.chunk_tokens = chunk_tokens
+        return total
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_total: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        flat_logits, targets, lse = ctx.saved_tensors
+        grad = torch.empty_like(flat_logits)
+        for start in range(0, flat_logits.shape[0], ctx.chunk_tokens):
+            rows = slice(start, start + ctx.chunk_tokens)
+            _chunk_grad(flat_logits[rows], targets[rows], lse[rows], grad_total, grad[rows])
+        return grad, None, None
+
+
+def token_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, chunk_tokens: int | None = None) -> torch.Tensor:
+    """Sum (not mean) of next-token cross entropy in fp32, so callers can normalize globally.
+
+    Computed over chunks of ``chunk_tokens`` tokens (default: ~256 MiB of fp32 logits per chunk), so
+    only one chunk is ever upcast to fp32; the gradient w.r.t. ``logits`` has the logits' dtype.
+    """
+    flat_logits, flat_targets = logits.flatten(0, 1), targets.flatten()
+    chunk = chunk_tokens or loss_chunk_tokens(flat_logits.shape[-1])
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _ChunkedCrossEntropySum.apply(flat_logits, flat_targets, chunk)
+    return _chunked_cross_entropy(flat_logits, flat_targets, chunk)[0]
 
 
 __all__ = [
@@ -203,6 +309,7 @@ __all__ = [
     "build_model",
     "materialize",
     "count_parameters",
+    "loss_chunk_tokens",
     "rope_tables",
     "token_cross_entropy_sum",
 ]

@@ -43,8 +43,12 @@ def parallelize(model: Transformer, mesh: DeviceMesh, plan: MeshPlan, cfg: Paral
     #    after forward: resharding them would only be undone immediately.
     shard_kwargs = {
         "mesh": mesh,
+        # No input casting: it would turn the fp32 RoPE tables each block receives into bf16. Hidden
+        # states still run in param_dtype, since they start as the output of the cast embedding.
         "mp_policy": MixedPrecisionPolicy(
-            param_dtype=param_dtype(cfg.mixed_precision, mesh.device_type), reduce_dtype=torch.float32
+            param_dtype=param_dtype(cfg.mixed_precision, mesh.device_type),
+            reduce_dtype=torch.float32,
+            cast_forward_inputs=False,
         ),
         # Pinned host memory makes the host<->GPU copies asynchronous; it needs an accelerator.
         "offload_policy": (

@@ -25,6 +25,11 @@ def progress_line(record: dict[str, Any], total_steps: int) -> str:
         )
     if record["event"] == "checkpoint_load":
         return f"[meshtrain] resumed from {record['path']} (step {record['step']}) in {record['load_s']:.2f}s"
+    if record["event"] == "resize":
+        return (
+            f"[meshtrain] worker group resized from {record['from_workers']} to {record['to_workers']} workers: "
+            f"{record['reason']}"
+        )
     if record["event"] == "checkpoint_skipped":
         return f"[meshtrain] checkpoint step {record['step']} not saved: {record['reason']}"
     if record["event"] == "eval":
@@ -38,7 +43,9 @@ def progress_line(record: dict[str, Any], total_steps: int) -> str:
     return (
         f"[meshtrain] step {record['step']}/{total_steps} | loss {record['loss']:.4f} | "
         f"lr {record['lr']:.2e} | grad_norm {record['grad_norm']:.3f} | "
-        f"{record['tokens_per_s']:,.0f} tok/s | {record['step_time_s'] * 1000:.0f} ms/step | "
+        f"{record['tokens_per_s']:,.0f} tok/s"
+        + (f" on {record['world_size']} workers" if "world_size" in record else "")
+        + f" | {record['step_time_s'] * 1000:.0f} ms/step | "
         f"ETA {format_duration(eta)}" + (f" | skipped {record['skipped_steps']}" if record.get("skipped_steps") else "")
     )
 

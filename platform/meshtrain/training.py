@@ -11,17 +11,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from meshtrain.checkpoint import CheckpointManager, CheckpointStorage, Progress, TrainState
 from meshtrain.config import ConfigError, MeshtrainConfig
 from meshtrain.data import DataParallelBatches, DataPlan, TrainingData, open_data
 from meshtrain.evaluation import evaluate, validation_samples
-from meshtrain.faults import maybe_kill_self
+from meshtrain.faults import maybe_kill_self, maybe_poison_outputs
 from meshtrain.gc_schedule import ScheduledCollection
 from meshtrain.guard import StepGuard
 from meshtrain.init import init_weights
 from meshtrain.metrics import TrainingMetrics
-from meshtrain.mesh import MeshPlan, resolve_mesh_shape
+from meshtrain.mesh import MeshPlan, check_shard_placement, resolve_mesh_shape
 from meshtrain.model import Transformer, build_model, count_parameters, materialize, token_cross_entropy_sum
 from meshtrain.optim import build_lr_scheduler, build_optimizer
 from meshtrain.parallel import build_mesh, clip_grad_norm_, parallelize
@@ -67,13 +69,15 @@ class TrainResult:
         return (last["tokens"] - first["tokens"]) / (last["elapsed_s"] - first["elapsed_s"])
 
 
-def workers_per_node(layout: WorkerLayout, expected: int | None) -> int:
-    """Workers per node, checked to be the same on every node (HSDP shard groups need that)."""
-    counts = [layout.local_world_size]
+def workers_per_node(layout: WorkerLayout, expected: int | None) -> tuple[int, list[int]]:
+    """Workers per node, checked to be the same on every node (HSDP shard groups need that), and
+    the node of every rank, in rank order (to check where the shard groups landed)."""
+    placements = [(layout.local_world_size, layout.node_rank)]
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, layout.local_world_size)
-        counts = gathered
+        dist.all_gather_object(gathered, placements[0])
+        placements = gathered
+    counts = [count for count, _ in placements]
     if len(set(counts)) != 1:
         raise ConfigError(
             f"parallel.shard=auto: nodes hold different numbers of workers ({sorted(set(counts))}); "
@@ -84,26 +88,33 @@ def workers_per_node(layout: WorkerLayout, expected: int | None) -> int:
             f"scaling.workers_per_node={expected}, but Ray placed {counts[0]} workers per node; "
             "fix scaling.workers_per_node or leave it unset"
         )
-    return counts[0]
+    return counts[0], [node for _, node in placements]
 
 
 def build_sharded_model(
-    cfg: MeshtrainConfig, vocab_size: int, layout: WorkerLayout, device: torch.device
+    cfg: MeshtrainConfig,
+    vocab_size: int,
+    layout: WorkerLayout,
+    device: torch.device,
+    read_init_from: bool = True,
 ) -> tuple[Transformer, MeshPlan]:
     """Model built on meta, sharded (when distributed), materialized on ``device`` and initialized,
-    or filled from ``model.init_from`` (each rank reading only its own shards)."""
+    or filled from ``model.init_from`` (each rank reading only its own shards). A run that resumes
+    passes ``read_init_from=False``: its checkpoint replaces every weight, so reading them is waste."""
     model = build_model(cfg.model_args(vocab_size), "meta")
     plan = MeshPlan(1, 1, True)
     if dist.is_initialized():
-        plan = resolve_mesh_shape(
-            layout.world_size,
-            workers_per_node(layout, cfg.scaling.workers_per_node),
-            cfg.parallel.strategy,
-            cfg.parallel.shard,
-        )
+        per_node, node_of_rank = workers_per_node(layout, cfg.scaling.workers_per_node)
+        plan = resolve_mesh_shape(layout.world_size, per_node, cfg.parallel.strategy, cfg.parallel.shard)
+        placement = check_shard_placement(plan, node_of_rank, cfg.parallel.shard)
+        if placement is not None and layout.world_rank == 0:
+            print(placement, flush=True)
         parallelize(model, build_mesh(plan, device.type), plan, cfg.parallel)
-    materialize(model, "cpu" if cfg.parallel.cpu_offload else device)
-    if cfg.model.init_from is None:
+    # Offloaded shards live on the host (FSDP copies them over per unit); the RoPE buffers are read
+    # inside the blocks, which FSDP does not move, so they stay on the compute device.
+    offload = cfg.parallel.cpu_offload and dist.is_initialized()
+    materialize(model, "cpu" if offload else device, buffer_device=device)
+    if cfg.model.init_from is None or not read_init_from:
         init_weights(model, cfg.train.seed)
     else:
         from meshtrain.hf_weights import load_hf_weights
@@ -127,12 +138,39 @@ class StepOutput:
     tokens: int  # target tokens of the global batch
 
 
+def _deferrable_hsdp(model: Transformer, micro_batches: int, device: torch.device) -> FSDPModule | None:
+    """The model when its replicate-dim gradient all-reduce can wait for the last micro-batch: an
+    FSDP2 root on a 2D mesh (FSDP2 takes dim 0 as the replicate dim) with more than one replica.
+
+    ``set_requires_all_reduce(False)`` keeps each micro-batch's reduce-scatter and sums its fp32
+    output in one buffer per FSDP unit, the size of the sharded gradient that exists anyway, so
+    memory stays as it was. (``set_requires_gradient_sync(False)`` would skip the reduce-scatter too,
+    but keep every unit's unsharded gradient, shard-size times larger, for the whole step.)
+    Not under CPU offload: the buffer stays on ``device``, where offload keeps no gradients.
+    """
+    if micro_batches < 2 or not isinstance(model, FSDPModule):
+        return None
+    param = next(model.parameters(), None)
+    if not isinstance(param, DTensor) or param.device != device:
+        return None
+    mesh = param.device_mesh
+    return model if mesh.ndim == 2 and mesh.size(0) > 1 else None
+
+
+def _abandon_deferred_reduction(model: FSDPModule) -> None:
+    """After a micro-batch raised: all-reduce again, and drop the partially accumulated gradient,
+    which ``zero_grad`` cannot reach and the next step's all-reduce would otherwise include."""
+    model.set_requires_all_reduce(True)
+    model.reset_iter_state()
+
+
 def train_step(
     model: Transformer,
     guard: StepGuard,
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
     dp_size: int,
     grad_clip: float,
+    defer_all_reduce: bool = True,
 ) -> StepOutput:
     """One optimizer step over this rank's micro-batches, skipped by ``guard`` when it goes bad.
 
@@ -142,15 +180,27 @@ def train_step(
     ignored targets and every rank holds the same shapes, so the global token count follows from the
     shapes, with no collective or device sync. The loss sum is reduced over the ranks every step
     (one scalar all-reduce, no host sync), so every rank's guard sees the same global loss.
+
+    With HSDP and ``defer_all_reduce``, gradients are all-reduced over the replicate dim once, in the
+    last micro-batch's backward, instead of after every micro-batch (see ``_deferrable_hsdp``).
     """
     device = micro_batches[0][1].device
     global_tokens = sum(targets.numel() for _, targets in micro_batches) * dp_size
     scale = dp_size / global_tokens
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-    for inputs, targets in micro_batches:
-        summed = token_cross_entropy_sum(model(inputs), targets)
-        (summed * scale).backward()
-        loss_sum += summed.detach()
+    hsdp = _deferrable_hsdp(model, len(micro_batches), device) if defer_all_reduce else None
+    last = len(micro_batches) - 1
+    try:
+        for index, (inputs, targets) in enumerate(micro_batches):
+            if hsdp is not None:
+                hsdp.set_requires_all_reduce(index == last)
+            summed = token_cross_entropy_sum(model(inputs), targets)
+            (summed * scale).backward()
+            loss_sum += summed.detach()
+    except BaseException:
+        if hsdp is not None:
+            _abandon_deferred_reduction(hsdp)
+        raise
     loss_sum = _sum_over_ranks(loss_sum)
     grad_norm = clip_grad_norm_(list(model.parameters()), grad_clip)
     guard.step(guard.check(loss_sum / global_tokens, grad_norm))
@@ -207,15 +257,17 @@ class Trainer:
         self.cfg, self.data, self.layout, self.device = cfg, data, layout, device
         self.on_record, self.metrics, self.reporter = on_record, metrics, reporter
         torch.manual_seed(cfg.train.seed)
-        self.model, plan = build_sharded_model(cfg, data.vocab_size, layout, device)
+        self.checkpoints = self._checkpoint_manager()
+        resuming = self.checkpoints is not None and cfg.checkpoint.resume and self.checkpoints.any_committed()
+        self.model, plan = build_sharded_model(cfg, data.vocab_size, layout, device, read_init_from=not resuming)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         horizon = cfg.optim.schedule_steps or cfg.train.steps
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, horizon)
         self.guard = StepGuard(self.optimizer, device, cfg.train.loss_spike_factor, cfg.train.loss_spike_window)
         self.progress = Progress()
         self.state = TrainState(self.model, self.optimizer, self.scheduler, self.progress, layout.world_rank)
-        self.checkpoints = self._checkpoint_manager()
-        if self.checkpoints is not None and cfg.checkpoint.resume:
+        if resuming:
+            assert self.checkpoints is not None
             self.checkpoints.restore(self.state)
         self.guard.skipped_before = self.progress.skipped_steps
         self.micro_batch, _ = cfg.batch_layout(layout.world_size)
@@ -268,16 +320,18 @@ class Trainer:
             self.metrics.start_steps(progress.step, progress.tokens, progress.skipped_steps)
         self.model.train()
         self.started = interval_start = time.perf_counter()
-        interval_steps = 0
+        interval_steps, interval_wait = 0, 0.0
         first_step = progress.step + 1
         for step in range(first_step, cfg.train.steps + 1):
             self._beat(f"training step {step}", arm=step > first_step)
             maybe_kill_self(cfg.fault, layout.world_rank, step, False, self.run_dir / "faults")
+            maybe_poison_outputs(cfg.fault, layout.world_rank, step, self.model)
             self.collection.step(step)
             lr = self.scheduler.get_last_lr()[0]
             waiting_since = time.perf_counter()
             micro_batches = list(self.batches.next_step())
             data_wait = time.perf_counter() - waiting_since
+            interval_wait += data_wait
             output = train_step(self.model, self.guard, micro_batches, layout.world_size, cfg.optim.grad_clip)
             self.scheduler.step()
             progress.step, progress.tokens = step, progress.tokens + output.tokens
@@ -295,9 +349,10 @@ class Trainer:
             if step % cfg.train.log_every and not last:
                 continue
             now = time.perf_counter()
-            if not self._log(step, lr, output, (now - interval_start) / interval_steps, now, last):
+            step_time, wait = (now - interval_start) / interval_steps, interval_wait / interval_steps
+            if not self._log(step, lr, output, step_time, now, last, wait):
                 break
-            interval_start, interval_steps = now, 0
+            interval_start, interval_steps, interval_wait = now, 0, 0.0
         if self.checkpoints is not None:
             self.checkpoints.close()
         self.result.tokens = progress.tokens
@@ -362,7 +417,9 @@ class Trainer:
         self._emit(record)
         self._beat(f"training after the evaluation at step {step}")
 
-    def _log(self, step: int, lr: float, output: StepOutput, step_time: float, now: float, last: bool) -> bool:
+    def _log(
+        self, step: int, lr: float, output: StepOutput, step_time: float, now: float, last: bool, data_wait: float
+    ) -> bool:
         """Record a logged step; False when the guard says the run must stop."""
         allowed = self._read_guard(step) is not None
         record = {
@@ -374,8 +431,13 @@ class Trainer:
             "tokens": self.progress.tokens,
             "tokens_per_s": output.tokens / step_time,
             "step_time_s": step_time,
+            "data_wait_s": data_wait,  # mean per step of the interval, this rank waiting for its batch
             "elapsed_s": now - self.started,
             "skipped_steps": self.progress.skipped_steps,
+            "world_size": self.layout.world_size,
+            "time": time.time(),
+            # The global samples the step read: the same on any number of ranks.
+            "samples": [self.progress.data_position - self.cfg.train.global_batch_size, self.progress.data_position],
         }
         self.result.records.append(record)
         if self.metrics is not None:

@@ -14,7 +14,7 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 
-from meshtrain.config import MeshtrainConfig
+from meshtrain.config import ConfigError, MeshtrainConfig
 from meshtrain.flops import device_peak_flops, flops_per_token
 from meshtrain.metrics import Endpoint, TrainingMetrics, advertised_host, targets_path, write_targets
 from meshtrain.outputs import RunPaths, write_summary
@@ -32,10 +32,62 @@ def _gather(value: Any) -> list[Any]:
     return gathered
 
 
-def record_worker_start(paths: RunPaths, launch_id: str, layout: WorkerLayout) -> tuple[int, list[dict[str, Any]]]:
+def resize_record(previous: dict[str, Any] | None, launch_id: str, world_size: int, cfg: MeshtrainConfig) -> dict[str, Any] | None:
+    """The ``resize`` event when this group's size differs from the run's previous start, else None."""
+    if previous is None:
+        return None
+    before = previous.get("world_size", len(previous["workers"]))
+    if before == world_size:
+        return None
+    if previous["launch"] != launch_id:
+        reason = "a new launch with another scaling.num_workers or cluster"
+    elif world_size < before:
+        reason = (
+            f"capacity lost: Ray restarted the group on the {world_size} workers the cluster holds "
+            f"(scaling.min_workers={cfg.scaling.required_workers})"
+        )
+    else:
+        reason = (
+            f"capacity returned: Ray's check every scaling.resize_check_interval_s={cfg.scaling.resize_check_interval_s:g}s "
+            f"found room for {world_size} workers"
+        )
+    return {"event": "resize", "time": time.time(), "from_workers": before, "to_workers": world_size, "reason": reason}
+
+
+def resizes(paths: RunPaths) -> list[dict[str, Any]]:
+    """Every change of the run's worker-group size so far: when, from, to (from worker_starts.jsonl)."""
+    starts = [json.loads(line) for line in (paths.run_dir / "worker_starts.jsonl").read_text().splitlines() if line]
+    return [
+        {
+            "time": entry["time"],
+            "from_workers": entry["resized_from"],
+            "to_workers": entry["world_size"],
+            "reason": entry["resize_reason"],
+        }
+        for entry in starts
+        if "resized_from" in entry
+    ]
+
+
+def check_group_size(cfg: MeshtrainConfig, world_size: int) -> None:
+    """An elastic group of a size the run cannot train on (a partial shard group, or a global batch
+    it does not divide) fails its start with one line; Ray then retries."""
+    sizes = cfg.elastic_sizes()
+    if world_size not in sizes:
+        raise ConfigError(
+            f"Ray started {world_size} workers, but scaling.min_workers={cfg.scaling.required_workers} to "
+            f"scaling.num_workers={cfg.scaling.num_workers} trains only on {', '.join(map(str, sizes))} (whole shard "
+            "groups that divide train.global_batch_size); give nodes whole multiples of the shard group"
+        )
+
+
+def record_worker_start(
+    paths: RunPaths, launch_id: str, layout: WorkerLayout, cfg: MeshtrainConfig
+) -> tuple[int, list[dict[str, Any]], dict[str, Any] | None]:
     """Log this worker group's start, with where every rank runs, in the run directory.
 
-    Returns the restarts of this launch (earlier starts with the same launch id) and the placements.
+    Returns the restarts of this launch (earlier starts with the same launch id), the placements,
+    and the resize from the run's previous start (rank 0; None elsewhere or when the size is the same).
     """
     placement = {
         "rank": layout.world_rank,
@@ -46,13 +98,17 @@ def record_worker_start(paths: RunPaths, launch_id: str, layout: WorkerLayout) -
     }
     workers = _gather(placement)
     starts = paths.run_dir / "worker_starts.jsonl"
-    restarts = 0
+    restarts, resize = 0, None
     if layout.world_rank == 0:
+        earlier = [json.loads(line) for line in starts.read_text().splitlines() if line.strip()] if starts.exists() else []
+        resize = resize_record(earlier[-1] if earlier else None, launch_id, layout.world_size, cfg)
+        start = {"launch": launch_id, "time": time.time(), "world_size": layout.world_size, "workers": workers}
+        if resize is not None:
+            start["resized_from"], start["resize_reason"] = resize["from_workers"], resize["reason"]
         with starts.open("a", encoding="utf-8") as file:
-            file.write(json.dumps({"launch": launch_id, "time": time.time(), "workers": workers}) + "\n")
-        launches = [json.loads(line)["launch"] for line in starts.read_text().splitlines() if line.strip()]
-        restarts = launches.count(launch_id) - 1
-    return _gather(restarts)[0], workers
+            file.write(json.dumps(start) + "\n")
+        restarts = sum(entry["launch"] == launch_id for entry in earlier)
+    return _gather(restarts)[0], workers, resize
 
 
 def start_metrics(
@@ -102,7 +158,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     assert cfg.run.name is not None, "the launcher resolves run.name before starting workers"
     paths = RunPaths(cfg.run.name, Path(cfg.run.storage_path))
     device = ray.train.torch.get_device()
-    restarts, workers = record_worker_start(paths, loop_config["launch_id"], layout)
+    check_group_size(cfg, layout.world_size)
+    restarts, workers, resize = record_worker_start(paths, loop_config["launch_id"], layout, cfg)
     metrics = start_metrics(cfg, layout, device, data.vocab_size, restarts) if cfg.metrics.port else None
     sinks: list[Any] = []
     if layout.world_rank == 0:
@@ -113,6 +170,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     def on_record(record: dict[str, Any]) -> None:
         for sink in sinks:
             sink.record(record)
+
+    if resize is not None:
+        on_record(resize)
 
     reporter = RayTrainReporter(cfg.metrics.ray_report_interval_s, layout.world_rank, device)
     try:
@@ -142,5 +202,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 "parameters": result.parameters,
                 "run_dir": str(paths.run_dir),
                 "workers": workers,
+                "resizes": resizes(paths),
             },
         )

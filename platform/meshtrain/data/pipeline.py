@@ -96,7 +96,8 @@ def _resolve_tokenizer(
         if data.tokenizer != "train" and tokenizer_sha256(load_tokenizer_file(data.tokenizer).to_str()) != tokenizer_sha256(text):
             raise ConfigError(
                 f"data.tokenizer: {data.tokenizer!r} is not the tokenizer the token store was encoded with; "
-                "leave data.tokenizer=train to use the store's own"
+                "prepare the store again with it (jobs/prepare_data.py data.tokenizer=<that file>), or, when "
+                "model.init_from is unset, leave data.tokenizer=train to use the store's own"
             )
         return text
     if run_tokenizer is not None:
