@@ -112,7 +112,7 @@ def test_layout_error_found_on_workers_exits_2_with_the_field(tmp_path: Path) ->
     try:
         job = run_job(
             f"run.storage_path={tmp_path}", "scaling.workers_per_node=1", "train.steps=2", "optim.warmup_steps=1",
-            "run.max_failures=0",
+            "run.max_failures=0", "data.max_documents=40",
         )
     finally:
         if before is None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -144,6 +146,16 @@ def start_metrics(
     return metrics
 
 
+def peak_memory(device: torch.device) -> dict[str, Any]:
+    """The device and the largest peak over the ranks, read once after training (a collective): PyTorch's
+    peak CUDA allocation on GPU workers, the process's peak resident set (all host memory) on CPU workers."""
+    if device.type == "cuda":
+        return {"device": torch.cuda.get_device_name(device),
+                "peak_device_memory_bytes": max(_gather(torch.cuda.max_memory_allocated(device)))}
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return {"device": "cpu", "peak_host_rss_bytes": max(_gather(peak_rss))}
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     cfg: MeshtrainConfig = loop_config["config"]
     data = loop_config["data"]
@@ -184,6 +196,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             sink.close()
         if metrics is not None:
             metrics.close()
+    memory = peak_memory(device)
     if layout.world_rank == 0:
         write_summary(
             paths,
@@ -203,5 +216,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 "run_dir": str(paths.run_dir),
                 "workers": workers,
                 "resizes": resizes(paths),
+                **memory,
             },
         )

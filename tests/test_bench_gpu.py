@@ -1,0 +1,173 @@
+"""jobs/bench_gpu.py: the GPU configurations' dry-run plans and H100 verdicts (no Ray), how a failed
+configuration is reduced to one line, and the tiny CPU set end to end through Ray."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+
+from jobs import REPO, job_env, read_metrics
+
+BENCH = REPO / "jobs" / "bench_gpu.py"
+MATRIX = yaml.safe_load((REPO / "jobs" / "bench_gpu.yaml").read_text())["sets"]
+VERDICT = re.compile(r"^verdict: (fits|does not fit) H100 \(79\.6 GiB\): [\d.]+ GiB planned", re.MULTILINE)
+
+
+def bench_module() -> ModuleType:
+    """jobs/bench_gpu.py imported as the module ``bench_gpu`` (once)."""
+    if "bench_gpu" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_gpu"] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules["bench_gpu"]
+
+
+def run_bench(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(BENCH), *args],
+        cwd=REPO, env=job_env(**env), capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def test_dry_run_plans_every_gpu_configuration_with_an_h100_verdict() -> None:
+    # An address no Ray listens on: a dry run that tried to join a cluster would fail.
+    job = run_bench("--dry-run", RAY_ADDRESS="127.0.0.1:1")
+    assert job.returncode == 0, job.stderr[-3000:]
+    blocks = dict(re.findall(r"^== (\S+) ==\n(.*?)(?=^== |^\| config )", job.stdout, re.MULTILINE | re.DOTALL))
+    assert list(blocks) == list(MATRIX["gpu"]["configs"])
+    for name, block in blocks.items():
+        assert VERDICT.search(block), name
+        assert re.search(r"^  total +[\d.]+$", block, re.MULTILINE), name
+        assert "model FLOPs per token" in block and "parameters: " in block, name
+    summary = re.findall(r"^\| (\S+) \| [\d.]+ \| 1 \| (?:fits|does not fit) H100", job.stdout, re.MULTILINE)
+    assert summary == list(blocks)
+    assert any(name.startswith("8b-8l") for name in blocks) and any(name.startswith("1b-") for name in blocks)
+
+
+def test_window_rounds_warmup_and_timed_steps_to_whole_logging_intervals() -> None:
+    bench = bench_module()
+    assert bench.Window.for_request(6, 20) == bench.Window(warmup=6, timed=21, log_every=3)
+    assert bench.Window.for_request(5, 12) == bench.Window(warmup=6, timed=12, log_every=3)
+    assert bench.Window.for_request(1, 3).total == 5  # warm-up 2: the first logged step (1) is not timed
+
+
+def test_a_failed_configuration_is_one_line_naming_the_rank_that_failed_first() -> None:
+    from ray.train import WorkerGroupError
+
+    from meshtrain.launcher import TrainingFailed
+
+    bench = bench_module()
+    peer = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer.")
+    oom = RuntimeError("CUDA out of memory. Tried to allocate 3.91 GiB. GPU 0 has a total capacity of 79.19 GiB")
+    try:
+        try:
+            raise WorkerGroupError("snippets", {0: peer, 1: oom})
+        except WorkerGroupError:
+            # What the launcher raises over Ray's error.
+            raise TrainingFailed("training failed (run.max_failures=0): Training failed due to worker errors") from None
+    except TrainingFailed as exc:
+        reason = bench.failure_reason(exc)
+    assert reason == f"rank 1: RuntimeError: {oom} (+1 other rank(s) failed)"
+    long = bench.failure_reason(RuntimeError("x" * 1000 + "\nsecond line"))
+    assert "\n" not in long and len(long) <= 240
+
+
+def fake_gpu_run(run_dir: Path, window: Any, step_s: float, global_tokens: int) -> None:
+    """The files a one-GPU run leaves: rank 0's logged steps, its tokenizer (no Ray, no GPU)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from meshtrain.data.tokenizer import EOS_TOKEN
+
+    run_dir.mkdir(parents=True)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS_TOKEN])
+    tokenizer.train_from_iterator(["a tiny corpus"] * 4, trainer)
+    tokenizer.save(str(run_dir / "tokenizer.json"))
+    warmup_s = 30.0  # compilation
+    records = [
+        {"event": "train", "step": step, "tokens": step * global_tokens, "loss": 5.0, "data_wait_s": 0.002,
+         "elapsed_s": warmup_s * min(step, window.warmup) / window.warmup + step_s * max(0, step - window.warmup)}
+        for step in range(window.log_every, window.total + 1, window.log_every)
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_a_gpu_run_is_measured_against_the_h100_peak_and_its_memory_plan(tmp_path: Path) -> None:
+    from meshtrain.config import load_config
+    from meshtrain.flops import flops_per_token
+    from meshtrain.mesh import MeshPlan
+    from meshtrain.plan import memory_plan
+
+    bench = bench_module()
+    config = bench.select(bench.load_matrix(bench.DEFAULT_MATRIX), "gpu", ["1b-mb4-sel"], {})[0]
+    window = bench.Window.for_request(6, 20)
+    cfg = bench.build_config(bench.run_settings(config, window, "fake", str(tmp_path)))
+    fake_gpu_run(tmp_path / "fake", window, step_s=0.5, global_tokens=4 * 4096)
+    planned = memory_plan(cfg, cfg.model_args(300), MeshPlan(1, 1, True), use_gpu=True).total
+    summary = {
+        "run_dir": str(tmp_path / "fake"), "world_size": 1, "mesh_shape": [1, 1], "parameters": 1_235_814_400,
+        "workers": [{"rank": 0, "node_rank": 0}], "wall_time_s": 100.0, "train_time_s": 40.5,
+        "device": "NVIDIA H100 80GB HBM3", "peak_device_memory_bytes": int(0.9 * planned),
+    }
+    row = bench.measure(bench.Row("1b-mb4-sel", "failed"), cfg, summary, window)
+    assert row.status == "ok" and row.device == "NVIDIA H100 80GB HBM3"
+    assert row.tokens_per_s_per_worker == pytest.approx(4 * 4096 / 0.5)
+    assert row.flops_per_token == flops_per_token(load_config(None, ["model.preset=llama3_1b"]).model_args(300), 4096)
+    assert row.peak_flops_per_s == 989.4e12 and row.peak_source.startswith("NVIDIA H100 80GB HBM3 dense bf16")
+    assert row.mfu == pytest.approx(row.tokens_per_s_per_worker * row.flops_per_token / 989.4e12)
+    assert row.measured_kind == "cuda_max_allocated" and row.measured_over_planned == pytest.approx(0.9, abs=1e-9)
+    assert (row.step_ms, row.data_wait_ms, row.warmup_ms_per_step) == pytest.approx((500.0, 2.0, 5000.0))
+    assert row.setup_s == pytest.approx(59.5)
+    line = bench.table_row(row)
+    assert line.startswith(f"| 1b-mb4-sel | 32,768 | {100 * row.mfu:.1f}% | NVIDIA H100") and "| 0.90 |" in line
+
+
+@pytest.mark.ray
+def test_tiny_cpu_benchmark_runs_every_configuration_through_ray(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    job = run_bench(
+        "--cpu-smoke", "--steps", "3", "--warmup", "2", "--storage", str(tmp_path / "runs"), "--out", str(out),
+        timeout=300,
+    )
+    assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
+    names = list(MATRIX["tiny"]["configs"])
+    assert "MFU = tokens/s per worker x model FLOPs per token (6 x matmul weights" in job.stdout
+    table = job.stdout[job.stdout.rindex("| config |"):]
+    for name in names:
+        cells = re.search(rf"^\| {re.escape(name)} \| ([\d,]+) \| ([\d.]+%|n/a) \|", table, re.MULTILINE)
+        assert cells is not None, table
+        assert float(cells[1].replace(",", "")) > 0
+        assert cells[2] == "n/a" or math.isfinite(float(cells[2].rstrip("%")))
+
+    document = json.loads(out.read_text())
+    assert [row["name"] for row in document["rows"]] == names
+    assert (document["warmup_steps"], document["timed_steps"]) == (2, 3)
+    for row in document["rows"]:
+        workers = MATRIX["tiny"]["configs"][row["name"]]["scaling.num_workers"]
+        assert row["status"] == "ok" and row["tokens_per_s_per_worker"] > 0
+        assert row["world_size"] == workers and row["mesh_shape"] == [1, workers]
+        assert row["device"] == "cpu" and row["mfu"] is not None and math.isfinite(row["mfu"])
+        # On CPU the peak is the worker's resident set: printed, never divided by the device plan.
+        assert row["measured_kind"] == "host_peak_rss" and row["measured_peak_bytes"] > 2**20
+        assert row["measured_over_planned"] is None and row["planned_bytes"] > 0
+        assert row["step_ms"] > 0 and 0 <= row["data_wait_ms"] < row["step_ms"]
+        assert row["rest_ms"] == pytest.approx(row["step_ms"] - row["data_wait_ms"])
+        run_dir = Path(row["run_dir"])
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["peak_host_rss_bytes"] == row["measured_peak_bytes"]
+        assert "peak_device_memory_bytes" not in summary
+        steps = [r for r in read_metrics(run_dir) if r["event"] == "train"]
+        assert [r["step"] for r in steps] == [1, 2, 3, 4, 5] and all(r["data_wait_s"] >= 0 for r in steps)
