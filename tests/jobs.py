@@ -20,7 +20,9 @@ def job_command(*args: str) -> list[str]:
 
 
 def job_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    """This process's environment for a job, without what would point it at another cluster or
+    change how Ray Train behaves (a RAY_TRAIN_* setting some test left behind)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("RAY_TRAIN_")}
     env.update(extra)
     return env
 

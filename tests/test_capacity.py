@@ -237,7 +237,10 @@ def test_preflight_prints_the_waiting_line_once_and_quiets_ray_train(
         {"Alive": False, "Resources": {"CPU": 64.0}, "Labels": {}},
     ])
     monkeypatch.setattr(capacity, "read_autoscaler", lambda nodes: Autoscaler(None, {}))
-    monkeypatch.delenv(capacity.START_TIMEOUT_ENV, raising=False)
+    # preflight sets os.environ itself: record a value first, so the undo also removes what it sets
+    # (later tests' jobs inherit this process's environment).
+    monkeypatch.setenv(capacity.START_TIMEOUT_ENV, "")
+    monkeypatch.delenv(capacity.START_TIMEOUT_ENV)
     capacity.preflight(scaling(num_workers=4), local_ray=False)
     out, err = capsys.readouterr()
     assert err == "" and len(out.splitlines()) == 1
