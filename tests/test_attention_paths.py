@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import meshtrain.model as model_module
@@ -106,16 +103,6 @@ def test_native_gqa_is_refused_only_for_fp32_off_cpu() -> None:
     assert Attention.native_gqa(torch.empty(1, dtype=torch.float32))
     assert Attention.native_gqa(torch.empty(1, dtype=torch.bfloat16, device="meta"))
     assert not Attention.native_gqa(torch.empty(1, dtype=torch.float32, device="meta"))
-
-
-@pytest.fixture
-def single_rank_group(tmp_path: Path) -> Iterator[None]:
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def bf16_sharded_model(args: ModelArgs, seed: int) -> Transformer:

@@ -6,13 +6,10 @@ copies and shape-only math), and a 1-rank gloo run exercises FSDP2's CPU offload
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from meshtrain.config import MeshtrainConfig, load_config
@@ -107,16 +104,6 @@ def test_a_shard_is_filled_with_the_rows_of_its_cpu_blocks() -> None:
 
 
 # --- FSDP2 CPU offload end to end (1 gloo rank, in this process) ------------------------------------
-
-
-@pytest.fixture
-def single_rank_group(tmp_path: Path) -> Iterator[None]:
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def train_once(offload: bool) -> dict[str, Any]:
