@@ -47,9 +47,19 @@ def unbroken(storage: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def test_logged_metrics_reach_ray_train_callbacks(storage: Path, unbroken: dict) -> None:
-    reports = [json.loads(line) for line in (storage / "unbroken-reports.jsonl").read_text().splitlines()]
+    *reports, final = [json.loads(line) for line in (storage / "unbroken-reports.jsonl").read_text().splitlines()]
     logged = {r["step"]: r for r in read_metrics(storage / "unbroken") if r["event"] == "train"}
     evals = [r for r in read_metrics(storage / "unbroken") if r["event"] == "eval"]
+    # The last report carries a checkpoint (what Ray 2.60 builds Result.metrics and Result.checkpoint
+    # from): a folder in Ray's run storage pointing at meshtrain's newest committed checkpoint.
+    summary = json.loads((storage / "unbroken" / "summary.json").read_text())
+    assert (final["step"], final["loss"], final["eval_loss"]) == (40, summary["final_loss"], summary["eval_loss"])
+    assert all(report["checkpoint_path"] is None for report in reports)
+    assert Path(final["checkpoint_path"]).parent == storage / "unbroken"
+    pointer = json.loads((Path(final["checkpoint_path"]) / "meshtrain_result.json").read_text())
+    assert pointer == {
+        "run_dir": str(storage / "unbroken"), "checkpoint": str(final_checkpoint(storage / "unbroken")), "checkpoint_step": 40,
+    }
     assert reports and reports[0]["step"] == 1 and reports[-1]["step"] == 40  # the first and the last step
     assert len(reports) < len(logged)  # spaced by metrics.ray_report_interval_s, not one per logged step
     for report in reports:

@@ -17,7 +17,7 @@ from meshtrain.data import DataPlan, prepare_data, tokenizer_vocab_size
 from meshtrain.rayerrors import config_error_in
 from meshtrain.metrics import targets_path, write_targets
 from meshtrain.progress import ProgressMonitor
-from meshtrain.training import checkpoint_root
+from meshtrain.training import checkpoint_root, newest_committed
 from meshtrain.outputs import RunPaths, read_summary, write_summary
 
 
@@ -138,10 +138,9 @@ class TrainingFailed(RuntimeError):
 
 
 def _last_committed(cfg: MeshtrainConfig) -> str:
-    storage = CheckpointStorage(checkpoint_root(cfg), cfg.checkpoint.storage_options)
-    committed = storage.committed() if cfg.checkpoint.enabled else []
-    if committed:
-        return f"last committed checkpoint: {storage.display(committed[0].path)} (step {committed[0].step})"
+    storage, newest = newest_committed(cfg)
+    if newest is not None:
+        return f"last committed checkpoint: {storage.display(newest.path)} (step {newest.step})"
     return "no checkpoint was committed"
 
 

@@ -4,13 +4,21 @@
 report until Ray's controller polls it (every 2 s), so reporting every logged step of a fast model
 would stall training. Reports are therefore spaced by time; rank 0's clock decides and the decision
 is shared with one scalar all-reduce at logged steps (which synchronize anyway), so every worker
-calls ``report`` at the same steps. Checkpoints are never handed to Ray (see checkpoint.py).
+calls ``report`` at the same steps.
+
+meshtrain's DCP checkpoints are never handed to Ray (see checkpoint.py). Ray 2.60 fills
+``Result.metrics`` and ``Result.checkpoint`` only from a report that carries a checkpoint, so the run
+ends with one such report: its checkpoint is a small folder holding ``meshtrain_result.json``, which
+names the run directory and the newest committed DCP checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 REPORTED_TRAIN_KEYS = ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "skipped_steps")
+RESULT_FILE = "meshtrain_result.json"
 
 
 class RayTrainReporter:
@@ -49,6 +58,23 @@ class RayTrainReporter:
 
         ray.train.report({**{key: record[key] for key in REPORTED_TRAIN_KEYS}, **self._eval})
         self._last_report = now
+
+    def final(self, metrics: dict[str, Any], pointer: dict[str, Any]) -> None:
+        """Every worker, once training ended: report ``metrics`` with rank 0 handing Ray a checkpoint
+        folder that holds only ``pointer`` (the run directory, the newest committed checkpoint), so
+        Ray's ``Result.metrics`` and ``Result.checkpoint`` describe the run."""
+        import ray.train
+
+        folder = Path(tempfile.mkdtemp(prefix="meshtrain-result-")) if self.rank == 0 else None
+        try:
+            checkpoint = None
+            if folder is not None:
+                (folder / RESULT_FILE).write_text(json.dumps(pointer, indent=2) + "\n", encoding="utf-8")
+                checkpoint = ray.train.Checkpoint.from_directory(str(folder))
+            ray.train.report(metrics, checkpoint=checkpoint)  # Ray copies the folder into its run storage
+        finally:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 class TensorBoardWriter:

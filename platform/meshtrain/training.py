@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from meshtrain.checkpoint import CheckpointManager, CheckpointStorage, Progress, TrainState
+from meshtrain.checkpoint import CheckpointManager, CheckpointStorage, CommittedCheckpoint, Progress, TrainState
 from meshtrain.config import ConfigError, MeshtrainConfig
 from meshtrain.data import DataParallelBatches, DataPlan, TrainingData, open_data
 from meshtrain.evaluation import evaluate, validation_samples
@@ -215,6 +215,13 @@ def checkpoint_root(cfg: MeshtrainConfig) -> str:
     if cfg.checkpoint.path:
         return f"{cfg.checkpoint.path.rstrip('/')}/{cfg.run.name}"
     return str(Path(cfg.run.storage_path) / cfg.run.name / "checkpoints")
+
+
+def newest_committed(cfg: MeshtrainConfig) -> tuple[CheckpointStorage, CommittedCheckpoint | None]:
+    """This run's checkpoint storage and its newest committed checkpoint (None: none, or disabled)."""
+    storage = CheckpointStorage(checkpoint_root(cfg), cfg.checkpoint.storage_options)
+    committed = storage.committed() if cfg.checkpoint.enabled else []
+    return storage, committed[0] if committed else None
 
 
 def train(

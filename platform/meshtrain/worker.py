@@ -23,7 +23,7 @@ from meshtrain.outputs import RunPaths, write_summary
 from meshtrain.parallel import param_dtype
 from meshtrain.progress import StepRecorder
 from meshtrain.reporting import RayTrainReporter, TensorBoardWriter
-from meshtrain.training import WorkerLayout, train
+from meshtrain.training import WorkerLayout, newest_committed, train
 
 
 def _gather(value: Any) -> list[Any]:
@@ -156,6 +156,16 @@ def peak_memory(device: torch.device) -> dict[str, Any]:
     return {"device": "cpu", "peak_host_rss_bytes": max(_gather(peak_rss))}
 
 
+def result_pointer(cfg: MeshtrainConfig, paths: RunPaths) -> dict[str, Any]:
+    """What the run's last Ray report points at: the run directory and the newest committed checkpoint."""
+    storage, newest = newest_committed(cfg)
+    return {
+        "run_dir": str(paths.run_dir),
+        "checkpoint": storage.display(newest.path) if newest is not None else None,
+        "checkpoint_step": newest.step if newest is not None else None,
+    }
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     cfg: MeshtrainConfig = loop_config["config"]
     data = loop_config["data"]
@@ -219,3 +229,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 **memory,
             },
         )
+    reporter.final(
+        {"step": result.records[-1]["step"] if result.records else 0, "loss": result.final_loss,
+         "eval_loss": result.eval_loss, "tokens": result.tokens, "mean_tokens_per_s": result.mean_tokens_per_s,
+         "skipped_steps": result.skipped_steps, "stopped": result.stopped},
+        result_pointer(cfg, paths) if layout.world_rank == 0 else {},
+    )
