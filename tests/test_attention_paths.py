@@ -14,15 +14,7 @@ from meshtrain.init import init_weights
 from meshtrain.mesh import MeshPlan
 from meshtrain.model import Attention, Transformer, apply_rope, build_model, materialize, rope_tables
 from meshtrain.parallel import build_mesh, parallelize
-
-
-def tiny_args(**overrides: object) -> ModelArgs:
-    values = dict(
-        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=97, max_seq_len=256,
-        rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False, init_std=0.02,
-    )
-    values.update(overrides)
-    return ModelArgs(**values)
+from test_model import tiny_args
 
 
 def repeated_kv_attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -125,7 +117,7 @@ def bf16_reference(args: ModelArgs, seed: int, table_dtype: torch.dtype) -> Tran
 
 
 def test_bf16_fsdp_keeps_rope_tables_fp32(single_rank_group: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    args = tiny_args()
+    args = tiny_args(max_seq_len=256)
     model = bf16_sharded_model(args, seed=3)
     rope_seen: list[tuple[torch.dtype, torch.dtype, torch.dtype]] = []
 
