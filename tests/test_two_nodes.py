@@ -295,10 +295,12 @@ def test_elastic_run_goes_on_without_the_lost_node_and_matches_a_resharded_run(c
 def test_elastic_run_grows_back_when_the_node_returns(cluster: Cluster) -> None:
     """Started while the second node is down, an elastic run trains on 1x2; when the node returns,
     Ray's next capacity check (scaling.resize_check_interval_s) restarts the group on 2x2, which
-    resumes from the newest checkpoint and completes."""
+    resumes from the newest checkpoint and completes. The run is long enough that the node (started
+    once the first step is logged) is back well before 1x2 could finish it alone."""
     node_down(cluster)
     run_dir = cluster.storage / "regrown"
-    job = cluster.job("regrown", *ELASTIC, "train.steps=60", "optim.schedule_steps=60")
+    steps_total = 120
+    job = cluster.job("regrown", *ELASTIC, f"train.steps={steps_total}", f"optim.schedule_steps={steps_total}")
     try:
         wait_until(lambda: bool(train_records(run_dir)) or job.poll() is not None, 300, "training on one node", interval=0.2)
         assert job.poll() is None
@@ -312,8 +314,13 @@ def test_elastic_run_grows_back_when_the_node_returns(cluster: Cluster) -> None:
     assert "capacity returned" in resizes[0]["reason"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["mesh_shape"] == [2, 2] and summary["world_size"] == 4
+    starts = [json.loads(line) for line in (run_dir / "worker_starts.jsonl").read_text().splitlines()]
+    assert [s["world_size"] for s in starts] == [2, 4]
+    # Every record as logged (steps after the resumed checkpoint appear twice): 1x2 first, 2x2 to the end.
+    records = [r for r in read_metrics(run_dir) if r["event"] == "train"]
+    assert records[0]["world_size"] == 2 and records[-1]["world_size"] == 4, output[-3000:]
+    assert records[-1]["step"] == steps_total
     steps = train_records(run_dir)
-    assert list(steps) == list(range(1, 61))
+    assert list(steps) == list(range(1, steps_total + 1))
     assert all(r["samples"] == [(s - 1) * 16, s * 16] for s, r in steps.items())
-    assert steps[60]["world_size"] == 4 and steps[1]["world_size"] == 2
     wait_until(lambda: cluster.alive_nodes() == 2, 180, "two live Ray nodes", interval=2)
