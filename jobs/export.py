@@ -1,137 +1,15 @@
-"""Export a meshtrain checkpoint as consolidated weights.
+"""Export a meshtrain checkpoint as consolidated weights (meshtrain.cli.export).
 
     python jobs/export.py runs/NAME/checkpoints --format hf exported/NAME-hf        # newest committed step
     python jobs/export.py runs/NAME/checkpoints --format hf out/NAME-hf --max-shard-size 2GB --dtype bfloat16
     python jobs/export.py runs/NAME/checkpoints/step-00000200 --format safetensors model.safetensors
     python jobs/export.py s3://bucket/ckpt/NAME --format torch model.pt \\
         --storage-option client_kwargs.endpoint_url=http://minio:9000
-
-Formats: torch (one torch.save file), safetensors (one file), hf (a LlamaForCausalLM directory with
-config.json, the weights and the run's tokenizer; weights beyond --max-shard-size are split into
-model-0000x-of-0000N.safetensors files with a model.safetensors.index.json, and hf streams them tensor
-by tensor instead of holding the whole model). Only model weights are read, in this process.
-Exit code 2 with one line on stderr for a missing or uncommitted checkpoint or an existing output.
 """
 
-from __future__ import annotations
-
-import argparse
-import re
 import sys
-from typing import Any, NoReturn
 
-import yaml
-
-EXIT_BAD_INPUT = 2
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_BAD_INPUT, f"export: error: {message}; see --help\n")
-
-
-def parse_storage_options(items: list[str]) -> dict[str, Any]:
-    """``key=value`` pairs (dotted keys nest, values parsed as YAML) → fsspec storage options."""
-    options: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--storage-option {item!r}: expected KEY=VALUE, e.g. anon=true")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else raw
-        except yaml.YAMLError:
-            value = raw
-        node = options
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"--storage-option {item!r}: {part!r} is already a value, not a section")
-        node[leaf] = value
-    return options
-
-
-def parse_size(text: str) -> int:
-    """Bytes in a size such as 5GB (10^9, as Hugging Face counts), 500MiB (2^20) or 1000000."""
-    match = _SIZE.match(text)
-    size = int(float(match[1]) * _UNITS[(match[2] or "b").lower()]) if match else 0
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size such as 5GB, 500MiB or 1000000")
-    return size
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from meshtrain.export import FORMATS, HF_DTYPES
-
-    parser = _OneLineParser(
-        prog="export.py",
-        description="Export a committed meshtrain checkpoint as consolidated weights.",
-    )
-    parser.add_argument(
-        "checkpoint", help="a committed step-XXXXXXXX directory, or a checkpoint root (then its newest committed step)"
-    )
-    parser.add_argument("--format", required=True, choices=FORMATS, help="output format")
-    parser.add_argument(
-        "out", help="output file (torch, safetensors) or directory (hf); must not exist, or be empty"
-    )
-    parser.add_argument(
-        "--storage-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="fsspec option for a remote checkpoint (repeatable; dotted keys nest), "
-        "e.g. client_kwargs.endpoint_url=http://minio:9000",
-    )
-    parser.add_argument(
-        "--max-shard-size",
-        type=parse_size,
-        metavar="SIZE",
-        help="hf: most bytes per weight file, e.g. 2GB or 500MiB; the rest go to further files (default 5GB)",
-    )
-    parser.add_argument(
-        "--dtype", choices=HF_DTYPES, help="hf: dtype of the written weights (default float32)"
-    )
-    args = parser.parse_args(argv)
-    if args.format != "hf" and (args.max_shard_size is not None or args.dtype is not None):
-        parser.error(f"--max-shard-size and --dtype shape --format hf only, not --format {args.format}")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        options = parse_storage_options(args.storage_option)
-    except ValueError as exc:
-        print(f"export: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    from meshtrain.checkpoint import CheckpointError
-    from meshtrain.export import DEFAULT_MAX_SHARD_BYTES, ExportError, export_checkpoint, resolve_checkpoint
-
-    try:
-        checkpoint = resolve_checkpoint(args.checkpoint, options)
-        result = export_checkpoint(
-            checkpoint,
-            args.format,
-            args.out,
-            options,
-            max_shard_bytes=args.max_shard_size or DEFAULT_MAX_SHARD_BYTES,
-            dtype=args.dtype or "float32",
-        )
-    except (CheckpointError, ExportError) as exc:
-        message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        print(f"export: error: {message}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    written = ", ".join(result.files) if result.path.is_dir() else f"{result.path.stat().st_size:,} bytes"
-    print(
-        f"[meshtrain] exported step {result.step} of {checkpoint}: {result.parameters:,} parameters, "
-        f"format {result.format} -> {result.path} ({written})",
-        flush=True,
-    )
-    return 0
-
+from meshtrain.cli.export import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -6,7 +6,7 @@
 
 import sys
 
-from meshtrain.data.cli import main
+from meshtrain.cli.prepare_data import main
 
 if __name__ == "__main__":
     sys.exit(main())

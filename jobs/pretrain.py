@@ -7,7 +7,7 @@
 
 import sys
 
-from meshtrain.cli import main
+from meshtrain.cli.pretrain import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,12 +8,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import meshtrain.model as model_module
+import meshtrain.model.llama as model_module
 from meshtrain.config import ModelArgs, ParallelConfig
-from meshtrain.init import init_weights
-from meshtrain.mesh import MeshPlan
-from meshtrain.model import Attention, Transformer, apply_rope, build_model, materialize, rope_tables
-from meshtrain.parallel import build_mesh, parallelize
+from meshtrain.distributed.mesh import MeshPlan
+from meshtrain.distributed.parallelize import build_mesh, parallelize
+from meshtrain.model.init import init_weights
+from meshtrain.model.llama import (
+    Attention,
+    Transformer,
+    apply_rope,
+    build_model,
+    materialize,
+    rope_tables,
+)
 from test_model import tiny_args
 
 

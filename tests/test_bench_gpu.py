@@ -24,14 +24,8 @@ VERDICT = re.compile(r"^verdict: (fits|does not fit) H100 \(79\.6 GiB\): [\d.]+ 
 
 
 def bench_module() -> ModuleType:
-    """jobs/bench_gpu.py imported as the module ``bench_gpu`` (once)."""
-    if "bench_gpu" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bench_gpu"] = module  # its dataclasses look their module up there
-        spec.loader.exec_module(module)
-    return sys.modules["bench_gpu"]
+    """What jobs/bench_gpu.py runs."""
+    return importlib.import_module("meshtrain.bench.gpu")
 
 
 def run_bench(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
@@ -66,7 +60,7 @@ def test_window_rounds_warmup_and_timed_steps_to_whole_logging_intervals() -> No
 def test_a_failed_configuration_is_one_line_naming_the_rank_that_failed_first() -> None:
     from ray.train import WorkerGroupError
 
-    from meshtrain.launcher import TrainingFailed
+    from meshtrain.cluster.launcher import TrainingFailed
 
     bench = bench_module()
     peer = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer.")
@@ -107,16 +101,17 @@ def fake_gpu_run(run_dir: Path, window: Any, step_s: float, global_tokens: int) 
 
 def test_a_gpu_run_is_measured_against_the_h100_peak_and_its_memory_plan(tmp_path: Path) -> None:
     from meshtrain.config import load_config
-    from meshtrain.flops import flops_per_token
-    from meshtrain.mesh import MeshPlan
-    from meshtrain.plan import memory_plan
+    from meshtrain.distributed.mesh import MeshPlan
+    from meshtrain.distributed.plan import memory_plan
+    from meshtrain.model.args import model_args
+    from meshtrain.model.flops import flops_per_token
 
     bench = bench_module()
     config = bench.select(bench.load_matrix(bench.DEFAULT_MATRIX), "gpu", ["1b-mb4-sel"], {})[0]
     window = bench.Window.for_request(6, 20)
     cfg = bench.build_config(bench.run_settings(config, window, "fake", str(tmp_path)))
     fake_gpu_run(tmp_path / "fake", window, step_s=0.5, global_tokens=4 * 4096)
-    planned = memory_plan(cfg, cfg.model_args(300), MeshPlan(1, 1, True), use_gpu=True).total
+    planned = memory_plan(cfg, model_args(cfg, 300), MeshPlan(1, 1, True), use_gpu=True).total
     summary = {
         "run_dir": str(tmp_path / "fake"), "world_size": 1, "mesh_shape": [1, 1], "parameters": 1_235_814_400,
         "workers": [{"rank": 0, "node_rank": 0}], "wall_time_s": 100.0, "train_time_s": 40.5,
@@ -125,7 +120,7 @@ def test_a_gpu_run_is_measured_against_the_h100_peak_and_its_memory_plan(tmp_pat
     row = bench.measure(bench.Row("1b-mb4-sel", "failed"), cfg, summary, window)
     assert row.status == "ok" and row.device == "NVIDIA H100 80GB HBM3"
     assert row.tokens_per_s_per_worker == pytest.approx(4 * 4096 / 0.5)
-    assert row.flops_per_token == flops_per_token(load_config(None, ["model.preset=llama3_1b"]).model_args(300), 4096)
+    assert row.flops_per_token == flops_per_token(model_args(load_config(None, ["model.preset=llama3_1b"]), 300), 4096)
     assert row.peak_flops_per_s == 989.4e12 and row.peak_source.startswith("NVIDIA H100 80GB HBM3 dense bf16")
     assert row.mfu == pytest.approx(row.tokens_per_s_per_worker * row.flops_per_token / 989.4e12)
     assert row.measured_kind == "cuda_max_allocated" and row.measured_over_planned == pytest.approx(0.9, abs=1e-9)

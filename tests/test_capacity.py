@@ -13,10 +13,17 @@ from typing import Any
 
 import pytest
 
-from meshtrain import capacity
-from meshtrain.capacity import Autoscaler, NodeGroup, check, max_workers, worker_bundle, worker_resources
-from meshtrain.config import ConfigError, ScalingConfig
 from jobs import REPO, job_command, job_env
+from meshtrain.cluster import capacity
+from meshtrain.cluster.capacity import (
+    Autoscaler,
+    NodeGroup,
+    check,
+    max_workers,
+    worker_bundle,
+    worker_resources,
+)
+from meshtrain.config import ConfigError, ScalingConfig
 from raynodes import RayNode, free_port, ray_env, wait_until
 
 H100 = "accelerator_type:H100"
@@ -241,14 +248,14 @@ def test_preflight_prints_the_waiting_line_once_and_quiets_ray_train(
     # (later tests' jobs inherit this process's environment).
     monkeypatch.setenv(capacity.START_TIMEOUT_ENV, "")
     monkeypatch.delenv(capacity.START_TIMEOUT_ENV)
-    capacity.preflight(scaling(num_workers=4), local_ray=False)
+    capacity.check_capacity(scaling(num_workers=4), local_ray=False)
     out, err = capsys.readouterr()
     assert err == "" and len(out.splitlines()) == 1
     assert out.startswith("[meshtrain] waiting for the cluster to provide 4 workers (2 fit now): ")
     assert os.environ[capacity.START_TIMEOUT_ENV] == "3600"
 
     monkeypatch.setenv(capacity.START_TIMEOUT_ENV, "120")  # the user's choice stays
-    capacity.preflight(scaling(num_workers=4), local_ray=False)
+    capacity.check_capacity(scaling(num_workers=4), local_ray=False)
     assert os.environ[capacity.START_TIMEOUT_ENV] == "120"
 
 
@@ -257,9 +264,9 @@ def test_preflight_reads_the_autoscaler_only_when_needed(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 2.0}, "Labels": {}}])
     monkeypatch.setattr(capacity, "read_autoscaler", lambda nodes: pytest.fail("read the autoscaler"))
-    capacity.preflight(scaling(num_workers=2), local_ray=False)  # fits: nothing read
+    capacity.check_capacity(scaling(num_workers=2), local_ray=False)  # fits: nothing read
     with pytest.raises(ConfigError, match="and no autoscaler"):
-        capacity.preflight(scaling(num_workers=4), local_ray=True)
+        capacity.check_capacity(scaling(num_workers=4), local_ray=True)
 
 
 # --- real launches -------------------------------------------------------------------------------

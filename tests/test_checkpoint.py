@@ -11,12 +11,16 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.tensor import DTensor
 
-from meshtrain.checkpoint import COMMIT_MARKER, CheckpointManager, CheckpointStorage, Progress, TrainState
-from meshtrain.config import MeshtrainConfig, load_config
 from corpora import stdlib_plan
+from meshtrain.checkpoint.manager import CheckpointManager
+from meshtrain.checkpoint.state import Progress, TrainState
+from meshtrain.checkpoint.storage import COMMIT_MARKER, CheckpointStorage
+from meshtrain.config import MeshtrainConfig, load_config
 from meshtrain.data import DataPlan
-from meshtrain.optim import build_lr_scheduler, build_optimizer
-from meshtrain.training import WorkerLayout, build_sharded_model, train
+from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.train.optim import build_lr_scheduler, build_optimizer
+from meshtrain.train.setup import build_sharded_model
+from meshtrain.train.trainer import train
 from ranks import run_on_ranks
 
 pytestmark = pytest.mark.distributed
@@ -121,7 +125,7 @@ def _restore_and_gather(rank: int, world: int, cfg: MeshtrainConfig, shard: int)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.train.steps)
     progress = Progress()
-    from meshtrain.training import checkpoint_root
+    from meshtrain.checkpoint.storage import checkpoint_root
 
     manager = CheckpointManager(
         CheckpointStorage(checkpoint_root(cfg)), rank=rank, world_size=world, interval=4, keep=10, asynchronous=True

@@ -11,7 +11,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.tensor import DTensor
 
-from meshtrain.checkpoint import CheckpointManager, CheckpointStorage, Progress, TrainState
+from meshtrain.checkpoint.manager import CheckpointManager
+from meshtrain.checkpoint.state import Progress, TrainState
+from meshtrain.checkpoint.storage import CheckpointStorage
 from ranks import run_on_ranks
 
 
@@ -116,8 +118,9 @@ def test_sync_saves_do_not_stage(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 def _sharded_saves(rank: int, world: int, root: str) -> dict[str, Any]:
     """Two async saves of an FSDP2 model (DTensor shards) on a 1x2 mesh; both loaded back."""
     from meshtrain.config import load_config
-    from meshtrain.optim import build_lr_scheduler, build_optimizer
-    from meshtrain.training import WorkerLayout, build_sharded_model
+    from meshtrain.distributed.layout import WorkerLayout
+    from meshtrain.train.optim import build_lr_scheduler, build_optimizer
+    from meshtrain.train.setup import build_sharded_model
 
     staged = spy_on_staging(pytest.MonkeyPatch())  # a spawned process: the patch ends with it
     cfg = load_config(None, [

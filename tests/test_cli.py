@@ -1,7 +1,7 @@
 """The command line: one-line config errors with exit code 2, and --dry-run without Ray.
 
 A few cases run ``python jobs/pretrain.py`` for real (exit code, stderr and the absence of a
-traceback are then proven end to end); the rest call ``meshtrain.cli.main`` in-process, with the
+traceback are then proven end to end); the rest call ``meshtrain.cli.pretrain.main`` in-process, with the
 launcher replaced so that a config that wrongly passes validation fails the test instead of
 starting Ray.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-import meshtrain.launcher
-from meshtrain.cli import EXIT_CONFIG_ERROR, main
+import meshtrain.cluster.launcher
+from meshtrain.cli.pretrain import EXIT_CONFIG_ERROR, main
 from meshtrain.config import MeshtrainConfig, describe_fields, load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def run_main(
     argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of ``main(argv)`` in this process, with launching forbidden."""
-    monkeypatch.setattr(meshtrain.launcher, "launch", _refuse_launch)
+    monkeypatch.setattr(meshtrain.cluster.launcher, "launch", _refuse_launch)
     try:
         code = main(argv)
     except SystemExit as exc:  # argparse exits on its own
@@ -159,7 +159,7 @@ IN_PROCESS_CASES = [
     (["train..steps=1"], "override 'train..steps=1'"),
     # mesh: shard sizes that do not fit the workers
     (["parallel.shard=3"], "parallel.shard"),
-    (["scaling.num_workers=4", "parallel.shard=3"], "parallel.shard"),
+    (["scaling.num_workers=4", "parallel.shard=3", "train.global_batch_size=32"], "parallel.shard"),
     (["scaling.num_workers=6", "scaling.workers_per_node=4", "train.global_batch_size=48"], "parallel.shard"),
     (["parallel.strategy=full_shard", "parallel.shard=1"], "parallel.shard"),
     (["parallel.strategy=no_shard", "parallel.shard=2"], "parallel.shard"),

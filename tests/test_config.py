@@ -22,8 +22,10 @@ from meshtrain.config import (
     describe_fields,
     load_config,
 )
-from meshtrain.model import build_model, count_parameters
-from meshtrain.presets import MODEL_PRESETS
+from meshtrain.cluster.preflight import preflight
+from meshtrain.config.presets import MODEL_PRESETS
+from meshtrain.model.args import model_args
+from meshtrain.model.llama import build_model, count_parameters
 
 
 def _write(path: Path, text: str) -> Path:
@@ -45,7 +47,7 @@ def test_defaults_validate() -> None:
     # The defaults must also describe a runnable batch layout and model.
     micro, accumulation = cfg.batch_layout(cfg.scaling.num_workers)
     assert micro * cfg.scaling.num_workers * accumulation == cfg.train.global_batch_size
-    args = cfg.model_args(cfg.data.vocab_size)
+    args = model_args(cfg, cfg.data.vocab_size)
     assert isinstance(args, ModelArgs)
     assert cfg.data.seq_len <= args.max_seq_len
 
@@ -232,7 +234,8 @@ def test_shard_with_more_workers() -> None:
         (["parallel.shard=true"], "parallel.shard: expected a positive integer or 'auto', got True"),
         (["parallel.shard=3"], "parallel.shard=3 does not divide scaling.num_workers=2; choose one of 1, 2"),
         (
-            ["scaling.num_workers=4", "parallel.shard=3"],
+            # The batch divides 4 workers, so the mesh (checked by preflight, after the schema) is the error.
+            ["scaling.num_workers=4", "parallel.shard=3", "train.global_batch_size=32"],
             "parallel.shard=3 does not divide scaling.num_workers=4; choose one of 1, 2, 4",
         ),
         (
@@ -299,14 +302,14 @@ def test_shard_with_more_workers() -> None:
 )
 def test_bad_overrides(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as info:
-        load_config(None, overrides)
+        preflight(load_config(None, overrides))  # the schema's errors, then those against the world
     assert str(info.value) == message
 
 
 def test_error_messages_are_single_lines() -> None:
     for overrides in (["train.stepz=5"], ["train.steps=abc"], ["parallel.shard=3"], ["data.seq_len=4096"]):
         with pytest.raises(ConfigError) as info:
-            load_config(None, overrides)
+            preflight(load_config(None, overrides))
         assert "\n" not in str(info.value)
 
 
@@ -327,7 +330,7 @@ def test_local_data_sources(tmp_path: Path) -> None:
 def test_directory_without_data_files_is_rejected(tmp_path: Path) -> None:
     _write(tmp_path / "notes.md", "not a data file")
     with pytest.raises(ConfigError, match=r"^data\.source: no files at "):
-        load_config(None, [f"data.source={tmp_path}"])
+        preflight(load_config(None, [f"data.source={tmp_path}"]))
 
 
 def test_existing_tokenizer_file_is_accepted(tmp_path: Path) -> None:
@@ -503,7 +506,7 @@ def test_preset_table_covers_every_preset() -> None:
 def test_preset_builds_on_meta_with_expected_size(preset: str) -> None:
     (low, high), tied = PRESETS[preset]
     cfg = load_config(None, [f"model.preset={preset}"])
-    args = cfg.model_args(2048)
+    args = model_args(cfg, 2048)
     assert args == ModelConfig(preset=preset).resolved(2048)
     model = build_model(args, "meta")
     assert all(p.device.type == "meta" for p in model.parameters())
@@ -537,7 +540,7 @@ def test_tokenizer_vocab_is_rounded_up_when_the_preset_has_none() -> None:
 
 def test_explicit_fields_override_the_preset() -> None:
     cfg = load_config(None, ["model.preset=125m", "model.n_layers=2", "model.vocab_size=50304"])
-    args = cfg.model_args(50257)
+    args = model_args(cfg, 50257)
     assert (args.dim, args.n_layers, args.vocab_size) == (768, 2, 50304)
     assert count_parameters(build_model(args, "meta")) < 100_000_000
 
@@ -558,7 +561,7 @@ def test_tokenizer_larger_than_the_preset_vocab() -> None:
 
 def test_longer_sequences_need_a_longer_rope_table() -> None:
     cfg = load_config(None, ["data.seq_len=2048", "model.max_seq_len=2048"])
-    assert cfg.model_args(2048).max_seq_len == 2048
+    assert model_args(cfg, 2048).max_seq_len == 2048
     assert load_config(None, ["model.preset=llama3_8b", "data.seq_len=8192"]).data.seq_len == 8192
 
 

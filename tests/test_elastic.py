@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from meshtrain.cli import main
+from meshtrain.cli.pretrain import main
+from meshtrain.cluster.worker import check_group_size, resize_record
 from meshtrain.config import ConfigError, load_config
-from meshtrain.worker import check_group_size, resize_record
 
 BATCH = ["scaling.num_workers=8", "train.global_batch_size=32", "train.micro_batch_size=2"]
 

@@ -7,10 +7,11 @@ from typing import Any
 import pytest
 import torch
 
-from meshtrain.config import MeshtrainConfig, load_config
 from corpora import stdlib_plan
+from meshtrain.config import MeshtrainConfig, load_config
 from meshtrain.data import DataPlan
-from meshtrain.training import WorkerLayout, train
+from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.train.trainer import train
 from ranks import run_on_ranks
 
 STEPS = 10

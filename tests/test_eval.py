@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,9 +11,10 @@ import torch
 from corpora import stdlib_plan
 from meshtrain.config import ConfigError, MeshtrainConfig, load_config
 from meshtrain.data import DataPlan
-from meshtrain.evaluation import validation_samples
-from meshtrain.progress import progress_line
-from meshtrain.training import WorkerLayout, train
+from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.observe.progress import progress_line
+from meshtrain.train.evaluation import validation_samples
+from meshtrain.train.trainer import train
 from ranks import run_on_ranks
 
 

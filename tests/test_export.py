@@ -22,12 +22,19 @@ from safetensors import safe_open
 from safetensors.torch import load_file, load_model
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from meshtrain.checkpoint import COMMIT_MARKER, CheckpointError
+from meshtrain.checkpoint.export import (
+    ExportError,
+    export_checkpoint,
+    load_model_state,
+    resolve_checkpoint,
+)
+from meshtrain.checkpoint.storage import COMMIT_MARKER, CheckpointError, checkpoint_root
 from meshtrain.config import MeshtrainConfig, ModelArgs, load_config
 from meshtrain.data import DataPlan, prepare_data
-from meshtrain.export import ExportError, export_checkpoint, load_model_state, resolve_checkpoint
-from meshtrain.model import Transformer, build_model
-from meshtrain.training import WorkerLayout, checkpoint_root, train
+from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.model.args import model_args
+from meshtrain.model.llama import Transformer, build_model
+from meshtrain.train.trainer import train
 from s3server import moto_s3
 
 REPO = Path(__file__).resolve().parents[1]
@@ -132,7 +139,7 @@ def test_load_model_state_reads_only_model_tensors(
     state, args, manifest = load_model_state(str(run.step(4)))
 
     assert requested and all(fqn.startswith("train.model.") for fqn in requested)
-    assert args == run.cfg.model_args(run.corpus.vocab_size)
+    assert args == model_args(run.cfg, run.corpus.vocab_size)
     assert manifest["step"] == 4
     reference = consolidated_model(run.step(4), tmp_path)
     assert state.keys() == reference.keys()
@@ -221,7 +228,7 @@ def test_hf_export_carries_the_run_tokenizer(runs: dict[str, Run], tmp_path: Pat
 def test_hf_config_needs_no_transformers(runs: dict[str, Run], tmp_path: Path) -> None:
     code = (
         "import sys; sys.modules['transformers'] = None\n"
-        "from meshtrain.export import export_checkpoint\n"
+        "from meshtrain.checkpoint.export import export_checkpoint\n"
         f"export_checkpoint({str(runs['tied-gqa'].step(4))!r}, 'hf', {str(tmp_path / 'hf')!r})\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -17,12 +17,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshtrain.config import ModelArgs, ParallelConfig
-from meshtrain.guard import StepGuard
-from meshtrain.init import init_weights
-from meshtrain.mesh import MeshPlan
-from meshtrain.model import build_model, materialize
-from meshtrain.parallel import build_mesh, parallelize
-from meshtrain.training import train_step
+from meshtrain.distributed.mesh import MeshPlan
+from meshtrain.distributed.parallelize import build_mesh, parallelize
+from meshtrain.model.init import init_weights
+from meshtrain.model.llama import build_model, materialize
+from meshtrain.train.guard import StepGuard
+from meshtrain.train.step import train_step
 from ranks import run_on_ranks
 
 pytestmark = pytest.mark.distributed

@@ -26,15 +26,27 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 
-import meshtrain.launcher
-from meshtrain.cli import main
+import meshtrain.cluster.launcher
+from meshtrain.checkpoint.export import export_checkpoint, load_model_state
+from meshtrain.checkpoint.storage import checkpoint_root
+from meshtrain.cli.pretrain import main
+from meshtrain.cluster.preflight import preflight
 from meshtrain.config import MeshtrainConfig, ModelArgs, load_config
-from meshtrain.data import DataParallelBatches, DataPlan, open_data, prepare_data, tokenizer_vocab_size
-from meshtrain.export import export_checkpoint, load_model_state
-from meshtrain.hf_weights import hf_config, hf_name
-from meshtrain.init import init_weights
-from meshtrain.model import Transformer, build_model, token_cross_entropy_sum
-from meshtrain.training import WorkerLayout, build_sharded_model, checkpoint_root, train
+from meshtrain.data import (
+    DataParallelBatches,
+    DataPlan,
+    open_data,
+    prepare_data,
+    tokenizer_vocab_size,
+)
+from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.model.args import model_args
+from meshtrain.model.hf_llama import hf_config, hf_name
+from meshtrain.model.init import init_weights
+from meshtrain.model.llama import Transformer, build_model
+from meshtrain.model.loss import token_cross_entropy_sum
+from meshtrain.train.setup import build_sharded_model
+from meshtrain.train.trainer import train
 from ranks import run_on_ranks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,7 +109,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
 
 
 def init_from_config(directory: Path, *overrides: str) -> MeshtrainConfig:
-    return load_config(None, [f"model.init_from={directory}", *DATA, *overrides])
+    """As a run sees it: loaded, then checked against (and completed from) the init_from directory."""
+    return preflight(load_config(None, [f"model.init_from={directory}", *DATA, *overrides]))
 
 
 def load_in_one_process(cfg: MeshtrainConfig, vocab: int) -> Transformer:
@@ -130,7 +143,7 @@ def test_init_from_loads_the_exported_weights_and_logits(trained: Trained) -> No
     assert cfg.data.tokenizer == str(trained.hf / "tokenizer.json")  # data.tokenizer=train → the weights'
     vocab = tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size)
     assert vocab == trained.corpus.vocab_size
-    assert cfg.model_args(vocab) == trained.args  # the shape came from config.json
+    assert model_args(cfg, vocab) == trained.args  # the shape came from config.json
     loaded = load_in_one_process(cfg, vocab)
     state = loaded.state_dict()
     assert state.keys() == trained.state.keys()
@@ -249,7 +262,7 @@ def test_a_2x2_mesh_loads_the_same_weights_each_rank_reading_its_shards(trained:
 def run_dry_run(
     overrides: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> tuple[int, str, str]:
-    monkeypatch.setattr(meshtrain.launcher, "launch", lambda cfg: pytest.fail("the CLI tried to launch"))
+    monkeypatch.setattr(meshtrain.cluster.launcher, "launch", lambda cfg: pytest.fail("the CLI tried to launch"))
     code = main(["--dry-run", *overrides])
     out, err = capsys.readouterr()
     return code, out, err
@@ -386,11 +399,8 @@ def test_hf_export_reads_one_tensor_at_a_time(
 
 
 def _export_job() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("export_job", EXPORT_JOB)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """What jobs/export.py runs."""
+    return importlib.import_module("meshtrain.cli.export")
 
 
 def test_export_job_sizes_and_refusals(capsys: pytest.CaptureFixture[str]) -> None:

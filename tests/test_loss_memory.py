@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshtrain.model import token_cross_entropy_sum
+from meshtrain.model.loss import token_cross_entropy_sum
 
 
 def plain_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -86,7 +86,7 @@ def test_no_grad_returns_a_plain_fp32_sum() -> None:
 # caller) makes glibc return every large block to the kernel on free, so phases do not hide each other.
 PROBE = r"""
 import json, sys, torch, torch.nn.functional as F
-from meshtrain.model import token_cross_entropy_sum
+from meshtrain.model.loss import token_cross_entropy_sum
 
 def status(field):
     with open("/proc/self/status") as f:

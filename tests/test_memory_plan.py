@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-import meshtrain.launcher
-from meshtrain.cli import main
+import meshtrain.cluster.launcher
+from meshtrain.cli.pretrain import main
 from meshtrain.config import MeshtrainConfig, load_config
-from meshtrain.mesh import MeshPlan
-from meshtrain.model import loss_chunk_tokens
-from meshtrain.plan import (
+from meshtrain.distributed.mesh import MeshPlan
+from meshtrain.distributed.plan import (
     CONTEXT_RESERVE_GIB,
     DEVICE_MEMORY_GIB,
     FRAGMENTATION_SHARE,
@@ -20,6 +19,8 @@ from meshtrain.plan import (
     memory_plan,
     planned_device,
 )
+from meshtrain.model.args import model_args
+from meshtrain.model.loss import loss_chunk_tokens
 
 # Llama-3-8B: dim 4096, 32 layers, 32 heads, 8 KV heads of 128, FFN 14336, vocabulary 128256.
 DIM, LAYERS, KV_DIM, FFN, VOCAB = 4096, 32, 8 * 128, 14336, 128256
@@ -34,7 +35,7 @@ LLAMA3_8B = [
 
 def plan_for(*overrides: str, plan: MeshPlan = MeshPlan(1, 8, True)) -> MemoryPlan:
     cfg = load_config(None, [*LLAMA3_8B, *overrides])
-    return memory_plan(cfg, cfg.model_args(VOCAB), plan, use_gpu=True)
+    return memory_plan(cfg, model_args(cfg, VOCAB), plan, use_gpu=True)
 
 
 def test_block_shape_is_the_8b_one() -> None:
@@ -145,7 +146,7 @@ def dry_run(argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: py
     def refuse(cfg: MeshtrainConfig) -> dict:
         raise AssertionError("the dry run tried to launch")
 
-    monkeypatch.setattr(meshtrain.launcher, "launch", refuse)
+    monkeypatch.setattr(meshtrain.cluster.launcher, "launch", refuse)
     code = main(["--dry-run", *argv])
     out, err = capsys.readouterr()
     assert code == 0, err

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from meshtrain.config import ConfigError
-from meshtrain.mesh import MESH_DIM_NAMES, MeshPlan, resolve_mesh_shape
+from meshtrain.distributed.mesh import MESH_DIM_NAMES, MeshPlan, resolve_mesh_shape
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
 

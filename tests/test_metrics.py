@@ -18,13 +18,22 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from meshtrain.config import load_config
 from corpora import stdlib_plan
-from meshtrain.flops import device_peak_flops, flops_per_token, gpu_peak_flops
-from meshtrain.metrics import Endpoint, StepClock, TrainingMetrics, advertised_host, targets_path, write_targets
-from meshtrain.model import token_cross_entropy_sum
-from meshtrain.progress import ProgressMonitor
-from meshtrain.training import WorkerLayout, train
+from meshtrain.config import load_config
+from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.model.args import model_args
+from meshtrain.model.flops import device_peak_flops, flops_per_token, gpu_peak_flops
+from meshtrain.model.loss import token_cross_entropy_sum
+from meshtrain.observe.metrics import (
+    Endpoint,
+    StepClock,
+    TrainingMetrics,
+    advertised_host,
+    targets_path,
+    write_targets,
+)
+from meshtrain.observe.progress import ProgressMonitor
+from meshtrain.train.trainer import train
 from test_model import initialized_model, tiny_args
 
 
@@ -201,7 +210,7 @@ def test_training_leaves_the_logged_values_in_the_metrics(tmp_path: Path) -> Non
             "checkpoint.interval=3", f"run.storage_path={tmp_path}", "run.name=metrics",
         ],
     )
-    metrics = new_metrics(flops_per_token=flops_per_token(cfg.model_args(corpus.vocab_size), 32))
+    metrics = new_metrics(flops_per_token=flops_per_token(model_args(cfg, corpus.vocab_size), 32))
     port = metrics.serve("127.0.0.1", 0)
     records: list[dict[str, Any]] = []
     try:

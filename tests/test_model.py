@@ -9,8 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from meshtrain.config import ModelArgs
-from meshtrain.init import init_weights
-from meshtrain.model import Attention, apply_rope, build_model, count_parameters, materialize, rope_tables
+from meshtrain.model.init import init_weights
+from meshtrain.model.llama import (
+    Attention,
+    apply_rope,
+    build_model,
+    count_parameters,
+    materialize,
+    rope_tables,
+)
 
 
 def tiny_args(**overrides: object) -> ModelArgs:

@@ -13,9 +13,11 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from meshtrain.config import MeshtrainConfig, load_config
-from meshtrain.init import block_seed, fill_normal_rows, init_weights, rows_per_block
-from meshtrain.model import Transformer, build_model, materialize, rope_tables
-from meshtrain.training import WorkerLayout, build_sharded_model
+from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.model.args import model_args
+from meshtrain.model.init import block_seed, fill_normal_rows, init_weights, rows_per_block
+from meshtrain.model.llama import Transformer, build_model, materialize, rope_tables
+from meshtrain.train.setup import build_sharded_model
 
 VOCAB = 97
 SEED = 7
@@ -34,7 +36,7 @@ def tiny_config(offload: bool, tied: bool = False) -> MeshtrainConfig:
 
 
 def meta_model(tied: bool = False) -> Transformer:
-    return build_model(tiny_config(False, tied).model_args(VOCAB), "meta")
+    return build_model(model_args(tiny_config(False, tied), VOCAB), "meta")
 
 
 def reference_weights(tied: bool = False) -> dict[str, torch.Tensor]:

@@ -12,9 +12,10 @@ import torch
 
 from corpora import stdlib_plan
 from meshtrain.config import load_config
-from meshtrain.reporting import RayTrainReporter, TensorBoardWriter
-from meshtrain.training import WorkerLayout, train
-from meshtrain.watchdog import HangWatchdog
+from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.observe.reporting import RayTrainReporter, TensorBoardWriter
+from meshtrain.train.trainer import train
+from meshtrain.train.watchdog import HangWatchdog
 
 
 def test_the_watchdog_fires_once_armed_and_silent_and_not_while_progress_continues() -> None:
@@ -100,8 +101,8 @@ def test_tensorboard_event_files_hold_the_logged_scalars(tmp_path: Path) -> None
 
 
 def test_ray_callbacks_are_checked_with_one_line_errors() -> None:
+    from meshtrain.cluster.launcher import load_ray_callbacks
     from meshtrain.config import ConfigError
-    from meshtrain.launcher import load_ray_callbacks
 
     with pytest.raises(ConfigError, match=r"^metrics.ray_callbacks: expected 'module:Class' entries"):
         load_config(None, ["metrics.ray_callbacks=[WandbCallback]"])

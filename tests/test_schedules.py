@@ -10,9 +10,9 @@ import pytest
 import torch
 import yaml
 
+from meshtrain.cluster.launcher import resolve_run, resolve_schedule_horizon, write_run_config
 from meshtrain.config import ConfigError, MeshtrainConfig, OptimConfig, load_config
-from meshtrain.launcher import resolve_run, resolve_schedule_horizon, write_run_config
-from meshtrain.optim import build_lr_scheduler, lr_multiplier
+from meshtrain.train.optim import build_lr_scheduler, lr_multiplier
 
 # Every schedule below: 10 warmup steps, a 110-step horizon and a floor of 0.1 x lr.
 WARMUP, HORIZON, FLOOR = 10, 110, 0.1

@@ -9,9 +9,11 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from meshtrain.config import MeshtrainConfig, load_config
-from meshtrain.init import init_weights
-from meshtrain.model import build_model, materialize
-from meshtrain.training import WorkerLayout, build_sharded_model
+from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.model.args import model_args
+from meshtrain.model.init import init_weights
+from meshtrain.model.llama import build_model, materialize
+from meshtrain.train.setup import build_sharded_model
 from ranks import run_on_ranks
 
 VOCAB = 97  # not divisible by 2 or 4: shards are uneven, which init and the byte count must handle
@@ -53,7 +55,7 @@ def _shard_and_gather(rank: int, world: int, shard: int) -> dict[str, Any]:
 
 
 def reference_weights(tied: bool) -> dict[str, torch.Tensor]:
-    args = tiny_config(1, 1, tied).model_args(VOCAB)
+    args = model_args(tiny_config(1, 1, tied), VOCAB)
     model = materialize(build_model(args, "meta"), "cpu")
     init_weights(model, seed=7)
     return dict(model.named_parameters())

@@ -14,15 +14,16 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-import meshtrain.training as training
+import meshtrain.train.step as training
 from corpora import stdlib_plan
-from meshtrain.checkpoint import CheckpointStorage
+from meshtrain.checkpoint.storage import CheckpointStorage, checkpoint_root
+from meshtrain.cluster.launcher import _stopped_message
 from meshtrain.config import MeshtrainConfig, load_config
 from meshtrain.data import DataPlan, open_data
-from meshtrain.gc_schedule import ScheduledCollection
-from meshtrain.launcher import _stopped_message
-from meshtrain.metrics import TrainingMetrics
-from meshtrain.training import Trainer, WorkerLayout, checkpoint_root
+from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.observe.metrics import TrainingMetrics
+from meshtrain.train.gc_schedule import ScheduledCollection
+from meshtrain.train.trainer import Trainer
 
 MICRO_BATCHES_PER_STEP = 4  # global batch 8 in micro-batches of 2, one process
 

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from corpora import stdlib_plan
-from s3server import moto_s3
 from meshtrain.config import ConfigError, DataConfig, load_config
 from meshtrain.data import (
     DataParallelBatches,
@@ -30,7 +29,9 @@ from meshtrain.data import (
 )
 from meshtrain.data.pipeline import TrainingData
 from meshtrain.data.sampling import apportion
-from meshtrain.training import WorkerLayout, train
+from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.train.trainer import train
+from s3server import moto_s3
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 32
@@ -315,7 +316,7 @@ def test_a_store_read_with_another_tokenizer_is_refused(plan, tmp_path) -> None:
 
 
 def test_resume_on_other_data_is_refused(plan, tmp_path) -> None:
-    from meshtrain.launcher import check_data_fingerprint
+    from meshtrain.cluster.launcher import check_data_fingerprint
 
     cfg = load_config(None, [f"run.storage_path={tmp_path}", "run.name=r"])
     step = tmp_path / "r" / "checkpoints" / "step-00000010"
@@ -367,7 +368,7 @@ def test_a_store_on_s3_is_prepared_cached_locally_and_checked(plan, tmp_path, mo
 
 
 def test_a_rerun_may_move_the_cache_or_allow_other_data_but_not_change_the_source(tmp_path) -> None:
-    from meshtrain.launcher import resolve_run, write_run_config
+    from meshtrain.cluster.launcher import resolve_run, write_run_config
 
     def rerun(*overrides: str) -> None:
         write_run_config(*resolve_run(load_config(None, [f"run.storage_path={tmp_path}", "run.name=r", *overrides])))

@@ -6,7 +6,12 @@ batches from one global position, and ``pipeline`` ties them together for the dr
 """
 
 from meshtrain.data.pipeline import DataPlan, TrainingData, open_data, prepare_data
-from meshtrain.data.sampling import DataParallelBatches, HeldOutSamples, MixtureSamples, PackedSequences
+from meshtrain.data.sampling import (
+    DataParallelBatches,
+    HeldOutSamples,
+    MixtureSamples,
+    PackedSequences,
+)
 from meshtrain.data.sources import expand_local_source, stdlib_source_files
 from meshtrain.data.store import TokenStore, verify_store
 from meshtrain.data.tokenizer import EOS_TOKEN, eos_token_id, tokenizer_vocab_size

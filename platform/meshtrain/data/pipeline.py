@@ -18,9 +18,24 @@ import numpy as np
 
 from meshtrain.config import ConfigError, DataConfig, SourceConfig
 from meshtrain.data.prepare import prepare_store, store_key
-from meshtrain.data.sampling import HeldOutSamples, MixtureSamples, PackedSequences, Samples, held_out_windows, window_count
+from meshtrain.data.sampling import (
+    HeldOutSamples,
+    MixtureSamples,
+    PackedSequences,
+    Samples,
+    held_out_windows,
+    window_count,
+)
 from meshtrain.data.sources import SourcePlan, plan_source
-from meshtrain.data.store import FORMAT, FORMAT_VERSION, StoreLocation, TokenStore, is_token_store, read_manifest, TOKENIZER
+from meshtrain.data.store import (
+    FORMAT,
+    FORMAT_VERSION,
+    TOKENIZER,
+    StoreLocation,
+    TokenStore,
+    is_token_store,
+    read_manifest,
+)
 from meshtrain.data.tokenizer import (
     eos_token_id,
     load_tokenizer_file,
@@ -113,7 +128,7 @@ def _resolve_tokenizer(
     if use_ray:
         import ray
 
-        from meshtrain.rayerrors import config_error_in
+        from meshtrain.config import config_error_in
 
         task = ray.remote(_train_tokenizer_task).options(num_cpus=1)
         try:

@@ -260,7 +260,7 @@ def _run_on_ray(
 ) -> None:
     import ray
 
-    from meshtrain.rayerrors import config_error_in
+    from meshtrain.config import config_error_in
 
     task = ray.remote(tokenize_unit).options(num_cpus=1, runtime_env={"env_vars": TASK_ENV})
     plan_ref, tokenizer_ref = ray.put(plan), ray.put(tokenizer_json)

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``jobs/bench_*.py``: each prints its measurements (and ratios) and can write JSON."""

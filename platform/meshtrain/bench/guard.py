@@ -1,0 +1,95 @@
+"""Cost of the step guard and of an evaluation, in one process on this machine's CPU (or GPU).
+
+Run with ``python jobs/bench_guard.py`` (its docstring shows examples; ``--help`` lists the options).
+
+Times optimizer steps of the same model and batches two ways, alternating in blocks so drift
+affects both alike: with meshtrain's train_step (loss and gradient norm checked on the device, the
+decision passed to fused AdamW as found_inf) and with a plain step (no check, optimizer.step()).
+Also times one evaluation of eval.batches global batches against one training step. With more than
+one rank the guard adds one scalar all-reduce per step, which this single-process figure omits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[3]  # the checkout: benchmarks run its jobs/ and read its configs
+
+from meshtrain.config import load_config
+from meshtrain.data import DataParallelBatches, open_data, prepare_data
+from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.distributed.parallelize import clip_grad_norm_
+from meshtrain.model.loss import token_cross_entropy_sum
+from meshtrain.train.evaluation import evaluate, validation_samples
+from meshtrain.train.guard import StepGuard
+from meshtrain.train.optim import build_optimizer
+from meshtrain.train.setup import build_sharded_model
+from meshtrain.train.step import train_step
+
+
+def plain_step(model, optimizer, micro_batches, grad_clip: float) -> None:  # noqa: ANN001
+    tokens = sum(t.numel() for _, t in micro_batches)
+    for inputs, targets in micro_batches:
+        (token_cross_entropy_sum(model(inputs), targets) / tokens).backward()
+    clip_grad_norm_(list(model.parameters()), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=120, help="timed steps per variant")
+    parser.add_argument("--preset", default="debug")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--workdir", default="/tmp/meshtrain-bench-guard")
+    args = parser.parse_args()
+    cfg = load_config(None, [f"model.preset={args.preset}", f"data.seq_len={args.seq_len}", "scaling.num_workers=1"])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    plan = prepare_data(cfg.data, args.workdir, cfg.data.seq_len, use_ray=False, log=lambda _: None)
+    data = open_data(plan, cfg.data.seq_len, cfg.train.seed)
+    model, _ = build_sharded_model(cfg, data.vocab_size, WorkerLayout(), device)
+    optimizer = build_optimizer(model, cfg.optim)
+    guard = StepGuard(optimizer, device, cfg.train.loss_spike_factor, cfg.train.loss_spike_window)
+    micro, _ = cfg.batch_layout(1)
+    batches = DataParallelBatches(data.train, cfg.train.global_batch_size, micro, 0, 1, device)
+    steps = [list(batches.next_step()) for _ in range(8)]
+
+    def timed(guarded: bool, count: int) -> float:
+        started = time.perf_counter()
+        for index in range(count):
+            micro_batches = steps[index % len(steps)]
+            if guarded:
+                train_step(model, guard, micro_batches, 1, cfg.optim.grad_clip)
+            else:
+                plain_step(model, optimizer, micro_batches, cfg.optim.grad_clip)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - started) / count
+
+    timed(True, 10), timed(False, 10)  # warm-up
+    block = 10
+    guarded, plain = [], []
+    for _ in range(max(1, args.steps // block)):
+        guarded.append(timed(True, block))
+        plain.append(timed(False, block))
+    g, p = statistics.median(guarded), statistics.median(plain)
+    print(f"step with guard {g * 1000:.2f} ms, without {p * 1000:.2f} ms (medians of {len(guarded)} blocks of "
+          f"{block}); guard/plain = {g / p:.3f}")
+
+    assert data.validation is not None
+    samples = validation_samples(len(data.validation), cfg.eval.batches, cfg.train.global_batch_size)
+    runs = []
+    for _ in range(5):
+        started = time.perf_counter()
+        evaluate(model, data.validation, samples, micro, 0, 1, device)
+        runs.append(time.perf_counter() - started)
+    e = statistics.median(runs)
+    print(f"evaluation of {samples} sequences {e * 1000:.1f} ms = {e / p:.2f} training steps; at eval.interval="
+          f"{cfg.eval.interval} that is {e / (p * cfg.eval.interval):.1%} of training time")
+
+

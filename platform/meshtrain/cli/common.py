@@ -1,0 +1,21 @@
+"""What every meshtrain command line shares: exit codes and argument errors on one line."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, NoReturn
+
+EXIT_TRAINING_FAILED = 1
+EXIT_CONFIG_ERROR = 2  # also bad input of any kind: a missing checkpoint, an existing output
+CONFIG_ERROR_PREFIX = "meshtrain: config error"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, ``<error_prefix>: <message>; see --help``, exit 2."""
+
+    def __init__(self, *args: Any, error_prefix: str = CONFIG_ERROR_PREFIX, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.error_prefix = error_prefix
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_CONFIG_ERROR, f"{self.error_prefix}: {message}; see --help\n")

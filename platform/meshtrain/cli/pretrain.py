@@ -1,0 +1,86 @@
+"""Command line: ``python jobs/pretrain.py [--config FILE] [--dry-run] [dotted.key=value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from meshtrain.cli.common import (
+    CONFIG_ERROR_PREFIX,
+    EXIT_CONFIG_ERROR,
+    EXIT_TRAINING_FAILED,
+    OneLineParser,
+)
+from meshtrain.config import ConfigError, MeshtrainConfig, describe_fields, load_config
+
+
+def _settings_help() -> str:
+    rows = describe_fields()
+    width = max(len(name) for name, _, _ in rows)
+    return "settings (dotted.key=value):\n" + "\n".join(
+        f"  {name:<{width}}  {description} [default {default}]" for name, default, description in rows
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = OneLineParser(
+        prog="pretrain.py",
+        description="Pretrain a Llama model with FSDP2 (HSDP) on a Ray cluster, or on this machine.",
+        epilog=_settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", help="YAML file with any of the settings below")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved config, parameter count, mesh and per-rank memory plan, then exit",
+    )
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.steps=100 parallel.shard=2")
+    return parser.parse_args(argv)
+
+
+def dry_run(cfg: MeshtrainConfig) -> None:
+    """Print the resolved (preflighted) config and the plan; ConfigError, and nothing on stdout, when the plan fails."""
+    from meshtrain.cluster.launcher import config_yaml
+    from meshtrain.data import tokenizer_vocab_size
+    from meshtrain.distributed.plan import describe_plan
+    from meshtrain.model.args import model_args
+
+    args = model_args(cfg, tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size))
+    report = describe_plan(cfg, args)  # may raise ConfigError: then nothing goes to stdout
+    print(config_yaml(cfg), end="")
+    print("---")
+    print(report)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        from meshtrain.cluster.preflight import preflight
+
+        # Every error the config can show, before Ray starts (launch checks again for library callers).
+        cfg = preflight(load_config(args.config, args.overrides))
+        if args.dry_run:
+            dry_run(cfg)
+            return 0
+        from meshtrain.cluster.launcher import TrainingFailed, launch
+
+        summary = launch(cfg)
+    except ConfigError as exc:
+        print(f"{CONFIG_ERROR_PREFIX}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except TrainingFailed as exc:
+        print(f"meshtrain: {exc}", file=sys.stderr)
+        return EXIT_TRAINING_FAILED
+    print(done_line(summary), flush=True)
+    return 0
+
+
+def done_line(summary: dict) -> str:
+    if summary["final_loss"] is None:  # resumed from the final checkpoint: nothing left to train
+        return f"[meshtrain] done: run {summary['run']} had already finished its {summary['steps']} steps"
+    return (
+        f"[meshtrain] done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
+        f"{summary['mean_tokens_per_s']:,.0f} tok/s, wall {summary['wall_time_s']:.1f}s, "
+        f"mesh {tuple(summary['mesh_shape'])} on {summary['world_size']} workers -> {summary['run_dir']}"
+    )

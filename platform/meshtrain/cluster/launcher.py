@@ -1,0 +1,281 @@
+"""Driver side: config → Ray → token stores (prepared or re-used) → TorchTrainer → run outputs."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from meshtrain.checkpoint.storage import newest_committed, run_checkpoints
+from meshtrain.cluster.capacity import START_TIMEOUT_ENV, check_capacity, worker_resources
+from meshtrain.cluster.preflight import preflight
+from meshtrain.config import ConfigError, MeshtrainConfig, config_error_in
+from meshtrain.data import DataPlan, prepare_data
+from meshtrain.observe.metrics import targets_path, write_targets
+from meshtrain.observe.outputs import RunPaths, read_summary, write_summary
+from meshtrain.observe.progress import ProgressMonitor
+
+
+def resolve_run(cfg: MeshtrainConfig) -> tuple[MeshtrainConfig, RunPaths]:
+    """Fix the run name (a timestamped one when unset) and make the storage path absolute."""
+    name = cfg.run.name or f"{cfg.model.preset}-{datetime.now():%Y%m%d-%H%M%S}"
+    storage = Path(cfg.run.storage_path).expanduser().resolve()
+    cfg = cfg.model_copy(deep=True)
+    cfg.run.name, cfg.run.storage_path = name, str(storage)
+    return cfg, RunPaths(name, storage)
+
+
+def resolve_schedule_horizon(cfg: MeshtrainConfig, paths: RunPaths) -> MeshtrainConfig:
+    """Fix optim.schedule_steps when unset: the horizon in the run's config.yaml on a re-run (so a new
+    train.steps does not silently change the LR curve), train.steps on the first launch."""
+    if cfg.optim.schedule_steps is not None:
+        return cfg
+    if paths.config.exists():
+        previous = yaml.safe_load(paths.config.read_text())
+        # A config.yaml written before optim.schedule_steps existed spanned its train.steps.
+        horizon = previous["optim"].get("schedule_steps") or previous["train"]["steps"]
+    else:
+        horizon = cfg.train.steps
+    cfg.optim.check_horizon(horizon)
+    cfg = cfg.model_copy(deep=True)
+    cfg.optim.schedule_steps = horizon
+    return cfg
+
+
+def config_yaml(cfg: MeshtrainConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+# Settings a re-run of an existing run name may change: it resumes from the run's checkpoints, so
+# the model, data, optimizer, seed and global batch must stay as they were. Where the token stores
+# are cached and how storage is reached do not change the tokens (their fingerprint is checked).
+RESUMABLE_CHANGES = (
+    "train.steps", "train.log_every", "train.micro_batch_size", "parallel", "scaling", "run", "checkpoint",
+    "metrics", "fault", "data.cache_dir", "data.storage_options", "data.allow_fingerprint_change",
+    "optim.schedule_steps", "eval", "train.max_bad_steps", "train.loss_spike_factor", "train.loss_spike_window",
+    "train.gc_every",
+)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "storage_options":
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def write_run_config(cfg: MeshtrainConfig, paths: RunPaths) -> None:
+    """Write config.yaml. Re-running a run name may change only RESUMABLE_CHANGES; the earlier
+    config is then kept beside it as config.<time>.yaml."""
+    text = config_yaml(cfg)
+    paths.run_dir.mkdir(parents=True, exist_ok=True)
+    if paths.config.exists():
+        previous_text = paths.config.read_text()
+        if previous_text == text:
+            return
+        # A setting added to meshtrain after the run started counts as having had its default.
+        defaults = _flatten(MeshtrainConfig().model_dump(mode="json"))
+        previous = {**defaults, **_flatten(yaml.safe_load(previous_text))}
+        current = _flatten(yaml.safe_load(text))
+        for key in sorted(previous.keys() | current.keys()):
+            allowed = any(key == p or key.startswith(p + ".") for p in RESUMABLE_CHANGES)
+            if previous.get(key) != current.get(key) and not allowed:
+                raise ConfigError(
+                    f"{key}: run {paths.name} was started with {previous.get(key)!r}, not {current.get(key)!r}; "
+                    "a re-run resumes the same training, so keep it or choose another run.name"
+                )
+        paths.config.rename(paths.run_dir / f"config.{datetime.now():%Y%m%d-%H%M%S}.yaml")
+    paths.config.write_text(text)
+
+
+def init_ray() -> bool:
+    """Join the cluster in RAY_ADDRESS when set (``auto``: the one started on this machine),
+    otherwise start a local Ray sized to this machine. True when it started one (it has no
+    autoscaler)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"])
+        return False
+    # "local", not None: None would follow /tmp/ray/ray_current_cluster, which still names a
+    # cluster whose processes were killed rather than stopped with `ray stop`.
+    ray.init(address="local", num_cpus=os.cpu_count())
+    return True
+
+
+def data_cache_url(cfg: MeshtrainConfig) -> str:
+    return cfg.data.cache_dir or str(Path(cfg.run.storage_path) / "token_stores")
+
+
+def check_data_fingerprint(cfg: MeshtrainConfig, plan: DataPlan) -> None:
+    """Refuse to resume checkpoints trained on other token data, unless the user says so."""
+    if not (cfg.checkpoint.enabled and cfg.checkpoint.resume) or cfg.data.allow_fingerprint_change:
+        return
+    committed = run_checkpoints(cfg).committed()
+    trained_on = committed[0].manifest.get("data_fingerprint") if committed else None
+    if trained_on is not None and trained_on != plan.fingerprint:
+        raise ConfigError(
+            f"data.source: the checkpoints of run {cfg.run.name} were trained on data {trained_on[:16]}, this launch "
+            f"reads {plan.fingerprint[:16]}; use the same data, another run.name, or set "
+            "data.allow_fingerprint_change=true to continue on the new data deliberately"
+        )
+
+
+class TrainingFailed(RuntimeError):
+    """The worker group failed for good (restarts exhausted) or the step guard stopped the run; the
+    message says where it can resume from."""
+
+
+def _last_committed(cfg: MeshtrainConfig) -> str:
+    storage, newest = newest_committed(cfg)
+    if newest is not None:
+        return f"last committed checkpoint: {storage.display(newest.path)} (step {newest.step})"
+    return "no checkpoint was committed"
+
+
+def _failure_message(cfg: MeshtrainConfig, exc: BaseException) -> str:
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    restarts = f"after {cfg.run.max_failures} restart(s)" if cfg.run.max_failures else "(run.max_failures=0)"
+    return (
+        f"training failed {restarts}: {reason}; {_last_committed(cfg)}; "
+        f"run the same command again (run.name={cfg.run.name}) to resume"
+    )
+
+
+def _stopped_message(cfg: MeshtrainConfig, reason: str) -> str:
+    return (
+        f"training stopped: {reason}; {_last_committed(cfg)}; fix the cause (e.g. lower optim.lr or raise "
+        f"train.max_bad_steps) and run the same command again (run.name={cfg.run.name}) to resume from it"
+    )
+
+
+def load_ray_callbacks(specs: list[str]) -> list[Any]:
+    """Instances of the ``module:Class`` Ray Train callbacks named in metrics.ray_callbacks."""
+    import importlib
+
+    from ray.train import UserCallback
+
+    callbacks = []
+    for spec in specs:
+        module_name, class_name = spec.split(":")
+        try:
+            callback_class = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(
+                f"metrics.ray_callbacks: cannot import {spec!r} ({type(exc).__name__}: {exc}); install its package "
+                "on every node or fix the name"
+            ) from None
+        if not (isinstance(callback_class, type) and issubclass(callback_class, UserCallback)):
+            raise ConfigError(f"metrics.ray_callbacks: {spec!r} is not a ray.train.UserCallback subclass")
+        callbacks.append(callback_class())
+    return callbacks
+
+
+def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, data: DataPlan, launch_id: str) -> Any:
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from meshtrain.cluster.worker import train_loop_per_worker
+
+    scaling = cfg.scaling
+    if not scaling.use_gpu:
+        backend = "gloo"
+    elif cfg.parallel.cpu_offload:
+        backend = "cpu:gloo,cuda:nccl"  # offloaded gradients are clipped with collectives on host memory
+    else:
+        backend = "nccl"
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            # The validated object itself: re-validating on workers would re-check data paths that
+            # exist only where the driver runs.
+            "config": cfg,
+            "data": data,  # store locations and the tokenizer: workers map the shards themselves
+            "launch_id": launch_id,  # tells this job's worker-group restarts from earlier jobs of the run
+        },
+        torch_config=TorchConfig(backend=backend, timeout_s=scaling.timeout_s),
+        scaling_config=ray.train.ScalingConfig(
+            # Elastic: Ray starts the group on as many workers as the cluster holds in this range,
+            # and restarts it larger when a check every resize_check_interval_s finds more.
+            num_workers=(scaling.min_workers, scaling.num_workers) if scaling.elastic else scaling.num_workers,
+            elastic_resize_monitor_interval_s=scaling.resize_check_interval_s,
+            use_gpu=scaling.use_gpu,
+            resources_per_worker=worker_resources(scaling),
+            placement_strategy=scaling.placement_strategy,
+            accelerator_type=scaling.accelerator_type,
+        ),
+        run_config=ray.train.RunConfig(
+            name=paths.name,
+            storage_path=str(paths.storage_path),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
+            callbacks=load_ray_callbacks(cfg.metrics.ray_callbacks),
+        ),
+    )
+
+
+# Ray sizes an elastic group from the resources its autoscaling coordinator last saw (refreshed every
+# 20 s), so just after a node is lost it may still count that node and ask for too many workers.
+# Their placement group then never fills; giving up on it after this long (Ray's default: 60 s)
+# lets Ray size the group again from a fresh view sooner. A group sized right is placed at once.
+ELASTIC_START_TIMEOUT_S = 25
+
+
+def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
+    """Run the whole job; returns the summary also written to ``summary.json``."""
+
+    started = time.perf_counter()
+    cfg, paths = resolve_run(cfg)
+    cfg = resolve_schedule_horizon(cfg, paths)
+    cfg = preflight(cfg)  # the config against the world, before anything is written or started
+    write_run_config(cfg, paths)
+    local_ray = init_ray()
+    check_capacity(cfg.scaling, local_ray)  # before data preparation, which may take long
+    if cfg.scaling.elastic:
+        os.environ.setdefault(START_TIMEOUT_ENV, str(ELASTIC_START_TIMEOUT_S))
+    cached_tokenizer = paths.tokenizer.read_text() if paths.tokenizer.exists() else None
+    data = prepare_data(
+        cfg.data,
+        data_cache_url(cfg),
+        cfg.data.seq_len,
+        run_tokenizer=cached_tokenizer,
+        log=lambda line: print(line, flush=True),
+        progress_interval_s=cfg.metrics.progress_interval_s,
+    )
+    check_data_fingerprint(cfg, data)
+    if cached_tokenizer is None:
+        paths.tokenizer.write_text(data.tokenizer_json)
+    stores = ", ".join(ref.url for ref in data.stores)
+    print(
+        f"[meshtrain] run {paths.name}: {data.documents:,} documents, {data.tokens:,} tokens, "
+        f"vocab {data.vocab_size} from {stores}; outputs in {paths.run_dir}",
+        flush=True,
+    )
+    trainer = build_trainer(cfg, paths, data, launch_id=f"{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}")
+    try:
+        with ProgressMonitor(paths.metrics, cfg.train.steps, cfg.metrics.progress_interval_s):
+            trainer.fit()
+    except Exception as exc:
+        config_error = config_error_in(exc)
+        if config_error is not None:
+            raise config_error from None
+        raise TrainingFailed(_failure_message(cfg, exc)) from None
+    finally:
+        targets = targets_path(cfg.metrics.targets_dir, cfg.run.storage_path, paths.name)
+        if targets.exists():
+            write_targets(targets, [])  # the workers are gone: Prometheus stops scraping them
+    # The workers wrote the run outputs; the driver adds the job's wall time.
+    summary = read_summary(paths)
+    summary["wall_time_s"] = time.perf_counter() - started
+    write_summary(paths, summary)
+    if summary.get("stopped"):
+        raise TrainingFailed(_stopped_message(cfg, summary["stopped"]))
+    return summary

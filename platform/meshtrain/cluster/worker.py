@@ -1,0 +1,246 @@
+"""What each Ray Train worker runs: read its place in the group, train, write the run outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+
+from meshtrain.checkpoint.storage import newest_committed
+from meshtrain.config import ConfigError, MeshtrainConfig
+from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.distributed.parallelize import param_dtype
+from meshtrain.model.args import model_args
+from meshtrain.model.flops import device_peak_flops, flops_per_token
+from meshtrain.observe.metrics import (
+    Endpoint,
+    TrainingMetrics,
+    advertised_host,
+    targets_path,
+    write_targets,
+)
+from meshtrain.observe.outputs import RunPaths, write_summary
+from meshtrain.observe.progress import StepRecorder
+from meshtrain.observe.reporting import RayTrainReporter, TensorBoardWriter
+from meshtrain.train.trainer import train
+
+
+def _gather(value: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def resize_record(previous: dict[str, Any] | None, launch_id: str, world_size: int, cfg: MeshtrainConfig) -> dict[str, Any] | None:
+    """The ``resize`` event when this group's size differs from the run's previous start, else None."""
+    if previous is None:
+        return None
+    before = previous.get("world_size", len(previous["workers"]))
+    if before == world_size:
+        return None
+    if previous["launch"] != launch_id:
+        reason = "a new launch with another scaling.num_workers or cluster"
+    elif world_size < before:
+        reason = (
+            f"capacity lost: Ray restarted the group on the {world_size} workers the cluster holds "
+            f"(scaling.min_workers={cfg.scaling.required_workers})"
+        )
+    else:
+        reason = (
+            f"capacity returned: Ray's check every scaling.resize_check_interval_s={cfg.scaling.resize_check_interval_s:g}s "
+            f"found room for {world_size} workers"
+        )
+    return {"event": "resize", "time": time.time(), "from_workers": before, "to_workers": world_size, "reason": reason}
+
+
+def resizes(paths: RunPaths) -> list[dict[str, Any]]:
+    """Every change of the run's worker-group size so far: when, from, to (from worker_starts.jsonl)."""
+    starts = [json.loads(line) for line in (paths.run_dir / "worker_starts.jsonl").read_text().splitlines() if line]
+    return [
+        {
+            "time": entry["time"],
+            "from_workers": entry["resized_from"],
+            "to_workers": entry["world_size"],
+            "reason": entry["resize_reason"],
+        }
+        for entry in starts
+        if "resized_from" in entry
+    ]
+
+
+def check_group_size(cfg: MeshtrainConfig, world_size: int) -> None:
+    """An elastic group of a size the run cannot train on (a partial shard group, or a global batch
+    it does not divide) fails its start with one line; Ray then retries."""
+    sizes = cfg.elastic_sizes()
+    if world_size not in sizes:
+        raise ConfigError(
+            f"Ray started {world_size} workers, but scaling.min_workers={cfg.scaling.required_workers} to "
+            f"scaling.num_workers={cfg.scaling.num_workers} trains only on {', '.join(map(str, sizes))} (whole shard "
+            "groups that divide train.global_batch_size); give nodes whole multiples of the shard group"
+        )
+
+
+def record_worker_start(
+    paths: RunPaths, launch_id: str, layout: WorkerLayout, cfg: MeshtrainConfig
+) -> tuple[int, list[dict[str, Any]], dict[str, Any] | None]:
+    """Log this worker group's start, with where every rank runs, in the run directory.
+
+    Returns the restarts of this launch (earlier starts with the same launch id), the placements,
+    and the resize from the run's previous start (rank 0; None elsewhere or when the size is the same).
+    """
+    placement = {
+        "rank": layout.world_rank,
+        "node_rank": layout.node_rank,
+        "local_rank": layout.local_rank,
+        "node_ip": ray.util.get_node_ip_address(),
+        "pid": os.getpid(),
+    }
+    workers = _gather(placement)
+    starts = paths.run_dir / "worker_starts.jsonl"
+    restarts, resize = 0, None
+    if layout.world_rank == 0:
+        earlier = [json.loads(line) for line in starts.read_text().splitlines() if line.strip()] if starts.exists() else []
+        resize = resize_record(earlier[-1] if earlier else None, launch_id, layout.world_size, cfg)
+        start = {"launch": launch_id, "time": time.time(), "world_size": layout.world_size, "workers": workers}
+        if resize is not None:
+            start["resized_from"], start["resize_reason"] = resize["from_workers"], resize["reason"]
+        with starts.open("a", encoding="utf-8") as file:
+            file.write(json.dumps(start) + "\n")
+        restarts = sum(entry["launch"] == launch_id for entry in earlier)
+    return _gather(restarts)[0], workers, resize
+
+
+def start_metrics(
+    cfg: MeshtrainConfig, layout: WorkerLayout, device: torch.device, vocab_size: int, restarts: int
+) -> TrainingMetrics:
+    """Serve this worker's /metrics and (rank 0) publish every worker's endpoint for Prometheus."""
+    assert cfg.run.name is not None
+    node_ip = ray.util.get_node_ip_address()
+    peak = device_peak_flops(
+        device,
+        param_dtype(cfg.parallel.mixed_precision, device.type),
+        cfg.metrics.peak_flops_per_s,
+        cfg.metrics.cpu_peak_flops_per_s,
+    )
+    if peak is None and layout.world_rank == 0:
+        print(
+            f"[meshtrain] no peak FLOP/s known for {torch.cuda.get_device_name(device)}; "
+            "set metrics.peak_flops_per_s to get meshtrain_mfu_ratio"
+        )
+    metrics = TrainingMetrics(
+        run=cfg.run.name,
+        rank=layout.world_rank,
+        node=node_ip,
+        device=device,
+        flops_per_token=flops_per_token(model_args(cfg, vocab_size), cfg.data.seq_len),
+        peak_flops_per_s=peak,
+    )
+    metrics.restarts.set(restarts)
+    port = metrics.serve(cfg.metrics.bind_address, cfg.metrics.port + layout.local_rank)
+    endpoints = _gather(Endpoint(advertised_host(cfg.metrics.bind_address, node_ip), port))
+    if layout.world_rank == 0:
+        write_targets(targets_path(cfg.metrics.targets_dir, cfg.run.storage_path, cfg.run.name), endpoints)
+    return metrics
+
+
+def peak_memory(device: torch.device) -> dict[str, Any]:
+    """The device and the largest peak over the ranks, read once after training (a collective): PyTorch's
+    peak CUDA allocation on GPU workers, the process's peak resident set (all host memory) on CPU workers."""
+    if device.type == "cuda":
+        return {"device": torch.cuda.get_device_name(device),
+                "peak_device_memory_bytes": max(_gather(torch.cuda.max_memory_allocated(device)))}
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return {"device": "cpu", "peak_host_rss_bytes": max(_gather(peak_rss))}
+
+
+def result_pointer(cfg: MeshtrainConfig, paths: RunPaths) -> dict[str, Any]:
+    """What the run's last Ray report points at: the run directory and the newest committed checkpoint."""
+    storage, newest = newest_committed(cfg)
+    return {
+        "run_dir": str(paths.run_dir),
+        "checkpoint": storage.display(newest.path) if newest is not None else None,
+        "checkpoint_step": newest.step if newest is not None else None,
+    }
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    cfg: MeshtrainConfig = loop_config["config"]
+    data = loop_config["data"]
+    context = ray.train.get_context()
+    layout = WorkerLayout(
+        world_rank=context.get_world_rank(),
+        world_size=context.get_world_size(),
+        local_rank=context.get_local_rank(),
+        local_world_size=context.get_local_world_size(),
+        node_rank=context.get_node_rank(),
+    )
+    assert cfg.run.name is not None, "the launcher resolves run.name before starting workers"
+    paths = RunPaths(cfg.run.name, Path(cfg.run.storage_path))
+    device = ray.train.torch.get_device()
+    check_group_size(cfg, layout.world_size)
+    restarts, workers, resize = record_worker_start(paths, loop_config["launch_id"], layout, cfg)
+    metrics = start_metrics(cfg, layout, device, data.vocab_size, restarts) if cfg.metrics.port else None
+    sinks: list[Any] = []
+    if layout.world_rank == 0:
+        sinks.append(StepRecorder(paths.metrics))
+        if cfg.metrics.tensorboard:
+            sinks.append(TensorBoardWriter(paths.run_dir / "tensorboard"))
+
+    def on_record(record: dict[str, Any]) -> None:
+        for sink in sinks:
+            sink.record(record)
+
+    if resize is not None:
+        on_record(resize)
+
+    reporter = RayTrainReporter(cfg.metrics.ray_report_interval_s, layout.world_rank, device)
+    try:
+        result = train(cfg, data, layout, device, on_record if sinks else None, metrics, reporter)
+        if metrics is not None:
+            metrics.await_final_scrape(cfg.metrics.final_scrape_timeout_s)
+    finally:
+        for sink in sinks:
+            sink.close()
+        if metrics is not None:
+            metrics.close()
+    memory = peak_memory(device)
+    if layout.world_rank == 0:
+        write_summary(
+            paths,
+            {
+                "run": paths.name,
+                "steps": cfg.train.steps,
+                "final_loss": result.final_loss,
+                "eval_loss": result.eval_loss,
+                "skipped_steps": result.skipped_steps,
+                "stopped": result.stopped,
+                "mean_tokens_per_s": result.mean_tokens_per_s,
+                "tokens": result.tokens,
+                "train_time_s": result.train_time_s,
+                "mesh_shape": list(result.mesh_shape),
+                "world_size": result.world_size,
+                "parameters": result.parameters,
+                "run_dir": str(paths.run_dir),
+                "workers": workers,
+                "resizes": resizes(paths),
+                **memory,
+            },
+        )
+    reporter.final(
+        {"step": result.records[-1]["step"] if result.records else 0, "loss": result.final_loss,
+         "eval_loss": result.eval_loss, "tokens": result.tokens, "mean_tokens_per_s": result.mean_tokens_per_s,
+         "skipped_steps": result.skipped_steps, "stopped": result.stopped},
+        result_pointer(cfg, paths) if layout.world_rank == 0 else {},
+    )

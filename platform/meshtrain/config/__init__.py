@@ -1,0 +1,49 @@
+"""The configuration schema: typed sections, YAML and ``key=value`` loading, one-line errors.
+
+Pure by design: nothing here imports the rest of meshtrain, torch or Ray, or looks at files, stores
+or clusters beyond the YAML it is given; ``meshtrain.cluster.preflight`` checks the config against
+the world. A test keeps that true.
+"""
+
+from meshtrain.config.data import DataConfig, SourceConfig, ValidationConfig
+from meshtrain.config.errors import ConfigError, config_error_in
+from meshtrain.config.loading import describe_fields, load_config
+from meshtrain.config.model import ModelArgs, ModelConfig
+from meshtrain.config.presets import MODEL_PRESETS
+from meshtrain.config.schema import (
+    CheckpointConfig,
+    EvalConfig,
+    FaultConfig,
+    MeshtrainConfig,
+    MetricsConfig,
+    OptimConfig,
+    ParallelConfig,
+    RunConfig,
+    ScalingConfig,
+    StrategyName,
+    TrainConfig,
+)
+
+__all__ = [
+    "MODEL_PRESETS",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "FaultConfig",
+    "MeshtrainConfig",
+    "MetricsConfig",
+    "ModelArgs",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "RunConfig",
+    "ScalingConfig",
+    "SourceConfig",
+    "StrategyName",
+    "TrainConfig",
+    "ValidationConfig",
+    "config_error_in",
+    "describe_fields",
+    "load_config",
+]

@@ -1,0 +1,135 @@
+"""The data section: sources and mixtures, held-out validation data, tokenizer and token-store settings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from meshtrain.config.section import Section, check_tested_scheme
+
+_SOURCE_HELP = (
+    "'stdlib' (the Python standard library's source files, always offline), a local file, directory or "
+    "glob of .txt/.jsonl/.json/.parquet files, 'hf:<dataset>' streamed from the Hub, or a prepared token "
+    "store (a folder or s3:// URL with a manifest.json)."
+)
+
+
+class SourceConfig(Section):
+    """One source of documents (or a prepared token store) and its share of a mixture."""
+
+    source: str = Field("stdlib", description=_SOURCE_HELP)
+    weight: float = Field(1.0, description="Share of training samples drawn from this source (mixtures).")
+    text_field: str = Field("text", description="Column holding the document text (jsonl/parquet/hub).")
+    hf_config: str | None = Field(None, description="Hub dataset configuration name (hf: sources).")
+    split: str = Field("train", description="Dataset split to read (hf: sources).")
+    max_documents: int | None = Field(None, gt=0, description="Read at most this many documents.")
+
+    @field_validator("weight")
+    @classmethod
+    def _positive_weight(cls, value: float) -> float:
+        if not value > 0:
+            raise ValueError(f"a mixture weight must be a positive finite number, got {value!r}; give e.g. 0.3")
+        return value
+
+    def is_hub(self) -> bool:
+        return self.source.startswith("hf:")
+
+
+class ValidationConfig(Section):
+    fraction: float = Field(
+        0.01,
+        ge=0,
+        lt=0.5,
+        description="Share of each source's windows held out of training for validation (0 = none; "
+        "0 when validation.source is set).",
+    )
+    source: str | None = Field(
+        None, description="A separate validation source (same forms as data.source); all of it is held out."
+    )
+    text_field: str = Field("text", description="Text column of validation.source.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_default_fraction_beside_a_source(cls, values: Any) -> Any:
+        if isinstance(values, dict) and values.get("source") is not None and "fraction" not in values:
+            return {**values, "fraction": 0.0}
+        return values
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "ValidationConfig":
+        if self.source is not None and self.fraction > 0:
+            raise ValueError(
+                "data.validation: set either validation.fraction or validation.source, not both"
+            )
+        return self
+
+
+class DataConfig(Section):
+    source: str = Field("stdlib", description=_SOURCE_HELP)
+    text_field: str = Field("text", description="Column holding the document text (jsonl/parquet/hub).")
+    hf_config: str | None = Field(None, description="Hub dataset configuration name (hf: sources).")
+    split: str = Field("train", description="Dataset split to read.")
+    max_documents: int | None = Field(None, gt=0, description="Read at most this many documents.")
+    sources: list[SourceConfig] | None = Field(
+        None,
+        description="A mixture: a list of {source, weight, text_field, ...}; samples are drawn in proportion "
+        "to the weights. Replaces data.source.",
+    )
+    validation: ValidationConfig = Field(default_factory=ValidationConfig, description="Held-out validation data.")
+    tokenizer: str = Field(
+        "train",
+        description="'train' = fit a byte-level BPE on a sample of the data (saved with the run), or a tokenizer.json path.",
+    )
+    vocab_size: int = Field(2048, ge=260, description="Vocabulary size when the tokenizer is trained.")
+    tokenizer_sample_bytes: int = Field(
+        64 * 2**20,
+        gt=0,
+        description="Text the tokenizer is trained on: at most this many bytes, taken evenly across the data.",
+    )
+    seq_len: int = Field(128, gt=1, description="Tokens per training sequence (packed, no padding).")
+    cache_dir: str | None = Field(
+        None,
+        description="Where prepared token stores are cached by source+tokenizer fingerprint (local or s3://); "
+        "unset = <run.storage_path>/token_stores.",
+    )
+    prepare_unit_bytes: int = Field(
+        64 * 2**20,
+        gt=0,
+        description="Most source bytes per prepare task and token shard; a small corpus is cut finer (into about 64 "
+        "units, none under 1 MiB) and .jsonl files larger than a unit are split at line boundaries (ranges of 1 MiB or more).",
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec options for s3:// stores and cache, e.g. {client_kwargs: {endpoint_url: ...}}."
+    )
+    allow_fingerprint_change: bool = Field(
+        False,
+        description="Resume checkpoints trained on other token data (deliberately changing the corpus).",
+    )
+
+    @model_validator(mode="after")
+    def _sources_and_paths(self) -> "DataConfig":
+        if self.sources is not None:
+            if not self.sources:
+                raise ValueError("data.sources: an empty list; give at least one {source, weight} or use data.source")
+            if "source" in self.model_fields_set:
+                raise ValueError("data.sources: set either data.source or data.sources (a mixture), not both")
+        if self.cache_dir is not None:
+            check_tested_scheme(self.cache_dir, "data.cache_dir")
+        return self
+
+    def source_list(self) -> list[SourceConfig]:
+        """The mixture's sources, or the single data.source as a one-source list."""
+        if self.sources is not None:
+            return list(self.sources)
+        return [
+            SourceConfig(
+                source=self.source, text_field=self.text_field, hf_config=self.hf_config,
+                split=self.split, max_documents=self.max_documents,
+            )
+        ]
+
+    def validation_source(self) -> SourceConfig | None:
+        if self.validation.source is None:
+            return None
+        return SourceConfig(source=self.validation.source, text_field=self.validation.text_field)

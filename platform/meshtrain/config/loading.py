@@ -1,0 +1,135 @@
+"""Building a config: defaults, then a YAML file, then dotted ``key=value`` overrides; one-line errors.
+
+Also the field table that ``--help`` prints.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from meshtrain.config.errors import ConfigError
+from meshtrain.config.schema import MeshtrainConfig
+
+# A message that already starts with a dotted field name ("train.steps=..." / "data.source: ...").
+_NAMES_ITS_FIELD = re.compile(r"^[a-z_]+\.[a-z_0-9.]+[=:]")
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected dotted.key=value, e.g. train.steps=100")
+    key, raw = item.split("=", 1)
+    path = key.strip().split(".")
+    if not all(path):
+        raise ConfigError(f"override {item!r}: empty key segment; expected dotted.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, (bool, int, float)) and _is_text_setting(path):
+        value = raw.strip()  # run.name=2024 or data.hf_config=20220301 stay the text typed
+    return path, value
+
+
+def _is_text_setting(path: list[str]) -> bool:
+    """Whether ``path`` names a free-text (``str`` or ``str | None``) setting."""
+    model: type[BaseModel] = MeshtrainConfig
+    for part in path[:-1]:
+        annotation = model.model_fields[part].annotation if part in model.model_fields else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return False
+        model = annotation
+    field = model.model_fields.get(path[-1])
+    if field is None:
+        return False
+    annotation = field.annotation
+    return annotation is str or (
+        get_origin(annotation) in (Union, UnionType) and set(get_args(annotation)) == {str, type(None)}
+    )
+
+
+def _set_dotted(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(path)}: {part!r} is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def _format_validation_error(error: ValidationError) -> str:
+    first = error.errors()[0]
+    location = ".".join(str(part) for part in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        section = ".".join(str(part) for part in first["loc"][:-1])
+        known = _field_names(section)
+        return f"{location}: unknown setting; {section or 'top level'} accepts {', '.join(known)}"
+    if _NAMES_ITS_FIELD.match(message):
+        return message
+    value = first.get("input")
+    # Our own validators (value_error) already quote the value they reject.
+    quoted = first["type"] == "value_error"
+    if quoted:
+        shown = ""
+    elif isinstance(value, dict):
+        shown = " (got a mapping of sub-keys, not a single value)"
+    elif value is None:
+        shown = " (got an empty value)"
+    else:
+        shown = f" (got {value!r})"
+    return f"{location}: {message}{shown}" if location else message
+
+
+def _field_names(section: str) -> list[str]:
+    model: type[BaseModel] = MeshtrainConfig
+    for part in filter(None, section.split(".")):
+        annotation = model.model_fields[part].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None) -> MeshtrainConfig:
+    """Defaults, then the YAML file, then ``dotted.key=value`` overrides; one-line errors."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"--config: {str(path)!r} is not a file; give a YAML config path")
+        try:
+            loaded = yaml.safe_load(file.read_text())
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"--config: {path} is not valid YAML{where}; fix the syntax") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"--config: {path} must hold a mapping of sections (model:, train:, ...)")
+        tree = loaded or {}
+    for item in overrides or []:
+        key_path, value = _parse_override(item)
+        _set_dotted(tree, key_path, value)
+    try:
+        return MeshtrainConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc)) from None
+
+
+def describe_fields(model: type[BaseModel] = MeshtrainConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted name, default, description) for every setting, for --help output."""
+    rows: list[tuple[str, str, str]] = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows.extend(describe_fields(annotation, f"{prefix}{name}."))
+        else:
+            rows.append((f"{prefix}{name}", repr(field.default), field.description or ""))
+    return rows

@@ -1,0 +1,476 @@
+"""The one typed configuration tree of a meshtrain run: every section and the checks between them.
+
+Pure: it reads no file, store or cluster (``meshtrain.cluster.preflight`` checks those), so it can
+be built, printed and validated anywhere, a notebook included.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from meshtrain.config.data import DataConfig
+from meshtrain.config.errors import ConfigError
+from meshtrain.config.model import ModelArgs, ModelConfig
+from meshtrain.config.section import Section, check_tested_scheme
+
+
+class OptimConfig(Section):
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate (after warmup).")
+    schedule: Literal["cosine", "linear", "wsd", "constant"] = Field(
+        "cosine",
+        description="LR after warmup: cosine or linear decay to min_lr_ratio x lr by the end of the "
+        "schedule; wsd = stable at lr, then linear decay to min_lr_ratio x lr over the last "
+        "optim.decay_fraction of the schedule; constant = lr throughout.",
+    )
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1, description="Final LR of the cosine, linear and wsd decays, as a fraction of lr."
+    )
+    warmup_steps: int = Field(20, ge=0, description="Steps of linear warmup from 0 to lr.")
+    decay_fraction: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="wsd only (and required there): share of the schedule's steps spent decaying, e.g. 0.2 "
+        "(rounded to whole steps, at least one).",
+    )
+    schedule_steps: int | None = Field(
+        None,
+        gt=0,
+        description="Steps the LR schedule spans; unset = train.steps of the run's first launch. "
+        "Later steps keep the final LR.",
+    )
+    weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay (matrices only).")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient L2 norm to this (0 = off).")
+    implementation: Literal["auto", "fused", "foreach", "for_loop"] = Field(
+        "auto", description="AdamW kernel; auto = fused on CUDA and CPU, foreach elsewhere."
+    )
+
+    @model_validator(mode="after")
+    def _decay_fraction_only_for_wsd(self) -> "OptimConfig":
+        if self.schedule == "wsd" and self.decay_fraction is None:
+            raise ValueError(
+                "optim.decay_fraction: the wsd schedule needs it; "
+                "set the share of steps to decay over, e.g. 0.2"
+            )
+        if self.schedule != "wsd" and self.decay_fraction is not None:
+            raise ValueError(
+                f"optim.decay_fraction: only the wsd schedule uses it, not {self.schedule}; "
+                "set optim.schedule=wsd or leave optim.decay_fraction unset"
+            )
+        return self
+
+    def wsd_decay_steps(self, horizon: int) -> int:
+        """Steps at the end of a ``horizon``-step wsd schedule that decay the LR (at least one)."""
+        assert self.decay_fraction is not None, "only the wsd schedule decays over a fraction"
+        return max(1, round(self.decay_fraction * horizon))
+
+    def check_horizon(self, horizon: int) -> None:
+        """ConfigError unless the warmup (and a wsd decay) fit in a schedule of ``horizon`` steps."""
+        span = f"the LR schedule's {horizon} steps (optim.schedule_steps, unset = train.steps)"
+        if self.schedule == "wsd":
+            decay = self.wsd_decay_steps(horizon)
+            if self.warmup_steps + decay > horizon:
+                raise ConfigError(
+                    f"optim.warmup_steps={self.warmup_steps} plus the wsd decay of {decay} steps "
+                    f"(optim.decay_fraction={self.decay_fraction}) exceed {span}; "
+                    "lower optim.warmup_steps or optim.decay_fraction, or lengthen the schedule"
+                )
+        elif self.warmup_steps >= horizon:
+            raise ConfigError(
+                f"optim.warmup_steps={self.warmup_steps} does not fit in {span}; "
+                "lower optim.warmup_steps or lengthen the schedule"
+            )
+
+
+class TrainConfig(Section):
+    steps: int = Field(200, gt=0, description="Optimizer steps to run.")
+    global_batch_size: int = Field(16, gt=0, description="Sequences per optimizer step, over all workers.")
+    micro_batch_size: int = Field(
+        8, gt=0, description="Sequences per forward/backward on one worker; the rest is accumulation."
+    )
+    seed: int = Field(0, description="Seeds weight init and the data order.")
+    log_every: int = Field(5, gt=0, description="Write metrics and the progress line every N steps.")
+    max_bad_steps: int = Field(
+        5,
+        gt=0,
+        description="Stop the run after this many skipped steps in a row (a step is skipped when its loss or "
+        "gradient norm is not finite, or it spikes); checked at logged and checkpoint steps.",
+    )
+    loss_spike_factor: float | None = Field(
+        None,
+        gt=1,
+        description="Also skip a step whose loss exceeds this many times the median of the last "
+        "train.loss_spike_window accepted losses; unset = no spike rule.",
+    )
+    loss_spike_window: int = Field(50, ge=3, description="Accepted steps the loss-spike median is taken over.")
+    gc_every: int = Field(
+        50,
+        ge=0,
+        description="Python's automatic garbage collection is off during training; every rank collects at the same "
+        "steps, every N (0 = leave automatic collection on).",
+    )
+
+
+class EvalConfig(Section):
+    interval: int | None = Field(
+        50,
+        gt=0,
+        description="Compute the validation loss every N steps and after the last step; null = never.",
+    )
+    batches: int = Field(
+        4,
+        gt=0,
+        description="Size of the validation set in global batches (train.global_batch_size sequences each); "
+        "the same sequences every time, capped at what data.validation holds.",
+    )
+
+
+StrategyName = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"]
+
+
+class ParallelConfig(Section):
+    strategy: StrategyName = Field(
+        "hybrid_shard",
+        description=(
+            "full_shard/shard_grad_op shard over all workers; no_shard replicates; hybrid_shard(_zero2) "
+            "shards within parallel.shard workers and replicates across groups. *_zero2/shard_grad_op "
+            "keep parameters gathered between forward and backward."
+        ),
+    )
+    shard: int | Literal["auto"] = Field(
+        "auto", description="Shard group size for hybrid strategies; auto = workers per node."
+    )
+    mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="Parameter dtype in compute; gradients reduce in fp32. auto = bf16 on GPU, fp32 on CPU."
+    )
+    cpu_offload: bool = Field(False, description="Keep sharded parameters, gradients and optimizer state in host memory.")
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none", description="Recompute activations in backward: every block (full) or all but matmul/attention outputs (selective)."
+    )
+    compile: bool = Field(False, description="torch.compile each transformer block.")
+    prefetch: int = Field(
+        1, ge=1, le=8, description="Blocks whose all-gather is issued ahead in forward and backward (1 = FSDP2's default)."
+    )
+
+    @field_validator("shard", mode="before")
+    @classmethod
+    def _shard_int_or_auto(cls, value: Any) -> Any:
+        # Decide here, so a bad value is reported as parallel.shard rather than per union member.
+        if value == "auto":
+            return value
+        number = value
+        if isinstance(value, str):
+            try:
+                number = int(value)
+            except ValueError:
+                number = None
+        if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+            raise ValueError(f"expected a positive integer or 'auto', got {value!r}")
+        return number
+
+
+class ScalingConfig(Section):
+    num_workers: int = Field(2, gt=0, description="Training workers (one per GPU, or per CPU slot).")
+    use_gpu: bool = Field(False, description="One GPU per worker, NCCL; otherwise CPU workers with gloo.")
+    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs Ray reserves for each worker.")
+    workers_per_node: int | None = Field(
+        None,
+        gt=0,
+        description="Expected workers on each node; unset = learn it from Ray. Lets --dry-run show the auto mesh.",
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement strategy for the worker group (PACK keeps shard groups on one node)."
+    )
+    accelerator_type: str | None = Field(None, description="Ray accelerator type to require, e.g. H100.")
+    device_memory_gib: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Memory of one GPU in GiB, for the --dry-run fit verdict; unset = known from "
+            "scaling.accelerator_type (H100, H200, A100-40G, A100-80G, L4, A10G, ...)."
+        ),
+    )
+    timeout_s: int = Field(1800, gt=0, description="Collective timeout for the process group, seconds.")
+    min_workers: int | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Elastic training: the fewest workers to go on with when capacity is lost (unset = scaling.num_workers, "
+            "not elastic); the group regrows up to scaling.num_workers when capacity returns."
+        ),
+    )
+    resize_check_interval_s: float = Field(
+        60.0,
+        gt=0,
+        description="Elastic training: how often Ray checks a running group for capacity to grow it (seconds).",
+    )
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers is not None and self.min_workers < self.num_workers
+
+    @property
+    def required_workers(self) -> int:
+        """The fewest workers a run can start with."""
+        return self.min_workers if self.min_workers is not None else self.num_workers
+
+    @property
+    def required_setting(self) -> str:
+        return "scaling.min_workers" if self.elastic else "scaling.num_workers"
+
+
+class RunConfig(Section):
+    name: str | None = Field(
+        None, description="Run name (a folder under storage_path); unset = '<preset>-<timestamp>'."
+    )
+    storage_path: str = Field(
+        "runs", description="Directory (shared by all nodes on a cluster) where runs are written."
+    )
+    max_failures: int = Field(
+        3, ge=-1, description="Worker-group restarts Ray Train may do; each resumes from the newest checkpoint (-1 = unlimited)."
+    )
+    hang_timeout_s: float | None = Field(
+        600.0,
+        gt=0,
+        description="After the first step, a worker with no progress for this long (a hung collective, a stuck "
+        "rank) exits so Ray restarts the group from the last checkpoint; must exceed the slowest checkpoint save "
+        "and evaluation; null = off.",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, value: str | None) -> str | None:
+        if value is not None and (not value or "/" in value or value in {".", ".."}):
+            raise ValueError(f"must be a plain folder name (no '/', not '.' or '..'), got {value!r}")
+        return value
+
+
+class CheckpointConfig(Section):
+    enabled: bool = Field(True, description="Save checkpoints and resume from the newest committed one.")
+    interval: int = Field(50, gt=0, description="Save every N steps (and always after the last step).")
+    keep: int = Field(3, ge=1, description="Committed checkpoints to keep; older ones are deleted.")
+    mode: Literal["async", "sync"] = Field(
+        "async", description="async: the loop waits only while state is staged to host memory; sync: until written."
+    )
+    path: str | None = Field(
+        None,
+        description="Root for checkpoints: a local/NFS path or s3://bucket/prefix (run.name is appended); "
+        "unset = checkpoints/ in the run directory.",
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="fsspec options for a remote path, e.g. {client_kwargs: {endpoint_url: ...}} for S3-compatible stores.",
+    )
+    resume: bool = Field(True, description="Continue from the newest committed checkpoint when one exists.")
+    allow_untested_scheme: bool = Field(
+        False,
+        description="Accept a checkpoint.path scheme other than a local path or s3:// (untested with meshtrain).",
+    )
+
+    @model_validator(mode="after")
+    def _tested_path_scheme(self) -> "CheckpointConfig":
+        if self.path is not None and not self.allow_untested_scheme:
+            check_tested_scheme(self.path, "checkpoint.path", opt_in="checkpoint.allow_untested_scheme")
+        return self
+
+
+class FaultConfig(Section):
+    kill_rank: int | None = Field(
+        None, ge=0, description="Chaos testing: this worker fails once, at fault.at_step (how: fault.kind)."
+    )
+    at_step: int | None = Field(None, gt=0, description="Step at which fault.kill_rank fails.")
+    kind: Literal["kill", "hang", "nan"] = Field(
+        "kill",
+        description=(
+            "kill: the worker sends itself SIGKILL; hang: it stops making progress (sleeps forever); nan: its "
+            "logits are NaN from fault.at_step on, so the global loss and gradients are (the step guard's case)."
+        ),
+    )
+    during_checkpoint: bool = Field(
+        False, description="Die right after the checkpoint of fault.at_step starts writing (it must be a save step)."
+    )
+
+
+class MetricsConfig(Section):
+    port: int = Field(
+        9800,
+        ge=0,
+        le=65535,
+        description="Base port of each worker's Prometheus /metrics endpoint (port + local rank); 0 disables it.",
+    )
+    bind_address: str = Field(
+        "0.0.0.0", description="Address the /metrics endpoints listen on (127.0.0.1 keeps them on the machine)."
+    )
+    targets_dir: str | None = Field(
+        None,
+        description="Folder of Prometheus file_sd target files (<run.name>.json); unset = <run.storage_path>/prometheus.",
+    )
+    peak_flops_per_s: float | None = Field(
+        None,
+        gt=0,
+        description="Peak FLOP/s of one device for MFU; unset = looked up from the GPU model (CPU: cpu_peak_flops_per_s).",
+    )
+    cpu_peak_flops_per_s: float = Field(
+        1e11, gt=0, description="Peak FLOP/s of one CPU worker, used for MFU when training on CPU."
+    )
+    final_scrape_timeout_s: float = Field(
+        10.0,
+        ge=0,
+        description="After the last step, wait up to this long for a scrape of the final values (only if scraped lately).",
+    )
+    progress_interval_s: float = Field(
+        30.0,
+        ge=0,
+        description="Driver progress line at most this often when output is not a terminal (0 = every logged step).",
+    )
+    ray_report_interval_s: float = Field(
+        10.0,
+        ge=0,
+        description="Hand the logged metrics to ray.train.report (Ray's dashboard, Result.metrics, Ray's "
+        "MLflow/W&B callbacks) at most this often, and after the last step (0 = every logged step; each report "
+        "may wait up to 2 s for Ray's controller).",
+    )
+    ray_callbacks: list[str] = Field(
+        default_factory=list,
+        description="Ray Train callbacks (ray.train.UserCallback subclasses) as 'module:Class', built with no "
+        "arguments on Ray's controller, where each receives every report, e.g. an MLflow or W&B logger.",
+    )
+    tensorboard: bool = Field(False, description="Also write TensorBoard event files to <run dir>/tensorboard.")
+
+    @field_validator("ray_callbacks")
+    @classmethod
+    def _import_paths(cls, value: list[str]) -> list[str]:
+        for spec in value:
+            if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", spec):
+                raise ValueError(f"expected 'module:Class' entries, e.g. 'mypackage.logging:WandbCallback', got {spec!r}")
+        return value
+
+    @field_validator("bind_address")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(f"must be an IP address such as 0.0.0.0 or 127.0.0.1, got {value!r}") from None
+        return value
+
+
+class MeshtrainConfig(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Model shape.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Corpus, tokenizer and packing.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="AdamW and LR schedule.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Steps, batch sizes, seed, logging, step guard.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Validation loss on held-out data.")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="FSDP2 / HSDP layout.")
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig, description="Ray worker group.")
+    run: RunConfig = Field(default_factory=RunConfig, description="Where and under which name outputs go.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Sharded checkpoints and resume.")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus metrics and progress output.")
+    fault: FaultConfig = Field(default_factory=FaultConfig, description="Fault injection for tests and demos.")
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "MeshtrainConfig":
+        # Shape checks only: a tokenizer file's vocabulary is known once it is loaded; a trained
+        # tokenizer has at most data.vocab_size tokens, so model.vocab_size must hold that many.
+        # With model.init_from the shape comes from its config.json: meshtrain.cluster.preflight
+        # checks it, with the mesh against the layout and every path, file and store named.
+        if self.model.init_from is None:
+            tokenizer_vocab = self.data.vocab_size if self.data.tokenizer == "train" else (
+                self.model.vocab_size or self.data.vocab_size
+            )
+            self.check_seq_len(self.model.resolved(tokenizer_vocab))
+        # Every worker is a data-parallel rank whatever the mesh, so this holds before Ray is asked.
+        self.batch_layout(self.scaling.num_workers)
+        self.elastic_sizes()
+        # A re-run may resolve another horizon (the launcher keeps the first launch's); it checks again.
+        self.optim.check_horizon(self.optim.schedule_steps or self.train.steps)
+        if self.eval.interval is not None and self.data.validation.fraction == 0 and self.data.validation.source is None:
+            raise ValueError(
+                f"eval.interval={self.eval.interval} needs validation data; set data.validation.fraction (e.g. 0.01) "
+                "or data.validation.source, or eval.interval=null to turn validation off"
+            )
+        fault = self.fault
+        if (fault.kill_rank is None) != (fault.at_step is None):
+            raise ValueError("fault.kill_rank and fault.at_step go together; set both or neither")
+        if fault.kill_rank is not None and fault.kill_rank >= self.scaling.num_workers:
+            raise ValueError(
+                f"fault.kill_rank={fault.kill_rank} is not a worker rank; use 0..{self.scaling.num_workers - 1}"
+            )
+        if fault.during_checkpoint and fault.at_step is not None:
+            if not self.checkpoint.enabled or (
+                fault.at_step % self.checkpoint.interval and fault.at_step != self.train.steps
+            ):
+                raise ValueError(
+                    f"fault.at_step={fault.at_step} is not a checkpoint step; with fault.during_checkpoint "
+                    f"use a multiple of checkpoint.interval={self.checkpoint.interval}"
+                )
+        return self
+
+    def elastic_sizes(self) -> list[int]:
+        """The worker-group sizes a run may train on, smallest first: ``scaling.num_workers`` alone, or
+        with ``scaling.min_workers`` every size down to it that is a whole number of shard groups (of
+        ``parallel.shard``, or of ``scaling.workers_per_node`` with shard=auto) and divides the global
+        batch. ValueError when an elastic setting cannot shrink."""
+        scaling = self.scaling
+        if scaling.min_workers is None or scaling.min_workers == scaling.num_workers:
+            return [scaling.num_workers]
+        if scaling.min_workers > scaling.num_workers:
+            raise ValueError(
+                f"scaling.min_workers={scaling.min_workers} exceeds scaling.num_workers={scaling.num_workers}; "
+                "set it to at most scaling.num_workers (or unset it: not elastic)"
+            )
+        shard = self.parallel.shard
+        if self.parallel.strategy in ("full_shard", "shard_grad_op", "no_shard"):
+            unit = 1  # the shard group is every worker (or one): any size holds it
+        elif shard != "auto":
+            if shard > scaling.min_workers:
+                raise ValueError(
+                    f"parallel.shard={shard} does not fit scaling.min_workers={scaling.min_workers}: a smaller group "
+                    f"could not hold one shard group; raise scaling.min_workers to {shard} or use parallel.shard=auto"
+                )
+            unit = shard
+        else:
+            unit = scaling.workers_per_node or 1  # learned from Ray when unset: checked when the group starts
+        step_samples = self.train.micro_batch_size
+        sizes = [
+            size
+            for size in range(scaling.min_workers, scaling.num_workers + 1)
+            if size % unit == 0 and self.train.global_batch_size % (size * step_samples) == 0
+        ]
+        if sizes == [scaling.num_workers]:
+            raise ValueError(
+                f"scaling.min_workers={scaling.min_workers}: no smaller group than scaling.num_workers="
+                f"{scaling.num_workers} is a whole number of shard groups of {unit} whose micro-batches "
+                f"(train.micro_batch_size={step_samples}) divide train.global_batch_size={self.train.global_batch_size}; "
+                "raise train.global_batch_size to a multiple of more sizes or lower scaling.min_workers"
+            )
+        return sizes
+
+    def batch_layout(self, data_parallel_size: int) -> tuple[int, int]:
+        """(micro-batch size, accumulation steps) for a data-parallel degree, or ConfigError."""
+        micro, total = self.train.micro_batch_size, self.train.global_batch_size
+        per_step = micro * data_parallel_size
+        if total % per_step:
+            raise ConfigError(
+                f"train.global_batch_size={total} is not a multiple of train.micro_batch_size "
+                f"({micro}) x data-parallel workers ({data_parallel_size}); make it a multiple of {per_step}"
+            )
+        return micro, total // per_step
+
+    def check_seq_len(self, model: ModelArgs) -> None:
+        """ConfigError when data.seq_len exceeds the model's RoPE table."""
+        if self.data.seq_len > model.max_seq_len:
+            fix = "" if self.model.init_from is not None else " or raise model.max_seq_len"
+            raise ConfigError(
+                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={model.max_seq_len}; "
+                f"lower data.seq_len{fix}"
+            )
+
+

@@ -1,0 +1,23 @@
+"""The base of every config section, and validators that several sections share."""
+
+from __future__ import annotations
+
+from fsspec.core import split_protocol
+from pydantic import BaseModel, ConfigDict
+
+
+class Section(BaseModel):
+    # No float setting may be inf or nan: pydantic rejects them on the field's own path ("finite_number").
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def check_tested_scheme(url: str, where: str, opt_in: str | None = None) -> None:
+    """Refuse a URL whose scheme meshtrain is not tested with (local paths, file:// and s3:// are)."""
+    scheme = split_protocol(url)[0]
+    if scheme not in (None, "file", "s3"):
+        fix = "use one of those" + (f" or set {opt_in}=true" if opt_in else "")
+        raise ValueError(
+            f"{where}: scheme {scheme!r} is not tested with meshtrain (local paths and s3:// are); {fix}"
+        )
+
+

@@ -1,0 +1,94 @@
+"""Device mesh and FSDP2 sharding of the Llama model."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor
+
+from meshtrain.config import ParallelConfig
+from meshtrain.distributed.mesh import MESH_DIM_NAMES, MeshPlan
+from meshtrain.model.llama import Transformer
+
+
+def build_mesh(plan: MeshPlan, device_type: str) -> DeviceMesh:
+    """A 2D ("replicate", "shard") mesh; consecutive ranks form a shard group (one node under Ray)."""
+    return init_device_mesh(device_type, plan.shape, mesh_dim_names=MESH_DIM_NAMES)
+
+
+def param_dtype(setting: str, device_type: str) -> torch.dtype:
+    if setting == "bf16" or (setting == "auto" and device_type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def parallelize(model: Transformer, mesh: DeviceMesh, plan: MeshPlan, cfg: ParallelConfig) -> Transformer:
+    """Apply, in this order: activation checkpointing, per-block compile, FSDP2, prefetch.
+
+    Recomputation and compile go first so FSDP's all-gather/reduce-scatter hooks wrap the
+    compiled, checkpointed block from the outside (the order torch.compile and FSDP2 expect).
+    """
+    # 1. Activation checkpointing: each block recomputes its activations in backward.
+    for block in model.layers:
+        block.recompute = cfg.activation_checkpointing
+
+    # 2. torch.compile per block: repeated identical blocks reuse one compiled graph.
+    if cfg.compile:
+        for block in model.layers:
+            block.compile(fullgraph=True)
+
+    # 3. FSDP2, bottom-up: each block, then the embedding, then norm+head, then the root.
+    #    Units used first in backward (last block, norm+head) keep their parameters gathered
+    #    after forward: resharding them would only be undone immediately.
+    shard_kwargs = {
+        "mesh": mesh,
+        # No input casting: it would turn the fp32 RoPE tables each block receives into bf16. Hidden
+        # states still run in param_dtype, since they start as the output of the cast embedding.
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=param_dtype(cfg.mixed_precision, mesh.device_type),
+            reduce_dtype=torch.float32,
+            cast_forward_inputs=False,
+        ),
+        # Pinned host memory makes the host<->GPU copies asynchronous; it needs an accelerator.
+        "offload_policy": (
+            CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cfg.cpu_offload else OffloadPolicy()
+        ),
+    }
+    reshard = plan.reshard_after_forward
+    last = len(model.layers) - 1
+    for index, block in enumerate(model.layers):
+        fully_shard(block, reshard_after_forward=reshard and index < last, **shard_kwargs)
+    if not model.args.tie_embeddings:
+        # A tied weight must live in exactly one unit, so with tying both stay in the root.
+        fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **shard_kwargs)
+        fully_shard([model.norm, model.output], reshard_after_forward=False, **shard_kwargs)
+    fully_shard(model, reshard_after_forward=False, **shard_kwargs)
+
+    # 4. Prefetch: FSDP2 already gathers one block ahead; deeper prefetch trades memory for overlap.
+    if cfg.prefetch > 1:
+        blocks = list(model.layers)
+        for index, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[index + 1 : index + 1 + cfg.prefetch])
+            block.set_modules_to_backward_prefetch(blocks[max(0, index - cfg.prefetch) : index][::-1])
+    return model
+
+
+def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global L2 norm of all gradients (sharded or not), clipped to ``max_norm`` when > 0.
+
+    On DTensor gradients the per-shard norms are combined over the shard dim only (replicas hold
+    the same gradient), then the clip factor applies to every local shard.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+    return total

@@ -1,0 +1,243 @@
+"""What a run will look like before any worker starts: parameters, mesh and per-rank memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshtrain.config import MeshtrainConfig, ModelArgs, ScalingConfig
+from meshtrain.distributed.mesh import MeshPlan, resolve_mesh_shape
+from meshtrain.model.llama import Transformer, build_model, count_parameters
+from meshtrain.model.loss import loss_chunk_tokens
+
+GIB = 1024**3
+# GPUs per node assumed for parallel.shard=auto when scaling.workers_per_node is unset.
+_ASSUMED_GPUS_PER_NODE = 8
+
+# GiB the driver reports for one device (nvidia-smi's total), by Ray accelerator type
+# (ray.util.accelerators). A type name that covers two sizes gets the smaller one.
+DEVICE_MEMORY_GIB: dict[str, float] = {
+    "B200": 179.0,
+    "H200": 140.4,
+    "H100": 79.6,
+    "A100-80G": 80.0,
+    "A100-40G": 40.0,
+    "A100": 40.0,
+    "L40S": 44.9,
+    "L4": 22.4,
+    "A10G": 22.4,
+    "V100": 15.7,
+    "T4": 15.0,
+}
+_AMBIGUOUS_TYPES = {"A100": "A100-80G", "V100": "V100 32 GB"}
+# Kept out of the plan's reach: a fixed amount for the CUDA context, cuBLAS workspaces and NCCL
+# buffers, plus a share of the device for the caching allocator's fragmentation.
+CONTEXT_RESERVE_GIB = 2.0
+FRAGMENTATION_SHARE = 0.10
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-rank bytes on the device; activations are an estimate for one micro-batch."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    gathered_blocks: int  # blocks gathered around the running one (and, under ZeRO-2, all of them)
+    head_unit: int  # norm + output head (the root unit with tied embeddings), gathered all step
+    activations: int
+    logits: int
+
+    @property
+    def gathered(self) -> int:
+        return self.gathered_blocks + self.head_unit
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.gathered + self.activations + self.logits
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator as the plan sees it: a name and its memory."""
+
+    name: str
+    memory_gib: float
+    note: str = ""
+
+    @property
+    def usable_gib(self) -> float:
+        return self.memory_gib * (1 - FRAGMENTATION_SHARE) - CONTEXT_RESERVE_GIB
+
+
+def planned_mesh(cfg: MeshtrainConfig) -> tuple[MeshPlan, str]:
+    """The mesh the run will use, and a note when workers per node had to be assumed."""
+    note = ""
+    per_node = cfg.scaling.workers_per_node
+    if per_node is None:
+        if cfg.scaling.use_gpu:
+            per_node = min(cfg.scaling.num_workers, _ASSUMED_GPUS_PER_NODE)
+            note = f"assuming {per_node} workers per node; set scaling.workers_per_node to be sure"
+        else:
+            per_node = cfg.scaling.num_workers
+            note = "assuming all workers on one node; set scaling.workers_per_node to be sure"
+    plan = resolve_mesh_shape(cfg.scaling.num_workers, per_node, cfg.parallel.strategy, cfg.parallel.shard)
+    if cfg.parallel.shard != "auto" or cfg.parallel.strategy not in ("hybrid_shard", "hybrid_shard_zero2"):
+        note = ""
+    return plan, note
+
+
+def _activation_elements_per_token_per_layer(args: ModelArgs, recompute: str) -> int:
+    h, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim
+    # Tensors autograd keeps for one block: norm inputs/outputs, q/k/v before and after RoPE,
+    # repeated k/v, attention output, and the four SwiGLU intermediates.
+    everything = 9 * h + 3 * kv + 4 * f
+    if recompute == "full":
+        return h  # only the block input; one block is recomputed at a time (added below)
+    if recompute == "selective":
+        return 5 * h + 2 * kv + 2 * f  # matmul and attention outputs plus the block input
+    return everything
+
+
+def compute_bytes(mixed_precision: str, use_gpu: bool) -> int:
+    """Bytes per element of gathered parameters, activations and logits (see parallel.param_dtype)."""
+    return 2 if mixed_precision == "bf16" or (mixed_precision == "auto" and use_gpu) else 4
+
+
+def head_elements(model: Transformer) -> int:
+    """Parameters of the final norm + output head; with tied embeddings the root unit holds the
+    same weight (embedding = head) and the norm, so the count is the same."""
+    return count_parameters(model.norm) + count_parameters(model.output)
+
+
+def gathered_blocks_bytes(model: Transformer, plan: MeshPlan, prefetch: int, element_bytes: int) -> int:
+    """Unsharded block copies alive at once, parameters and their gradients before reduce-scatter.
+
+    Resharding after forward: the running block plus ``prefetch`` gathered ahead (FSDP2 gathers
+    even on a shard group of 1, into a separate unsharded buffer). ZeRO-2: every block stays
+    gathered from forward to backward, plus one block's gradient, plus an untied embedding unit.
+    """
+    block = count_parameters(model.layers[0])
+    if plan.reshard_after_forward:
+        return 2 * (1 + prefetch) * block * element_bytes
+    embedding = 0 if model.args.tie_embeddings else count_parameters(model.tok_embeddings)
+    return (model.args.n_layers * block + block + embedding) * element_bytes
+
+
+def head_unit_bytes(model: Transformer, element_bytes: int) -> int:
+    """The head unit (reshard_after_forward=False): its full weight from forward to backward plus
+    its unsharded gradient before reduce-scatter, both in the compute dtype."""
+    return 2 * head_elements(model) * element_bytes
+
+
+def logits_bytes(args: ModelArgs, tokens: int, element_bytes: int) -> int:
+    """The chunked loss (model.token_cross_entropy_sum) at its backward peak: the logits and their
+    gradient in the compute dtype, one fp32 chunk of at most ``loss_chunk_tokens`` tokens, and an
+    fp32 log-sum-exp per token."""
+    chunk = min(tokens, loss_chunk_tokens(args.vocab_size))
+    return 2 * tokens * args.vocab_size * element_bytes + chunk * args.vocab_size * 4 + tokens * 4
+
+
+def activation_bytes(args: ModelArgs, recompute: str, tokens: int, element_bytes: int) -> int:
+    per_layer = _activation_elements_per_token_per_layer(args, recompute)
+    activations = tokens * per_layer * args.n_layers * element_bytes
+    if recompute == "full":
+        activations += tokens * _activation_elements_per_token_per_layer(args, "none") * element_bytes
+    return activations
+
+
+def memory_plan(cfg: MeshtrainConfig, args: ModelArgs, plan: MeshPlan, use_gpu: bool) -> MemoryPlan:
+    model = build_model(args, "meta")
+    element_bytes = compute_bytes(cfg.parallel.mixed_precision, use_gpu)
+    micro, _ = cfg.batch_layout(plan.data_parallel_size)
+    tokens = micro * cfg.data.seq_len
+    sharded = -(-count_parameters(model) // plan.shard)
+    on_device = 0 if cfg.parallel.cpu_offload else 1
+    return MemoryPlan(
+        parameters=4 * sharded * on_device,
+        gradients=4 * sharded * on_device,
+        optimizer=8 * sharded * on_device,
+        gathered_blocks=gathered_blocks_bytes(model, plan, cfg.parallel.prefetch, element_bytes),
+        head_unit=head_unit_bytes(model, element_bytes),
+        activations=activation_bytes(args, cfg.parallel.activation_checkpointing, tokens, element_bytes),
+        logits=logits_bytes(args, tokens, element_bytes),
+    )
+
+
+def planned_device(scaling: ScalingConfig) -> Device | None:
+    """The GPU the verdict is for: scaling.device_memory_gib, else a known scaling.accelerator_type."""
+    if not scaling.use_gpu:
+        return None
+    kind = scaling.accelerator_type
+    if scaling.device_memory_gib is not None:
+        return Device(kind or "the GPU", scaling.device_memory_gib)
+    known = {name.lower(): name for name in DEVICE_MEMORY_GIB}
+    if kind is None or kind.lower() not in known:
+        return None
+    name = known[kind.lower()]
+    note = ""
+    if name in _AMBIGUOUS_TYPES:
+        note = f"; the smaller {name} assumed: for the {_AMBIGUOUS_TYPES[name]} set scaling.device_memory_gib"
+    return Device(name, DEVICE_MEMORY_GIB[name], note)
+
+
+def fit_verdict(memory: MemoryPlan, device: Device | None) -> str:
+    """One line: whether the per-rank plan fits ``device``, with the margin it keeps."""
+    if device is None:
+        return (
+            "verdict: device memory unknown; set scaling.device_memory_gib or scaling.accelerator_type to "
+            f"one of {', '.join(DEVICE_MEMORY_GIB)}"
+        )
+    planned = memory.total / GIB
+    margin = f"{FRAGMENTATION_SHARE:.0%} + {CONTEXT_RESERVE_GIB:g} GiB kept for the CUDA context, NCCL and fragmentation"
+    head = f"{device.name} ({device.memory_gib:g} GiB): {planned:.1f} GiB planned of {device.usable_gib:.1f} usable"
+    if planned <= device.usable_gib:
+        return f"verdict: fits {head} ({margin}{device.note})"
+    return (
+        f"verdict: does not fit {head} ({margin}{device.note}); lower train.micro_batch_size, set "
+        "parallel.activation_checkpointing=full or parallel.cpu_offload=true, or shard over more workers"
+    )
+
+
+def _elastic_lines(cfg: MeshtrainConfig) -> list[str]:
+    if not cfg.scaling.elastic:
+        return []
+    sizes = cfg.elastic_sizes()
+    each = ", ".join(f"{size} (accumulation {cfg.batch_layout(size)[1]})" for size in sizes)
+    return [
+        f"elastic: scaling.min_workers={cfg.scaling.min_workers} to scaling.num_workers={cfg.scaling.num_workers}; "
+        f"trains on {each} workers, same global batch; Ray offering another size fails that start"
+    ]
+
+
+def describe_plan(cfg: MeshtrainConfig, args: ModelArgs) -> str:
+    """The human-readable dry-run report (config excluded)."""
+    plan, note = planned_mesh(cfg)
+    total = count_parameters(build_model(args, "meta"))
+    micro, accumulation = cfg.batch_layout(plan.data_parallel_size)
+    memory = memory_plan(cfg, args, plan, cfg.scaling.use_gpu)
+    lines = [
+        f"parameters: {total:,} ({total / 1e6:.1f}M)",
+        f"model: dim={args.dim} layers={args.n_layers} heads={args.n_heads} kv_heads={args.n_kv_heads} "
+        f"ffn={args.ffn_dim} vocab={args.vocab_size} tied={args.tie_embeddings}",
+        f"mesh: (replicate={plan.replicate}, shard={plan.shard}) on {plan.world_size} workers, "
+        f"strategy={cfg.parallel.strategy}, reshard_after_forward={plan.reshard_after_forward}"
+        + (f" ({note})" if note else ""),
+        f"batch: {cfg.train.global_batch_size} sequences x {cfg.data.seq_len} tokens per step = "
+        f"micro-batch {micro} x {plan.data_parallel_size} workers x {accumulation} accumulation steps",
+        *_elastic_lines(cfg),
+        # Above the table, which readers (and tests) parse as "label value" lines to the end.
+        *([fit_verdict(memory, planned_device(cfg.scaling))] if cfg.scaling.use_gpu else []),
+        "memory per rank (GiB):"
+        + (" [sharded state offloaded to host memory]" if cfg.parallel.cpu_offload else ""),
+    ]
+    for label, value in (
+        ("parameters (fp32, sharded)", memory.parameters),
+        ("gradients (fp32, sharded)", memory.gradients),
+        ("optimizer state (AdamW, sharded)", memory.optimizer),
+        ("gathered units + their grads", memory.gathered),
+        (f"activations (estimate, recompute={cfg.parallel.activation_checkpointing})", memory.activations),
+        ("logits + loss (estimate)", memory.logits),
+        ("total", memory.total),
+    ):
+        lines.append(f"  {label:<48} {value / GIB:10.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,234 @@
+"""A Llama decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+Parameter names follow Meta's Llama layout (``layers.N.attention.wq`` ...). Rotary embeddings use
+the "rotate half" pairing, the same as Hugging Face's Llama, so weights export without permutation.
+Attention is ``scaled_dot_product_attention(is_causal=True)``: no mask is ever materialized.
+
+Construction allocates nothing when done under ``torch.device("meta")``; the weights are filled
+later by :func:`meshtrain.model.init.init_weights`, which reads :meth:`Transformer.init_std_by_param`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from meshtrain.config import ModelArgs
+
+Recompute = Literal["none", "full", "selective"]
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (max_seq_len, head_dim), each frequency repeated for both halves."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=device), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (batch, seq, heads, head_dim) ``x`` by position; cos/sin are (seq, head_dim).
+
+    The rotation is computed in fp32 (with fp32 tables: bf16 tables would lose the angle at long
+    positions) and returned in ``x``'s dtype, so q, k and v reach attention in one dtype.
+    """
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat((-second, first), dim=-1)
+    cos, sin = cos.float()[None, :, None, :], sin.float()[None, :, None, :]
+    return (x.float() * cos + rotated.float() * sin).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    @staticmethod
+    def native_gqa(q: torch.Tensor) -> bool:
+        """Whether SDPA's fused kernels for ``q`` read the fewer K/V heads themselves (``enable_gqa``).
+
+        In torch 2.13 the CPU flash kernel does in any float dtype; on CUDA only flash and cuDNN do,
+        and both need fp16/bf16. fp32 CUDA with ``enable_gqa`` would fall to the math kernel, which
+        builds the full (seq, seq) scores: repeating K/V for the memory-efficient kernel is cheaper.
+        """
+        return q.device.type == "cpu" or q.dtype in (torch.float16, torch.bfloat16)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        grouped = self.n_kv_heads != self.n_heads
+        if grouped and not self.native_gqa(q):
+            # Query head h reads key/value head h // group (Hugging Face's repeat_kv order);
+            # enable_gqa below uses the same mapping without the copy.
+            group = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            grouped = False
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(dim, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+# Outputs worth keeping under selective recomputation: the matmuls and attention, which cost the
+# most to redo. Norms, RoPE and activations are cheap and get recomputed.
+_SAVED_UNDER_SELECTIVE = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _selective_policy(ctx: object, op: object, *args: object, **kwargs: object) -> object:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_UNDER_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context() -> object:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        self.recompute: Recompute = "none"
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.recompute == "none" or not torch.is_grad_enabled():
+            return self._forward(x, cos, sin)
+        extra = {"context_fn": _selective_context} if self.recompute == "selective" else {}
+        return checkpoint(self._forward, x, cos, sin, use_reentrant=False, **extra)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of shape (batch, seq, vocab) for token ids of shape (batch, seq)."""
+        seq = tokens.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+    def reset_rope(self) -> None:
+        """Recompute the RoPE tables in place (after ``to_empty`` left them uninitialized)."""
+        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def init_std_by_param(self) -> dict[str, float | None]:
+        """Std of the normal init for each parameter name; None = ones (norm weights).
+
+        Residual-branch output projections (wo, w2) are scaled by 1/sqrt(2 * n_layers) so the residual
+        stream's variance does not grow with depth.
+        """
+        std = self.args.init_std
+        residual_std = std / math.sqrt(2 * self.args.n_layers)
+        plan: dict[str, float | None] = {}
+        for name, _ in self.named_parameters():
+            if name.endswith("norm.weight"):
+                plan[name] = None
+            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                plan[name] = residual_std
+            else:
+                plan[name] = std
+        return plan
+
+
+def materialize(
+    model: Transformer, device: torch.device | str, buffer_device: torch.device | str | None = None
+) -> Transformer:
+    """Allocate (uninitialized) storage for a meta-built model, keeping tied weights tied: parameters
+    on ``device``, buffers (the RoPE tables) on ``buffer_device`` (default: ``device``).
+
+    Under FSDP2 CPU offload the parameters live on the host, but FSDP moves only the root's inputs to
+    the GPU: buffers read inside the blocks must already sit on the compute device.
+    ``to_empty`` swaps in new parameter objects, which would silently untie a shared embedding.
+    """
+    model.to_empty(device=device)
+    if buffer_device is not None and torch.device(buffer_device) != torch.device(device):
+        _move_buffers_empty(model, torch.device(buffer_device))
+    if model.args.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:
+        model.output.weight = model.tok_embeddings.weight
+    return model
+
+
+def _move_buffers_empty(model: nn.Module, device: torch.device) -> None:
+    """Replace every buffer with uninitialized storage on ``device`` (persistence unchanged)."""
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            # Module.__setattr__ on a registered buffer name rebinds the buffer in place.
+            setattr(module, name, torch.empty_like(buffer, device=device))
+
+
+def build_model(args: ModelArgs, device: torch.device | str = "meta") -> Transformer:
+    """The model with storage on ``device`` (meta by default: shapes only, no memory)."""
+    with torch.device(device):
+        return Transformer(args)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (a tied embedding counts once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+__all__ = [
+    "Attention",
+    "FeedForward",
+    "Transformer",
+    "TransformerBlock",
+    "apply_rope",
+    "build_model",
+    "materialize",
+    "count_parameters",
+    "rope_tables",
+]

@@ -1,0 +1,326 @@
+"""Prometheus metrics of one training worker, the endpoint that serves them, and the file_sd
+targets file through which Prometheus finds every live worker of a run.
+
+Every series carries the labels ``run``, ``rank`` (world rank) and ``node`` (the node's IP).
+Names follow Prometheus conventions: base units in the name, ``_total`` on counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import socketserver
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import psutil
+import torch
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    make_wsgi_app,
+)
+
+# Counters and histograms would otherwise add a *_created series each; nothing here reads them.
+disable_created_metrics()
+
+LABELS = ("run", "rank", "node")
+
+# Step times run from milliseconds (small models) to a minute (70B with deep accumulation).
+STEP_DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2.5, 4, 6, 10, 15, 25, 40, 60, 120)
+
+
+class StepClock:
+    """Durations of consecutive optimizer steps without a device sync per step.
+
+    On CUDA each step end records an event on the current stream; the events are read when the
+    durations are drained, at logging steps that synchronize anyway. On CPU, host time is step time.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._marks: list[Any] = []
+        self.mark()
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def drain(self) -> list[float]:
+        """Seconds taken by each step marked since the last drain."""
+        marks, self._marks = self._marks, self._marks[-1:]
+        if self.cuda:
+            marks[-1].synchronize()
+            return [start.elapsed_time(end) / 1000 for start, end in zip(marks, marks[1:])]
+        return [end - start for start, end in zip(marks, marks[1:])]
+
+
+class TrainingMetrics:
+    """The metrics one worker exposes; the training loop updates them, a scrape reads them."""
+
+    def __init__(
+        self,
+        *,
+        run: str,
+        rank: int,
+        node: str,
+        device: torch.device,
+        flops_per_token: float,
+        peak_flops_per_s: float | None,
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.device, self.peak_flops_per_s = device, peak_flops_per_s
+        self.flops_per_token = flops_per_token
+        values = {"run": run, "rank": str(rank), "node": node}
+
+        def gauge(name: str, documentation: str) -> Any:
+            return _LazyGauge(Gauge(name, documentation, LABELS, registry=self.registry), values)
+
+        def counter(name: str, documentation: str) -> Any:
+            return Counter(name, documentation, LABELS, registry=self.registry).labels(**values)
+
+        self.step = gauge("meshtrain_step", "Last completed optimizer step.")
+        self.loss = gauge("meshtrain_loss", "Mean next-token cross entropy (nats) over the global batch, last logged step.")
+        self.learning_rate = gauge("meshtrain_learning_rate", "Learning rate of the last logged step.")
+        self.grad_norm = gauge("meshtrain_grad_norm", "Global gradient L2 norm before clipping, last logged step.")
+        self.tokens = counter("meshtrain_tokens", "Tokens this worker has trained on since it started.")
+        self.run_tokens = gauge("meshtrain_run_tokens", "Tokens the whole run has trained on (all workers, kept across restarts).")
+        self.tokens_per_second = gauge("meshtrain_tokens_per_second", "This worker's tokens per second over the last logging interval.")
+        self.mfu = gauge("meshtrain_mfu_ratio", "Model FLOPs utilization of this worker's device over the last logging interval (0-1).")
+        gauge("meshtrain_model_flops_per_token", "Training FLOPs per token (forward and backward, attention included).").set(flops_per_token)
+        if peak_flops_per_s is not None:
+            gauge("meshtrain_device_peak_flops_per_second", "Peak FLOP/s of one device that MFU divides by.").set(peak_flops_per_s)
+        self.step_duration = Histogram(
+            "meshtrain_step_duration_seconds",
+            "Wall time of each optimizer step (forward, backward, optimizer, checkpoint staging).",
+            LABELS,
+            registry=self.registry,
+            buckets=STEP_DURATION_BUCKETS,
+        ).labels(**values)
+        self.data_wait = counter("meshtrain_data_wait_seconds", "Time spent waiting for input batches.")
+        rss = gauge("meshtrain_process_resident_memory_bytes", "Resident memory of the worker process.")
+        process = psutil.Process()
+        rss.set_function(lambda: process.memory_info().rss)
+        if device.type == "cuda":
+            for name, read in (
+                ("allocated", torch.cuda.memory_allocated),
+                ("reserved", torch.cuda.memory_reserved),
+                ("peak_allocated", torch.cuda.max_memory_allocated),
+            ):
+                # The server thread reads these: pass the device, its current device is not ours.
+                gauge(f"meshtrain_cuda_memory_{name}_bytes", f"CUDA memory {name.replace('_', ' ')} by PyTorch.").set_function(
+                    lambda read=read: read(device)
+                )
+        self.checkpoint_blocking = gauge(
+            "meshtrain_checkpoint_save_blocking_seconds", "Time the last checkpoint save held up training on this worker."
+        )
+        self.checkpoint_duration = gauge(
+            "meshtrain_checkpoint_save_duration_seconds", "Time from the start of the last committed checkpoint save to its commit."
+        )
+        self.checkpoint_size = gauge("meshtrain_checkpoint_size_bytes", "Size of the last committed checkpoint.")
+        self.checkpoint_step = gauge("meshtrain_checkpoint_step", "Step of the last committed checkpoint.")
+        self.checkpoint_saves = counter("meshtrain_checkpoint_saves", "Checkpoints committed by this worker process.")
+        self.checkpoint_load = gauge("meshtrain_checkpoint_load_duration_seconds", "Time the last checkpoint load took on this worker.")
+        self.eval_loss = gauge("meshtrain_eval_loss", "Mean next-token cross entropy (nats) on the validation set, last evaluation.")
+        self.eval_step = gauge("meshtrain_eval_step", "Step of the last evaluation.")
+        self.skipped_steps = counter(
+            "meshtrain_skipped_steps", "Optimizer steps the guard skipped (non-finite or spiking loss or gradient norm)."
+        )
+        self._skipped_seen = 0
+        self.restarts = gauge("meshtrain_run_restarts", "Times Ray restarted this run's worker group in the current job.")
+        self.workers = gauge("meshtrain_workers", "Workers (world size) in the group.")
+        self.replicate = gauge("meshtrain_mesh_replicate_degree", "Size of the mesh's replicate dimension (HSDP replicas).")
+        self.shard = gauge("meshtrain_mesh_shard_degree", "Size of the mesh's shard dimension (FSDP shard group).")
+        self._clock = StepClock(device)
+        self._scrapes = _ScrapeCounter()
+        self._server: _MetricsServer | None = None
+
+    # --- updates from the training loop -------------------------------------------------------
+
+    def set_mesh(self, world_size: int, mesh_shape: tuple[int, int]) -> None:
+        self.workers.set(world_size)
+        self.replicate.set(mesh_shape[0])
+        self.shard.set(mesh_shape[1])
+
+    def start_steps(self, step: int, run_tokens: int, skipped_steps: int = 0) -> None:
+        """Called once before the first step (after any resume)."""
+        self.step.set(step)
+        self.run_tokens.set(run_tokens)
+        self._skipped_seen = skipped_steps
+        self._clock = StepClock(self.device)
+
+    def step_done(self, step: int, worker_tokens: int, data_wait_s: float) -> None:
+        """Every step: cheap host-side updates only (no device sync)."""
+        self._clock.mark()
+        self.step.set(step)
+        self.tokens.inc(worker_tokens)
+        self.data_wait.inc(data_wait_s)
+
+    def logged(self, record: dict[str, Any], world_size: int) -> None:
+        """At logging steps, from the record rank 0 also writes to metrics.jsonl."""
+        for seconds in self._clock.drain():
+            self.step_duration.observe(seconds)
+        self.loss.set(record["loss"])
+        self.learning_rate.set(record["lr"])
+        self.grad_norm.set(record["grad_norm"])
+        self.run_tokens.set(record["tokens"])
+        worker_tokens_per_s = record["tokens_per_s"] / world_size
+        self.tokens_per_second.set(worker_tokens_per_s)
+        if self.peak_flops_per_s:
+            self.mfu.set(worker_tokens_per_s * self.flops_per_token / self.peak_flops_per_s)
+
+    def evaluated(self, record: dict[str, Any]) -> None:
+        self.eval_loss.set(record["loss"])
+        self.eval_step.set(record["step"])
+
+    def skipped(self, skipped_total: int) -> None:
+        """The run's skipped steps so far (counted in this process from what it started with)."""
+        self.skipped_steps.inc(max(0, skipped_total - self._skipped_seen))
+        self._skipped_seen = max(self._skipped_seen, skipped_total)
+
+    def checkpoint_event(self, event: dict[str, Any]) -> None:
+        if event["event"] == "checkpoint_save":
+            self.checkpoint_duration.set(event["total_s"])
+            self.checkpoint_size.set(event["bytes"])
+            self.checkpoint_step.set(event["step"])
+            self.checkpoint_saves.inc()
+        elif event["event"] == "checkpoint_load":
+            self.checkpoint_load.set(event["load_s"])
+
+    def checkpoint_blocked(self, seconds: float) -> None:
+        self.checkpoint_blocking.set(seconds)
+
+    # --- serving ------------------------------------------------------------------------------
+
+    def serve(self, address: str, port: int) -> int:
+        """Serve /metrics on ``address:port`` (an ephemeral port if that one is taken); returns the port."""
+        app = make_wsgi_app(self.registry)
+        try:
+            self._server = _MetricsServer.start(address, port, app, self._scrapes)
+        except OSError as exc:
+            if port == 0:
+                raise
+            print(f"[meshtrain] metrics port {port} on {address} is unavailable ({exc.strerror}); using a free port")
+            self._server = _MetricsServer.start(address, 0, app, self._scrapes)
+        return self._server.server_port
+
+    def await_final_scrape(self, timeout_s: float) -> bool:
+        """Wait until a scrape that began after now has been answered, so Prometheus holds the final
+        values; only when something scraped this endpoint lately (nobody waits for no Prometheus)."""
+        recently = time.monotonic() - self._scrapes.last_served_at < 2 * timeout_s
+        if self._server is None or not recently or timeout_s <= 0:
+            return False
+        return self._scrapes.wait_beyond(self._scrapes.started, timeout_s)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class _LazyGauge:
+    """A gauge child that appears in the exposition only once it has a value (a loss or a
+    checkpoint time of 0 before the first one would be wrong)."""
+
+    def __init__(self, gauge: Gauge, labels: dict[str, str]) -> None:
+        self._gauge, self._labels = gauge, labels
+
+    def set(self, value: float) -> None:
+        self._gauge.labels(**self._labels).set(value)
+
+    def set_function(self, read: Any) -> None:
+        self._gauge.labels(**self._labels).set_function(read)
+
+
+class _ScrapeCounter:
+    """Counts requests started and answered, so a worker can wait for one more scrape."""
+
+    def __init__(self) -> None:
+        self.started = self.served = 0
+        self.last_served_at = float("-inf")
+        self._changed = threading.Condition()
+
+    def begin(self) -> None:
+        with self._changed:
+            self.started += 1
+
+    def end(self) -> None:
+        with self._changed:
+            self.served += 1
+            self.last_served_at = time.monotonic()
+            self._changed.notify_all()
+
+    def wait_beyond(self, started_before: int, timeout_s: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: self.served > started_before, timeout=timeout_s)
+
+
+class _MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+    @classmethod
+    def start(cls, address: str, port: int, app: Any, scrapes: _ScrapeCounter) -> "_MetricsServer":
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        server_class = type("MetricsServer", (cls,), {"address_family": family})
+        server = make_server(address, port, app, server_class, _handler_class(scrapes))
+        threading.Thread(target=server.serve_forever, name="meshtrain-metrics", daemon=True).start()
+        return server
+
+
+def _handler_class(scrapes: _ScrapeCounter) -> type[WSGIRequestHandler]:
+    class Handler(WSGIRequestHandler):
+        def handle(self) -> None:
+            scrapes.begin()
+            try:
+                super().handle()  # returns once the response is written out
+            finally:
+                scrapes.end()
+
+        def log_message(self, format: str, *args: Any) -> None:  # no access log in the job output
+            pass
+
+    return Handler
+
+
+# --- service discovery ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+    @property
+    def target(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def advertised_host(bind_address: str, node_ip: str) -> str:
+    """The address Prometheus should dial: the node's IP when listening on every interface."""
+    return node_ip if bind_address in ("0.0.0.0", "::") else bind_address
+
+
+def targets_path(targets_dir: str | None, storage_path: str, run: str) -> Path:
+    return Path(targets_dir or Path(storage_path) / "prometheus") / f"{run}.json"
+
+
+def write_targets(path: Path, endpoints: list[Endpoint]) -> None:
+    """Replace the file_sd targets file atomically (Prometheus may read it at any moment)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    groups = [{"targets": [e.target for e in endpoints], "labels": {}}] if endpoints else []
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(groups, indent=2) + "\n")
+    tmp.replace(path)

@@ -1,0 +1,79 @@
+"""The loop's checkpoints: save at checkpoint steps unless the newest step was skipped, and stop when
+the guard says so."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from meshtrain.checkpoint.manager import CheckpointManager
+from meshtrain.checkpoint.state import Progress, TrainState
+from meshtrain.checkpoint.storage import run_checkpoints
+from meshtrain.config import MeshtrainConfig
+from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.train.faults import FaultInjection
+from meshtrain.train.guard import BadStepLimit
+from meshtrain.train.records import LoopOutputs
+
+
+def checkpoint_manager(
+    cfg: MeshtrainConfig, layout: WorkerLayout, on_event: Callable[[dict[str, Any]], None]
+) -> CheckpointManager | None:
+    """This run's checkpoint manager, or None with checkpoints off."""
+    if not cfg.checkpoint.enabled:
+        return None
+    return CheckpointManager(
+        run_checkpoints(cfg),
+        rank=layout.world_rank,
+        world_size=layout.world_size,
+        interval=cfg.checkpoint.interval,
+        keep=cfg.checkpoint.keep,
+        asynchronous=cfg.checkpoint.mode == "async",
+        on_event=on_event,
+    )
+
+
+class Checkpointing:
+    """After every step: let a finished async save commit, and at a checkpoint step save the state,
+    unless that step was skipped (then the last good checkpoint stays the newest)."""
+
+    def __init__(
+        self,
+        manager: CheckpointManager | None,
+        state: TrainState,
+        progress: Progress,
+        manifest: dict[str, Any],
+        last_step: int,
+        bad_steps: BadStepLimit,
+        outputs: LoopOutputs,
+        faults: FaultInjection,
+        beat: Callable[[str], None],
+    ) -> None:
+        self.manager, self.state, self.progress, self.manifest = manager, state, progress, manifest
+        self.last_step, self.bad_steps, self.outputs, self.faults, self.beat = last_step, bad_steps, outputs, faults, beat
+
+    def after_step(self, step: int) -> bool:
+        """False when the run must stop (the guard's limit was reached at a checkpoint step)."""
+        if self.manager is None:
+            return True
+        self.manager.poll()
+        if not self.manager.due(step, self.last_step):
+            return True
+        bad_in_a_row = self.bad_steps.check(step)
+        if bad_in_a_row is None:
+            return False
+        if bad_in_a_row:
+            self.outputs.emit({"event": "checkpoint_skipped", "step": step, "reason": "the step was skipped by the guard"})
+            return True
+        saving_since = time.perf_counter()
+        self.beat(f"saving the checkpoint of step {step}")
+        self.manager.save(self.state, {**self.manifest, **vars(self.progress)}, wait=step == self.last_step)
+        self.beat(f"training after the checkpoint of step {step}")
+        self.outputs.checkpoint_blocked(time.perf_counter() - saving_since)
+        self.faults.while_saving(step)
+        return True
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.close()

@@ -1,0 +1,68 @@
+"""Fault injection for tests and demos: a worker that kills itself once with SIGKILL, hangs, or turns NaN."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from meshtrain.config import FaultConfig
+
+
+def maybe_kill_self(fault: FaultConfig, rank: int, step: int, during_checkpoint: bool, marker_dir: Path) -> None:
+    """SIGKILL this process (``fault.kind=hang``: sleep forever) if ``fault`` names this rank and
+    step, unless it already happened.
+
+    A marker file in the run directory records the fault, so the restarted worker passes the same
+    step without failing again.
+    """
+    named = (fault.kill_rank, fault.at_step, fault.during_checkpoint)
+    if fault.kind == "nan" or named != (rank, step, during_checkpoint):
+        return
+    marker = marker_dir / f"killed-rank{rank}-step{step}"
+    if marker.exists():
+        return
+    marker_dir.mkdir(parents=True, exist_ok=True)
+    marker.write_text(f"{os.getpid()}\n")
+    where = "while its checkpoint is being written" if during_checkpoint else "before the step"
+    if fault.kind == "hang":
+        sys.stdout.write(f"[meshtrain] fault injection: rank {rank} hangs at step {step} {where}\n")
+        sys.stdout.flush()
+        while True:
+            time.sleep(3600)
+    sys.stdout.write(f"[meshtrain] fault injection: rank {rank} sends itself SIGKILL at step {step} {where}\n")
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_poison_outputs(fault: FaultConfig, rank: int, step: int, model: torch.nn.Module) -> None:
+    """``fault.kind=nan``: from ``fault.at_step`` on, this rank's logits are NaN. The loss sum is
+    reduced over the ranks and FSDP reduces the gradients, so every rank's step guard sees the step
+    go bad, as with a real divergence. Called before each step; a resumed run reaches the step again.
+    """
+    if fault.kind != "nan" or (fault.kill_rank, fault.at_step) != (rank, step):
+        return
+    sys.stdout.write(f"[meshtrain] fault injection: rank {rank} computes NaN logits from step {step} on\n")
+    sys.stdout.flush()
+    model.register_forward_hook(lambda _module, _inputs, logits: logits * float("nan"))
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """The faults ``fault.*`` asks of this rank, at the two points of the loop where they strike."""
+
+    fault: FaultConfig
+    rank: int
+    marker_dir: Path
+
+    def before_step(self, step: int, model: torch.nn.Module) -> None:
+        maybe_kill_self(self.fault, self.rank, step, False, self.marker_dir)
+        maybe_poison_outputs(self.fault, self.rank, step, model)
+
+    def while_saving(self, step: int) -> None:
+        maybe_kill_self(self.fault, self.rank, step, True, self.marker_dir)

@@ -1,0 +1,55 @@
+"""AdamW with decoupled weight decay on matrices, and warmup + cosine/linear/wsd/constant LR schedules."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from meshtrain.config import OptimConfig
+
+# Devices with a fused AdamW kernel (one kernel per parameter group instead of one per op).
+_FUSED_ADAMW_DEVICES = {"cuda", "cpu"}
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW; norms and other vectors get no weight decay. Fused kernels where the device has them."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    implementation = cfg.implementation
+    if implementation == "auto":
+        # The optimizer runs where the sharded parameters live (host memory under CPU offload).
+        implementation = "fused" if params[0].device.type in _FUSED_ADAMW_DEVICES else "foreach"
+    kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[implementation]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel
+    )
+
+
+def lr_multiplier(step: int, cfg: OptimConfig, horizon: int) -> float:
+    """LR factor for the update that follows ``step`` completed steps of a ``horizon``-step schedule:
+    linear warmup over ``cfg.warmup_steps``, then ``cfg.schedule``; steps past the horizon keep its
+    final factor (``cfg.min_lr_ratio`` for the decaying schedules)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    floor = cfg.min_lr_ratio
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "wsd":
+        decay_steps = cfg.wsd_decay_steps(horizon)
+        progress = min(1.0, max(0.0, (step - (horizon - decay_steps)) / decay_steps))
+        return 1.0 - (1.0 - floor) * progress
+    progress = min(1.0, (step - cfg.warmup_steps) / (horizon - cfg.warmup_steps))
+    if cfg.schedule == "linear":
+        return 1.0 - (1.0 - floor) * progress
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, horizon: int) -> LambdaLR:
+    """The ``cfg`` schedule over ``horizon`` steps (ConfigError if the warmup does not fit in it)."""
+    cfg.check_horizon(horizon)
+    return LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, horizon))

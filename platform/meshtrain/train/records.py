@@ -1,0 +1,66 @@
+"""Where the training loop's records go: the run's record sink, Prometheus and Ray Train, each optional."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from meshtrain.checkpoint.state import Progress
+from meshtrain.observe.metrics import TrainingMetrics
+from meshtrain.observe.reporting import RayTrainReporter
+
+Record = dict[str, Any]
+
+
+class LoopOutputs:
+    """Fans each record out to ``on_record`` (rank 0's metrics.jsonl and TensorBoard), this worker's
+    Prometheus ``metrics`` and Ray Train's ``reporter``; any of them may be None."""
+
+    def __init__(
+        self,
+        on_record: Callable[[Record], None] | None,
+        metrics: TrainingMetrics | None,
+        reporter: RayTrainReporter | None,
+    ) -> None:
+        self.on_record, self.metrics, self.reporter = on_record, metrics, reporter
+
+    def emit(self, record: Record) -> None:
+        if self.on_record is not None:
+            self.on_record(record)
+
+    def started(self, world_size: int, mesh_shape: tuple[int, int], progress: Progress) -> None:
+        if self.metrics is not None:
+            self.metrics.set_mesh(world_size, mesh_shape)
+            self.metrics.start_steps(progress.step, progress.tokens, progress.skipped_steps)
+
+    def step_done(self, step: int, worker_tokens: int, data_wait_s: float) -> None:
+        if self.metrics is not None:
+            self.metrics.step_done(step, worker_tokens, data_wait_s)
+
+    def logged(self, record: Record, world_size: int, final: bool) -> None:
+        """A logged step; ``final``: the last one this run reports (the last step, or a stop)."""
+        if self.metrics is not None:
+            self.metrics.logged(record, world_size)
+        if self.reporter is not None:
+            self.reporter.logged(record, final)
+        self.emit(record)
+
+    def evaluated(self, record: Record) -> None:
+        if self.metrics is not None:
+            self.metrics.evaluated(record)
+        if self.reporter is not None:
+            self.reporter.evaluated(record)
+        self.emit(record)
+
+    def skipped(self, skipped_total: int) -> None:
+        if self.metrics is not None:
+            self.metrics.skipped(skipped_total)
+
+    def checkpoint_event(self, event: Record) -> None:
+        if self.metrics is not None:
+            self.metrics.checkpoint_event(event)
+        self.emit(event)
+
+    def checkpoint_blocked(self, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.checkpoint_blocked(seconds)

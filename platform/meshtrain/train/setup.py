@@ -1,0 +1,45 @@
+"""Building one rank's model: on meta, sharded on the mesh, materialized and initialized (or loaded)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.checkpoint.hf_weights import load_hf_weights
+from meshtrain.config import MeshtrainConfig
+from meshtrain.distributed.layout import WorkerLayout, workers_per_node
+from meshtrain.distributed.mesh import MeshPlan, check_shard_placement, resolve_mesh_shape
+from meshtrain.distributed.parallelize import build_mesh, parallelize
+from meshtrain.model.args import model_args
+from meshtrain.model.init import init_weights
+from meshtrain.model.llama import Transformer, build_model, materialize
+
+
+def build_sharded_model(
+    cfg: MeshtrainConfig,
+    vocab_size: int,
+    layout: WorkerLayout,
+    device: torch.device,
+    read_init_from: bool = True,
+) -> tuple[Transformer, MeshPlan]:
+    """Model built on meta, sharded (when distributed), materialized on ``device`` and initialized,
+    or filled from ``model.init_from`` (each rank reading only its own shards). A run that resumes
+    passes ``read_init_from=False``: its checkpoint replaces every weight, so reading them is waste."""
+    model = build_model(model_args(cfg, vocab_size), "meta")
+    plan = MeshPlan(1, 1, True)
+    if dist.is_initialized():
+        per_node, node_of_rank = workers_per_node(layout, cfg.scaling.workers_per_node)
+        plan = resolve_mesh_shape(layout.world_size, per_node, cfg.parallel.strategy, cfg.parallel.shard)
+        placement = check_shard_placement(plan, node_of_rank, cfg.parallel.shard)
+        if placement is not None and layout.world_rank == 0:
+            print(placement, flush=True)
+        parallelize(model, build_mesh(plan, device.type), plan, cfg.parallel)
+    # Offloaded shards live on the host (FSDP copies them over per unit); the RoPE buffers are read
+    # inside the blocks, which FSDP does not move, so they stay on the compute device.
+    offload = cfg.parallel.cpu_offload and dist.is_initialized()
+    materialize(model, "cpu" if offload else device, buffer_device=device)
+    if cfg.model.init_from is None or not read_init_from:
+        init_weights(model, cfg.train.seed)
+    else:
+        load_hf_weights(model, cfg.model.init_from)
+    return model, plan

@@ -1,0 +1,100 @@
+"""One optimizer step over a rank's micro-batches: forward, loss, backward, clip, guarded step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from meshtrain.distributed.parallelize import clip_grad_norm_
+from meshtrain.model.llama import Transformer
+from meshtrain.model.loss import token_cross_entropy_sum
+from meshtrain.train.guard import StepGuard
+
+
+def _sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+@dataclass
+class StepOutput:
+    """One optimizer step, still on the device: read only at logged steps."""
+
+    loss_sum: torch.Tensor  # summed over every target token of the global batch (all ranks)
+    grad_norm: torch.Tensor  # global, before clipping
+    tokens: int  # target tokens of the global batch
+
+
+def _deferrable_hsdp(model: Transformer, micro_batches: int, device: torch.device) -> FSDPModule | None:
+    """The model when its replicate-dim gradient all-reduce can wait for the last micro-batch: an
+    FSDP2 root on a 2D mesh (FSDP2 takes dim 0 as the replicate dim) with more than one replica.
+
+    ``set_requires_all_reduce(False)`` keeps each micro-batch's reduce-scatter and sums its fp32
+    output in one buffer per FSDP unit, the size of the sharded gradient that exists anyway, so
+    memory stays as it was. (``set_requires_gradient_sync(False)`` would skip the reduce-scatter too,
+    but keep every unit's unsharded gradient, shard-size times larger, for the whole step.)
+    Not under CPU offload: the buffer stays on ``device``, where offload keeps no gradients.
+    """
+    if micro_batches < 2 or not isinstance(model, FSDPModule):
+        return None
+    param = next(model.parameters(), None)
+    if not isinstance(param, DTensor) or param.device != device:
+        return None
+    mesh = param.device_mesh
+    return model if mesh.ndim == 2 and mesh.size(0) > 1 else None
+
+
+def _abandon_deferred_reduction(model: FSDPModule) -> None:
+    """After a micro-batch raised: all-reduce again, and drop the partially accumulated gradient,
+    which ``zero_grad`` cannot reach and the next step's all-reduce would otherwise include."""
+    model.set_requires_all_reduce(True)
+    model.reset_iter_state()
+
+
+def train_step(
+    model: Transformer,
+    guard: StepGuard,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    dp_size: int,
+    grad_clip: float,
+    defer_all_reduce: bool = True,
+) -> StepOutput:
+    """One optimizer step over this rank's micro-batches, skipped by ``guard`` when it goes bad.
+
+    The loss is the mean over every target token of the global batch. Each micro-batch contributes
+    its token-summed loss scaled by ``dp_size / global_tokens``: FSDP averages gradients over the
+    ``dp_size`` ranks, so the result is the gradient of the global mean. Packed windows have no
+    ignored targets and every rank holds the same shapes, so the global token count follows from the
+    shapes, with no collective or device sync. The loss sum is reduced over the ranks every step
+    (one scalar all-reduce, no host sync), so every rank's guard sees the same global loss.
+
+    With HSDP and ``defer_all_reduce``, gradients are all-reduced over the replicate dim once, in the
+    last micro-batch's backward, instead of after every micro-batch (see ``_deferrable_hsdp``).
+    """
+    device = micro_batches[0][1].device
+    global_tokens = sum(targets.numel() for _, targets in micro_batches) * dp_size
+    scale = dp_size / global_tokens
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    hsdp = _deferrable_hsdp(model, len(micro_batches), device) if defer_all_reduce else None
+    last = len(micro_batches) - 1
+    try:
+        for index, (inputs, targets) in enumerate(micro_batches):
+            if hsdp is not None:
+                hsdp.set_requires_all_reduce(index == last)
+            summed = token_cross_entropy_sum(model(inputs), targets)
+            (summed * scale).backward()
+            loss_sum += summed.detach()
+    except BaseException:
+        if hsdp is not None:
+            _abandon_deferred_reduction(hsdp)
+        raise
+    loss_sum = _sum_over_ranks(loss_sum)
+    grad_norm = clip_grad_norm_(list(model.parameters()), grad_clip)
+    guard.step(guard.check(loss_sum / global_tokens, grad_norm))
+    guard.optimizer.zero_grad(set_to_none=True)
+    return StepOutput(loss_sum, grad_norm, global_tokens)

@@ -1,0 +1,62 @@
+"""Logged steps: every ``train.log_every`` steps (and the last), one record of the interval's mean step
+time, throughput and data wait, where the guard is read too."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from meshtrain.checkpoint.state import Progress
+from meshtrain.train.guard import BadStepLimit
+from meshtrain.train.records import LoopOutputs
+from meshtrain.train.step import StepOutput
+
+
+class StepLog:
+    def __init__(
+        self,
+        log_every: int,
+        global_batch_size: int,
+        world_size: int,
+        progress: Progress,
+        bad_steps: BadStepLimit,
+        outputs: LoopOutputs,
+        records: list[dict[str, Any]],
+    ) -> None:
+        self.log_every, self.global_batch_size, self.world_size = log_every, global_batch_size, world_size
+        self.progress, self.bad_steps, self.outputs, self.records = progress, bad_steps, outputs, records
+
+    def start(self, now: float) -> None:
+        self.started = self.interval_start = now
+        self.interval_steps, self.interval_wait = 0, 0.0
+
+    def after_step(self, step: int, lr: float, output: StepOutput, data_wait: float, last: bool) -> bool:
+        """Count the step, and at a logged step write its record; False when the guard says stop."""
+        self.interval_steps += 1
+        self.interval_wait += data_wait
+        if step % self.log_every and not last:
+            return True
+        now = time.perf_counter()
+        step_time = (now - self.interval_start) / self.interval_steps
+        allowed = self.bad_steps.check(step) is not None
+        record = {
+            "event": "train",
+            "step": step,
+            "loss": output.loss_sum.item() / output.tokens,
+            "lr": lr,
+            "grad_norm": output.grad_norm.item(),
+            "tokens": self.progress.tokens,
+            "tokens_per_s": output.tokens / step_time,
+            "step_time_s": step_time,
+            "data_wait_s": self.interval_wait / self.interval_steps,  # mean per step, this rank waiting for its batch
+            "elapsed_s": now - self.started,
+            "skipped_steps": self.progress.skipped_steps,
+            "world_size": self.world_size,
+            "time": time.time(),
+            # The global samples the step read: the same on any number of ranks.
+            "samples": [self.progress.data_position - self.global_batch_size, self.progress.data_position],
+        }
+        self.records.append(record)
+        self.outputs.logged(record, self.world_size, last or not allowed)
+        self.interval_start, self.interval_steps, self.interval_wait = now, 0, 0.0
+        return allowed

@@ -1,0 +1,192 @@
+"""One rank's run, independent of Ray (the Ray worker and the tests both call it).
+
+:class:`Trainer` sets up the sharded model, optimizer, data and checkpoints, then ``run`` is the
+loop: each step fetches its micro-batches, takes one guarded optimizer step, and hands over to the
+named parts of the loop: checkpointing, evaluation and the step log.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshtrain.checkpoint.state import Progress, TrainState
+from meshtrain.config import MeshtrainConfig
+from meshtrain.data import DataParallelBatches, DataPlan, TrainingData, open_data
+from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.model.args import model_args
+from meshtrain.model.llama import count_parameters
+from meshtrain.observe.metrics import TrainingMetrics
+from meshtrain.observe.reporting import RayTrainReporter
+from meshtrain.train.checkpointing import Checkpointing, checkpoint_manager
+from meshtrain.train.evaluation import Evaluation
+from meshtrain.train.faults import FaultInjection
+from meshtrain.train.gc_schedule import ScheduledCollection
+from meshtrain.train.guard import BadStepLimit, StepGuard
+from meshtrain.train.optim import build_lr_scheduler, build_optimizer
+from meshtrain.train.records import LoopOutputs
+from meshtrain.train.setup import build_sharded_model
+from meshtrain.train.step import train_step
+from meshtrain.train.step_log import StepLog
+from meshtrain.train.watchdog import HangWatchdog
+
+
+@dataclass
+class TrainResult:
+    records: list[dict[str, Any]] = field(default_factory=list)
+    mesh_shape: tuple[int, int] = (1, 1)
+    world_size: int = 1
+    parameters: int = 0
+    train_time_s: float = 0.0
+    tokens: int = 0
+    eval_loss: float | None = None  # the last evaluation's
+    skipped_steps: int = 0
+    stopped: str | None = None  # why the run stopped before train.steps (the step guard)
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.records[-1]["loss"] if self.records else None
+
+    @property
+    def mean_tokens_per_s(self) -> float | None:
+        """Throughput after the first logged interval (which pays for warm-up and compilation)."""
+        if not self.records:
+            return None
+        first, last = self.records[0], self.records[-1]
+        if len(self.records) == 1:
+            return last["tokens"] / last["elapsed_s"]
+        return (last["tokens"] - first["tokens"]) / (last["elapsed_s"] - first["elapsed_s"])
+
+
+def train(
+    cfg: MeshtrainConfig,
+    data: DataPlan | TrainingData,
+    layout: WorkerLayout,
+    device: torch.device,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+    metrics: TrainingMetrics | None = None,
+    reporter: RayTrainReporter | None = None,
+) -> TrainResult:
+    """Train until ``cfg.train.steps``, resuming from the newest committed checkpoint if any.
+
+    ``on_record`` receives every logged step, evaluation and checkpoint event (rank 0 emits the save
+    events); ``metrics`` (when given) is updated every step; ``reporter`` (every rank, or none) hands
+    logged steps to Ray Train.
+    """
+    if isinstance(data, DataPlan):
+        data = open_data(data, cfg.data.seq_len, cfg.train.seed)
+    trainer = Trainer(cfg, data, layout, device, on_record, metrics, reporter)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+
+
+class Trainer:
+    """One rank's run: setup here, then the loop in ``run``."""
+
+    def __init__(
+        self,
+        cfg: MeshtrainConfig,
+        data: TrainingData,
+        layout: WorkerLayout,
+        device: torch.device,
+        on_record: Callable[[dict[str, Any]], None] | None,
+        metrics: TrainingMetrics | None,
+        reporter: RayTrainReporter | None = None,
+    ) -> None:
+        self.cfg, self.layout = cfg, layout
+        self.outputs = LoopOutputs(on_record, metrics, reporter)
+        torch.manual_seed(cfg.train.seed)
+        checkpoints = checkpoint_manager(cfg, layout, self.outputs.checkpoint_event)
+        resuming = checkpoints is not None and cfg.checkpoint.resume and checkpoints.any_committed()
+        self.model, plan = build_sharded_model(cfg, data.vocab_size, layout, device, read_init_from=not resuming)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, cfg.optim.schedule_steps or cfg.train.steps)
+        self.guard = StepGuard(self.optimizer, device, cfg.train.loss_spike_factor, cfg.train.loss_spike_window)
+        self.progress = Progress()
+        state = TrainState(self.model, self.optimizer, self.scheduler, self.progress, layout.world_rank)
+        if resuming:
+            assert checkpoints is not None
+            checkpoints.restore(state)
+        self.guard.skipped_before = self.progress.skipped_steps
+        micro_batch, _ = cfg.batch_layout(layout.world_size)
+        self.batches = DataParallelBatches(
+            data.train, cfg.train.global_batch_size, micro_batch, dp_rank=layout.world_rank,
+            dp_size=layout.world_size, device=device, position=self.progress.data_position,
+        )
+        self.result = TrainResult(
+            mesh_shape=plan.shape, world_size=layout.world_size, parameters=count_parameters(self.model)
+        )
+        manifest = {
+            "world_size": layout.world_size,
+            "mesh_shape": list(plan.shape),
+            "model_args": model_args(cfg, data.vocab_size).model_dump(),
+            "data_fingerprint": data.fingerprint,
+            "config": cfg.model_dump(mode="json"),
+        }
+        run_dir = Path(cfg.run.storage_path) / (cfg.run.name or "")
+        self.faults = FaultInjection(cfg.fault, layout.world_rank, run_dir / "faults")
+        self.bad_steps = BadStepLimit(self.guard, cfg.train.max_bad_steps, self.progress, self.outputs)
+        self.checkpointing = Checkpointing(
+            checkpoints, state, self.progress, manifest, cfg.train.steps, self.bad_steps, self.outputs,
+            self.faults, self._beat,
+        )
+        self.evaluation = Evaluation(
+            self.model, data.validation, cfg.eval.interval, cfg.eval.batches, cfg.train.global_batch_size,
+            micro_batch, layout, device, self.outputs, self._beat,
+        )
+        self.log = StepLog(
+            cfg.train.log_every, cfg.train.global_batch_size, layout.world_size, self.progress, self.bad_steps,
+            self.outputs, self.result.records,
+        )
+        # Last, so a setup that fails leaves neither a thread nor the collector switched off.
+        self.watchdog = HangWatchdog(cfg.run.hang_timeout_s, layout.world_rank) if cfg.run.hang_timeout_s else None
+        self.collection = ScheduledCollection(cfg.train.gc_every)
+
+    def run(self) -> TrainResult:
+        cfg, progress = self.cfg, self.progress
+        self.outputs.started(self.layout.world_size, self.result.mesh_shape, progress)
+        self.model.train()
+        self.log.start(time.perf_counter())
+        first_step = progress.step + 1
+        for step in range(first_step, cfg.train.steps + 1):
+            self._beat(f"training step {step}", arm=step > first_step)
+            self.faults.before_step(step, self.model)
+            self.collection.step(step)
+            lr = self.scheduler.get_last_lr()[0]
+            waiting_since = time.perf_counter()
+            micro_batches = list(self.batches.next_step())
+            data_wait = time.perf_counter() - waiting_since
+            output = train_step(self.model, self.guard, micro_batches, self.layout.world_size, cfg.optim.grad_clip)
+            self.scheduler.step()
+            progress.step, progress.tokens = step, progress.tokens + output.tokens
+            progress.data_position = self.batches.position
+            last = step == cfg.train.steps
+            if not self.checkpointing.after_step(step):
+                break
+            self.outputs.step_done(step, output.tokens // self.layout.world_size, data_wait)
+            if self.evaluation.due(step, last):
+                self.result.eval_loss = self.evaluation.run(step)
+            if not self.log.after_step(step, lr, output, data_wait, last):
+                break
+        self.checkpointing.close()
+        self.result.tokens = progress.tokens
+        self.result.skipped_steps = self.guard.read().skipped_total
+        self.result.train_time_s = time.perf_counter() - self.log.started
+        self.result.stopped = self.bad_steps.stopped
+        return self.result
+
+    def _beat(self, doing: str, arm: bool = False) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(doing, arm)
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
+        self.collection.close()

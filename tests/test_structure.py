@@ -1,0 +1,77 @@
+"""The package's shape: layered subpackages with no cycles, a config schema that imports nothing of
+the rest, and job scripts that only call the library."""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "platform" / "meshtrain"
+
+
+def lint_imports(config: Path) -> subprocess.CompletedProcess[str]:
+    command = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
+    assert command is not None, "import-linter is a test dependency (pip install -e '.[test]')"
+    return subprocess.run(
+        [command, "--config", str(config), "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_layers_hold_and_no_subpackage_imports_a_higher_one() -> None:
+    result = lint_imports(REPO / "pyproject.toml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Contracts: 2 kept, 0 broken." in result.stdout, result.stdout
+
+
+def test_the_layers_contract_catches_an_upward_import(tmp_path: Path) -> None:
+    """The check can fail: a copy of the package whose config imports the trainer breaks it."""
+    copy = tmp_path / "platform" / "meshtrain"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    schema = copy / "config" / "schema.py"
+    schema.write_text(schema.read_text() + "\n\ndef _upward() -> None:\n    import meshtrain.train.trainer  # noqa: F401\n")
+    config = tmp_path / "pyproject.toml"
+    config.write_text((REPO / "pyproject.toml").read_text())
+    command = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
+    assert command is not None
+    result = subprocess.run(
+        [command, "--config", str(config), "--no-cache"], cwd=tmp_path, capture_output=True, text=True,
+        timeout=120, env={"PYTHONPATH": str(tmp_path / "platform"), "PATH": str(Path(sys.executable).parent)},
+    )
+    assert result.returncode != 0, result.stdout
+    assert "meshtrain.config.schema -> meshtrain.train.trainer" in result.stdout, result.stdout
+
+
+def test_config_imports_nothing_of_meshtrain_torch_or_ray() -> None:
+    """Building, validating, dumping and describing a config loads only the config package."""
+    code = (
+        "import json, sys\n"
+        "from meshtrain.config import MeshtrainConfig, describe_fields, load_config\n"
+        "cfg = load_config(None, ['train.steps=50', 'data.source=/nowhere/*.jsonl', 'model.init_from=/nowhere'])\n"
+        "MeshtrainConfig.model_validate(cfg.model_dump(mode='json'))\n"
+        "describe_fields()\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    modules = json.loads(result.stdout)
+    ours = [m for m in modules if m.split(".")[0] == "meshtrain"]
+    assert ours and all(m == "meshtrain" or m.startswith("meshtrain.config") for m in ours), ours
+    for name in ("torch", "ray", "numpy", "datasets", "tokenizers"):
+        assert name not in modules, f"importing the config loaded {name}"
+
+
+@pytest.mark.parametrize("job", sorted(path.name for path in (REPO / "jobs").glob("*.py")))
+def test_jobs_only_call_the_library(job: str) -> None:
+    """A job script is a docstring, imports and ``sys.exit(main())``: its logic lives in meshtrain."""
+    tree = ast.parse((REPO / "jobs" / job).read_text())
+    definitions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
+    assert definitions == [], f"jobs/{job} defines {[node.name for node in definitions]}"
+    imported = [node.module for node in tree.body if isinstance(node, ast.ImportFrom)]
+    assert any(module and module.startswith("meshtrain.") for module in imported), imported
