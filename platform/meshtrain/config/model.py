@@ -56,7 +56,7 @@ class ModelConfig(Section):
         self, tokenizer_vocab_size: int | None = None, init_shape: Mapping[str, Any] | None = None
     ) -> "ModelArgs":
         """Preset values, or ``init_shape`` (the shape model.init_from's config.json gives, read by
-        ``meshtrain.model.model_args``), with the explicitly set fields over them."""
+        ``meshtrain.model.args.model_args``), with the explicitly set fields over them."""
         values = dict(MODEL_PRESETS[self.preset])
         if init_shape is not None:
             values.update(init_shape)
