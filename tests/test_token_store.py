@@ -133,11 +133,12 @@ def test_validation_windows_are_never_trained_on(plan) -> None:
     split = DataConfig(validation={"fraction": 0.1})
     data = open_data(type(plan)(**{**plan.__dict__, "validation_fraction": split.validation.fraction}), SEQ, 0)
     assert data.validation is not None and len(data.validation) > 0
-    [(sequences, ids)] = data.validation.parts
-    held = set(ids.tolist())  # window ids (real text can repeat a window's contents)
+    [(sequences, held_out)] = data.validation.parts
+    held = {held_out.held_out(k) for k in range(held_out.held_out_windows)}  # window ids (text can repeat)
     trained = {data.train.window_of(i) for i in range(2 * data.train.windows)}
     assert not held & trained and len(trained) == data.train.windows
-    assert np.array_equal(data.validation.sample(0), sequences.window(int(ids[0])))
+    assert all(held_out.is_held_out(w) == (w in held) for w in range((plan.tokens - 1) // SEQ))
+    assert np.array_equal(data.validation.sample(0), sequences.window(held_out.held_out(0)))
     total = data.train.windows + len(data.validation)
     assert total == (plan.tokens - 1) // SEQ
     single = [tuple(r.tolist()) for i, t in data.validation.batches(9, 4, 0, 1, torch.device("cpu")) for r in i]
@@ -316,17 +317,17 @@ def test_a_store_read_with_another_tokenizer_is_refused(plan, tmp_path) -> None:
 
 
 def test_resume_on_other_data_is_refused(plan, tmp_path) -> None:
-    from meshtrain.cluster.launcher import check_data_fingerprint
+    from meshtrain.cluster.launcher import data_for_resume
 
     cfg = load_config(None, [f"run.storage_path={tmp_path}", "run.name=r"])
     step = tmp_path / "r" / "checkpoints" / "step-00000010"
     step.mkdir(parents=True)
     (step / "COMMITTED").write_text(json.dumps({"step": 10, "data_fingerprint": "0" * 64, "files": {}}))
     with pytest.raises(ConfigError, match=f"trained on data 0000000000000000, this launch reads {plan.fingerprint[:16]}.*allow_fingerprint_change"):
-        check_data_fingerprint(cfg, plan)
-    check_data_fingerprint(load_config(None, [f"run.storage_path={tmp_path}", "run.name=r", "data.allow_fingerprint_change=true"]), plan)
+        data_for_resume(cfg, plan)
+    data_for_resume(load_config(None, [f"run.storage_path={tmp_path}", "run.name=r", "data.allow_fingerprint_change=true"]), plan)
     (step / "COMMITTED").write_text(json.dumps({"step": 10, "data_fingerprint": plan.fingerprint, "files": {}}))
-    check_data_fingerprint(cfg, plan)
+    data_for_resume(cfg, plan)
 
 
 def test_hub_source_without_network_fails_fast_in_one_line(tmp_path) -> None:

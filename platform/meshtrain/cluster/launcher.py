@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from datetime import datetime
@@ -14,7 +15,13 @@ from meshtrain.checkpoint.storage import newest_committed, run_checkpoints
 from meshtrain.cluster.capacity import START_TIMEOUT_ENV, check_capacity, worker_resources
 from meshtrain.cluster.preflight import preflight
 from meshtrain.config import ConfigError, MeshtrainConfig, config_error_in
-from meshtrain.data import DataPlan, prepare_data
+from meshtrain.data import (
+    LEGACY_SAMPLING,
+    SAMPLING_SCHEME,
+    SAMPLING_SCHEMES,
+    DataPlan,
+    prepare_data,
+)
 from meshtrain.observe.metrics import targets_path, write_targets
 from meshtrain.observe.outputs import RunPaths, read_summary, write_summary
 from meshtrain.observe.progress import ProgressMonitor
@@ -116,18 +123,37 @@ def data_cache_url(cfg: MeshtrainConfig) -> str:
     return cfg.data.cache_dir or str(Path(cfg.run.storage_path) / "token_stores")
 
 
-def check_data_fingerprint(cfg: MeshtrainConfig, plan: DataPlan) -> None:
-    """Refuse to resume checkpoints trained on other token data, unless the user says so."""
-    if not (cfg.checkpoint.enabled and cfg.checkpoint.resume) or cfg.data.allow_fingerprint_change:
-        return
+def data_for_resume(cfg: MeshtrainConfig, plan: DataPlan) -> DataPlan:
+    """The data plan a resumed run continues with: checkpoints trained on other token data are
+    refused (unless the user says so), and the sampling scheme they were trained with is kept, so
+    the data order never changes mid-run. A run without checkpoints gets the plan as it is."""
+    if not (cfg.checkpoint.enabled and cfg.checkpoint.resume):
+        return plan
     committed = run_checkpoints(cfg).committed()
-    trained_on = committed[0].manifest.get("data_fingerprint") if committed else None
-    if trained_on is not None and trained_on != plan.fingerprint:
+    if not committed:
+        return plan
+    manifest = committed[0].manifest
+    trained_on = manifest.get("data_fingerprint")
+    if not cfg.data.allow_fingerprint_change and trained_on is not None and trained_on != plan.fingerprint:
         raise ConfigError(
             f"data.source: the checkpoints of run {cfg.run.name} were trained on data {trained_on[:16]}, this launch "
             f"reads {plan.fingerprint[:16]}; use the same data, another run.name, or set "
             "data.allow_fingerprint_change=true to continue on the new data deliberately"
         )
+    scheme = manifest.get("sampling", LEGACY_SAMPLING)  # checkpoints written before the record
+    if scheme not in SAMPLING_SCHEMES:
+        raise ConfigError(
+            f"data: the checkpoints of run {cfg.run.name} were trained with sampling scheme {scheme!r}, which this "
+            f"meshtrain does not know ({', '.join(SAMPLING_SCHEMES)}); resume with the meshtrain that wrote them "
+            "or choose another run.name"
+        )
+    if scheme != plan.sampling:
+        print(
+            f"[meshtrain] run {cfg.run.name} keeps the data order its checkpoints were trained with ({scheme}); "
+            f"a new run.name uses {SAMPLING_SCHEME}",
+            flush=True,
+        )
+    return dataclasses.replace(plan, sampling=scheme)
 
 
 class TrainingFailed(RuntimeError):
@@ -250,7 +276,7 @@ def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
         log=lambda line: print(line, flush=True),
         progress_interval_s=cfg.metrics.progress_interval_s,
     )
-    check_data_fingerprint(cfg, data)
+    data = data_for_resume(cfg, data)
     if cached_tokenizer is None:
         paths.tokenizer.write_text(data.tokenizer_json)
     stores = ", ".join(ref.url for ref in data.stores)

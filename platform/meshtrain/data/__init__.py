@@ -1,4 +1,4 @@
-"""Data: sources → tokenizer → token stores on shared storage → memory-mapped, packed samples.
+"""Data: sources → tokenizer → token stores on shared storage → packed samples read by position.
 
 ``sources`` lists and reads documents, ``tokenizer`` trains or loads the tokenizer, ``prepare``
 tokenizes a source into a ``store`` in parallel Ray tasks, ``sampling`` turns stores into per-rank
@@ -7,6 +7,9 @@ batches from one global position, and ``pipeline`` ties them together for the dr
 
 from meshtrain.data.pipeline import DataPlan, TrainingData, open_data, prepare_data
 from meshtrain.data.sampling import (
+    LEGACY_SAMPLING,
+    SAMPLING_SCHEME,
+    SAMPLING_SCHEMES,
     DataParallelBatches,
     HeldOutSamples,
     MixtureSamples,
@@ -18,6 +21,9 @@ from meshtrain.data.tokenizer import EOS_TOKEN, eos_token_id, tokenizer_vocab_si
 
 __all__ = [
     "EOS_TOKEN",
+    "LEGACY_SAMPLING",
+    "SAMPLING_SCHEME",
+    "SAMPLING_SCHEMES",
     "DataParallelBatches",
     "DataPlan",
     "HeldOutSamples",

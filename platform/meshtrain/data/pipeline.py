@@ -14,16 +14,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 
 from meshtrain.config import ConfigError, DataConfig, SourceConfig
 from meshtrain.data.prepare import prepare_store, store_key
 from meshtrain.data.sampling import (
+    SAMPLING_SCHEME,
     HeldOutSamples,
     MixtureSamples,
     PackedSequences,
     Samples,
-    held_out_windows,
+    WholeStream,
+    WindowSplit,
+    validation_split,
     window_count,
 )
 from meshtrain.data.sources import SourcePlan, plan_source
@@ -65,6 +67,7 @@ class DataPlan:
     validation_fraction: float = 0.0
     validation: StoreRef | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)
+    sampling: str = SAMPLING_SCHEME  # the order and split scheme (a resumed run keeps its checkpoints')
 
     @property
     def fingerprint(self) -> str:
@@ -213,12 +216,13 @@ def prepare_data(
 
 @dataclass
 class TrainingData:
-    """What a worker trains and validates on; ``fingerprint`` goes into every checkpoint."""
+    """What a worker trains and validates on; ``fingerprint`` and ``sampling`` go into every checkpoint."""
 
     train: Samples
     validation: HeldOutSamples | None
     vocab_size: int
     fingerprint: str
+    sampling: str = SAMPLING_SCHEME
 
 
 def open_data(plan: DataPlan, seq_len: int, seed: int) -> TrainingData:
@@ -231,22 +235,23 @@ def open_data(plan: DataPlan, seq_len: int, seed: int) -> TrainingData:
                 f"expected {ref.fingerprint[:12]}); do not rewrite a store while a run reads it"
             )
     components: list[PackedSequences] = []
-    held_out: list[tuple[PackedSequences, Any]] = []
+    held_out: list[tuple[PackedSequences, WindowSplit]] = []
     for index, store in enumerate(stores):
-        exclude = held_out_windows(window_count(store, seq_len), plan.validation_fraction)
+        split = validation_split(plan.sampling, window_count(store, seq_len), plan.validation_fraction)
         # One source keeps the plain seed, so its order equals the single-stream order of old.
         component_seed = seed if len(stores) == 1 else (seed, index)
-        sequences = PackedSequences(store, seq_len, component_seed, exclude=exclude)
+        sequences = PackedSequences(store, seq_len, component_seed, split=split, scheme=plan.sampling)
         components.append(sequences)
-        held_out.append((sequences, exclude))
+        if split is not None:
+            held_out.append((sequences, split))
     train: Samples = components[0] if len(components) == 1 else MixtureSamples(
         components, [ref.weight for ref in plan.stores], seed
     )
     validation = None
     if plan.validation is not None:
         store = TokenStore(plan.validation.url, plan.storage_options)
-        sequences = PackedSequences(store, seq_len, seed)
-        validation = HeldOutSamples([(sequences, np.arange(window_count(store, seq_len)))])
-    elif plan.validation_fraction > 0:
+        sequences = PackedSequences(store, seq_len, seed, scheme=plan.sampling)
+        validation = HeldOutSamples([(sequences, WholeStream(window_count(store, seq_len)))])
+    elif held_out:
         validation = HeldOutSamples(held_out)
-    return TrainingData(train, validation, plan.vocab_size, plan.fingerprint)
+    return TrainingData(train, validation, plan.vocab_size, plan.fingerprint, plan.sampling)

@@ -1,24 +1,37 @@
 """From a token stream to per-rank micro-batches, addressed by one global sample position.
 
-A stream (a numpy array, or a :class:`TokenStore` whose shards are memory-mapped) is cut into
-windows of ``seq_len + 1`` tokens at a stride of ``seq_len`` (inputs and shifted targets, no
-padding; a window may span two shards). The order of windows is a seeded permutation per epoch
-over the *global* sample index. Optimizer step ``t`` consumes global samples ``[t*G, (t+1)*G)``;
-each data-parallel rank takes its own disjoint part of every micro-batch. The only state is that
-global position, so a run resumes exactly, and on any number of ranks, from one integer.
+A stream (a numpy array, or a :class:`TokenStore`) is cut into windows of ``seq_len + 1`` tokens
+at a stride of ``seq_len`` (inputs and shifted targets, no padding; a window may span two shards).
+The order of windows is a seeded permutation per epoch over the *global* sample index. Optimizer
+step ``t`` consumes global samples ``[t*G, (t+1)*G)``; each data-parallel rank takes its own
+disjoint part of every micro-batch. The only state is that global position, so a run resumes
+exactly, and on any number of ranks, from one integer.
 
 A mixture draws global samples from several streams in fixed proportions; a validation split holds
 windows out of training, and :class:`HeldOutSamples` reads them back in a fixed order.
+
+Sampling schemes (a checkpoint records the one it was trained with, and a resumed run keeps it):
+
+* ``feistel-v1``: each epoch's order and the validation split are Feistel permutations evaluated
+  per index (:mod:`meshtrain.data.permutation`), so a rank's memory does not grow with the corpus.
+* ``permutation-v0``: the order is a materialized permutation of every window per epoch and the
+  split materialized id arrays (8 bytes per window); kept only for runs whose checkpoints predate
+  the record, so their order does not change mid-run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
 import torch
 
+from meshtrain.data.permutation import FeistelPermutation
+
+SAMPLING_SCHEME = "feistel-v1"  # what new runs use
+LEGACY_SAMPLING = "permutation-v0"  # runs whose checkpoints record no scheme were trained with this
+SAMPLING_SCHEMES = (SAMPLING_SCHEME, LEGACY_SAMPLING)
 # Seeds the choice of held-out windows: fixed, so changing train.seed keeps the same validation set.
 _VALIDATION_SEED = 0x5EED
 # Mixture assignments repeat in blocks of this many samples, so proportions hold to 1/BLOCK.
@@ -52,13 +65,81 @@ def window_count(stream: TokenStream, seq_len: int) -> int:
     return (len(stream) - 1) // seq_len
 
 
-def held_out_windows(windows: int, fraction: float) -> np.ndarray:
-    """The sorted ids of the windows a validation ``fraction`` holds out (at least one when > 0)."""
+def held_out_count(windows: int, fraction: float) -> int:
+    """How many of ``windows`` a validation ``fraction`` holds out (at least one when > 0, never all)."""
+    return 0 if fraction <= 0 else min(windows - 1, max(1, round(windows * fraction)))
+
+
+class WindowSplit(Protocol):
+    """Which windows of one stream are held out: ``held_out(k)`` is the ``k``-th held-out window,
+    ``training(j)`` the ``j``-th training window (each set in a fixed order)."""
+
+    held_out_windows: int
+    training_windows: int
+
+    def held_out(self, k: int) -> int: ...
+
+    def training(self, j: int) -> int: ...
+
+
+class FeistelSplit:
+    """The split as one fixed permutation of the windows: its first ``held_out_windows`` values are
+    held out, the rest train. Membership and lookups are computed per window, in constant memory."""
+
+    def __init__(self, windows: int, fraction: float) -> None:
+        self.held_out_windows = held_out_count(windows, fraction)
+        self.training_windows = windows - self.held_out_windows
+        self._permutation = FeistelPermutation(windows, (_VALIDATION_SEED,))
+
+    def held_out(self, k: int) -> int:
+        return self._permutation(k)
+
+    def training(self, j: int) -> int:
+        return self._permutation(self.held_out_windows + j)
+
+    def is_held_out(self, window: int) -> bool:
+        return self._permutation.inverse(window) < self.held_out_windows
+
+
+class LegacySplit:
+    """``permutation-v0``'s split: a seeded choice of held-out ids, both sets as sorted arrays."""
+
+    def __init__(self, windows: int, fraction: float) -> None:
+        count = held_out_count(windows, fraction)
+        chosen = np.random.default_rng([_VALIDATION_SEED, windows]).choice(windows, size=count, replace=False)
+        self._held = np.sort(chosen).astype(np.int64)
+        self._train = np.setdiff1d(np.arange(windows, dtype=np.int64), self._held, assume_unique=True)
+        self.held_out_windows, self.training_windows = len(self._held), len(self._train)
+
+    def held_out(self, k: int) -> int:
+        return int(self._held[k])
+
+    def training(self, j: int) -> int:
+        return int(self._train[j])
+
+
+class WholeStream:
+    """A separate validation source: every window held out, in stream order."""
+
+    def __init__(self, windows: int) -> None:
+        self.held_out_windows, self.training_windows = windows, 0
+
+    def held_out(self, k: int) -> int:
+        return k
+
+    def training(self, j: int) -> int:
+        raise IndexError("a validation source has no training windows")
+
+
+def validation_split(scheme: str, windows: int, fraction: float) -> WindowSplit | None:
+    """The split of one training stream under ``scheme``, or None when nothing is held out."""
     if fraction <= 0:
-        return np.empty(0, dtype=np.int64)
-    count = min(windows - 1, max(1, round(windows * fraction)))
-    chosen = np.random.default_rng([_VALIDATION_SEED, windows]).choice(windows, size=count, replace=False)
-    return np.sort(chosen).astype(np.int64)
+        return None
+    if scheme == SAMPLING_SCHEME:
+        return FeistelSplit(windows, fraction)
+    if scheme == LEGACY_SAMPLING:
+        return LegacySplit(windows, fraction)
+    raise ValueError(f"unknown sampling scheme {scheme!r}; this meshtrain knows {', '.join(SAMPLING_SCHEMES)}")
 
 
 class Samples(Protocol):
@@ -68,7 +149,7 @@ class Samples(Protocol):
 class PackedSequences:
     """Windows of ``seq_len + 1`` tokens over a stream, in a seeded order per epoch.
 
-    ``exclude`` (sorted window ids, e.g. a validation split) are never sampled.
+    With a ``split``, only its training windows are sampled.
     """
 
     def __init__(
@@ -76,23 +157,28 @@ class PackedSequences:
         tokens: np.ndarray | TokenStream,
         seq_len: int,
         seed: int | tuple[int, ...],
-        exclude: np.ndarray | None = None,
+        split: WindowSplit | None = None,
+        scheme: str = SAMPLING_SCHEME,
     ) -> None:
-        self.stream, self.seq_len = as_stream(tokens), seq_len
+        if scheme not in SAMPLING_SCHEMES:
+            raise ValueError(f"unknown sampling scheme {scheme!r}; this meshtrain knows {', '.join(SAMPLING_SCHEMES)}")
+        self.stream, self.seq_len, self.split, self.scheme = as_stream(tokens), seq_len, split, scheme
         self.seed = list(seed) if isinstance(seed, tuple) else [seed]
-        total = window_count(self.stream, seq_len)
-        self._ids: np.ndarray | None = None
-        if exclude is not None and len(exclude):
-            self._ids = np.setdiff1d(np.arange(total, dtype=np.int64), exclude, assume_unique=True)
-        self.windows = total if self._ids is None else len(self._ids)
+        self.windows = window_count(self.stream, seq_len) if split is None else split.training_windows
         if self.windows < 1:
             raise ValueError(f"{len(self.stream)} tokens cannot fill one window of {seq_len + 1}")
-        self._epoch, self._order = -1, np.empty(0, dtype=np.int64)
+        self._epoch: int | None = None
+        self._order: Callable[[int], int] = int
 
-    def _order_for(self, epoch: int) -> np.ndarray:
+    def _order_for(self, epoch: int) -> Callable[[int], int]:
+        """Position within the epoch -> slot among the training windows."""
         if epoch != self._epoch:
             self._epoch = epoch
-            self._order = np.random.default_rng([*self.seed, epoch]).permutation(self.windows)
+            if self.scheme == SAMPLING_SCHEME:
+                self._order = FeistelPermutation(self.windows, (*self.seed, epoch))
+            else:
+                order = np.random.default_rng([*self.seed, epoch]).permutation(self.windows)
+                self._order = lambda position: int(order[position])
         return self._order
 
     def window(self, window_id: int) -> np.ndarray:
@@ -101,8 +187,8 @@ class PackedSequences:
 
     def window_of(self, global_index: int) -> int:
         epoch, position = divmod(global_index, self.windows)
-        slot = int(self._order_for(epoch)[position])
-        return slot if self._ids is None else int(self._ids[slot])
+        slot = self._order_for(epoch)(position)
+        return slot if self.split is None else self.split.training(slot)
 
     def sample(self, global_index: int) -> np.ndarray:
         """The ``seq_len + 1`` tokens of global sample ``global_index`` (epochs wrap around)."""
@@ -161,19 +247,19 @@ class MixtureSamples:
 
 
 class HeldOutSamples:
-    """Validation windows read back in a fixed order (sorted window ids, sources in turn)."""
+    """Validation windows read back in a fixed order (each split's held-out order, sources in turn)."""
 
-    def __init__(self, parts: Sequence[tuple[PackedSequences, np.ndarray]]) -> None:
-        self.parts = [(sequences, ids) for sequences, ids in parts if len(ids)]
-        self.offsets = np.cumsum([0] + [len(ids) for _, ids in self.parts])
+    def __init__(self, parts: Sequence[tuple[PackedSequences, WindowSplit]]) -> None:
+        self.parts = [(sequences, split) for sequences, split in parts if split.held_out_windows]
+        self.offsets = np.cumsum([0] + [split.held_out_windows for _, split in self.parts])
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
     def sample(self, index: int) -> np.ndarray:
         part = int(np.searchsorted(self.offsets, index, side="right")) - 1
-        sequences, ids = self.parts[part]
-        return sequences.window(int(ids[index - self.offsets[part]]))
+        sequences, split = self.parts[part]
+        return sequences.window(split.held_out(int(index - self.offsets[part])))
 
     def batches(
         self, count: int, micro_batch_size: int, dp_rank: int, dp_size: int, device: torch.device

@@ -11,9 +11,10 @@ Layout::
     manifest.json           written last, only when every shard is present: format version, dtype,
                             tokenizer hash, source fingerprint, per-shard counts and checksums
 
-A store is read only when its manifest says it is complete. Workers map the shards with
-``numpy.memmap`` (remote stores: each shard is copied once into a local cache first) and read only
-the windows they train on; the stream is the shards concatenated in order.
+A store is read only when its manifest says it is complete. Workers read only the windows they
+train on, with positional reads (``os.pread``) through a small pool of open shard files, so a
+rank's descriptors and memory maps do not grow with the number of shards (remote stores: each
+shard is copied once into a local cache first); the stream is the shards concatenated in order.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -112,6 +115,15 @@ class StoreLocation:
         except FileNotFoundError:
             return None
 
+    def sizes(self) -> dict[str, int]:
+        """Name -> bytes of every file in the folder, from one listing (not one request per file)."""
+        if self.is_local:
+            with os.scandir(self.root) as entries:
+                return {entry.name: entry.stat().st_size for entry in entries if entry.is_file()}
+        listing = self.fs.ls(self.root, detail=True, refresh=True)
+        return {entry["name"].rstrip("/").rsplit("/", 1)[-1]: int(entry["size"]) for entry in listing
+                if entry.get("type") == "file"}
+
     def write_text(self, name: str, text: str) -> None:
         self.write_bytes(name, text.encode())
 
@@ -179,10 +191,12 @@ def read_manifest(location: StoreLocation) -> Manifest:
 
 
 def check_shard_sizes(location: StoreLocation, manifest: Manifest) -> None:
-    """Every shard present with exactly the bytes its manifest entry says (catches truncation)."""
+    """Every shard present with exactly the bytes its manifest entry says (catches truncation),
+    from one listing of the store."""
     itemsize = np.dtype(manifest.dtype).itemsize
+    sizes = location.sizes()
     for shard in manifest.shards:
-        size = location.size(shard.file)
+        size = sizes.get(shard.file)
         expected = shard.tokens * itemsize
         if size is None:
             raise ConfigError(f"data.source: shard {location.display(shard.file)} is missing; prepare the store again")
@@ -197,20 +211,63 @@ def _local_cache_dir() -> Path:
     return Path(os.environ.get("MESHTRAIN_TOKEN_CACHE", Path(tempfile.gettempdir()) / "meshtrain-token-cache"))
 
 
+# Shard files a rank keeps open at once: its windows are drawn at random from every shard, so without
+# a bound a 60,000-shard store would hold 60,000 descriptors per rank.
+OPEN_SHARDS = 16
+
+
+class OpenFiles:
+    """At most ``capacity`` files open for positional reads; the least recently used is closed first.
+    Safe to share between threads."""
+
+    def __init__(self, capacity: int = OPEN_SHARDS) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        self.capacity = capacity
+        self._open: OrderedDict[str, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def read(self, path: str, offset: int, size: int) -> bytes:
+        """``size`` bytes of ``path`` from ``offset``; OSError when the file holds fewer."""
+        with self._lock:
+            fd = self._open.pop(path, None)
+            if fd is None:
+                fd = os.open(path, os.O_RDONLY)
+                while len(self._open) >= self.capacity:
+                    os.close(self._open.popitem(last=False)[1])
+            self._open[path] = fd
+            pieces, done = [], 0
+            while done < size:
+                piece = os.pread(fd, size - done, offset + done)
+                if not piece:
+                    raise OSError(f"{path}: {size} bytes wanted at offset {offset}, the file ends after {done}")
+                pieces.append(piece)
+                done += len(piece)
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    def close(self) -> None:
+        with self._lock:
+            while self._open:
+                os.close(self._open.popitem()[1])
+
+    def __del__(self) -> None:
+        self.close()
+
+
 class TokenStore:
-    """A complete store's token stream, memory-mapped shard by shard.
+    """A complete store's token stream, read shard by shard with positional reads.
 
     ``read(start, stop)`` returns tokens ``[start, stop)`` of the shards concatenated in order,
-    copying only that range (across a shard boundary it joins two slices).
+    reading only that range (across a shard boundary it joins two reads).
     """
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, open_shards: int = OPEN_SHARDS) -> None:
         self.location = StoreLocation(url, storage_options)
         self.manifest = read_manifest(self.location)
         check_shard_sizes(self.location, self.manifest)
         self.dtype = np.dtype(self.manifest.dtype)
         self.offsets = np.cumsum([0] + [s.tokens for s in self.manifest.shards], dtype=np.int64)
-        self._maps: dict[int, np.ndarray] = {}
+        self._files = OpenFiles(open_shards)
 
     @property
     def fingerprint(self) -> str:
@@ -226,14 +283,9 @@ class TokenStore:
     def tokenizer_json(self) -> str:
         return self.location.read_text(TOKENIZER)
 
-    def _shard(self, index: int) -> np.ndarray:
-        mapped = self._maps.get(index)
-        if mapped is None:
-            shard = self.manifest.shards[index]
-            path = self.location.path(shard.file) if self.location.is_local else self._cached(shard)
-            mapped = np.memmap(path, dtype=self.dtype, mode="r", shape=(shard.tokens,))
-            self._maps[index] = mapped
-        return mapped
+    def _shard_path(self, index: int) -> str:
+        shard = self.manifest.shards[index]
+        return self.location.path(shard.file) if self.location.is_local else self._cached(shard)
 
     def _cached(self, shard: ShardRecord) -> str:
         """A local copy of a remote shard, verified by its checksum, shared by the ranks of a node."""
@@ -258,13 +310,18 @@ class TokenStore:
         first = int(np.searchsorted(self.offsets, start, side="right")) - 1
         pieces = []
         index, position = first, start
+        itemsize = self.dtype.itemsize
         while position < stop:
             shard_start = int(self.offsets[index])
             end = min(stop, int(self.offsets[index + 1]))
-            if end > position:  # an empty shard (a byte range that held no line) is never mapped
-                pieces.append(self._shard(index)[position - shard_start : end - shard_start])
+            if end > position:  # an empty shard (a byte range that held no line) is never opened
+                data = self._files.read(self._shard_path(index), (position - shard_start) * itemsize, (end - position) * itemsize)
+                pieces.append(np.frombuffer(data, dtype=self.dtype))
             position, index = end, index + 1
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def close(self) -> None:
+        self._files.close()
 
 
 def verify_store(url: str, storage_options: dict[str, Any] | None = None) -> Manifest:

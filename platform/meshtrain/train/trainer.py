@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from meshtrain.checkpoint.state import Progress, TrainState
-from meshtrain.config import MeshtrainConfig
-from meshtrain.data import DataParallelBatches, DataPlan, TrainingData, open_data
+from meshtrain.config import ConfigError, MeshtrainConfig
+from meshtrain.data import LEGACY_SAMPLING, DataParallelBatches, DataPlan, TrainingData, open_data
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.model.args import model_args
 from meshtrain.model.llama import count_parameters
@@ -61,6 +61,18 @@ class TrainResult:
         if len(self.records) == 1:
             return last["tokens"] / last["elapsed_s"]
         return (last["tokens"] - first["tokens"]) / (last["elapsed_s"] - first["elapsed_s"])
+
+
+def check_sampling(manifest: dict[str, Any], reading: str, step: int) -> None:
+    """A checkpoint resumes only under the sampling scheme it was trained with (else the data order
+    would change mid-run); checkpoints without the record were trained with the legacy scheme."""
+    trained_with = manifest.get("sampling", LEGACY_SAMPLING)
+    if trained_with != reading:
+        raise ConfigError(
+            f"data: the checkpoint of step {step} was trained with sampling scheme {trained_with!r}, this worker "
+            f"reads with {reading!r}; launch through meshtrain.cluster.launcher (it keeps the checkpoint's scheme) "
+            "or choose another run.name"
+        )
 
 
 def train(
@@ -113,7 +125,9 @@ class Trainer:
         state = TrainState(self.model, self.optimizer, self.scheduler, self.progress, layout.world_rank)
         if resuming:
             assert checkpoints is not None
-            checkpoints.restore(state)
+            restored = checkpoints.restore(state)
+            if restored is not None:
+                check_sampling(restored.manifest, data.sampling, restored.step)
         self.guard.skipped_before = self.progress.skipped_steps
         micro_batch, _ = cfg.batch_layout(layout.world_size)
         self.batches = DataParallelBatches(
@@ -128,6 +142,7 @@ class Trainer:
             "mesh_shape": list(plan.shape),
             "model_args": model_args(cfg, data.vocab_size).model_dump(),
             "data_fingerprint": data.fingerprint,
+            "sampling": data.sampling,
             "config": cfg.model_dump(mode="json"),
         }
         run_dir = Path(cfg.run.storage_path) / (cfg.run.name or "")

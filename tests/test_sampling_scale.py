@@ -1,0 +1,211 @@
+"""The data order and reads at pretraining scale: a permutation computed per index (memory that does
+not grow with the corpus), a validation split decided per window, positional reads through a bounded
+set of open files, and resumed runs that keep the sampling scheme their checkpoints were trained with."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from meshtrain.cluster.launcher import data_for_resume
+from meshtrain.config import ConfigError, load_config
+from meshtrain.data import LEGACY_SAMPLING, SAMPLING_SCHEME, DataParallelBatches, DataPlan, TokenStore, open_data
+from meshtrain.data.permutation import FeistelPermutation
+from meshtrain.data.sampling import FeistelSplit, LegacySplit, PackedSequences, held_out_count
+from meshtrain.data.store import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    OPEN_SHARDS,
+    Manifest,
+    ShardRecord,
+    shard_name,
+    store_fingerprint,
+)
+from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.train.trainer import Trainer, check_sampling
+
+SEQ = 16
+
+
+@pytest.mark.parametrize("n", [*range(1, 70), 255, 256, 257, 1000, 4095, 4097, 65537])
+def test_feistel_is_a_bijection_with_an_inverse(n: int) -> None:
+    permutation = FeistelPermutation(n, (7, 3))
+    image = [permutation(i) for i in range(n)]
+    assert sorted(image) == list(range(n))
+    assert [permutation.inverse(value) for value in image] == list(range(n))
+
+
+def test_feistel_depends_on_its_key_only() -> None:
+    a, b, c = FeistelPermutation(5000, (1, 0)), FeistelPermutation(5000, (1, 0)), FeistelPermutation(5000, (1, 1))
+    order = [a(i) for i in range(5000)]
+    assert order == [b(i) for i in range(5000)]
+    assert order != [c(i) for i in range(5000)]
+    assert sum(order[i] == i for i in range(5000)) < 20  # a shuffle, not the identity
+    with pytest.raises(IndexError):
+        a(5000)
+
+
+class _HugeStream:
+    """A token stream of ``tokens`` tokens that holds none (reads are zeros)."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+
+    def __len__(self) -> int:
+        return self.tokens
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        return np.zeros(stop - start, dtype=np.uint16)
+
+
+@pytest.mark.parametrize("tokens", [10**6, 10**12])
+def test_order_and_split_take_no_memory_per_window(tokens: int) -> None:
+    """A 1T-token stream (62.5 billion windows) costs what a 1M-token one does: nothing per window."""
+    windows = (tokens - 1) // SEQ
+    tracemalloc.start()
+    split = FeistelSplit(windows, 0.01)
+    samples = PackedSequences(_HugeStream(tokens), SEQ, seed=0, split=split)
+    batches = DataParallelBatches(samples, 64, 8, dp_rank=1, dp_size=2, device=torch.device("cpu"))
+    for _ in range(3):
+        list(batches.next_step())
+    assert split.is_held_out(split.held_out(0)) and not split.is_held_out(samples.window_of(0))
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 256 * 1024, f"{peak} bytes for {windows:,} windows"
+
+
+def test_held_out_windows_never_train_and_every_window_is_one_or_the_other() -> None:
+    windows = 997
+    split = FeistelSplit(windows, 0.05)
+    assert split.held_out_windows == held_out_count(windows, 0.05) == 50
+    held = {split.held_out(k) for k in range(split.held_out_windows)}
+    samples = PackedSequences(np.arange(windows * SEQ + 1, dtype=np.uint32), SEQ, seed=3, split=split)
+    trained = {samples.window_of(i) for i in range(3 * samples.windows)}  # three epochs
+    assert held.isdisjoint(trained) and len(held | trained) == windows
+    assert all(split.is_held_out(w) == (w in held) for w in range(windows))
+
+
+def test_each_epoch_visits_every_training_window_once_in_a_new_order() -> None:
+    samples = PackedSequences(np.arange(500 * SEQ + 1, dtype=np.uint32), SEQ, seed=1, split=FeistelSplit(500, 0.02))
+    epochs = [[samples.window_of(e * samples.windows + i) for i in range(samples.windows)] for e in range(2)]
+    assert len(set(epochs[0])) == samples.windows == 490 and set(epochs[0]) == set(epochs[1])
+    assert epochs[0] != epochs[1]
+
+
+def test_the_legacy_scheme_keeps_the_order_runs_were_trained_with() -> None:
+    """permutation-v0 is the order of runs whose checkpoints predate the record: a materialized
+    permutation per epoch over the training windows (a seeded choice of held-out ids removed)."""
+    windows, seed = 300, 5
+    split = LegacySplit(windows, 0.1)
+    held = np.sort(np.random.default_rng([0x5EED, windows]).choice(windows, size=30, replace=False))
+    training = np.setdiff1d(np.arange(windows), held)
+    order = np.random.default_rng([seed, 1]).permutation(len(training))  # epoch 1
+    samples = PackedSequences(np.arange(windows * SEQ + 1), SEQ, seed, split=split, scheme=LEGACY_SAMPLING)
+    assert [samples.window_of(len(training) + i) for i in range(len(training))] == [int(training[k]) for k in order]
+    assert [split.held_out(k) for k in range(30)] == held.tolist()
+
+
+def _write_store(root: Path, shards: int, rng: np.random.Generator) -> np.ndarray:
+    """A complete uint16 store of ``shards`` small shards, written directly; returns its stream."""
+    root.mkdir(parents=True)
+    records, pieces = [], []
+    for index in range(shards):
+        tokens = rng.integers(0, 500, size=int(rng.integers(40, 90)), dtype=np.uint16)
+        (root / shard_name(index)).write_bytes(tokens.tobytes())
+        records.append(ShardRecord(file=shard_name(index), unit=str(index), tokens=len(tokens), documents=1,
+                                   sha256=hashlib.sha256(tokens.tobytes()).hexdigest(), source_bytes=len(tokens)))
+        pieces.append(tokens)
+    manifest = Manifest(
+        format=FORMAT, version=FORMAT_VERSION, complete=True, dtype="uint16", vocab_size=500, eos_id=0,
+        tokenizer_sha256="0" * 64, source={}, source_fingerprint="synthetic", documents=shards,
+        tokens=sum(len(p) for p in pieces), shards=tuple(records),
+        fingerprint=store_fingerprint("uint16", "0" * 64, records),
+    )
+    (root / MANIFEST).write_text(manifest.model_dump_json())
+    return np.concatenate(pieces)
+
+
+def _descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _mappings() -> int:
+    return len(Path("/proc/self/maps").read_text().splitlines())
+
+
+def test_positional_reads_equal_the_stream_with_bounded_descriptors_and_no_maps(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    stream = _write_store(tmp_path / "store", shards=400, rng=rng)
+    store = TokenStore(str(tmp_path / "store"))
+    fds, maps = _descriptors(), _mappings()
+    picker = random.Random(1)
+    for _ in range(3000):  # random windows over every shard, some across shard boundaries
+        start = picker.randrange(0, len(stream) - 200)
+        stop = start + picker.randrange(1, 200)
+        assert np.array_equal(store.read(start, stop), stream[start:stop])
+    assert _descriptors() - fds <= OPEN_SHARDS
+    assert _mappings() - maps <= 2  # the allocator may map an arena; never one map per shard
+    store.close()
+    assert _descriptors() <= fds
+
+
+def test_a_resumed_run_keeps_the_scheme_its_checkpoints_were_trained_with(tmp_path: Path) -> None:
+    cfg = load_config(None, [f"run.storage_path={tmp_path}", "run.name=r"])
+    plan = DataPlan(stores=(), tokenizer_json="{}", vocab_size=10, eos_id=0)
+    assert data_for_resume(cfg, plan).sampling == SAMPLING_SCHEME  # no checkpoint: the current scheme
+    step = tmp_path / "r" / "checkpoints" / "step-00000010"
+    step.mkdir(parents=True)
+    marker = {"step": 10, "data_fingerprint": plan.fingerprint, "files": {}}
+    (step / "COMMITTED").write_text(json.dumps(marker))  # written before checkpoints recorded a scheme
+    assert data_for_resume(cfg, plan).sampling == LEGACY_SAMPLING
+    (step / "COMMITTED").write_text(json.dumps({**marker, "sampling": SAMPLING_SCHEME}))
+    assert data_for_resume(cfg, plan).sampling == SAMPLING_SCHEME
+    (step / "COMMITTED").write_text(json.dumps({**marker, "sampling": "zigzag-v9"}))
+    with pytest.raises(ConfigError, match=r"^data: the checkpoints of run r were trained with sampling scheme 'zigzag-v9'"):
+        data_for_resume(cfg, plan)
+    with pytest.raises(ConfigError) as info:
+        check_sampling({"step": 10}, SAMPLING_SCHEME, 10)
+    assert "'permutation-v0', this worker reads with 'feistel-v1'" in str(info.value) and "\n" not in str(info.value)
+
+
+def _train(cfg_overrides: list[str], plan: DataPlan) -> Trainer:
+    cfg = load_config(None, [
+        "model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_dim=64",
+        "data.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=4", "optim.warmup_steps=1",
+        "train.log_every=1", "checkpoint.interval=2", "checkpoint.mode=sync", "eval.interval=null",
+        "metrics.port=0", "run.hang_timeout_s=null", "train.gc_every=0", "scaling.num_workers=1", *cfg_overrides,
+    ])
+    trainer = Trainer(cfg, open_data(plan, cfg.data.seq_len, cfg.train.seed), WorkerLayout(), torch.device("cpu"), None, None)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    return trainer
+
+
+def test_legacy_checkpoints_resume_exactly_and_refuse_another_scheme(tmp_path: Path) -> None:
+    from corpora import stdlib_plan
+
+    legacy = DataPlan(**{**stdlib_plan(tmp_path / "cache", documents=8).__dict__, "sampling": LEGACY_SAMPLING})
+    run = [f"run.storage_path={tmp_path}", "optim.schedule_steps=4"]
+    unbroken = _train([*run, "run.name=unbroken", "train.steps=4"], legacy)
+    _train([*run, "run.name=resumed", "train.steps=2"], legacy)
+    marker = tmp_path / "resumed" / "checkpoints" / "step-00000002" / "COMMITTED"
+    manifest = json.loads(marker.read_text())
+    assert manifest["sampling"] == LEGACY_SAMPLING
+    del manifest["sampling"]  # as a checkpoint written before the record
+    marker.write_text(json.dumps(manifest))
+    resumed = _train([*run, "run.name=resumed", "train.steps=4"], legacy)
+    assert [r["loss"] for r in resumed.result.records] == [r["loss"] for r in unbroken.result.records[2:]]
+    current = DataPlan(**{**legacy.__dict__, "sampling": SAMPLING_SCHEME})
+    with pytest.raises(ConfigError, match="trained with sampling scheme 'permutation-v0', this worker reads with 'feistel-v1'"):
+        _train([*run, "run.name=resumed", "train.steps=6"], current)
