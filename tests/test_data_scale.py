@@ -1,6 +1,7 @@
-"""The data order and reads at pretraining scale: a permutation computed per index (memory that does
-not grow with the corpus), a validation split decided per window, positional reads through a bounded
-set of open files, and resumed runs that keep the sampling scheme their checkpoints were trained with."""
+"""Data at pretraining scale: a permutation computed per index (memory that does not grow with the
+corpus), a validation split decided per window, positional reads through a bounded set of open files,
+resumed runs that keep the sampling scheme their checkpoints were trained with, and a resumed prepare
+that trusts finished records instead of reading every shard again."""
 
 from __future__ import annotations
 
@@ -209,3 +210,43 @@ def test_legacy_checkpoints_resume_exactly_and_refuse_another_scheme(tmp_path: P
     current = DataPlan(**{**legacy.__dict__, "sampling": SAMPLING_SCHEME})
     with pytest.raises(ConfigError, match="trained with sampling scheme 'permutation-v0', this worker reads with 'feistel-v1'"):
         _train([*run, "run.name=resumed", "train.steps=6"], current)
+
+
+def test_a_resumed_prepare_trusts_finished_records_and_reads_no_shard(tmp_path: Path, monkeypatch) -> None:
+    import fsspec.implementations.local
+
+    import meshtrain.data.sources as sources
+    from meshtrain.config import DataConfig
+    from meshtrain.data import prepare_data
+    from meshtrain.data.store import StoreLocation
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for index in range(30):
+        (corpus / f"doc{index:02d}.txt").write_text(f"document {index}: " + "some words to encode " * 40)
+    monkeypatch.setattr(sources, "MIN_UNIT_BYTES", 1024)
+    data = DataConfig(source=str(corpus), vocab_size=300, seq_len=8, prepare_unit_bytes=2048)
+    first = prepare_data(data, str(tmp_path / "cache"), 8, use_ray=False, log=lambda _: None)
+    store = Path(first.stores[0].url)
+    shards = sorted(store.glob("shard-*.bin"))
+    assert len(shards) >= 10
+    # An interrupted prepare: no manifest, one unit without its record, one shard cut short.
+    (store / "manifest.json").unlink()
+    (store / "shard-000003.json").unlink()
+    shards[5].write_bytes(shards[5].read_bytes()[:-2])
+
+    opened: list[str] = []
+    original_open = fsspec.implementations.local.LocalFileSystem._open
+
+    def recording_open(self, path, mode="rb", *args, **kwargs):
+        opened.append(f"{mode} {path}")
+        return original_open(self, path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(fsspec.implementations.local.LocalFileSystem, "_open", recording_open)
+    monkeypatch.setattr(StoreLocation, "sha256", lambda self, name: pytest.fail(f"re-hashed {name}"))
+    lines: list[str] = []
+    again = prepare_data(data, str(tmp_path / "cache"), 8, use_ray=False, log=lines.append)
+    assert again.stores[0].fingerprint == first.stores[0].fingerprint
+    assert f"({len(shards) - 2} re-used)" in lines[0], lines
+    shard_reads = [entry for entry in opened if entry.startswith("r") and entry.endswith(".bin")]
+    assert shard_reads == [], shard_reads
