@@ -182,10 +182,13 @@ def test_auto_mesh_on_two_nodes_is_2x2_and_matches_a_1x4_mesh(cluster: Cluster) 
     assert flat["mesh_shape"] == [1, 4]
     hsdp, fsdp = losses(cluster.storage / "hsdp"), losses(cluster.storage / "fsdp")
     assert list(hsdp) == list(range(1, 31)) and hsdp.keys() == fsdp.keys()
-    # The meshes sum gradients in different orders; over 30 steps that drifts to about 1e-5 relative
-    # (a wrong reduction is off by far more).
+    # The meshes sum gradients in different orders: the losses agree to float precision at first, and
+    # the difference grows only where training is unstable (a gradient spike amplifies it). A wrong
+    # reduction is off from the first update on, by far more.
+    for step in range(1, 11):
+        assert hsdp[step] == pytest.approx(fsdp[step], rel=1e-6), step
     for step in hsdp:
-        assert hsdp[step] == pytest.approx(fsdp[step], rel=5e-5), step
+        assert hsdp[step] == pytest.approx(fsdp[step], rel=1e-3), step
 
 
 def test_losing_the_second_node_recovers_once_it_is_back(cluster: Cluster) -> None:
