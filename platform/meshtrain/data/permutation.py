@@ -10,7 +10,7 @@ memory as one of a thousand, and the inverse is as cheap as the permutation.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 _ROUNDS = 6
 _MASK64 = (1 << 64) - 1
@@ -39,25 +39,20 @@ class FeistelPermutation:
 
     def __call__(self, index: int) -> int:
         """The image of ``index``."""
-        self._check(index)
-        value = index
-        while True:
-            value = self._encrypt(value)
-            if value < self.n:
-                return value
+        return self._walk(index, self._encrypt)
 
     def inverse(self, value: int) -> int:
         """The index whose image is ``value``."""
-        self._check(value)
-        index = value
-        while True:
-            index = self._decrypt(index)
-            if index < self.n:
-                return index
+        return self._walk(value, self._decrypt)
 
-    def _check(self, index: int) -> None:
-        if not 0 <= index < self.n:
-            raise IndexError(f"{index} is outside [0, {self.n})")
+    def _walk(self, start: int, step: Callable[[int], int]) -> int:
+        """Apply ``step`` until the value is back inside ``[0, n)`` (the cycle walk)."""
+        if not 0 <= start < self.n:
+            raise IndexError(f"{start} is outside [0, {self.n})")
+        value = step(start)
+        while value >= self.n:
+            value = step(value)
+        return value
 
     def _encrypt(self, value: int) -> int:
         left, right = value >> self._half, value & self._mask
