@@ -175,7 +175,7 @@ def test_a_resumed_run_keeps_the_scheme_its_checkpoints_were_trained_with(tmp_pa
         data_for_resume(cfg, plan)
     with pytest.raises(ConfigError) as info:
         check_sampling({"step": 10}, SAMPLING_SCHEME, 10)
-    assert "'permutation-v0', this worker reads with 'feistel-v1'" in str(info.value) and "\n" not in str(info.value)
+    assert f"'permutation-v0', this worker reads with '{SAMPLING_SCHEME}'" in str(info.value) and "\n" not in str(info.value)
 
 
 def _train(cfg_overrides: list[str], plan: DataPlan) -> Trainer:
@@ -208,7 +208,7 @@ def test_legacy_checkpoints_resume_exactly_and_refuse_another_scheme(tmp_path: P
     resumed = _train([*run, "run.name=resumed", "train.steps=4"], legacy)
     assert [r["loss"] for r in resumed.result.records] == [r["loss"] for r in unbroken.result.records[2:]]
     current = DataPlan(**{**legacy.__dict__, "sampling": SAMPLING_SCHEME})
-    with pytest.raises(ConfigError, match="trained with sampling scheme 'permutation-v0', this worker reads with 'feistel-v1'"):
+    with pytest.raises(ConfigError, match=f"trained with sampling scheme 'permutation-v0', this worker reads with '{SAMPLING_SCHEME}'"):
         _train([*run, "run.name=resumed", "train.steps=6"], current)
 
 

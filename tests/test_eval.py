@@ -10,7 +10,7 @@ import torch
 
 from corpora import stdlib_plan
 from meshtrain.config import ConfigError, MeshtrainConfig, load_config
-from meshtrain.data import DataPlan
+from meshtrain.data import DataPlan, stdlib_source_files
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.observe.progress import progress_line
 from meshtrain.train.evaluation import validation_samples
@@ -20,7 +20,14 @@ from ranks import run_on_ranks
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> DataPlan:
-    return stdlib_plan(tmp_path_factory.mktemp("token_stores"), validation={"fraction": 0.1})
+    """A mixture of two sources, 10% of each held out."""
+    root = tmp_path_factory.mktemp("eval")
+    tail = root / "tail"
+    tail.mkdir()
+    for index, path in enumerate(stdlib_source_files()[-16:]):
+        (tail / f"{index}.txt").write_text(path.read_text())
+    sources = [{"source": "stdlib", "max_documents": 24, "weight": 0.6}, {"source": str(tail), "weight": 0.4}]
+    return stdlib_plan(root / "token_stores", sources=sources, validation={"fraction": 0.1})
 
 
 def config(*overrides: str) -> MeshtrainConfig:
@@ -53,6 +60,13 @@ def test_validation_loss_is_the_same_on_one_process_and_a_2x2_mesh(corpus: DataP
     for a, b in zip(single, meshed):
         assert math.isfinite(a["loss"]) and abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (a, b)
         assert a["perplexity"] == pytest.approx(math.exp(a["loss"]))
+        # Every source is evaluated, on its own, with the same tokens and loss on either mesh.
+        assert list(a["sources"]) == list(b["sources"]) == ["stdlib", "tail"]
+        for name, scores in a["sources"].items():
+            assert scores["tokens"] > 0 and scores["tokens"] == b["sources"][name]["tokens"]
+            assert abs(scores["loss"] - b["sources"][name]["loss"]) <= 1e-5 * scores["loss"], (name, a, b)
+        total = sum(s["loss"] * s["tokens"] for s in a["sources"].values()) / a["tokens"]
+        assert total == pytest.approx(a["loss"], rel=1e-9)  # overall = every scored token alike
     print(f"eval 1x1 vs 2x2: {[(a['loss'], b['loss']) for a, b in zip(single, meshed)]}")
 
 

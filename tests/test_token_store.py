@@ -129,23 +129,6 @@ def test_mixture_resumes_exactly_on_another_world_size() -> None:
     assert rows(2, 3 * 16, 3) == straight[3:]  # resumed at step 3 on half the ranks
 
 
-def test_validation_windows_are_never_trained_on(plan) -> None:
-    split = DataConfig(validation={"fraction": 0.1})
-    data = open_data(type(plan)(**{**plan.__dict__, "validation_fraction": split.validation.fraction}), SEQ, 0)
-    assert data.validation is not None and len(data.validation) > 0
-    [(sequences, held_out)] = data.validation.parts
-    held = {held_out.held_out(k) for k in range(held_out.held_out_windows)}  # window ids (text can repeat)
-    trained = {data.train.window_of(i) for i in range(2 * data.train.windows)}
-    assert not held & trained and len(trained) == data.train.windows
-    assert all(held_out.is_held_out(w) == (w in held) for w in range((plan.tokens - 1) // SEQ))
-    assert np.array_equal(data.validation.sample(0), sequences.window(held_out.held_out(0)))
-    total = data.train.windows + len(data.validation)
-    assert total == (plan.tokens - 1) // SEQ
-    single = [tuple(r.tolist()) for i, t in data.validation.batches(9, 4, 0, 1, torch.device("cpu")) for r in i]
-    split_ranks = [tuple(r.tolist()) for k in range(3) for i, t in data.validation.batches(9, 2, k, 3, torch.device("cpu")) for r in i]
-    assert sorted(single) == sorted(split_ranks) and len(single) == 9
-
-
 def test_a_separate_validation_source(tmp_path) -> None:
     docs = tmp_path / "held_out"
     docs.mkdir()
@@ -155,6 +138,8 @@ def test_a_separate_validation_source(tmp_path) -> None:
     data = open_data(plan, SEQ, 0)
     assert plan.validation is not None and data.validation is not None
     assert len(data.validation) == (plan.validation.tokens - 1) // SEQ
+    chosen = data.validation.select(10**9)  # a separate source: every window, every target scored
+    assert len(chosen) == len(data.validation) and all((w.lo, w.hi) == (0, SEQ) for w in chosen)
 
 
 # --- preparing on Ray ---------------------------------------------------------------------------

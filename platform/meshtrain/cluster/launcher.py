@@ -133,13 +133,6 @@ def data_for_resume(cfg: MeshtrainConfig, plan: DataPlan) -> DataPlan:
     if not committed:
         return plan
     manifest = committed[0].manifest
-    trained_on = manifest.get("data_fingerprint")
-    if not cfg.data.allow_fingerprint_change and trained_on is not None and trained_on != plan.fingerprint:
-        raise ConfigError(
-            f"data.source: the checkpoints of run {cfg.run.name} were trained on data {trained_on[:16]}, this launch "
-            f"reads {plan.fingerprint[:16]}; use the same data, another run.name, or set "
-            "data.allow_fingerprint_change=true to continue on the new data deliberately"
-        )
     scheme = manifest.get("sampling", LEGACY_SAMPLING)  # checkpoints written before the record
     if scheme not in SAMPLING_SCHEMES:
         raise ConfigError(
@@ -147,13 +140,21 @@ def data_for_resume(cfg: MeshtrainConfig, plan: DataPlan) -> DataPlan:
             f"meshtrain does not know ({', '.join(SAMPLING_SCHEMES)}); resume with the meshtrain that wrote them "
             "or choose another run.name"
         )
+    resumed = dataclasses.replace(plan, sampling=scheme)
+    trained_on = manifest.get("data_fingerprint")
+    if not cfg.data.allow_fingerprint_change and trained_on is not None and trained_on != resumed.fingerprint:
+        raise ConfigError(
+            f"data.source: the checkpoints of run {cfg.run.name} were trained on data {trained_on[:16]}, this launch "
+            f"reads {resumed.fingerprint[:16]}; use the same data, another run.name, or set "
+            "data.allow_fingerprint_change=true to continue on the new data deliberately"
+        )
     if scheme != plan.sampling:
         print(
             f"[meshtrain] run {cfg.run.name} keeps the data order its checkpoints were trained with ({scheme}); "
             f"a new run.name uses {SAMPLING_SCHEME}",
             flush=True,
         )
-    return dataclasses.replace(plan, sampling=scheme)
+    return resumed
 
 
 class TrainingFailed(RuntimeError):

@@ -224,6 +224,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 "steps": cfg.train.steps,
                 "final_loss": result.final_loss,
                 "eval_loss": result.eval_loss,
+                "eval_loss_by_source": result.eval_loss_by_source,
                 "skipped_steps": result.skipped_steps,
                 "stopped": result.stopped,
                 "mean_tokens_per_s": result.mean_tokens_per_s,

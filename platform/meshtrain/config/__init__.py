@@ -5,7 +5,13 @@ or clusters beyond the YAML it is given; ``meshtrain.cluster.preflight`` checks 
 the world. A test keeps that true.
 """
 
-from meshtrain.config.data import DataConfig, SourceConfig, ValidationConfig
+from meshtrain.config.data import (
+    OVERALL_LABEL,
+    DataConfig,
+    SourceConfig,
+    ValidationConfig,
+    source_labels,
+)
 from meshtrain.config.errors import ConfigError, config_error_in
 from meshtrain.config.loading import describe_fields, load_config
 from meshtrain.config.model import ModelArgs, ModelConfig
@@ -26,6 +32,7 @@ from meshtrain.config.schema import (
 
 __all__ = [
     "MODEL_PRESETS",
+    "OVERALL_LABEL",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
@@ -46,4 +53,5 @@ __all__ = [
     "config_error_in",
     "describe_fields",
     "load_config",
+    "source_labels",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
@@ -24,6 +25,11 @@ class SourceConfig(Section):
     hf_config: str | None = Field(None, description="Hub dataset configuration name (hf: sources).")
     split: str = Field("train", description="Dataset split to read (hf: sources).")
     max_documents: int | None = Field(None, gt=0, description="Read at most this many documents.")
+    name: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.:-]{1,64}$",
+        description="This source's label in per-source validation metrics; default: from the source (file or dataset name).",
+    )
 
     @field_validator("weight")
     @classmethod
@@ -48,6 +54,13 @@ class ValidationConfig(Section):
         None, description="A separate validation source (same forms as data.source); all of it is held out."
     )
     text_field: str = Field("text", description="Text column of validation.source.")
+    span_tokens: int = Field(
+        65536,
+        gt=0,
+        description="Held-out data comes in spans of this many consecutive tokens (at least one span; shorter only "
+        "where a span would exceed 4x the fraction of a small corpus); only documents wholly inside a span are "
+        "scored, so raise it for corpora of long documents.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -102,6 +115,10 @@ class DataConfig(Section):
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="fsspec options for s3:// stores and cache, e.g. {client_kwargs: {endpoint_url: ...}}."
     )
+    read_ahead_steps: int = Field(
+        2, ge=0, description="Steps of training windows each rank reads ahead in background threads (0 = read in the step)."
+    )
+    read_threads: int = Field(8, gt=0, description="Background threads per rank reading windows ahead (concurrent requests).")
     allow_fingerprint_change: bool = Field(
         False,
         description="Resume checkpoints trained on other token data (deliberately changing the corpus).",
@@ -133,3 +150,25 @@ class DataConfig(Section):
         if self.validation.source is None:
             return None
         return SourceConfig(source=self.validation.source, text_field=self.validation.text_field)
+
+
+OVERALL_LABEL = "all"  # the label of the overall validation loss; no source gets it
+
+
+def source_labels(sources: list[SourceConfig]) -> list[str]:
+    """A short, distinct label per source for per-source metrics: its ``name``, or the last part of
+    its path or dataset name without the extension (``-2``, ``-3`` after repeats)."""
+    labels: list[str] = []
+    for source in sources:
+        if source.name is not None:
+            base = source.name
+        else:
+            parts = [part for part in source.source.removeprefix("hf:").split("/") if part and not re.search(r"[*?\[]", part)]
+            tail = parts[-1] if parts else "source"
+            base = re.sub(r"[^A-Za-z0-9_.:-]+", "_", tail.split(".", 1)[0] or tail)[:48] or "source"
+        label, repeat = base, 1
+        while label in labels or label == OVERALL_LABEL:
+            repeat += 1
+            label = f"{base}-{repeat}"
+        labels.append(label)
+    return labels

@@ -14,17 +14,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-
-from meshtrain.config import ConfigError, DataConfig, SourceConfig
+from meshtrain.config import ConfigError, DataConfig, SourceConfig, source_labels
 from meshtrain.data.prepare import prepare_store, store_key
 from meshtrain.data.sampling import (
     SAMPLING_SCHEME,
-    HeldOutSamples,
     MixtureSamples,
     PackedSequences,
     Samples,
+    ValidationPart,
+    ValidationSet,
     WholeStream,
-    WindowSplit,
     validation_split,
     window_count,
 )
@@ -54,6 +53,7 @@ class StoreRef:
     fingerprint: str
     tokens: int
     documents: int
+    name: str = "source"  # the source's label in per-source validation metrics
 
 
 @dataclass(frozen=True)
@@ -68,12 +68,15 @@ class DataPlan:
     validation: StoreRef | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)
     sampling: str = SAMPLING_SCHEME  # the order and split scheme (a resumed run keeps its checkpoints')
+    validation_span_tokens: int = 65536
 
     @property
     def fingerprint(self) -> str:
         """One id for the training data: every store's content fingerprint and weight, and the split."""
         parts = [[s.fingerprint, s.weight] for s in self.stores]
-        split = self.validation.fingerprint if self.validation else self.validation_fraction
+        split: Any = self.validation.fingerprint if self.validation else self.validation_fraction
+        if self.validation is None and self.validation_fraction and self.sampling == SAMPLING_SCHEME:
+            split = [self.validation_fraction, self.validation_span_tokens]  # spans decide what trains
         return hashlib.sha256(json.dumps([parts, split]).encode()).hexdigest()
 
     @property
@@ -162,6 +165,7 @@ def prepare_data(
     validation_source = data.validation_source()
     if validation_source is not None:
         entries.append((validation_source, True))
+    labels = source_labels([source for source, _ in entries])
     raw: list[tuple[SourceConfig, SourcePlan]] = []
     store_tokenizers: dict[str, str] = {}
     for source, _ in entries:
@@ -173,7 +177,7 @@ def prepare_data(
     plans = dict((id(source), plan) for source, plan in raw)
 
     refs: list[StoreRef] = []
-    for source, _ in entries:
+    for (source, _), label in zip(entries, labels):
         plan = plans.get(id(source))
         if plan is None:
             url = source.source
@@ -197,7 +201,7 @@ def prepare_data(
                 f"data.source: {source.source!r} holds {manifest.tokens} tokens, fewer than data.seq_len+1="
                 f"{seq_len + 1}; add documents or lower data.seq_len"
             )
-        refs.append(StoreRef(url, source.weight, manifest.fingerprint, manifest.tokens, manifest.documents))
+        refs.append(StoreRef(url, source.weight, manifest.fingerprint, manifest.tokens, manifest.documents, label))
 
     from tokenizers import Tokenizer
 
@@ -211,6 +215,7 @@ def prepare_data(
         validation_fraction=data.validation.fraction,
         validation=validation,
         storage_options=dict(options),
+        validation_span_tokens=data.validation.span_tokens,
     )
 
 
@@ -219,7 +224,7 @@ class TrainingData:
     """What a worker trains and validates on; ``fingerprint`` and ``sampling`` go into every checkpoint."""
 
     train: Samples
-    validation: HeldOutSamples | None
+    validation: ValidationSet | None
     vocab_size: int
     fingerprint: str
     sampling: str = SAMPLING_SCHEME
@@ -235,15 +240,16 @@ def open_data(plan: DataPlan, seq_len: int, seed: int) -> TrainingData:
                 f"expected {ref.fingerprint[:12]}); do not rewrite a store while a run reads it"
             )
     components: list[PackedSequences] = []
-    held_out: list[tuple[PackedSequences, WindowSplit]] = []
-    for index, store in enumerate(stores):
-        split = validation_split(plan.sampling, window_count(store, seq_len), plan.validation_fraction)
+    held_out: list[ValidationPart] = []
+    for index, (store, ref) in enumerate(zip(stores, plan.stores)):
+        windows = window_count(store, seq_len)
+        split = validation_split(plan.sampling, windows, plan.validation_fraction, seq_len, plan.validation_span_tokens)
         # One source keeps the plain seed, so its order equals the single-stream order of old.
         component_seed = seed if len(stores) == 1 else (seed, index)
         sequences = PackedSequences(store, seq_len, component_seed, split=split, scheme=plan.sampling)
         components.append(sequences)
         if split is not None:
-            held_out.append((sequences, split))
+            held_out.append(ValidationPart(ref.name, sequences, split, plan.eos_id))
     train: Samples = components[0] if len(components) == 1 else MixtureSamples(
         components, [ref.weight for ref in plan.stores], seed
     )
@@ -251,7 +257,7 @@ def open_data(plan: DataPlan, seq_len: int, seed: int) -> TrainingData:
     if plan.validation is not None:
         store = TokenStore(plan.validation.url, plan.storage_options)
         sequences = PackedSequences(store, seq_len, seed, scheme=plan.sampling)
-        validation = HeldOutSamples([(sequences, WholeStream(window_count(store, seq_len)))])
+        validation = ValidationSet([ValidationPart(plan.validation.name, sequences, WholeStream(window_count(store, seq_len)))])
     elif held_out:
-        validation = HeldOutSamples(held_out)
+        validation = ValidationSet(held_out)
     return TrainingData(train, validation, plan.vocab_size, plan.fingerprint, plan.sampling)

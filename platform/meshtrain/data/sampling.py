@@ -7,13 +7,18 @@ step ``t`` consumes global samples ``[t*G, (t+1)*G)``; each data-parallel rank t
 disjoint part of every micro-batch. The only state is that global position, so a run resumes
 exactly, and on any number of ranks, from one integer.
 
-A mixture draws global samples from several streams in fixed proportions; a validation split holds
-windows out of training, and :class:`HeldOutSamples` reads them back in a fixed order.
+A mixture draws global samples from several streams in fixed proportions. Validation data is held
+out of training in whole documents, and :class:`ValidationSet` reads it back in a fixed order that
+takes from every source in turn, scoring each source on its own.
 
 Sampling schemes (a checkpoint records the one it was trained with, and a resumed run keeps it):
 
-* ``feistel-v1``: each epoch's order and the validation split are Feistel permutations evaluated
-  per index (:mod:`meshtrain.data.permutation`), so a rank's memory does not grow with the corpus.
+* ``feistel-v2``: each epoch's order is a Feistel permutation evaluated per index
+  (:mod:`meshtrain.data.permutation`), so a rank's memory does not grow with the corpus; validation
+  holds out whole *spans* of consecutive windows, chosen by another Feistel permutation, and scores
+  only the documents that lie wholly inside a held-out span, which no training window touches.
+* ``feistel-v1``: the same order, but single windows held out and scored whole, so a document could
+  straddle a training and a held-out window; kept for runs whose checkpoints were trained with it.
 * ``permutation-v0``: the order is a materialized permutation of every window per epoch and the
   split materialized id arrays (8 bytes per window); kept only for runs whose checkpoints predate
   the record, so their order does not change mid-run.
@@ -21,7 +26,11 @@ Sampling schemes (a checkpoint records the one it was trained with, and a resume
 
 from __future__ import annotations
 
+import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -29,13 +38,15 @@ import torch
 
 from meshtrain.data.permutation import FeistelPermutation
 
-SAMPLING_SCHEME = "feistel-v1"  # what new runs use
+SAMPLING_SCHEME = "feistel-v2"  # what new runs use
+WINDOW_SPLIT_SAMPLING = "feistel-v1"
 LEGACY_SAMPLING = "permutation-v0"  # runs whose checkpoints record no scheme were trained with this
-SAMPLING_SCHEMES = (SAMPLING_SCHEME, LEGACY_SAMPLING)
+SAMPLING_SCHEMES = (SAMPLING_SCHEME, WINDOW_SPLIT_SAMPLING, LEGACY_SAMPLING)
 # Seeds the choice of held-out windows: fixed, so changing train.seed keeps the same validation set.
 _VALIDATION_SEED = 0x5EED
 # Mixture assignments repeat in blocks of this many samples, so proportions hold to 1/BLOCK.
 MIXTURE_BLOCK = 4096
+IGNORE_INDEX = -100  # a target the loss skips (the loss functions' and F.cross_entropy's convention)
 
 
 class TokenStream(Protocol):
@@ -101,6 +112,44 @@ class FeistelSplit:
         return self._permutation.inverse(window) < self.held_out_windows
 
 
+class SpanSplit:
+    """``feistel-v2``'s split: whole spans of ``span_windows`` consecutive windows held out.
+
+    The ``full`` whole spans are ordered by one fixed Feistel permutation; its first
+    ``held_out_spans`` are held out, the others (and the windows after the last whole span) train.
+    Held-out windows are listed round-robin over the held-out spans, so the first few of them
+    already come from all over the stream. Everything is computed per index, in constant memory.
+    """
+
+    def __init__(self, windows: int, fraction: float, span_windows: int) -> None:
+        self.span_windows = max(1, min(span_windows, windows))
+        self.spans = windows // self.span_windows
+        self.held_out_spans = held_out_count(self.spans, fraction)
+        self.held_out_windows = self.held_out_spans * self.span_windows
+        self.training_windows = windows - self.held_out_windows
+        self._training_in_spans = (self.spans - self.held_out_spans) * self.span_windows
+        self._permutation = FeistelPermutation(self.spans, (_VALIDATION_SEED,))
+
+    def held_out(self, k: int) -> int:
+        round_, nth = divmod(k, self.held_out_spans)
+        return self._permutation(nth) * self.span_windows + round_
+
+    def training(self, j: int) -> int:
+        if j >= self._training_in_spans:
+            return self.spans * self.span_windows + (j - self._training_in_spans)
+        slot, offset = divmod(j, self.span_windows)
+        return self._permutation(self.held_out_spans + slot) * self.span_windows + offset
+
+    def is_held_out(self, window: int) -> bool:
+        span = window // self.span_windows
+        return span < self.spans and self._permutation.inverse(span) < self.held_out_spans
+
+    def span_of(self, window: int) -> tuple[int, int]:
+        """The first window of ``window``'s span and the first after it."""
+        first = window - window % self.span_windows
+        return first, first + self.span_windows
+
+
 class LegacySplit:
     """``permutation-v0``'s split: a seeded choice of held-out ids, both sets as sorted arrays."""
 
@@ -131,18 +180,46 @@ class WholeStream:
         raise IndexError("a validation source has no training windows")
 
 
-def validation_split(scheme: str, windows: int, fraction: float) -> WindowSplit | None:
+# A small corpus may hold out up to this many times its fraction, so that a span can still hold
+# whole documents (a span shorter than the documents would score nothing).
+SPAN_OVERSHOOT = 4
+
+
+def span_windows_for(seq_len: int, span_tokens: int, windows: int, fraction: float) -> int:
+    """Windows per held-out span: ``span_tokens`` worth, shortened only where a corpus is so small
+    that one span would hold out more than ``SPAN_OVERSHOOT`` times the fraction."""
+    budget = max(1, math.floor(windows * fraction * SPAN_OVERSHOOT))
+    return max(1, min(math.ceil(span_tokens / seq_len), budget))
+
+
+def validation_split(scheme: str, windows: int, fraction: float, seq_len: int, span_tokens: int) -> WindowSplit | None:
     """The split of one training stream under ``scheme``, or None when nothing is held out."""
     if fraction <= 0:
         return None
     if scheme == SAMPLING_SCHEME:
+        return SpanSplit(windows, fraction, span_windows_for(seq_len, span_tokens, windows, fraction))
+    if scheme == WINDOW_SPLIT_SAMPLING:
         return FeistelSplit(windows, fraction)
     if scheme == LEGACY_SAMPLING:
         return LegacySplit(windows, fraction)
     raise ValueError(f"unknown sampling scheme {scheme!r}; this meshtrain knows {', '.join(SAMPLING_SCHEMES)}")
 
 
+@dataclass(frozen=True)
+class WindowRef:
+    """Where one sample's tokens are: ``length`` tokens of ``stream`` from ``start``."""
+
+    stream: TokenStream
+    start: int
+    length: int
+
+    def read(self) -> np.ndarray:
+        return self.stream.read(self.start, self.start + self.length)
+
+
 class Samples(Protocol):
+    def locate(self, global_index: int) -> WindowRef: ...
+
     def sample(self, global_index: int) -> np.ndarray: ...
 
 
@@ -174,25 +251,30 @@ class PackedSequences:
         """Position within the epoch -> slot among the training windows."""
         if epoch != self._epoch:
             self._epoch = epoch
-            if self.scheme == SAMPLING_SCHEME:
+            if self.scheme != LEGACY_SAMPLING:
                 self._order = FeistelPermutation(self.windows, (*self.seed, epoch))
             else:
                 order = np.random.default_rng([*self.seed, epoch]).permutation(self.windows)
                 self._order = lambda position: int(order[position])
         return self._order
 
+    def window_ref(self, window_id: int) -> WindowRef:
+        return WindowRef(self.stream, window_id * self.seq_len, self.seq_len + 1)
+
     def window(self, window_id: int) -> np.ndarray:
-        start = window_id * self.seq_len
-        return self.stream.read(start, start + self.seq_len + 1)
+        return self.window_ref(window_id).read()
 
     def window_of(self, global_index: int) -> int:
         epoch, position = divmod(global_index, self.windows)
         slot = self._order_for(epoch)(position)
         return slot if self.split is None else self.split.training(slot)
 
+    def locate(self, global_index: int) -> WindowRef:
+        return self.window_ref(self.window_of(global_index))
+
     def sample(self, global_index: int) -> np.ndarray:
         """The ``seq_len + 1`` tokens of global sample ``global_index`` (epochs wrap around)."""
-        return self.window(self.window_of(global_index))
+        return self.locate(global_index).read()
 
 
 def apportion(total: int, weights: Sequence[float]) -> list[int]:
@@ -241,35 +323,112 @@ class MixtureSamples:
         source = int(self._source[offset])
         return source, block_index * self.counts[source] + int(self._rank[offset])
 
-    def sample(self, global_index: int) -> np.ndarray:
+    def locate(self, global_index: int) -> WindowRef:
         source, index = self.source_of(global_index)
-        return self.components[source].sample(index)
+        return self.components[source].locate(index)
+
+    def sample(self, global_index: int) -> np.ndarray:
+        return self.locate(global_index).read()
 
 
-class HeldOutSamples:
-    """Validation windows read back in a fixed order (each split's held-out order, sources in turn)."""
+@dataclass(frozen=True)
+class ValidationPart:
+    """One source's held-out windows. With ``eos_id``, only the documents wholly inside a held-out
+    span are scored (a span split); without, every target of a held-out window is."""
 
-    def __init__(self, parts: Sequence[tuple[PackedSequences, WindowSplit]]) -> None:
-        self.parts = [(sequences, split) for sequences, split in parts if split.held_out_windows]
-        self.offsets = np.cumsum([0] + [split.held_out_windows for _, split in self.parts])
+    name: str
+    sequences: PackedSequences
+    split: WindowSplit
+    eos_id: int | None = None
+
+
+@dataclass(frozen=True)
+class ValidationWindow:
+    part: int
+    window: int
+    lo: int  # targets [lo, hi) of the window are scored
+    hi: int
+
+
+@dataclass(frozen=True)
+class ValidationBatch:
+    inputs: torch.Tensor
+    targets: torch.Tensor  # IGNORE_INDEX where a target is not scored
+    sources: torch.Tensor  # each row's part index
+
+
+class ValidationSet:
+    """Held-out windows of every source, and which of their targets count.
+
+    A held-out span scores the documents that lie wholly inside it (no training window reads them;
+    a window's last token is the next window's first, so the span's first and last tokens are shared
+    with training). :meth:`select` lists the windows an evaluation reads: one per held-out span in
+    turn (so a few hundred windows already come from a few hundred places in the corpus), each part
+    (source) in turn, skipping windows with nothing to score. Every rank computes the same list.
+    """
+
+    def __init__(self, parts: Sequence[ValidationPart]) -> None:
+        self.parts = [part for part in parts if part.split.held_out_windows]
+        self.names = [part.name for part in self.parts]
+        self._selected: dict[int, list[ValidationWindow]] = {}
 
     def __len__(self) -> int:
-        return int(self.offsets[-1])
+        """Held-out windows in all (an upper bound on what :meth:`select` can return)."""
+        return sum(part.split.held_out_windows for part in self.parts)
 
-    def sample(self, index: int) -> np.ndarray:
-        part = int(np.searchsorted(self.offsets, index, side="right")) - 1
-        sequences, split = self.parts[part]
-        return sequences.window(split.held_out(int(index - self.offsets[part])))
+    def _scored_windows(self, index: int, limit: int) -> Iterator[ValidationWindow]:
+        """One part's windows with scored targets, in turn over its first ``limit`` held-out spans."""
+        part = self.parts[index]
+        split, seq_len = part.split, part.sequences.seq_len
+        if part.eos_id is None or not isinstance(split, SpanSplit):
+            for k in range(split.held_out_windows):
+                yield ValidationWindow(index, split.held_out(k), 0, seq_len)
+            return
+        ranges = []  # per span: its first and last window with a scored target, and the scored positions
+        for nth in range(min(split.held_out_spans, limit)):
+            first, stop = split.span_of(split.held_out(nth))
+            ends = np.flatnonzero(part.sequences.stream.read(first * seq_len, stop * seq_len) == part.eos_id)
+            if len(ends) >= 2:
+                first_end, last_end = first * seq_len + int(ends[0]), first * seq_len + int(ends[-1])
+                ranges.append((first_end // seq_len, (last_end - 1) // seq_len, first_end, last_end))
+        for round_ in range(max((high - low + 1 for low, high, _, _ in ranges), default=0)):
+            for low, high, first_end, last_end in ranges:
+                window = low + round_
+                if window <= high:
+                    start = window * seq_len
+                    yield ValidationWindow(index, window, max(0, first_end - start), min(seq_len, last_end - start))
+
+    def select(self, count: int) -> list[ValidationWindow]:
+        """The first ``count`` windows of the evaluation order (fewer when the held-out data has fewer)."""
+        if count not in self._selected:
+            streams = [self._scored_windows(k, count) for k in range(len(self.parts))]
+            chosen: list[ValidationWindow] = []
+            while streams and len(chosen) < count:
+                for stream in list(streams):
+                    item = next(stream, None)
+                    if item is None:
+                        streams.remove(stream)
+                    elif len(chosen) < count:
+                        chosen.append(item)
+            self._selected[count] = chosen
+        return self._selected[count]
 
     def batches(
-        self, count: int, micro_batch_size: int, dp_rank: int, dp_size: int, device: torch.device
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's part of the first ``count`` validation samples (rank r takes every dp_size-th,
-        from r), as (inputs, targets) micro-batches; the union over ranks is the same on any mesh."""
-        mine = list(range(dp_rank, min(count, len(self)), dp_size))
+        self, chosen: Sequence[ValidationWindow], micro_batch_size: int, dp_rank: int, dp_size: int, device: torch.device
+    ) -> Iterator[ValidationBatch]:
+        """This rank's part of ``chosen`` (rank r takes every dp_size-th, from r), in micro-batches;
+        the union over ranks is the same on any mesh."""
+        mine = chosen[dp_rank::dp_size]
         for first in range(0, len(mine), micro_batch_size):
-            rows = np.stack([self.sample(i) for i in mine[first : first + micro_batch_size]])
-            yield _to_device(rows, device)
+            group = mine[first : first + micro_batch_size]
+            rows = np.stack([self.parts[item.part].sequences.window(item.window) for item in group])
+            inputs, targets = _to_device(rows, device)
+            keep = torch.zeros(targets.shape, dtype=torch.bool)
+            for row, item in enumerate(group):
+                keep[row, item.lo : item.hi] = True
+            targets = targets.masked_fill(~keep.to(targets.device), IGNORE_INDEX)
+            sources = torch.tensor([item.part for item in group], device=targets.device)
+            yield ValidationBatch(inputs, targets, sources)
 
 
 def _to_device(rows: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,6 +443,11 @@ class DataParallelBatches:
 
     Step layout: the global batch of ``G`` samples is split into ``accumulation`` micro-steps;
     micro-step ``a`` gives rank ``r`` samples ``a*dp*m + r*m + [0, m)`` of the batch.
+
+    The order is known in advance, so the windows of the next ``read_ahead_steps`` steps are read
+    by ``read_threads`` background threads while the current step trains: with storage that takes
+    tens of milliseconds per request, the step finds its batch already read. Only the reads run in
+    the threads; which window a sample is (the order, the mixture) is decided in the caller's thread.
     """
 
     def __init__(
@@ -295,6 +459,8 @@ class DataParallelBatches:
         dp_size: int,
         device: torch.device,
         position: int = 0,
+        read_ahead_steps: int = 0,
+        read_threads: int = 4,
     ) -> None:
         if global_batch_size % (micro_batch_size * dp_size):
             raise ValueError("global batch must be a multiple of micro batch x data-parallel size")
@@ -302,18 +468,55 @@ class DataParallelBatches:
         self.dp_rank, self.dp_size, self.device = dp_rank, dp_size, device
         self.accumulation = global_batch_size // (micro_batch_size * dp_size)
         self.position = position
+        self.read_ahead_steps = read_ahead_steps
+        self._reader = ThreadPoolExecutor(read_threads, thread_name_prefix="meshtrain-read") if read_ahead_steps else None
+        self._pending: OrderedDict[int, list[list[Future[np.ndarray]]]] = OrderedDict()
+
+    def _rows_of(self, base: int) -> list[list[WindowRef]]:
+        """Where each of this rank's samples of the step starting at ``base`` is, per micro-step."""
+        per_micro_step = self.micro_batch_size * self.dp_size
+        firsts = [base + a * per_micro_step + self.dp_rank * self.micro_batch_size for a in range(self.accumulation)]
+        return [[self.samples.locate(first + i) for i in range(self.micro_batch_size)] for first in firsts]
+
+    def _read_ahead(self, base: int, steps: int) -> None:
+        """Start reading the ``steps`` steps from ``base`` that are not being read yet."""
+        assert self._reader is not None
+        for step in range(steps):
+            at = base + step * self.global_batch_size
+            if at not in self._pending:
+                reader = self._reader
+                self._pending[at] = [[reader.submit(ref.read) for ref in refs] for refs in self._rows_of(at)]
 
     def next_step(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(inputs, targets) per micro-step of the next optimizer step; advances the position."""
         base, self.position = self.position, self.position + self.global_batch_size
-        per_micro_step = self.micro_batch_size * self.dp_size
-        for micro_step in range(self.accumulation):
-            first = base + micro_step * per_micro_step + self.dp_rank * self.micro_batch_size
-            rows = np.stack([self.samples.sample(first + i) for i in range(self.micro_batch_size)])
-            yield _to_device(rows, self.device)
+        if self._reader is None:
+            for refs in self._rows_of(base):
+                yield _to_device(np.stack([ref.read() for ref in refs]), self.device)
+            return
+        self._read_ahead(base, 1)
+        step = self._pending.pop(base)
+        self._read_ahead(self.position, self.read_ahead_steps)
+        for futures in step:
+            yield _to_device(np.stack([future.result() for future in futures]), self.device)
+
+    def close(self) -> None:
+        """Stop reading ahead (reads already running finish; their results are dropped)."""
+        for step in self._pending.values():
+            for futures in step:
+                for future in futures:
+                    future.cancel()
+        self._pending.clear()
+        if self._reader is not None:
+            self._reader.shutdown(wait=False, cancel_futures=True)
 
     def state_dict(self) -> dict[str, int]:
         return {"position": self.position}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.position = int(state["position"])
+        for step in self._pending.values():
+            for futures in step:
+                for future in futures:
+                    future.cancel()
+        self._pending.clear()

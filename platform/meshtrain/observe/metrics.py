@@ -29,6 +29,8 @@ from prometheus_client import (
     make_wsgi_app,
 )
 
+from meshtrain.config import OVERALL_LABEL
+
 # Counters and histograms would otherwise add a *_created series each; nothing here reads them.
 disable_created_metrics()
 
@@ -84,6 +86,7 @@ class TrainingMetrics:
         self.device, self.peak_flops_per_s = device, peak_flops_per_s
         self.flops_per_token = flops_per_token
         values = {"run": run, "rank": str(rank), "node": node}
+        self._label_values = values
 
         def gauge(name: str, documentation: str) -> Any:
             return _LazyGauge(Gauge(name, documentation, LABELS, registry=self.registry), values)
@@ -133,7 +136,13 @@ class TrainingMetrics:
         self.checkpoint_step = gauge("meshtrain_checkpoint_step", "Step of the last committed checkpoint.")
         self.checkpoint_saves = counter("meshtrain_checkpoint_saves", "Checkpoints committed by this worker process.")
         self.checkpoint_load = gauge("meshtrain_checkpoint_load_duration_seconds", "Time the last checkpoint load took on this worker.")
-        self.eval_loss = gauge("meshtrain_eval_loss", "Mean next-token cross entropy (nats) on the validation set, last evaluation.")
+        self.eval_loss = Gauge(
+            "meshtrain_eval_loss",
+            f"Mean next-token cross entropy (nats) on the validation set at the last evaluation: per source, and over "
+            f"every source (source=\"{OVERALL_LABEL}\").",
+            (*LABELS, "source"),
+            registry=self.registry,
+        )
         self.eval_step = gauge("meshtrain_eval_step", "Step of the last evaluation.")
         self.skipped_steps = counter(
             "meshtrain_skipped_steps", "Optimizer steps the guard skipped (non-finite or spiking loss or gradient norm)."
@@ -182,7 +191,10 @@ class TrainingMetrics:
             self.mfu.set(worker_tokens_per_s * self.flops_per_token / self.peak_flops_per_s)
 
     def evaluated(self, record: dict[str, Any]) -> None:
-        self.eval_loss.set(record["loss"])
+        self.eval_loss.labels(**self._label_values, source=OVERALL_LABEL).set(record["loss"])
+        for name, scores in record.get("sources", {}).items():
+            if scores["loss"] is not None:
+                self.eval_loss.labels(**self._label_values, source=name).set(scores["loss"])
         self.eval_step.set(record["step"])
 
     def skipped(self, skipped_total: int) -> None:
@@ -272,7 +284,7 @@ class _MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
     daemon_threads = True
 
     @classmethod
-    def start(cls, address: str, port: int, app: Any, scrapes: _ScrapeCounter) -> "_MetricsServer":
+    def start(cls, address: str, port: int, app: Any, scrapes: _ScrapeCounter) -> _MetricsServer:
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         server_class = type("MetricsServer", (cls,), {"address_family": family})
         server = make_server(address, port, app, server_class, _handler_class(scrapes))

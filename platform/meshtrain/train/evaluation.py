@@ -1,16 +1,17 @@
-"""Validation loss: the mean next-token loss over a fixed held-out set, the same on any mesh."""
+"""Validation loss: the mean next-token loss over a fixed held-out set, overall and per source, the same on any mesh."""
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from meshtrain.data import HeldOutSamples
+from meshtrain.config import OVERALL_LABEL
+from meshtrain.data import IGNORE_INDEX, ValidationSet, ValidationWindow
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.model.loss import token_cross_entropy_sum
 from meshtrain.train.records import LoopOutputs
@@ -26,19 +27,25 @@ def validation_samples(available: int, batches: int, global_batch_size: int) -> 
 
 def evaluate(
     model: torch.nn.Module,
-    validation: HeldOutSamples,
-    samples: int,
+    validation: ValidationSet,
+    chosen: Sequence[ValidationWindow],
     micro_batch_size: int,
     dp_rank: int,
     dp_size: int,
     device: torch.device,
-) -> float:
-    """Mean token loss over the first ``samples`` held-out samples, split over the data-parallel ranks."""
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, target tokens
+) -> dict[str, tuple[float, int]]:
+    """Mean token loss and scored tokens over the ``chosen`` held-out windows, split over the
+    data-parallel ranks: per source, and overall under ``OVERALL_LABEL`` (every scored token alike)."""
+    parts = len(validation.names)
+    totals = torch.zeros(2, parts, dtype=torch.float64, device=device)  # per source: loss sum, scored tokens
     with torch.no_grad():
-        for inputs, targets in validation.batches(samples, micro_batch_size, dp_rank, dp_size, device):
-            totals[0] += token_cross_entropy_sum(model(inputs), targets).double()
-            totals[1] += targets.numel()
+        for batch in validation.batches(chosen, micro_batch_size, dp_rank, dp_size, device):
+            logits = model(batch.inputs)
+            for part in batch.sources.unique().tolist():
+                rows = batch.sources == part
+                targets = batch.targets[rows]
+                totals[0, part] += token_cross_entropy_sum(logits[rows], targets).double()
+                totals[1, part] += (targets != IGNORE_INDEX).sum()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(totals)
     # Units that keep their parameters gathered after forward (for backward) are resharded here:
@@ -46,7 +53,14 @@ def evaluate(
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-    return float(totals[0] / totals[1]) if totals[1] > 0 else math.nan
+    sums, counts = totals.cpu().tolist()
+
+    def mean(loss_sum: float, tokens: float) -> tuple[float, int]:
+        return (loss_sum / tokens if tokens else math.nan), int(tokens)
+
+    losses = {name: mean(sums[k], counts[k]) for k, name in enumerate(validation.names)}
+    losses[OVERALL_LABEL] = mean(sum(sums), sum(counts))
+    return losses
 
 
 class Evaluation:
@@ -55,7 +69,7 @@ class Evaluation:
     def __init__(
         self,
         model: torch.nn.Module,
-        validation: HeldOutSamples | None,
+        validation: ValidationSet | None,
         interval: int | None,
         batches: int,
         global_batch_size: int,
@@ -69,12 +83,31 @@ class Evaluation:
         self.micro_batch_size, self.layout, self.device, self.outputs, self.beat = (
             micro_batch_size, layout, device, outputs, beat
         )
-        self.samples = 0
-        if interval is not None and validation is not None:
-            self.samples = validation_samples(len(validation), batches, global_batch_size)
+        self.batches, self.global_batch_size = batches, global_batch_size
+        self._chosen: list[ValidationWindow] | None = None  # chosen at the first evaluation (it reads the data)
+        self.last_by_source: dict[str, float | None] = {}  # the last evaluation's loss per source
+
+    @property
+    def chosen(self) -> list[ValidationWindow]:
+        """The windows every evaluation reads: whole global batches of the set's selection."""
+        if self._chosen is None:
+            assert self.validation is not None
+            wanted = self.batches * self.global_batch_size
+            selected = self.validation.select(wanted)
+            self._chosen = selected[: validation_samples(len(selected), self.batches, self.global_batch_size)]
+            if not self._chosen and self.layout.world_rank == 0:
+                print(
+                    f"[meshtrain] warning: no evaluation: the held-out data has {len(selected)} windows with whole "
+                    f"documents, fewer than one global batch ({self.global_batch_size}); raise data.validation.fraction "
+                    "or data.validation.span_tokens (documents longer than a span are never held out whole)",
+                    flush=True,
+                )
+        return self._chosen
 
     def due(self, step: int, last: bool) -> bool:
-        return bool(self.samples) and bool(self.interval) and (step % self.interval == 0 or last)
+        if self.validation is None or not self.interval or not (step % self.interval == 0 or last):
+            return False
+        return bool(self.chosen)
 
     def run(self, step: int) -> float:
         """The validation loss at ``step``, recorded as an ``eval`` event."""
@@ -82,14 +115,18 @@ class Evaluation:
         self.beat(f"evaluating at step {step}")
         started = time.perf_counter()
         self.model.eval()
-        loss = evaluate(
-            self.model, self.validation, self.samples, self.micro_batch_size,
+        losses = evaluate(
+            self.model, self.validation, self.chosen, self.micro_batch_size,
             self.layout.world_rank, self.layout.world_size, self.device,
         )
         self.model.train()
+        loss, tokens = losses.pop(OVERALL_LABEL)
+        self.last_by_source = {name: None if math.isnan(value) else value for name, (value, _) in losses.items()}
         self.outputs.evaluated({
             "event": "eval", "step": step, "loss": loss, "perplexity": math.exp(min(loss, 700.0)),
-            "samples": self.samples, "seconds": time.perf_counter() - started,
+            "samples": len(self.chosen), "tokens": tokens,
+            "sources": {name: {"loss": self.last_by_source[name], "tokens": count} for name, (_, count) in losses.items()},
+            "seconds": time.perf_counter() - started,
         })
         self.beat(f"training after the evaluation at step {step}")
         return loss

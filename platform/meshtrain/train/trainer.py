@@ -45,6 +45,7 @@ class TrainResult:
     train_time_s: float = 0.0
     tokens: int = 0
     eval_loss: float | None = None  # the last evaluation's
+    eval_loss_by_source: dict[str, float | None] = field(default_factory=dict)  # the last evaluation's
     skipped_steps: int = 0
     stopped: str | None = None  # why the run stopped before train.steps (the step guard)
 
@@ -133,6 +134,7 @@ class Trainer:
         self.batches = DataParallelBatches(
             data.train, cfg.train.global_batch_size, micro_batch, dp_rank=layout.world_rank,
             dp_size=layout.world_size, device=device, position=self.progress.data_position,
+            read_ahead_steps=cfg.data.read_ahead_steps, read_threads=cfg.data.read_threads,
         )
         self.result = TrainResult(
             mesh_shape=plan.shape, world_size=layout.world_size, parameters=count_parameters(self.model)
@@ -170,26 +172,30 @@ class Trainer:
         self.model.train()
         self.log.start(time.perf_counter())
         first_step = progress.step + 1
-        for step in range(first_step, cfg.train.steps + 1):
-            self._beat(f"training step {step}", arm=step > first_step)
-            self.faults.before_step(step, self.model)
-            self.collection.step(step)
-            lr = self.scheduler.get_last_lr()[0]
-            waiting_since = time.perf_counter()
-            micro_batches = list(self.batches.next_step())
-            data_wait = time.perf_counter() - waiting_since
-            output = train_step(self.model, self.guard, micro_batches, self.layout.world_size, cfg.optim.grad_clip)
-            self.scheduler.step()
-            progress.step, progress.tokens = step, progress.tokens + output.tokens
-            progress.data_position = self.batches.position
-            last = step == cfg.train.steps
-            if not self.checkpointing.after_step(step):
-                break
-            self.outputs.step_done(step, output.tokens // self.layout.world_size, data_wait)
-            if self.evaluation.due(step, last):
-                self.result.eval_loss = self.evaluation.run(step)
-            if not self.log.after_step(step, lr, output, data_wait, last):
-                break
+        try:
+            for step in range(first_step, cfg.train.steps + 1):
+                self._beat(f"training step {step}", arm=step > first_step)
+                self.faults.before_step(step, self.model)
+                self.collection.step(step)
+                lr = self.scheduler.get_last_lr()[0]
+                waiting_since = time.perf_counter()
+                micro_batches = list(self.batches.next_step())
+                data_wait = time.perf_counter() - waiting_since
+                output = train_step(self.model, self.guard, micro_batches, self.layout.world_size, cfg.optim.grad_clip)
+                self.scheduler.step()
+                progress.step, progress.tokens = step, progress.tokens + output.tokens
+                progress.data_position = self.batches.position
+                last = step == cfg.train.steps
+                if not self.checkpointing.after_step(step):
+                    break
+                self.outputs.step_done(step, output.tokens // self.layout.world_size, data_wait)
+                if self.evaluation.due(step, last):
+                    self.result.eval_loss = self.evaluation.run(step)
+                    self.result.eval_loss_by_source = self.evaluation.last_by_source
+                if not self.log.after_step(step, lr, output, data_wait, last):
+                    break
+        finally:
+            self.batches.close()
         self.checkpointing.close()
         self.result.tokens = progress.tokens
         self.result.skipped_steps = self.guard.read().skipped_total
