@@ -250,3 +250,35 @@ def test_a_resumed_prepare_trusts_finished_records_and_reads_no_shard(tmp_path: 
     assert f"({len(shards) - 2} re-used)" in lines[0], lines
     shard_reads = [entry for entry in opened if entry.startswith("r") and entry.endswith(".bin")]
     assert shard_reads == [], shard_reads
+
+
+def test_a_rank_reads_through_the_shard_index_without_parsing_the_manifest(tmp_path: Path, monkeypatch) -> None:
+    from meshtrain.data import store as store_module
+    from meshtrain.data.shard_index import INDEX_JSON, INDEX_NPY
+    from meshtrain.data.store import StoreLocation, read_manifest, write_index
+
+    stream = _write_store(tmp_path / "store", shards=300, rng=np.random.default_rng(3))
+    location = StoreLocation(str(tmp_path / "store"))
+    manifest = read_manifest(location)
+    assert write_index(location, manifest) and (tmp_path / "store" / INDEX_NPY).exists()
+
+    def no_parse(_location: object) -> None:
+        raise AssertionError("a rank parsed the manifest")
+
+    monkeypatch.setattr(store_module, "read_manifest", no_parse)
+    store = TokenStore(str(tmp_path / "store"))
+    assert store.fingerprint == manifest.fingerprint and len(store) == len(stream)
+    picker = random.Random(2)
+    for _ in range(500):
+        start = picker.randrange(0, len(stream) - 300)
+        stop = start + picker.randrange(1, 300)
+        assert np.array_equal(store.read(start, stop), stream[start:stop])
+    assert [store.index.sha256(k) for k in range(300)] == [s.sha256 for s in manifest.shards]
+    store.close()
+    # An index that does not describe the manifest beside it (another size) is not trusted.
+    header = json.loads((tmp_path / "store" / INDEX_JSON).read_text())
+    (tmp_path / "store" / INDEX_JSON).write_text(json.dumps({**header, "manifest_bytes": 1}))
+    with pytest.raises(AssertionError, match="parsed the manifest"):
+        TokenStore(str(tmp_path / "store"))
+    monkeypatch.undo()
+    assert np.array_equal(TokenStore(str(tmp_path / "store")).read(0, len(stream)), stream)

@@ -58,7 +58,7 @@ class ValidationConfig(Section):
         65536,
         gt=0,
         description="Held-out data comes in spans of this many consecutive tokens (at least one span; shorter only "
-        "where a span would exceed 4x the fraction of a small corpus); only documents wholly inside a span are "
+        "where a span would exceed 8x the fraction of a small corpus); only documents wholly inside a span are "
         "scored, so raise it for corpora of long documents.",
     )
 
@@ -115,10 +115,22 @@ class DataConfig(Section):
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="fsspec options for s3:// stores and cache, e.g. {client_kwargs: {endpoint_url: ...}}."
     )
+    cache_max_bytes: int = Field(
+        32 * 2**30,
+        ge=2**20,
+        description="Bound of the node-local cache of remote (s3://) store blocks, shared by a node's ranks; the "
+        "least recently used blocks are removed past it (at least 1 MiB, one block).",
+    )
+    local_cache_dir: str | None = Field(
+        None, description="Node-local folder of that cache; unset = $MESHTRAIN_TOKEN_CACHE or <tmp>/meshtrain-token-cache."
+    )
+    read_timeout_s: float = Field(
+        120.0, gt=0, description="How long requests to a remote store are retried (with backoff) before the run stops with one line."
+    )
     read_ahead_steps: int = Field(
         2, ge=0, description="Steps of training windows each rank reads ahead in background threads (0 = read in the step)."
     )
-    read_threads: int = Field(8, gt=0, description="Background threads per rank reading windows ahead (concurrent requests).")
+    read_threads: int = Field(16, gt=0, description="Background threads per rank reading windows ahead (concurrent requests).")
     allow_fingerprint_change: bool = Field(
         False,
         description="Resume checkpoints trained on other token data (deliberately changing the corpus).",

@@ -7,10 +7,10 @@ batches from one global position, and ``pipeline`` ties them together for the dr
 
 from meshtrain.data.pipeline import DataPlan, TrainingData, open_data, prepare_data
 from meshtrain.data.sampling import (
+    IGNORE_INDEX,
     LEGACY_SAMPLING,
     SAMPLING_SCHEME,
     SAMPLING_SCHEMES,
-    IGNORE_INDEX,
     DataParallelBatches,
     MixtureSamples,
     PackedSequences,

@@ -32,10 +32,12 @@ from meshtrain.data.store import (
     FORMAT,
     FORMAT_VERSION,
     TOKENIZER,
+    ReadSettings,
     StoreLocation,
     TokenStore,
     is_token_store,
     read_manifest,
+    write_index,
 )
 from meshtrain.data.tokenizer import (
     eos_token_id,
@@ -69,6 +71,7 @@ class DataPlan:
     storage_options: dict[str, Any] = field(default_factory=dict)
     sampling: str = SAMPLING_SCHEME  # the order and split scheme (a resumed run keeps its checkpoints')
     validation_span_tokens: int = 65536
+    reading: ReadSettings = field(default_factory=ReadSettings)  # how workers read remote stores
 
     @property
     def fingerprint(self) -> str:
@@ -193,7 +196,9 @@ def prepare_data(
                     f"{len(report.manifest.shards)} shards ({report.reused_shards} re-used), {report.seconds:.1f}s "
                     f"({report.tokens_per_s:,.0f} tok/s) -> {url}"
                 )
-        manifest = read_manifest(StoreLocation(url, options))
+        location = StoreLocation(url, options)
+        manifest = read_manifest(location)
+        write_index(location, manifest)  # a store prepared before the index existed gets one here
         if manifest.tokenizer_sha256 != tokenizer_sha256(tokenizer_json):
             raise ConfigError(f"data.source: {url} was encoded with another tokenizer than this run's; prepare it again")
         if manifest.tokens < seq_len + 1:
@@ -216,6 +221,8 @@ def prepare_data(
         validation=validation,
         storage_options=dict(options),
         validation_span_tokens=data.validation.span_tokens,
+        reading=ReadSettings(cache_max_bytes=data.cache_max_bytes, local_cache_dir=data.local_cache_dir,
+                             read_timeout_s=data.read_timeout_s),
     )
 
 
@@ -232,7 +239,7 @@ class TrainingData:
 
 def open_data(plan: DataPlan, seq_len: int, seed: int) -> TrainingData:
     """Map every store and build this run's training samples and validation set."""
-    stores = [TokenStore(ref.url, plan.storage_options) for ref in plan.stores]
+    stores = [TokenStore(ref.url, plan.storage_options, reading=plan.reading) for ref in plan.stores]
     for store, ref in zip(stores, plan.stores):
         if store.fingerprint != ref.fingerprint:
             raise ConfigError(
@@ -255,7 +262,7 @@ def open_data(plan: DataPlan, seq_len: int, seed: int) -> TrainingData:
     )
     validation = None
     if plan.validation is not None:
-        store = TokenStore(plan.validation.url, plan.storage_options)
+        store = TokenStore(plan.validation.url, plan.storage_options, reading=plan.reading)
         sequences = PackedSequences(store, seq_len, seed, scheme=plan.sampling)
         validation = ValidationSet([ValidationPart(plan.validation.name, sequences, WholeStream(window_count(store, seq_len)))])
     elif held_out:

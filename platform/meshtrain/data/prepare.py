@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from meshtrain.config import ConfigError
+from meshtrain.data.remote import block_crcs, crc_name
 from meshtrain.data.sources import SourcePlan, Unit, read_unit
 from meshtrain.data.store import (
     FORMAT,
@@ -29,10 +30,12 @@ from meshtrain.data.store import (
     Manifest,
     ShardRecord,
     StoreLocation,
+    manifest_text,
     read_manifest,
     shard_name,
     store_fingerprint,
     token_dtype,
+    write_index,
 )
 from meshtrain.data.tokenizer import eos_token_id, tokenizer_sha256
 
@@ -90,6 +93,7 @@ def tokenize_unit(
     location = StoreLocation(url, storage_options)
     name = shard_name(unit.index)
     location.write_bytes(name, data)
+    location.write_bytes(crc_name(name), block_crcs(data))  # remote readers check every block they fetch
     record = ShardRecord(
         file=name,
         unit=_unit_key(plan, unit, tokenizer_sha256(tokenizer_json), limit),
@@ -254,7 +258,9 @@ def prepare_store(
     )
     if manifest.documents == 0:
         raise ConfigError(f"data.source: {plan.source.source!r} holds no documents; point it at files with text")
-    location.write_text(MANIFEST, manifest.model_dump_json(indent=1))
+    text = manifest_text(manifest)
+    write_index(location, manifest, len(text.encode()))  # derived from the manifest, so written before it
+    location.write_text(MANIFEST, text)
     prepared = sum(records[shard_name(u.index)].tokens for u in todo)
     return PrepareReport(manifest, location.url, time.perf_counter() - started, reused, prepared)
 

@@ -182,7 +182,7 @@ class WholeStream:
 
 # A small corpus may hold out up to this many times its fraction, so that a span can still hold
 # whole documents (a span shorter than the documents would score nothing).
-SPAN_OVERSHOOT = 4
+SPAN_OVERSHOOT = 8
 
 
 def span_windows_for(seq_len: int, span_tokens: int, windows: int, fraction: float) -> int:

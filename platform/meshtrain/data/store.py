@@ -34,6 +34,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from meshtrain.config import ConfigError
+from meshtrain.data.remote import RemoteShards, with_retries
+from meshtrain.data.shard_index import INDEX_JSON, INDEX_NPY, ShardIndex, index_arrays, parse_header
 
 FORMAT = "meshtrain-token-store"
 FORMAT_VERSION = 1
@@ -190,25 +192,48 @@ def read_manifest(location: StoreLocation) -> Manifest:
     return manifest
 
 
-def check_shard_sizes(location: StoreLocation, manifest: Manifest) -> None:
-    """Every shard present with exactly the bytes its manifest entry says (catches truncation),
-    from one listing of the store."""
-    itemsize = np.dtype(manifest.dtype).itemsize
-    sizes = location.sizes()
-    for shard in manifest.shards:
-        size = sizes.get(shard.file)
-        expected = shard.tokens * itemsize
+def check_shard_sizes(location: StoreLocation, index: ShardIndex, itemsize: int, sizes: dict[str, int] | None = None) -> None:
+    """Every shard present with exactly the bytes its manifest says (catches truncation), from one
+    listing of the store."""
+    sizes = location.sizes() if sizes is None else sizes
+    tokens = np.diff(index.ends, prepend=0)
+    for shard in range(index.shards):
+        name = shard_name(shard)
+        size, expected = sizes.get(name), int(tokens[shard]) * itemsize
         if size is None:
-            raise ConfigError(f"data.source: shard {location.display(shard.file)} is missing; prepare the store again")
+            raise ConfigError(f"data.source: shard {location.display(name)} is missing; prepare the store again")
         if size != expected:
             raise ConfigError(
-                f"data.source: shard {location.display(shard.file)} holds {size} bytes, its manifest says {expected} "
-                f"({shard.tokens} tokens); the file is truncated or replaced: prepare the store again"
+                f"data.source: shard {location.display(name)} holds {size} bytes, its manifest says {expected} "
+                f"({int(tokens[shard])} tokens); the file is truncated or replaced: prepare the store again"
             )
 
 
 def _local_cache_dir() -> Path:
     return Path(os.environ.get("MESHTRAIN_TOKEN_CACHE", Path(tempfile.gettempdir()) / "meshtrain-token-cache"))
+
+
+class ReadSettings(BaseModel):
+    """How a worker reads remote stores (from the data section of the config)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    cache_max_bytes: int = 32 * 2**30
+    local_cache_dir: str | None = None
+    read_timeout_s: float = 120.0
+
+    def cache_root(self) -> Path:
+        return Path(self.local_cache_dir) if self.local_cache_dir else _local_cache_dir()
+
+
+def with_timeouts(storage_options: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """S3 options with connect and read timeouts unless the user set their own: a request to an
+    endpoint that stops answering fails (and is retried) instead of waiting forever."""
+    if "config_kwargs" in storage_options:
+        return dict(storage_options)
+    per_request = max(1.0, min(timeout_s / 2, 30.0))
+    return {**storage_options, "config_kwargs": {"connect_timeout": per_request, "read_timeout": per_request,
+                                                  "retries": {"max_attempts": 1}}}
 
 
 # Shard files a rank keeps open at once: its windows are drawn at random from every shard, so without
@@ -254,81 +279,164 @@ class OpenFiles:
         self.close()
 
 
+def manifest_text(manifest: Manifest) -> str:
+    return manifest.model_dump_json(indent=1)
+
+
+def write_index(location: StoreLocation, manifest: Manifest, manifest_bytes: int | None = None) -> bool:
+    """Write the store's compact shard index beside its manifest, unless it is there already; False
+    when the store cannot hold one (shards not named by position, or storage that refuses the write:
+    readers then parse the manifest)."""
+    if location.exists(INDEX_JSON):
+        return True
+    if manifest_bytes is None:
+        manifest_bytes = location.size(MANIFEST)
+    made = index_arrays(manifest, shard_name, manifest_bytes or 0)
+    if made is None:
+        return False
+    header, table = made
+    try:
+        location.write_bytes(INDEX_NPY, table)
+        location.write_text(INDEX_JSON, json.dumps(header, indent=1))
+    except (PermissionError, OSError):
+        return False
+    return True
+
+
 class TokenStore:
     """A complete store's token stream, read shard by shard with positional reads.
 
     ``read(start, stop)`` returns tokens ``[start, stop)`` of the shards concatenated in order,
-    reading only that range (across a shard boundary it joins two reads).
+    reading only that range (across a shard boundary it joins two reads). The shards' offsets come
+    from the memory-mapped shard index (:mod:`meshtrain.data.shard_index`), or from the manifest
+    for a store without one.
     """
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, open_shards: int = OPEN_SHARDS) -> None:
-        self.location = StoreLocation(url, storage_options)
-        self.manifest = read_manifest(self.location)
-        check_shard_sizes(self.location, self.manifest)
-        self.dtype = np.dtype(self.manifest.dtype)
-        self.offsets = np.cumsum([0] + [s.tokens for s in self.manifest.shards], dtype=np.int64)
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        open_shards: int = OPEN_SHARDS,
+        reading: ReadSettings | None = None,
+    ) -> None:
+        reading = reading or ReadSettings()
+        options = storage_options or {}
+        self.location = StoreLocation(url, with_timeouts(options, reading.read_timeout_s) if url.startswith("s3://") else options)
+        self._cache_root = reading.cache_root()
+        # The one listing of a start: index, manifest and shard sizes.
+        sizes = with_retries(self.location.sizes, self.location.url, reading.read_timeout_s)
+        self.index = self._open_index(sizes)
+        self.dtype = np.dtype(self.index.header["dtype"])
+        check_shard_sizes(self.location, self.index, self.dtype.itemsize, sizes)
         self._files = OpenFiles(open_shards)
+        self._manifest: Manifest | None = None
+        self._opening_requests = 0 if self.location.is_local else 2 + int(INDEX_JSON in sizes)  # listing, index
+        self._remote = None if self.location.is_local else RemoteShards(
+            self.location, self.fingerprint, reading.cache_root(), reading.cache_max_bytes, reading.read_timeout_s,
+            shard_bytes=lambda k: self.index.tokens(k) * self.dtype.itemsize, shard_sha256=self.index.sha256,
+            shard_file=shard_name,
+        )
+
+    def stats(self) -> dict[str, int]:
+        """Remote requests this process made for the store, bytes it downloaded and cache hits."""
+        if self._remote is None:
+            return {"requests": 0, "bytes_downloaded": 0, "cache_hits": 0}
+        stats = dict(self._remote.stats)
+        stats["requests"] += self._opening_requests
+        return stats
+
+    def _open_index(self, sizes: dict[str, int]) -> ShardIndex:
+        display = self.location.display(INDEX_JSON)
+        header = parse_header(self.location.read_text(INDEX_JSON), display) if INDEX_JSON in sizes else None
+        if header is None or sizes.get(MANIFEST) != header.get("manifest_bytes") or (
+            header.get("store_format"), header.get("store_version")) != (FORMAT, FORMAT_VERSION):
+            # No index, or one that does not describe this manifest: the manifest says what is what.
+            return _index_from_manifest(read_manifest(self.location), self.location.display(MANIFEST))
+        if self.location.is_local:
+            table = Path(self.location.path(INDEX_NPY))
+        else:  # fetched once per node, verified, then memory-mapped like a local one
+            table = self._cache_root / header["fingerprint"][:16] / INDEX_NPY
+            if not table.exists():
+                table.parent.mkdir(parents=True, exist_ok=True)
+                data = with_retries(lambda: self.location.fs.cat_file(self.location.path(INDEX_NPY)),
+                                    self.location.display(INDEX_NPY), 120.0)
+                if hashlib.sha256(data).hexdigest() != header["index_sha256"]:
+                    raise ConfigError(f"data.source: {self.location.display(INDEX_NPY)} does not match index.json; "
+                                      "delete both index files (the driver writes them again)")
+                fd, tmp = tempfile.mkstemp(prefix=f".{INDEX_NPY}.", dir=table.parent)
+                with os.fdopen(fd, "wb") as handle:
+                    handle.write(data)
+                os.replace(tmp, table)
+        try:
+            return ShardIndex(header, table, self.location.display(INDEX_NPY))
+        except (FileNotFoundError, ValueError):
+            raise ConfigError(f"data.source: {self.location.display(INDEX_NPY)} is missing or unreadable; delete "
+                              f"{display} (the driver writes both again)") from None
+
+    @property
+    def manifest(self) -> Manifest:
+        """The store's full manifest (parsed on first use: training never needs it)."""
+        if self._manifest is None:
+            self._manifest = read_manifest(self.location)
+        return self._manifest
 
     @property
     def fingerprint(self) -> str:
-        return self.manifest.fingerprint
+        return str(self.index.header["fingerprint"])
 
     @property
     def url(self) -> str:
         return self.location.url
 
     def __len__(self) -> int:
-        return int(self.offsets[-1])
+        return int(self.index.header["tokens"])
 
     def tokenizer_json(self) -> str:
         return self.location.read_text(TOKENIZER)
 
-    def _shard_path(self, index: int) -> str:
-        shard = self.manifest.shards[index]
-        return self.location.path(shard.file) if self.location.is_local else self._cached(shard)
-
-    def _cached(self, shard: ShardRecord) -> str:
-        """A local copy of a remote shard, verified by its checksum, shared by the ranks of a node."""
-        local = _local_cache_dir() / self.manifest.fingerprint[:16] / shard.file
-        if local.exists() and local.stat().st_size == shard.tokens * self.dtype.itemsize:
-            return str(local)
-        local.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{shard.file}.", dir=local.parent)
-        os.close(fd)
-        self.location.fs.get(self.location.path(shard.file), tmp)
-        digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
-        if digest != shard.sha256:
-            os.unlink(tmp)
-            raise ConfigError(
-                f"data.source: shard {self.location.display(shard.file)} does not match its manifest checksum; "
-                "prepare the store again"
-            )
-        os.replace(tmp, local)
-        return str(local)
-
     def read(self, start: int, stop: int) -> np.ndarray:
-        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        index = self.index
+        shard = index.shard_of(start)
         pieces = []
-        index, position = first, start
+        position = start
         itemsize = self.dtype.itemsize
         while position < stop:
-            shard_start = int(self.offsets[index])
-            end = min(stop, int(self.offsets[index + 1]))
+            shard_start, shard_end = index.start(shard), index.end(shard)
+            end = min(stop, shard_end)
             if end > position:  # an empty shard (a byte range that held no line) is never opened
-                data = self._files.read(self._shard_path(index), (position - shard_start) * itemsize, (end - position) * itemsize)
+                offset, size = (position - shard_start) * itemsize, (end - position) * itemsize
+                if self._remote is None:
+                    data = self._files.read(self.location.path(shard_name(shard)), offset, size)
+                else:
+                    data = self._remote.read(shard, offset, size)
                 pieces.append(np.frombuffer(data, dtype=self.dtype))
-            position, index = end, index + 1
+            position, shard = end, shard + 1
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     def close(self) -> None:
         self._files.close()
 
 
+def _index_from_manifest(manifest: Manifest, display: str) -> ShardIndex:
+    """The same index, built in memory from a parsed manifest (a store without index files)."""
+    made = index_arrays(manifest, shard_name, 0)
+    if made is None:
+        raise ConfigError(f"data.source: {display} names its shards otherwise than shard-NNNNNN.bin by position; "
+                          "prepare the store again")
+    header, table = made
+    with tempfile.NamedTemporaryFile(suffix=".npy") as handle:
+        handle.write(table)
+        handle.flush()
+        index = ShardIndex(header, Path(handle.name), display)
+        index.table = np.array(index.table)  # off the temporary file, into memory
+    return index
+
+
 def verify_store(url: str, storage_options: dict[str, Any] | None = None) -> Manifest:
     """Full check of a store: manifest, sizes and every shard's checksum (reads every byte)."""
     location = StoreLocation(url, storage_options)
     manifest = read_manifest(location)
-    check_shard_sizes(location, manifest)
+    check_shard_sizes(location, _index_from_manifest(manifest, location.display(MANIFEST)), np.dtype(manifest.dtype).itemsize)
     for shard in manifest.shards:
         if location.sha256(shard.file) != shard.sha256:
             raise ConfigError(

@@ -1,0 +1,142 @@
+"""Remote token stores at scale: ranged block reads checked per block, a node cache that ranks share
+and that stays under its bound, and storage that stops answering reported in one line."""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from meshtrain.bench.scale import write_store
+from meshtrain.config import ConfigError
+from meshtrain.data import TokenStore
+from meshtrain.data import remote as remote_module
+from meshtrain.data.remote import StorageUnavailable
+from meshtrain.data.store import ReadSettings
+from s3server import moto_s3
+
+BLOCK = 4096  # bytes per block in these tests: shards of several blocks stay small
+
+
+@pytest.fixture
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(remote_module, "BLOCK_BYTES", BLOCK)
+
+
+def _upload(folder: Path, options: dict[str, Any], prefix: str) -> str:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**options)
+    for path in sorted(folder.iterdir()):
+        if path.is_file():
+            fs.put_file(str(path), f"data/{prefix}/{path.name}")
+    return f"s3://data/{prefix}"
+
+
+def _random_reads(store: TokenStore, count: int, seed: int, longest: int = 5000) -> list[tuple[int, int]]:
+    picker = random.Random(seed)
+    spans = []
+    for _ in range(count):
+        start = picker.randrange(0, len(store) - longest)
+        spans.append((start, start + picker.randrange(1, longest)))
+    return spans
+
+
+def test_remote_reads_equal_local_reads_and_fetch_only_the_blocks_they_need(small_blocks, tmp_path, monkeypatch) -> None:
+    summary = write_store(tmp_path / "store", shards=12, tokens_per_shard=10_000, sparse=False)
+    local = TokenStore(summary["url"])
+    with moto_s3(monkeypatch, "data") as options:
+        url = _upload(tmp_path / "store", options, "s")
+        reading = ReadSettings(cache_max_bytes=10**9, local_cache_dir=str(tmp_path / "cache"), read_timeout_s=30)
+        store = TokenStore(url, options, reading=reading)
+        assert store.fingerprint == local.fingerprint and len(store) == len(local)
+        spans = _random_reads(store, 60, seed=1)
+        spans += [(9_990, 10_010), (2 * BLOCK // 2 - 3, 2 * BLOCK // 2 + 3)]  # across a shard and a block boundary
+        for start, stop in spans:
+            assert np.array_equal(store.read(start, stop), local.read(start, stop))
+        stats = store.stats()
+        needed = sum(-(-((stop - start) * 2) // BLOCK) + 1 for start, stop in spans)  # blocks the reads touch, at most
+        checksums = 12 * 5 * 4  # every shard's list of block checksums: 5 blocks of 20,000 bytes, 4 bytes each
+        assert stats["bytes_downloaded"] <= needed * BLOCK + checksums and stats["bytes_downloaded"] < 12 * 20_000
+        # A second reader of the node finds the blocks in the shared cache and downloads none.
+        again = TokenStore(url, options, reading=reading)
+        for start, stop in spans:
+            assert np.array_equal(again.read(start, stop), local.read(start, stop))
+        assert again.stats()["cache_hits"] >= len(spans) and again.stats()["bytes_downloaded"] <= checksums
+
+
+def _reader(url: str, options: dict[str, Any], cache: str, bound: int, seed: int, expected: str, out: Any) -> None:
+    remote_module.BLOCK_BYTES = BLOCK
+    store = TokenStore(url, options, reading=ReadSettings(cache_max_bytes=bound, local_cache_dir=cache, read_timeout_s=30))
+    local = np.load(expected)
+    for start, stop in _random_reads(store, 150, seed):
+        if not np.array_equal(store.read(start, stop), local[start:stop]):
+            out.put(f"wrong tokens at {start}:{stop}")
+            return
+    out.put(store.stats())
+
+
+def test_two_ranks_share_a_cache_that_stays_under_its_bound(small_blocks, tmp_path, monkeypatch) -> None:
+    summary = write_store(tmp_path / "store", shards=16, tokens_per_shard=10_000, sparse=False)
+    local = TokenStore(summary["url"])
+    np.save(tmp_path / "stream.npy", local.read(0, len(local)))
+    bound = 24 * BLOCK  # far less than the store's 80 blocks
+    with moto_s3(monkeypatch, "data") as options:
+        url = _upload(tmp_path / "store", options, "s")
+        context = multiprocessing.get_context("spawn")
+        out = context.Queue()
+        ranks = [context.Process(target=_reader, args=(url, options, str(tmp_path / "cache"), bound, seed,
+                                                        str(tmp_path / "stream.npy"), out)) for seed in (1, 2)]
+        for rank in ranks:
+            rank.start()
+        results = [out.get(timeout=120) for _ in ranks]
+        for rank in ranks:
+            rank.join(timeout=30)
+    assert all(isinstance(r, dict) for r in results), results
+    cache = next((tmp_path / "cache").iterdir())
+    size = sum(p.stat().st_size for p in cache.iterdir() if p.is_file())
+    assert size <= bound + 2 * (bound // 16 + BLOCK), size  # each process may be a sixteenth and a block past it
+    assert sum(r["bytes_downloaded"] for r in results) > bound  # it did evict: more came in than it holds
+
+
+def test_a_corrupted_block_is_refused_in_one_line(small_blocks, tmp_path, monkeypatch) -> None:
+    import s3fs
+
+    summary = write_store(tmp_path / "store", shards=3, tokens_per_shard=10_000, sparse=False)
+    with moto_s3(monkeypatch, "data") as options:
+        url = _upload(Path(summary["url"]), options, "s")
+        fs = s3fs.S3FileSystem(**options)
+        data = bytearray(fs.cat_file("data/s/shard-000001.bin"))
+        data[3 * BLOCK + 10] ^= 0xFF  # one bit pattern in block 3 of shard 1, size unchanged
+        fs.pipe_file("data/s/shard-000001.bin", bytes(data))
+        store = TokenStore(url, options, reading=ReadSettings(local_cache_dir=str(tmp_path / "c"), read_timeout_s=10))
+        assert len(store.read(10_000, 10_000 + BLOCK)) == BLOCK  # blocks 0-2 of shard 1 are intact
+        with pytest.raises(ConfigError, match=r"^data.source: block 3 \(bytes 12288-16384\) of shard s3://data/s/shard-000001.bin "
+                           "does not match its recorded checksum; prepare the store again$"):
+            store.read(10_000 + 3 * BLOCK // 2, 10_000 + 3 * BLOCK // 2 + 8)
+
+
+def test_a_cache_bound_smaller_than_one_block_is_one_line(tmp_path, monkeypatch) -> None:
+    summary = write_store(tmp_path / "store", shards=2, tokens_per_shard=1000, sparse=False)
+    with moto_s3(monkeypatch, "data") as options:
+        url = _upload(Path(summary["url"]), options, "s")
+        with pytest.raises(ConfigError, match=r"^data.cache_max_bytes=1000 is smaller than one read block \(1048576 bytes\)") as info:
+            TokenStore(url, options, reading=ReadSettings(cache_max_bytes=1000, local_cache_dir=str(tmp_path / "c")))
+        assert "\n" not in str(info.value)
+
+
+def test_storage_that_stops_answering_is_named_in_one_line(small_blocks, tmp_path, monkeypatch) -> None:
+    summary = write_store(tmp_path / "store", shards=4, tokens_per_shard=10_000, sparse=False)
+    with moto_s3(monkeypatch, "data") as options:
+        url = _upload(Path(summary["url"]), options, "s")
+        store = TokenStore(url, options, reading=ReadSettings(local_cache_dir=str(tmp_path / "c"), read_timeout_s=2))
+        store.read(0, 100)
+    started = time.monotonic()  # the endpoint is gone: every request is refused
+    with pytest.raises(StorageUnavailable, match=r"^data.source: s3://data/s/shard-00000\d\.(bin|crc) did not answer for 2s") as info:
+        store.read(25_000, 25_100)
+    assert time.monotonic() - started < 20 and "\n" not in str(info.value)
