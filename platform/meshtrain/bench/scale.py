@@ -173,7 +173,7 @@ def probe_training(summary: dict[str, Any], steps: int, workdir: str) -> dict[st
 
 
 def probe_reading(summary: dict[str, Any], options: dict[str, Any], rank: int, ranks: int, steps: int,
-                  step_s: float, cache_max_bytes: int = 0) -> dict[str, Any]:
+                  step_s: float, cache_max_bytes: int, seq_len: int) -> dict[str, Any]:
     """Read this rank's batches of ``steps`` steps with a simulated step time; what it waited and fetched.
     The ranks of a node share one block cache bounded by ``cache_max_bytes``."""
     import torch
@@ -182,7 +182,7 @@ def probe_reading(summary: dict[str, Any], options: dict[str, Any], rank: int, r
     from meshtrain.data import DataParallelBatches, open_data
 
     started = time.perf_counter()
-    data = open_data(_plan(summary, options, cache_max_bytes), SEQ_LEN, 0)
+    data = open_data(_plan(summary, options, cache_max_bytes), seq_len, 0)
     stores = _stores_of(data)
     at_start = _stats(stores)
     opened_s = time.perf_counter() - started
@@ -200,7 +200,7 @@ def probe_reading(summary: dict[str, Any], options: dict[str, Any], rank: int, r
     finally:
         batches.close()
     return {"open_s": opened_s, "start": at_start, "end": _stats(stores), "waits": waits,
-            "bytes_read": windows * (SEQ_LEN + 1) * 2}
+            "bytes_read": windows * (seq_len + 1) * 2}
 
 
 def _stores_of(data: Any) -> list[Any]:
@@ -240,9 +240,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30, help="training steps per store")
     parser.add_argument("--launches", type=int, default=2, help="Ray launches per store for the start time (median)")
     parser.add_argument("--s3-shards", type=int, default=2000, help="shards of the store on the S3 endpoint")
+    parser.add_argument("--s3-tokens", type=int, default=65536, help="tokens per shard of the S3 store (2 blocks)")
+    parser.add_argument("--s3-seq-len", type=int, default=8192, help="sequence length of the S3 readers (16 KiB windows)")
+    parser.add_argument("--skip-local", action="store_true", help="only the S3 part")
     parser.add_argument("--delay-ms", type=float, default=50.0, help="latency of every S3 request")
     parser.add_argument("--step-ms", type=float, default=400.0, help="simulated step time of the S3 readers")
-    parser.add_argument("--cache-mib", type=int, default=1, help="data.cache_max_bytes of the S3 readers, MiB (less than the store, so it evicts)")
+    parser.add_argument("--cache-mib", type=int, default=16, help="data.cache_max_bytes of the S3 readers, MiB (less than they download, so it evicts)")
     parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "meshtrain-bench-scale"))
     parser.add_argument("--skip-launch", action="store_true", help="skip the Ray launches (start time)")
     parser.add_argument("--skip-s3", action="store_true", help="skip the S3 part")
@@ -256,6 +259,9 @@ def main() -> int:
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
+    if args.skip_local:
+        s3_part(args, work)
+        return 0
     stores = {f"{n:,} shards": write_store(work / f"tiny-{n}", n, args.tiny_tokens, sparse=False) for n in args.shards}
     stores["1M tokens"] = write_store(work / "1m", 1000, 1000, sparse=False)
     stores["1T tokens (sparse)"] = write_store(work / "1t", 60000, 10**12 // 60000, sparse=True)
@@ -294,7 +300,7 @@ def main() -> int:
 def s3_part(args: argparse.Namespace, work: Path) -> None:
     from meshtrain.bench.s3 import SlowS3
 
-    local = write_store(work / f"tiny-{args.s3_shards}", args.s3_shards, args.tiny_tokens, sparse=False)
+    local = write_store(work / f"s3-{args.s3_shards}x{args.s3_tokens}", args.s3_shards, args.s3_tokens, sparse=False)
     with SlowS3(args.delay_ms / 1000) as s3:
         url = s3.upload(Path(local["url"]), "bench", "store")
         cache = work / "s3-cache"
@@ -307,7 +313,7 @@ def s3_part(args: argparse.Namespace, work: Path) -> None:
         def rank(k: int) -> None:
             results[k] = _in_subprocess(
                 "read", env={"MESHTRAIN_TOKEN_CACHE": str(cache)}, summary=summary, options=options, rank=k, ranks=2,
-                steps=args.steps, step_s=args.step_ms / 1000, cache_max_bytes=args.cache_mib * 2**20,
+                steps=args.steps, step_s=args.step_ms / 1000, cache_max_bytes=args.cache_mib * 2**20, seq_len=args.s3_seq_len,
             )
 
         threads = [threading.Thread(target=rank, args=(k,)) for k in range(2)]
@@ -321,7 +327,8 @@ def s3_part(args: argparse.Namespace, work: Path) -> None:
     read = sum(r["bytes_read"] for r in results)
     waits = [w for r in results for w in r["waits"][2:]]
     print()
-    print(f"S3 ({args.s3_shards:,} shards, {args.delay_ms:.0f} ms per request, 2 ranks of one node, cache bound "
+    print(f"S3 ({args.s3_shards:,} shards of {args.s3_tokens:,} tokens, windows of {args.s3_seq_len + 1:,} tokens, "
+          f"{args.delay_ms:.0f} ms per request, 2 ranks of one node, cache bound "
           f"{args.cache_mib} MiB, step {args.step_ms:.0f} ms):")
     print("| requests at start (2 ranks) | requests in all | bytes read by the ranks | bytes downloaded by the node | "
           "read + cache bound | mean data wait after 2 steps | data wait / step |")

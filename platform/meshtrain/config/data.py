@@ -119,7 +119,7 @@ class DataConfig(Section):
         32 * 2**30,
         ge=2**20,
         description="Bound of the node-local cache of remote (s3://) store blocks, shared by a node's ranks; the "
-        "least recently used blocks are removed past it (at least 1 MiB, one block).",
+        "least recently used blocks are removed past it (at least 1 MiB).",
     )
     local_cache_dir: str | None = Field(
         None, description="Node-local folder of that cache; unset = $MESHTRAIN_TOKEN_CACHE or <tmp>/meshtrain-token-cache."

@@ -2,11 +2,12 @@
 that the ranks of a node share and that never grows past its bound.
 
 A window is a few KiB of a 64 MiB shard, drawn at random from the whole corpus, so copying whole
-shards would have every node download the corpus. Instead a read fetches the fixed-size blocks
-(``BLOCK_BYTES``) that hold its bytes with ranged GETs. Each block is checked against the CRC-32
-the prepare recorded for it in the shard's ``.crc`` sidecar (CRC-32 catches the corruption a
-transfer or a disk can cause at ~1 GB/s; the shard's sha256 still guards whole-store checks, and a
-sha256 per 1 MiB block would only add cost), then written to the node cache:
+shards would have every node download the corpus. Instead a read fetches the 64 KiB blocks
+(``BLOCK_BYTES``) that hold its bytes with one ranged GET, and their CRC-32s (4 bytes each) from
+the shard's ``.crc`` list, written by the prepare, with another. CRC-32 catches the corruption a
+transfer or a disk can cause, at ~1 GB/s; the shard's sha256 still guards whole-store checks. A
+window of 16 KiB (8,192 tokens) thus downloads at most ~5x its bytes, never a shard. Checked
+blocks go to the node cache:
 
 * one directory per store (by fingerprint) under ``data.local_cache_dir``; every block a file
   written under a temporary name and renamed, so a rank never reads a partial block;
@@ -30,7 +31,6 @@ import tempfile
 import threading
 import time
 import zlib
-from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,9 +39,8 @@ import numpy as np
 
 from meshtrain.config import ConfigError
 
-BLOCK_BYTES = 1 << 20
+BLOCK_BYTES = 1 << 16
 CRC_SUFFIX = ".crc"
-_CRC_SHARDS = 256  # shards whose block checksums a reader keeps in memory (1 KiB each at 64 MiB shards)
 T = TypeVar("T")
 
 
@@ -152,7 +151,6 @@ class RemoteShards:
         self.location, self.timeout_s = location, timeout_s
         self.cache = BlockCache(cache_root / fingerprint[:16], cache_max_bytes)
         self._bytes, self._sha256, self._file = shard_bytes, shard_sha256, shard_file
-        self._crcs: OrderedDict[int, np.ndarray | None] = OrderedDict()
         self._lock = threading.Lock()
         self.stats = {"requests": 0, "bytes_downloaded": 0, "cache_hits": 0}
 
@@ -168,54 +166,54 @@ class RemoteShards:
         self._count(1, len(data))
         return bytes(data)
 
-    def _block_crcs(self, shard: int) -> np.ndarray | None:
-        """The shard's block checksums, or None for a store prepared before they were recorded."""
-        with self._lock:
-            if shard in self._crcs:
-                self._crcs.move_to_end(shard)
-                return self._crcs[shard]
+    def _block_crcs(self, shard: int, first: int, last: int) -> np.ndarray | None:
+        """The checksums of blocks ``first..last`` of the shard, or None for a store prepared before
+        they were recorded."""
         try:
-            crcs: np.ndarray | None = np.frombuffer(self._fetch(crc_name(self._file(shard))), dtype="<u4")
+            data = self._fetch(crc_name(self._file(shard)), 4 * first, 4 * (last + 1))
         except FileNotFoundError:
-            crcs = None
-        with self._lock:
-            self._crcs[shard] = crcs
-            if len(self._crcs) > _CRC_SHARDS:
-                self._crcs.popitem(last=False)
-        return crcs
+            return None
+        return np.frombuffer(data, dtype="<u4")
 
     def read(self, shard: int, offset: int, size: int) -> bytes:
         """``size`` bytes of shard ``shard`` from ``offset``."""
-        # A shard of one block is one request, checked by its sha256; larger ones are read by blocks.
-        crcs = None if self._bytes(shard) <= BLOCK_BYTES else self._block_crcs(shard)
-        if crcs is None:
+        if self._bytes(shard) <= BLOCK_BYTES:  # a shard of one block: one request, checked by its sha256
             return self._whole_shard(shard)[offset : offset + size]
-        pieces = []
         first, last = offset // BLOCK_BYTES, (offset + size - 1) // BLOCK_BYTES
-        for block in range(first, last + 1):
-            data = self._block(shard, block, int(crcs[block]))
-            lo = max(offset - block * BLOCK_BYTES, 0)
-            hi = min(offset + size - block * BLOCK_BYTES, len(data))
-            pieces.append(data[lo:hi])
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        blocks = {block: self.cache.get(f"{shard:06d}.{block:06d}") for block in range(first, last + 1)}
+        missing = [block for block, data in blocks.items() if data is None]
+        with self._lock:
+            self.stats["cache_hits"] += len(blocks) - len(missing)
+        if missing:
+            fetched = self._fetch_blocks(shard, missing[0], missing[-1])
+            if fetched is None:  # no checksum list: the store is read in whole shards
+                return self._whole_shard(shard)[offset : offset + size]
+            blocks.update(fetched)
+        data = b"".join(blocks[block] or b"" for block in range(first, last + 1))
+        lo = offset - first * BLOCK_BYTES
+        return data[lo : lo + size]
 
-    def _block(self, shard: int, block: int, crc: int) -> bytes:
-        name = f"{shard:06d}.{block:06d}"
-        data = self.cache.get(name)
-        if data is not None:
-            with self._lock:
-                self.stats["cache_hits"] += 1
-            return data
-        start = block * BLOCK_BYTES
-        end = min(start + BLOCK_BYTES, self._bytes(shard))
-        data = self._fetch(self._file(shard), start, end)
-        if len(data) != end - start or zlib.crc32(data) != crc:
-            raise ConfigError(
-                f"data.source: block {block} (bytes {start}-{end}) of shard {self.location.display(self._file(shard))} "
-                "does not match its recorded checksum; prepare the store again"
-            )
-        self.cache.put(name, data)
-        return data
+    def _fetch_blocks(self, shard: int, first: int, last: int) -> dict[int, bytes] | None:
+        """Blocks ``first..last`` of the shard in one ranged GET, each checked and cached; None when
+        the store has no checksum list."""
+        crcs = self._block_crcs(shard, first, last)
+        if crcs is None:
+            return None
+        size = self._bytes(shard)
+        data = self._fetch(self._file(shard), first * BLOCK_BYTES, min((last + 1) * BLOCK_BYTES, size))
+        blocks = {}
+        for k, block in enumerate(range(first, last + 1)):
+            start = block * BLOCK_BYTES
+            expected = min(BLOCK_BYTES, size - start)
+            piece = data[k * BLOCK_BYTES : k * BLOCK_BYTES + expected]
+            if len(piece) != expected or len(crcs) <= k or zlib.crc32(piece) != int(crcs[k]):
+                raise ConfigError(
+                    f"data.source: block {block} (bytes {start}-{start + expected}) of shard "
+                    f"{self.location.display(self._file(shard))} does not match its recorded checksum; prepare the store again"
+                )
+            self.cache.put(f"{shard:06d}.{block:06d}", piece)
+            blocks[block] = piece
+        return blocks
 
     def _whole_shard(self, shard: int) -> bytes:
         import hashlib
