@@ -140,3 +140,36 @@ def test_storage_that_stops_answering_is_named_in_one_line(small_blocks, tmp_pat
     with pytest.raises(StorageUnavailable, match=r"^data.source: s3://data/s/shard-00000\d\.(bin|crc) did not answer for 2s") as info:
         store.read(25_000, 25_100)
     assert time.monotonic() - started < 20 and "\n" not in str(info.value)
+
+
+def test_an_endpoint_that_accepts_and_never_answers_is_named_in_one_line(tmp_path, monkeypatch) -> None:
+    """A black hole (connections accepted, no reply ever): per-request timeouts end every try, the
+    retries end at data.read_timeout_s, and the run gets one line, not a hang."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{server.getsockname()[1]}", "region_name": "us-east-1"}}
+    started = time.monotonic()
+    try:
+        with pytest.raises(StorageUnavailable, match=r"^data.source: s3://data/store did not answer for 2s \(Read timeout") as info:
+            TokenStore("s3://data/store", options, reading=ReadSettings(read_timeout_s=2, local_cache_dir=str(tmp_path)))
+    finally:
+        server.close()
+        for connection in held:
+            connection.close()
+    assert time.monotonic() - started < 60 and "\n" not in str(info.value)
