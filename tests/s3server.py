@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import urllib.request
+
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -30,4 +32,6 @@ def moto_s3(monkeypatch: pytest.MonkeyPatch, *buckets: str) -> Iterator[dict[str
             client.create_bucket(Bucket=bucket)
         yield options
     finally:
+        # moto keeps its buckets in module state that outlives the server: empty it for the next test.
+        urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST"), timeout=30)
         server.stop()

@@ -298,6 +298,11 @@ def test_shard_with_more_workers() -> None:
             "give a tokenizer.json path or 'train'",
         ),
         (["data.vocab_size=10"], "data.vocab_size: Input should be greater than or equal to 260 (got 10)"),
+        (
+            ["data.seq_len=524288", "data.cache_max_bytes=2097152"],
+            "data.cache_max_bytes=2097152 cannot hold one read of data.seq_len=524288 (2099204 bytes); raise "
+            "data.cache_max_bytes (a few GiB is typical)",
+        ),
     ],
 )
 def test_bad_overrides(overrides: list[str], message: str) -> None:
@@ -606,3 +611,10 @@ def test_debug_job_config_is_the_default() -> None:
     if not path.is_file():
         pytest.skip("jobs/configs/debug.yaml is not there")
     assert load_config(path) == MeshtrainConfig()
+
+
+def test_the_config_knows_the_remote_check_block() -> None:
+    from meshtrain.config.data import CHECK_BLOCK_BYTES
+    from meshtrain.data.remote import CHECK_BYTES
+
+    assert CHECK_BLOCK_BYTES == CHECK_BYTES

@@ -1,5 +1,6 @@
-"""Remote token stores at scale: ranged block reads checked per block, a node cache that ranks share
-and that stays under its bound, and storage that stops answering reported in one line."""
+"""Remote token stores at scale: exact ranged reads checked per 4 KiB block, a node cache that ranks
+share and that stays under its bound, older stores read as they were written, and storage that
+stops answering reported in one line."""
 
 from __future__ import annotations
 
@@ -20,12 +21,7 @@ from meshtrain.data.remote import StorageUnavailable
 from meshtrain.data.store import ReadSettings
 from s3server import moto_s3
 
-BLOCK = 4096  # bytes per block in these tests: shards of several blocks stay small
-
-
-@pytest.fixture
-def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(remote_module, "BLOCK_BYTES", BLOCK)
+BLOCK = remote_module.CHECK_BYTES  # shards of 10,000 uint16 tokens hold 20 check blocks
 
 
 def _upload(folder: Path, options: dict[str, Any], prefix: str) -> str:
@@ -47,7 +43,7 @@ def _random_reads(store: TokenStore, count: int, seed: int, longest: int = 5000)
     return spans
 
 
-def test_remote_reads_equal_local_reads_and_fetch_only_the_blocks_they_need(small_blocks, tmp_path, monkeypatch) -> None:
+def test_remote_reads_equal_local_reads_and_download_only_what_they_read(tmp_path, monkeypatch) -> None:
     summary = write_store(tmp_path / "store", shards=12, tokens_per_shard=10_000, sparse=False)
     local = TokenStore(summary["url"])
     with moto_s3(monkeypatch, "data") as options:
@@ -60,9 +56,13 @@ def test_remote_reads_equal_local_reads_and_fetch_only_the_blocks_they_need(smal
         for start, stop in spans:
             assert np.array_equal(store.read(start, stop), local.read(start, stop))
         stats = store.stats()
-        needed = sum(-(-((stop - start) * 2) // BLOCK) + 1 for start, stop in spans)  # blocks the reads touch, at most
-        assert stats["bytes_downloaded"] <= needed * (BLOCK + 4)  # the blocks and their checksums, never whole shards
-        assert stats["bytes_downloaded"] < 12 * 20_000
+        pieces = sum(1 + (start // 10_000 != (stop - 1) // 10_000) for start, stop in spans)  # one per shard touched
+        read = sum(2 * (stop - start) for start, stop in spans)
+        blocks = sum(-(-(2 * (stop - start)) // BLOCK) + 1 for start, stop in spans) + pieces
+        # Each read rounded out to check blocks (at most a block more per piece) and their checksums.
+        assert stats["bytes_downloaded"] <= read + pieces * 2 * BLOCK + 4 * blocks
+        # Data and checksums in one round trip, unless an earlier read fetched the same blocks.
+        assert stats["requests"] == store._opening_requests + 2 * (pieces - stats["cache_hits"])
         # A second reader of the node finds the blocks in the shared cache and downloads none.
         again = TokenStore(url, options, reading=reading)
         for start, stop in spans:
@@ -71,7 +71,6 @@ def test_remote_reads_equal_local_reads_and_fetch_only_the_blocks_they_need(smal
 
 
 def _reader(url: str, options: dict[str, Any], cache: str, bound: int, seed: int, expected: str, out: Any) -> None:
-    remote_module.BLOCK_BYTES = BLOCK
     store = TokenStore(url, options, reading=ReadSettings(cache_max_bytes=bound, local_cache_dir=cache, read_timeout_s=30))
     local = np.load(expected)
     for start, stop in _random_reads(store, 150, seed):
@@ -81,7 +80,7 @@ def _reader(url: str, options: dict[str, Any], cache: str, bound: int, seed: int
     out.put(store.stats())
 
 
-def test_two_ranks_share_a_cache_that_stays_under_its_bound(small_blocks, tmp_path, monkeypatch) -> None:
+def test_two_ranks_share_a_cache_that_stays_under_its_bound(tmp_path, monkeypatch) -> None:
     summary = write_store(tmp_path / "store", shards=16, tokens_per_shard=10_000, sparse=False)
     local = TokenStore(summary["url"])
     np.save(tmp_path / "stream.npy", local.read(0, len(local)))
@@ -100,11 +99,12 @@ def test_two_ranks_share_a_cache_that_stays_under_its_bound(small_blocks, tmp_pa
     assert all(isinstance(r, dict) for r in results), results
     cache = next((tmp_path / "cache").iterdir())
     size = sum(p.stat().st_size for p in cache.iterdir() if p.is_file())
-    assert size <= bound + 2 * (bound // 16 + BLOCK), size  # each process may be a sixteenth and a block past it
+    largest = 2 * 5000 + 2 * BLOCK  # one read rounded out to check blocks
+    assert size <= bound + 2 * (bound // 16 + largest), size  # each process may be a sixteenth and a read past it
     assert sum(r["bytes_downloaded"] for r in results) > bound  # it did evict: more came in than it holds
 
 
-def test_a_corrupted_block_is_refused_in_one_line(small_blocks, tmp_path, monkeypatch) -> None:
+def test_a_corrupted_block_is_refused_in_one_line(tmp_path, monkeypatch) -> None:
     import s3fs
 
     summary = write_store(tmp_path / "store", shards=3, tokens_per_shard=10_000, sparse=False)
@@ -116,28 +116,32 @@ def test_a_corrupted_block_is_refused_in_one_line(small_blocks, tmp_path, monkey
         fs.pipe_file("data/s/shard-000001.bin", bytes(data))
         store = TokenStore(url, options, reading=ReadSettings(local_cache_dir=str(tmp_path / "c"), read_timeout_s=10))
         assert len(store.read(10_000, 10_000 + BLOCK)) == BLOCK  # blocks 0-2 of shard 1 are intact
-        with pytest.raises(ConfigError, match=r"^data.source: block 3 \(bytes 12288-16384\) of shard s3://data/s/shard-000001.bin "
-                           "does not match its recorded checksum; prepare the store again$"):
+        with pytest.raises(ConfigError, match=rf"^data.source: block 3 \(bytes {3 * BLOCK}-{4 * BLOCK}\) of shard "
+                           "s3://data/s/shard-000001.bin does not match its recorded checksum; prepare the store again$"):
             store.read(10_000 + 3 * BLOCK // 2, 10_000 + 3 * BLOCK // 2 + 8)
 
 
-def test_a_cache_bound_smaller_than_one_block_is_one_line(tmp_path, monkeypatch) -> None:
-    summary = write_store(tmp_path / "store", shards=2, tokens_per_shard=1000, sparse=False)
+def test_a_cache_bound_smaller_than_one_read_is_one_line(tmp_path, monkeypatch) -> None:
+    summary = write_store(tmp_path / "store", shards=2, tokens_per_shard=10_000, sparse=False)
     with moto_s3(monkeypatch, "data") as options:
         url = _upload(Path(summary["url"]), options, "s")
-        with pytest.raises(ConfigError, match=r"^data.cache_max_bytes=1000 is smaller than one read block \(65536 bytes\)") as info:
+        with pytest.raises(ConfigError, match=r"^data.cache_max_bytes=1000 is smaller than one checked block \(1024 bytes\)") as info:
             TokenStore(url, options, reading=ReadSettings(cache_max_bytes=1000, local_cache_dir=str(tmp_path / "c")))
         assert "\n" not in str(info.value)
+        store = TokenStore(url, options, reading=ReadSettings(cache_max_bytes=12 * BLOCK, local_cache_dir=str(tmp_path / "c")))
+        with pytest.raises(ConfigError, match=r"^data.cache_max_bytes=12288 is smaller than one read \(16384 bytes of "
+                           r"s3://data/s/shard-000000.bin\); raise it") as info:
+            store.read(0, 8000)
 
 
-def test_storage_that_stops_answering_is_named_in_one_line(small_blocks, tmp_path, monkeypatch) -> None:
+def test_storage_that_stops_answering_is_named_in_one_line(tmp_path, monkeypatch) -> None:
     summary = write_store(tmp_path / "store", shards=4, tokens_per_shard=10_000, sparse=False)
     with moto_s3(monkeypatch, "data") as options:
         url = _upload(Path(summary["url"]), options, "s")
         store = TokenStore(url, options, reading=ReadSettings(local_cache_dir=str(tmp_path / "c"), read_timeout_s=2))
         store.read(0, 100)
     started = time.monotonic()  # the endpoint is gone: every request is refused
-    with pytest.raises(StorageUnavailable, match=r"^data.source: s3://data/s/shard-00000\d\.(bin|crc) did not answer for 2s") as info:
+    with pytest.raises(StorageUnavailable, match=r"^data.source: s3://data/s/shard-00000\d\.bin \(or its \.crc32 list\) did not answer for 2s") as info:
         store.read(25_000, 25_100)
     assert time.monotonic() - started < 20 and "\n" not in str(info.value)
 
@@ -173,3 +177,34 @@ def test_an_endpoint_that_accepts_and_never_answers_is_named_in_one_line(tmp_pat
         for connection in held:
             connection.close()
     assert time.monotonic() - started < 60 and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("lists", ["legacy", "none"])
+def test_stores_prepared_by_earlier_versions_are_read_as_they_were_written(lists, tmp_path, monkeypatch) -> None:
+    """A store with the first ranged reader's 64 KiB .crc lists is read in 64 KiB blocks; one with no
+    lists in whole shards checked by sha256. Either way the tokens are the local ones, and the store's
+    kind is learnt once: later reads make no failed requests."""
+    summary = write_store(tmp_path / "store", shards=4, tokens_per_shard=50_000, sparse=False)
+    folder = Path(summary["url"])
+    for shard in sorted(folder.glob("shard-*.bin")):
+        shard.with_suffix(".crc32").unlink()
+        if lists == "legacy":
+            shard.with_suffix(".crc").write_bytes(remote_module.block_crcs(shard.read_bytes(), remote_module.LEGACY_CHECK_BYTES))
+    local = TokenStore(summary["url"])
+    with moto_s3(monkeypatch, "data") as options:
+        url = _upload(folder, options, "s")
+        store = TokenStore(url, options, reading=ReadSettings(local_cache_dir=str(tmp_path / "c"), read_timeout_s=10))
+        spans = _random_reads(store, 20, seed=3, longest=3000)
+        for start, stop in spans:
+            assert np.array_equal(store.read(start, stop), local.read(start, stop))
+        requests = store.stats()["requests"] - store._opening_requests
+        pieces = sum(1 + (a // 50_000 != (b - 1) // 50_000) for a, b in spans)
+        if lists == "legacy":  # a failed .crc32 probe, then a round trip of two requests per piece at most
+            assert requests == 2 + 2 * (pieces - store.stats()["cache_hits"])
+        else:  # failed .crc32 and .crc probes, then each shard once, whole
+            touched = len({k for a, b in spans for k in range(a // 50_000, (b - 1) // 50_000 + 1)})
+            assert requests == 4 + touched
+        downloaded = store.stats()["bytes_downloaded"]
+        for start, stop in spans:  # everything is in the node cache now
+            assert np.array_equal(store.read(start, stop), local.read(start, stop))
+        assert store.stats()["bytes_downloaded"] == downloaded

@@ -78,6 +78,9 @@ class ValidationConfig(Section):
         return self
 
 
+CHECK_BLOCK_BYTES = 1024  # bytes per checksum of remote reads (meshtrain.data.remote.CHECK_BYTES)
+
+
 class DataConfig(Section):
     source: str = Field("stdlib", description=_SOURCE_HELP)
     text_field: str = Field("text", description="Column holding the document text (jsonl/parquet/hub).")
@@ -145,6 +148,12 @@ class DataConfig(Section):
                 raise ValueError("data.sources: set either data.source or data.sources (a mixture), not both")
         if self.cache_dir is not None:
             check_tested_scheme(self.cache_dir, "data.cache_dir")
+        one_read = (self.seq_len + 1) * 4 + 2 * CHECK_BLOCK_BYTES  # a window of uint32 tokens, rounded out to check blocks
+        if self.cache_max_bytes < one_read:
+            raise ValueError(
+                f"data.cache_max_bytes={self.cache_max_bytes} cannot hold one read of data.seq_len={self.seq_len} "
+                f"({one_read} bytes); raise data.cache_max_bytes (a few GiB is typical)"
+            )
         return self
 
     def source_list(self) -> list[SourceConfig]:

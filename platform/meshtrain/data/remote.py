@@ -1,30 +1,36 @@
-"""Reading a remote (``s3://``) token store: ranged block reads, checked per block, through a cache
+"""Reading a remote (``s3://``) token store: exact byte ranges, checked per 1 KiB, through a cache
 that the ranks of a node share and that never grows past its bound.
 
 A window is a few KiB of a 64 MiB shard, drawn at random from the whole corpus, so copying whole
-shards would have every node download the corpus. Instead a read fetches the 64 KiB blocks
-(``BLOCK_BYTES``) that hold its bytes with one ranged GET, and their CRC-32s (4 bytes each) from
-the shard's ``.crc`` list, written by the prepare, with another. CRC-32 catches the corruption a
-transfer or a disk can cause, at ~1 GB/s; the shard's sha256 still guards whole-store checks. A
-window of 16 KiB (8,192 tokens) thus downloads at most ~5x its bytes, never a shard. Checked
-blocks go to the node cache:
+shards would have every node download the corpus. A read instead fetches, in one round trip of two
+concurrent ranged GETs, the bytes it needs rounded out to 1 KiB check blocks (``CHECK_BYTES``) and
+those blocks' CRC-32s (4 bytes each) from the shard's ``.crc32`` list, written by the prepare. A
+window of 32 KiB (8,192 uint32 tokens) thus downloads at most 2 KiB + 136 bytes more than it reads
+(1.07x at worst); the lists cost 0.4% of the store. (Checks are per block, so a partial block
+cannot be checked: the block size trades the rounding against the lists' size.) CRC-32 catches the
+corruption a transfer or a disk can cause, at ~1 GB/s; the shard's sha256 still guards whole-store
+checks. Checked ranges go to the node cache:
 
-* one directory per store (by fingerprint) under ``data.local_cache_dir``; every block a file
-  written under a temporary name and renamed, so a rank never reads a partial block;
+* one directory per store (by fingerprint) under ``data.local_cache_dir``; every fetched range a
+  file (windows sit at fixed offsets, so a window read again finds its own file), written under a
+  temporary name and renamed, so a rank never reads a partial range;
 * bounded by ``data.cache_max_bytes``: a writer that takes the total past the bound removes the
-  least recently used blocks (by modification time, refreshed on every hit) until it is 10% under;
-  a block that another rank removes meanwhile is fetched again. Between two scans a process adds
-  at most 1/16 of the bound, so the cache can pass its bound by that much per process;
+  least recently used files (by modification time, refreshed on every hit) until it is 10% under;
+  a range that another rank removes meanwhile is fetched again. Between two scans a process adds
+  at most 1/16 of the bound (plus one range), so the cache passes its bound by at most that much
+  per process;
 * every request is retried with exponential backoff until ``data.read_timeout_s`` has passed, then
   fails with one line naming the URL (a store that stops answering never hangs a run silently).
 
-A shard of at most one block, and every shard of a store prepared before the sidecars existed, is
-read whole, checked against its sha256 and kept in the same bounded cache (which must then hold one
-shard).
+Stores prepared by earlier versions are read as they were written: with the 64 KiB ``.crc`` lists
+of the first ranged reader, or (no list at all) in whole shards checked against their sha256 and kept
+in the same bounded cache (which must then hold one shard). A shard of at most one check block is
+always read whole, in one request.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import tempfile
@@ -39,21 +45,28 @@ import numpy as np
 
 from meshtrain.config import ConfigError
 
-BLOCK_BYTES = 1 << 16
-CRC_SUFFIX = ".crc"
+CHECK_BYTES = 1 << 10  # bytes per CRC-32 in a shard's .crc32 list
+CRC_SUFFIX = ".crc32"
+LEGACY_CHECK_BYTES = 1 << 16  # the .crc lists of stores prepared before the .crc32 lists
+LEGACY_CRC_SUFFIX = ".crc"
 T = TypeVar("T")
 
 
-def crc_name(shard_file: str) -> str:
-    return shard_file.removesuffix(".bin") + CRC_SUFFIX
+def crc_name(shard_file: str, suffix: str = CRC_SUFFIX) -> str:
+    return shard_file.removesuffix(".bin") + suffix
 
 
 def block_crcs(data: bytes, block_bytes: int | None = None) -> bytes:
-    """The CRC-32 of every ``block_bytes`` (default ``BLOCK_BYTES``) block of ``data``, as little-endian uint32s."""
-    block_bytes = block_bytes or BLOCK_BYTES
+    """The CRC-32 of every ``block_bytes`` (default ``CHECK_BYTES``) block of ``data``, as little-endian uint32s."""
+    block_bytes = block_bytes or CHECK_BYTES
     view = memoryview(data)
     crcs = [zlib.crc32(view[start : start + block_bytes]) for start in range(0, len(data), block_bytes)]
     return np.asarray(crcs, dtype="<u4").tobytes()
+
+
+def checksum_lists() -> tuple[tuple[str, int], ...]:
+    """(suffix, bytes per checksum) of the lists a shard may have, newest first."""
+    return ((CRC_SUFFIX, CHECK_BYTES), (LEGACY_CRC_SUFFIX, LEGACY_CHECK_BYTES))
 
 
 class StorageUnavailable(ConfigError):
@@ -143,81 +156,86 @@ class RemoteShards:
 
     def __init__(self, location: Any, fingerprint: str, cache_root: Path, cache_max_bytes: int, timeout_s: float,
                  shard_bytes: Callable[[int], int], shard_sha256: Callable[[int], str], shard_file: Callable[[int], str]) -> None:
-        if cache_max_bytes < BLOCK_BYTES:
+        if cache_max_bytes < CHECK_BYTES:
             raise ConfigError(
-                f"data.cache_max_bytes={cache_max_bytes} is smaller than one read block ({BLOCK_BYTES} bytes); "
-                f"set it to at least {BLOCK_BYTES} (a few GiB is typical)"
+                f"data.cache_max_bytes={cache_max_bytes} is smaller than one checked block ({CHECK_BYTES} bytes); "
+                "set it to at least a few reads (a few GiB is typical)"
             )
         self.location, self.timeout_s = location, timeout_s
         self.cache = BlockCache(cache_root / fingerprint[:16], cache_max_bytes)
         self._bytes, self._sha256, self._file = shard_bytes, shard_sha256, shard_file
         self._lock = threading.Lock()
+        # Which kind of checksum list the store has, learnt from the first read (a store is written
+        # by one prepare); len(checksum_lists()) = none, read whole shards.
+        self._list_kind = 0
         self.stats = {"requests": 0, "bytes_downloaded": 0, "cache_hits": 0}
 
-    def _count(self, requests: int, downloaded: int) -> None:
+    def _count(self, requests: int, downloaded: int, hits: int = 0) -> None:
         with self._lock:
             self.stats["requests"] += requests
             self.stats["bytes_downloaded"] += downloaded
-
-    def _fetch(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
-        path = self.location.path(name)
-        data = with_retries(lambda: self.location.fs.cat_file(path, start=start, end=end),
-                            self.location.display(name), self.timeout_s)
-        self._count(1, len(data))
-        return bytes(data)
-
-    def _block_crcs(self, shard: int, first: int, last: int) -> np.ndarray | None:
-        """The checksums of blocks ``first..last`` of the shard, or None for a store prepared before
-        they were recorded."""
-        try:
-            data = self._fetch(crc_name(self._file(shard)), 4 * first, 4 * (last + 1))
-        except FileNotFoundError:
-            return None
-        return np.frombuffer(data, dtype="<u4")
+            self.stats["cache_hits"] += hits
 
     def read(self, shard: int, offset: int, size: int) -> bytes:
         """``size`` bytes of shard ``shard`` from ``offset``."""
-        if self._bytes(shard) <= BLOCK_BYTES:  # a shard of one block: one request, checked by its sha256
+        if self._bytes(shard) <= CHECK_BYTES:  # a shard of one block: one request, checked by its sha256
             return self._whole_shard(shard)[offset : offset + size]
-        first, last = offset // BLOCK_BYTES, (offset + size - 1) // BLOCK_BYTES
-        blocks = {block: self.cache.get(f"{shard:06d}.{block:06d}") for block in range(first, last + 1)}
-        missing = [block for block, data in blocks.items() if data is None]
-        with self._lock:
-            self.stats["cache_hits"] += len(blocks) - len(missing)
-        if missing:
-            fetched = self._fetch_blocks(shard, missing[0], missing[-1])
-            if fetched is None:  # no checksum list: the store is read in whole shards
-                return self._whole_shard(shard)[offset : offset + size]
-            blocks.update(fetched)
-        data = b"".join(blocks[block] or b"" for block in range(first, last + 1))
-        lo = offset - first * BLOCK_BYTES
-        return data[lo : lo + size]
+        lists = checksum_lists()
+        for kind in range(self._list_kind, len(lists)):
+            suffix, block = lists[kind]
+            first, last = offset // block, (offset + size - 1) // block
+            name = f"{shard:06d}.{block}.{first:07d}-{last:07d}"
+            data = self.cache.get(name)
+            if data is not None:
+                self._count(0, 0, hits=1)
+            else:
+                data = self._fetch_checked(shard, suffix, block, first, last)
+                if data is None:  # the shard has no list of this kind
+                    self._list_kind = kind + 1
+                    continue
+                self.cache.put(name, data)
+            lo = offset - first * block
+            return data[lo : lo + size]
+        return self._whole_shard(shard)[offset : offset + size]
 
-    def _fetch_blocks(self, shard: int, first: int, last: int) -> dict[int, bytes] | None:
-        """Blocks ``first..last`` of the shard in one ranged GET, each checked and cached; None when
-        the store has no checksum list."""
-        crcs = self._block_crcs(shard, first, last)
-        if crcs is None:
+    def _fetch_checked(self, shard: int, suffix: str, block: int, first: int, last: int) -> bytes | None:
+        """Blocks ``first..last`` of the shard and their checksums, fetched concurrently and checked;
+        None when the shard has no ``suffix`` list."""
+        shard_file, size = self._file(shard), self._bytes(shard)
+        start, end = first * block, min((last + 1) * block, size)
+        if end - start > self.cache.max_bytes:
+            raise ConfigError(
+                f"data.cache_max_bytes={self.cache.max_bytes} is smaller than one read ({end - start} bytes of "
+                f"{self.location.display(shard_file)}); raise it to at least a few reads (a few GiB is typical)"
+            )
+        paths = [self.location.path(crc_name(shard_file, suffix)), self.location.path(shard_file)]
+
+        def fetch() -> list[Any]:
+            results = self.location.fs.cat_ranges(paths, [4 * first, start], [4 * (last + 1), end], on_error="return")
+            for result in results:
+                if isinstance(result, BaseException) and not isinstance(result, FileNotFoundError):
+                    raise result  # transient: the whole round trip is retried
+            return results
+
+        crcs, data = with_retries(fetch, f"{self.location.display(shard_file)} (or its {suffix} list)", self.timeout_s)
+        if isinstance(data, FileNotFoundError):
+            raise ConfigError(f"data.source: shard {self.location.display(shard_file)} is missing; prepare the store again")
+        if isinstance(crcs, FileNotFoundError):
+            self._count(2, len(data))
             return None
-        size = self._bytes(shard)
-        data = self._fetch(self._file(shard), first * BLOCK_BYTES, min((last + 1) * BLOCK_BYTES, size))
-        blocks = {}
-        for k, block in enumerate(range(first, last + 1)):
-            start = block * BLOCK_BYTES
-            expected = min(BLOCK_BYTES, size - start)
-            piece = data[k * BLOCK_BYTES : k * BLOCK_BYTES + expected]
-            if len(piece) != expected or len(crcs) <= k or zlib.crc32(piece) != int(crcs[k]):
+        self._count(2, len(crcs) + len(data))
+        crcs = np.frombuffer(crcs, dtype="<u4")
+        view = memoryview(data)
+        for k in range(last - first + 1):
+            lo, hi = k * block, min((k + 1) * block, end - start)
+            if hi > len(view) or k >= len(crcs) or zlib.crc32(view[lo:hi]) != int(crcs[k]):
                 raise ConfigError(
-                    f"data.source: block {block} (bytes {start}-{start + expected}) of shard "
-                    f"{self.location.display(self._file(shard))} does not match its recorded checksum; prepare the store again"
+                    f"data.source: block {first + k} (bytes {start + lo}-{start + hi}) of shard "
+                    f"{self.location.display(shard_file)} does not match its recorded checksum; prepare the store again"
                 )
-            self.cache.put(f"{shard:06d}.{block:06d}", piece)
-            blocks[block] = piece
-        return blocks
+        return bytes(data)
 
     def _whole_shard(self, shard: int) -> bytes:
-        import hashlib
-
         name = self._file(shard)
         if self._bytes(shard) > self.cache.max_bytes:
             raise ConfigError(
@@ -227,8 +245,11 @@ class RemoteShards:
             )
         data = self.cache.get(name)
         if data is not None:
+            self._count(0, 0, hits=1)
             return data
-        data = self._fetch(name)
+        path = self.location.path(name)
+        data = bytes(with_retries(lambda: self.location.fs.cat_file(path), self.location.display(name), self.timeout_s))
+        self._count(1, len(data))
         if hashlib.sha256(data).hexdigest() != self._sha256(shard):
             raise ConfigError(f"data.source: shard {self.location.display(name)} does not match its manifest checksum; "
                               "prepare the store again")
