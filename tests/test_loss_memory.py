@@ -81,6 +81,26 @@ def test_no_grad_returns_a_plain_fp32_sum() -> None:
     torch.testing.assert_close(loss, plain_loss(logits.detach(), targets), rtol=1e-6, atol=0.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_computed_logits_are_overwritten_by_their_gradient_not_copied(dtype: torch.dtype) -> None:
+    """Logits an operation computed get their gradient written into their own buffer (no second
+    logits-sized tensor), and the gradient that flows on is the plain formula's."""
+    logits, targets = random_case(3, 7, vocab=50, dtype=dtype, seed=2)
+    ref_loss, ref_grad = loss_and_grad(plain_loss, logits, targets)
+    leaf = logits.detach().clone().requires_grad_()
+    computed = leaf * 1.0  # a non-leaf, as the model's head output is
+    seen: list[int] = []
+    computed.register_hook(lambda grad: seen.append(grad.data_ptr()))
+    loss = token_cross_entropy_sum(computed, targets, 4)
+    torch.testing.assert_close(loss.detach(), ref_loss, rtol=1e-6, atol=0.0)
+    loss.backward()
+    assert seen == [computed.data_ptr()]  # the gradient lives in the logits' own storage
+    torch.testing.assert_close(leaf.grad, ref_grad, rtol=0.0, atol=1e-6 if dtype == torch.float32 else 1e-2)
+    untouched = logits.detach().clone().requires_grad_()  # a caller's leaf keeps its values
+    token_cross_entropy_sum(untouched, targets, 4).backward()
+    assert torch.equal(untouched.detach(), logits)
+
+
 # Runs in a fresh process. Each phase resets the kernel's peak-RSS mark (clear_refs 5), so VmHWM minus
 # the RSS at the phase's start is that phase's peak extra memory. MALLOC_MMAP_THRESHOLD_ (set by the
 # caller) makes glibc return every large block to the kernel on free, so phases do not hide each other.

@@ -61,6 +61,10 @@ def test_peak_flops_table_picks_the_right_gpu_and_dtype() -> None:
     assert gpu_peak_flops("NVIDIA L40S", torch.bfloat16) == 362.0e12
     assert gpu_peak_flops("NVIDIA A10", torch.bfloat16) == 125.0e12
     assert gpu_peak_flops("NVIDIA A10G", torch.bfloat16) is None  # not in the table: no guess
+    # fp32 compute: the TF32 peak when TF32 is on, the (far lower) fp32 peak when it is off.
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3", torch.float32, tf32=False) == 66.9e12
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", torch.float32, tf32=False) == 19.5e12
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16, tf32=False) == 989.4e12
     cpu = torch.device("cpu")
     assert device_peak_flops(cpu, torch.float32, None, 2e11) == 2e11
     assert device_peak_flops(cpu, torch.float32, 5e12, 2e11) == 5e12
@@ -290,3 +294,20 @@ def test_progress_on_a_terminal_rewrites_one_line(tmp_path: Path) -> None:
     assert text.count("\n") == 2  # the checkpoint line and the final newline
     assert text.count("\r\033[K") == 4
     assert text.endswith("ETA 0m00s\n")
+
+
+def test_tf32_is_on_for_cuda_fp32_unless_set_and_sets_the_matmul_precision() -> None:
+    from meshtrain.distributed.parallelize import set_matmul_precision, use_tf32
+
+    assert use_tf32(None, "fp32", "cuda") and not use_tf32(None, "bf16", "cuda") and not use_tf32(None, "auto", "cuda")
+    assert not use_tf32(False, "fp32", "cuda") and use_tf32(True, "bf16", "cuda")
+    assert not use_tf32(True, "fp32", "cpu")  # no TF32 on CPU workers: MFU keeps the CPU peak
+    before = torch.get_float32_matmul_precision()
+    try:
+        set_matmul_precision(True)
+        assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
+        set_matmul_precision(False)
+        assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.set_float32_matmul_precision(before)
+        torch.backends.cudnn.allow_tf32 = True

@@ -151,3 +151,33 @@ def test_garbage_is_collected_by_schedule_not_automatically(monkeypatch: pytest.
     assert gc.isenabled()
     ScheduledCollection(every=0).step(3)
     assert gc.isenabled() and len(collected) == 4
+
+
+def test_a_streak_that_ends_between_two_readings_still_stops_the_run() -> None:
+    """Three skipped steps, then good ones, all between two readings: the longest streak is kept on
+    the device, so the next reading sees it and the run stops."""
+    from meshtrain.checkpoint.state import Progress
+    from meshtrain.train.guard import BadStepLimit, StepGuard
+    from meshtrain.train.records import LoopOutputs
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
+    guard = StepGuard(optimizer, torch.device("cpu"), None, 5)
+    events: list[dict[str, Any]] = []
+    limit = BadStepLimit(guard, 3, Progress(), LoopOutputs(events.append, None, None))
+    good, nan = torch.tensor(1.0), torch.tensor(math.nan)
+    for loss in (good, nan, nan, nan, good, good):
+        weight.grad = torch.ones(3)
+        guard.step(guard.check(loss, torch.tensor(1.0)))
+    assert guard.bad_in_a_row.item() == 0  # the streak is over by the time the loop reads
+    assert limit.check(6) is None
+    assert limit.stopped == ("train.max_bad_steps=3: 3 steps in a row before step 6 were skipped "
+                             "(non-finite or spiking loss or gradient norm)")
+    assert [e["event"] for e in events if e.get("event") == "stopped"] == ["stopped"]
+    # A new reading window starts after each read: two shorter streaks do not add up.
+    guard2 = StepGuard(optimizer, torch.device("cpu"), None, 5)
+    limit2 = BadStepLimit(guard2, 3, Progress(), LoopOutputs(None, None, None))
+    for loss in (nan, nan, good, nan, nan, good):
+        weight.grad = torch.ones(3)
+        guard2.step(guard2.check(loss, torch.tensor(1.0)))
+    assert limit2.check(6) == 0 and limit2.stopped is None

@@ -66,7 +66,7 @@ from meshtrain.config import (
 )
 from meshtrain.data import tokenizer_vocab_size
 from meshtrain.distributed.mesh import MeshPlan, resolve_mesh_shape
-from meshtrain.distributed.parallelize import param_dtype
+from meshtrain.distributed.parallelize import param_dtype, use_tf32
 from meshtrain.distributed.plan import (
     GIB,
     MemoryPlan,
@@ -343,8 +343,9 @@ def device_peak(cfg: MeshtrainConfig, device: str) -> tuple[float | None, str]:
         peak, source = cfg.metrics.cpu_peak_flops_per_s, "CPU nominal (metrics.cpu_peak_flops_per_s)"
     else:
         dtype = param_dtype(cfg.parallel.mixed_precision, "cuda")
-        peak = gpu_peak_flops(device, dtype)
-        source = f"{device} dense {'bf16' if dtype == torch.bfloat16 else 'tf32'}"
+        tf32 = use_tf32(cfg.train.tf32, cfg.parallel.mixed_precision, "cuda")
+        peak = gpu_peak_flops(device, dtype, tf32)
+        source = f"{device} dense {'bf16' if dtype == torch.bfloat16 else 'tf32' if tf32 else 'fp32'}"
         if peak is None:
             return None, f"{device}: unknown, set metrics.peak_flops_per_s"
     return peak, f"{source} {peak / 1e12:,.4g} TFLOP/s"

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from meshtrain.checkpoint.storage import newest_committed
 from meshtrain.config import ConfigError, MeshtrainConfig
 from meshtrain.distributed.layout import WorkerLayout
-from meshtrain.distributed.parallelize import param_dtype
+from meshtrain.distributed.parallelize import param_dtype, set_matmul_precision, use_tf32
 from meshtrain.model.args import model_args
 from meshtrain.model.flops import device_peak_flops, flops_per_token
 from meshtrain.observe.metrics import (
@@ -133,6 +133,7 @@ def start_metrics(
         param_dtype(cfg.parallel.mixed_precision, device.type),
         cfg.metrics.peak_flops_per_s,
         cfg.metrics.cpu_peak_flops_per_s,
+        tf32=use_tf32(cfg.train.tf32, cfg.parallel.mixed_precision, device.type),
     )
     if peak is None and layout.world_rank == 0:
         print(
@@ -190,6 +191,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     paths = RunPaths(cfg.run.name, Path(cfg.run.storage_path))
     device = ray.train.torch.get_device()
     check_group_size(cfg, layout.world_size)
+    if device.type == "cuda":
+        set_matmul_precision(use_tf32(cfg.train.tf32, cfg.parallel.mixed_precision, device.type))
     restarts, workers, resize = record_worker_start(paths, loop_config["launch_id"], layout, cfg)
     metrics = start_metrics(cfg, layout, device, data.vocab_size, restarts) if cfg.metrics.port else None
     sinks: list[Any] = []

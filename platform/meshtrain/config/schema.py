@@ -101,7 +101,8 @@ class TrainConfig(Section):
         5,
         gt=0,
         description="Stop the run after this many skipped steps in a row (a step is skipped when its loss or "
-        "gradient norm is not finite, or it spikes); checked at logged and checkpoint steps.",
+        "gradient norm is not finite, or it spikes); the longest streak is kept on the device and read at logged "
+        "and checkpoint steps, so a streak that ended in between still stops the run.",
     )
     loss_spike_factor: float | None = Field(
         None,
@@ -110,6 +111,11 @@ class TrainConfig(Section):
         "train.loss_spike_window accepted losses; unset = no spike rule.",
     )
     loss_spike_window: int = Field(50, ge=3, description="Accepted steps the loss-spike median is taken over.")
+    tf32: bool | None = Field(
+        None,
+        description="fp32 matrix multiplies on CUDA in TF32 (torch.set_float32_matmul_precision('high')); "
+        "unset = on for CUDA workers computing in fp32. MFU divides by the TF32 peak when on, the fp32 peak when off.",
+    )
     gc_every: int = Field(
         50,
         ge=0,

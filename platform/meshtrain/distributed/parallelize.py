@@ -28,6 +28,19 @@ def param_dtype(setting: str, device_type: str) -> torch.dtype:
     return torch.float32
 
 
+def use_tf32(setting: bool | None, mixed_precision: str, device_type: str) -> bool:
+    """Whether fp32 matrix multiplies run in TF32: ``train.tf32``, else on for CUDA computing in fp32."""
+    if device_type != "cuda":
+        return False
+    return setting if setting is not None else param_dtype(mixed_precision, device_type) == torch.float32
+
+
+def set_matmul_precision(tf32: bool) -> None:
+    """TF32 (or full fp32) for fp32 matrix multiplies and convolutions in this process."""
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    torch.backends.cudnn.allow_tf32 = tf32
+
+
 def parallelize(model: Transformer, mesh: DeviceMesh, plan: MeshPlan, cfg: ParallelConfig) -> Transformer:
     """Apply, in this order: activation checkpointing, per-block compile, FSDP2, prefetch.
 

@@ -26,35 +26,38 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     return 6.0 * matmul_weights + 12.0 * args.n_layers * seq_len * args.dim
 
 
-# Dense (no sparsity) peak FLOP/s from the vendors' data sheets: (bf16, tf32). The first pattern
-# that matches torch.cuda.get_device_name() wins, so more specific names come first.
-GPU_PEAK_FLOPS: list[tuple[str, float, float]] = [
-    (r"GH200|H200|H800|H100.*(SXM|HBM3)", 989.4e12, 494.7e12),
-    (r"H100.*NVL", 835.0e12, 417.5e12),
-    (r"H100", 756.0e12, 378.0e12),  # PCIe
-    (r"B200", 2250.0e12, 1100.0e12),
-    (r"A100|A800", 312.0e12, 156.0e12),
-    (r"L40S", 362.0e12, 183.0e12),
-    (r"\bL4\b", 121.0e12, 60.0e12),
-    (r"\bA10\b", 125.0e12, 62.5e12),
-    (r"MI300X", 1307.4e12, 653.7e12),
+# Dense (no sparsity) peak FLOP/s from the vendors' data sheets: (bf16, tf32, fp32). The first
+# pattern that matches torch.cuda.get_device_name() wins, so more specific names come first.
+GPU_PEAK_FLOPS: list[tuple[str, float, float, float]] = [
+    (r"GH200|H200|H800|H100.*(SXM|HBM3)", 989.4e12, 494.7e12, 66.9e12),
+    (r"H100.*NVL", 835.0e12, 417.5e12, 60.0e12),
+    (r"H100", 756.0e12, 378.0e12, 51.2e12),  # PCIe
+    (r"B200", 2250.0e12, 1100.0e12, 80.0e12),
+    (r"A100|A800", 312.0e12, 156.0e12, 19.5e12),
+    (r"L40S", 362.0e12, 183.0e12, 91.6e12),
+    (r"\bL4\b", 121.0e12, 60.0e12, 30.3e12),
+    (r"\bA10\b", 125.0e12, 62.5e12, 31.2e12),
+    (r"MI300X", 1307.4e12, 653.7e12, 163.4e12),
 ]
 
 
-def gpu_peak_flops(device_name: str, compute_dtype: torch.dtype) -> float | None:
-    """Peak FLOP/s of a GPU model for the dtype matrix multiplies run in, or None if unknown."""
-    for pattern, bf16, tf32 in GPU_PEAK_FLOPS:
+def gpu_peak_flops(device_name: str, compute_dtype: torch.dtype, tf32: bool = True) -> float | None:
+    """Peak FLOP/s of a GPU model for what its matrix multiplies run in (bf16/fp16; fp32 as TF32 or
+    as full fp32), or None if unknown."""
+    for pattern, bf16, tf32_peak, fp32 in GPU_PEAK_FLOPS:
         if re.search(pattern, device_name):
-            return bf16 if compute_dtype in (torch.bfloat16, torch.float16) else tf32
+            if compute_dtype in (torch.bfloat16, torch.float16):
+                return bf16
+            return tf32_peak if tf32 else fp32
     return None
 
 
 def device_peak_flops(
-    device: torch.device, compute_dtype: torch.dtype, override: float | None, cpu_peak: float
+    device: torch.device, compute_dtype: torch.dtype, override: float | None, cpu_peak: float, tf32: bool = True
 ) -> float | None:
     """The peak MFU divides by: the user's override, else the GPU table, else the CPU setting."""
     if override is not None:
         return override
     if device.type == "cuda":
-        return gpu_peak_flops(torch.cuda.get_device_name(device), compute_dtype)
+        return gpu_peak_flops(torch.cuda.get_device_name(device), compute_dtype, tf32)
     return cpu_peak

@@ -9,7 +9,8 @@ The decision is made on the device, with no host sync on the training hot path:
   step count untouched inside the kernel. The foreach and for-loop kernels have no such input, so
   with ``optim.implementation`` set to one of them the flag is read on the host every step;
 * the counters stay on the device and are read where the loop synchronizes anyway (logged steps,
-  checkpoint steps).
+  checkpoint steps); the longest streak of skipped steps is kept there too, so a streak that ends
+  between two reads is still seen at the next one.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from meshtrain.train.records import LoopOutputs
 class GuardReading:
     bad_in_a_row: int
     skipped_total: int
+    longest_streak: int  # the longest run of skipped steps in a row since the last reading
 
 
 class StepGuard:
@@ -37,6 +39,7 @@ class StepGuard:
         self.fused = bool(optimizer.defaults.get("fused"))
         self.spike_factor = spike_factor
         self.bad_in_a_row = torch.zeros((), dtype=torch.int64, device=device)
+        self.longest_streak = torch.zeros((), dtype=torch.int64, device=device)
         self.skipped = torch.zeros((), dtype=torch.int64, device=device)
         self.skipped_before = 0  # skipped steps of earlier worker groups (restored from the checkpoint)
         # The last accepted losses; nan marks a slot not yet filled.
@@ -52,13 +55,20 @@ class StepGuard:
             shifted = torch.cat([self.history[1:], loss.reshape(1)])
             self.history = torch.where(bad, self.history, shifted)
         self.bad_in_a_row = (self.bad_in_a_row + 1) * bad
+        self.longest_streak = torch.maximum(self.longest_streak, self.bad_in_a_row)
         self.skipped = self.skipped + bad
         return bad
 
     def step(self, bad: torch.Tensor) -> None:
         """``optimizer.step()`` unless ``bad``."""
         if self.fused:
-            self.optimizer.found_inf = bad.float()  # type: ignore[attr-defined]
+            found_inf = bad.float()
+            params_device = self._params_device()
+            if params_device != found_inf.device:
+                # Under CPU offload the kernel runs on the host, and fused AdamW would copy the flag
+                # with non_blocking=True and no sync: the host could read it before it arrives.
+                found_inf = found_inf.to(params_device)
+            self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]
             try:
                 self.optimizer.step()
             finally:
@@ -66,10 +76,18 @@ class StepGuard:
         elif not bool(bad):
             self.optimizer.step()
 
+    def _params_device(self) -> torch.device:
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                return param.device
+        return self.bad_in_a_row.device
+
     def read(self) -> GuardReading:
-        """The counters on the host (a device sync: call it where the loop syncs anyway)."""
-        bad_in_a_row, skipped = torch.stack([self.bad_in_a_row, self.skipped]).tolist()  # one transfer
-        return GuardReading(bad_in_a_row, self.skipped_before + skipped)
+        """The counters on the host (a device sync: call it where the loop syncs anyway); starts a new
+        longest-streak window."""
+        bad_in_a_row, skipped, longest = torch.stack([self.bad_in_a_row, self.skipped, self.longest_streak]).tolist()
+        self.longest_streak = self.bad_in_a_row.clone()  # a streak still going carries into the next window
+        return GuardReading(bad_in_a_row, self.skipped_before + skipped, longest)
 
 
 class BadStepLimit:
@@ -85,11 +103,12 @@ class BadStepLimit:
         reading = self.guard.read()
         self.progress.skipped_steps = reading.skipped_total
         self.outputs.skipped(reading.skipped_total)
-        if reading.bad_in_a_row < self.max_bad_steps:
+        if reading.longest_streak < self.max_bad_steps:
             return reading.bad_in_a_row
+        ending = f"up to step {step}" if reading.bad_in_a_row >= self.max_bad_steps else f"before step {step}"
         self.stopped = (
-            f"train.max_bad_steps={self.max_bad_steps}: {reading.bad_in_a_row} steps in a row up to step "
-            f"{step} were skipped (non-finite or spiking loss or gradient norm)"
+            f"train.max_bad_steps={self.max_bad_steps}: {reading.longest_streak} steps in a row {ending} "
+            "were skipped (non-finite or spiking loss or gradient norm)"
         )
         self.outputs.emit({"event": "stopped", "step": step, "reason": self.stopped})
         return None
