@@ -121,6 +121,40 @@ def test_worker_killed_from_outside_by_pid_is_recovered(storage: Path, unbroken:
     assert_same_weights(model_weights(final_checkpoint(run_dir), tmp_path), unbroken)
 
 
+def test_sigterm_to_one_worker_saves_the_current_step_and_the_run_matches(storage: Path, unbroken: dict, tmp_path: Path) -> None:
+    """A preemption notice (SIGTERM from outside, as a spot reclaim or an eviction sends it) to one
+    worker between checkpoints: every rank stops at the next step boundary, the step is saved and
+    committed, the group restarts from it, and the run ends with the unbroken run's weights."""
+    run_dir = storage / "preempted"
+    job = subprocess.Popen(
+        job_command(f"run.storage_path={storage}", "run.name=preempted", *SETTINGS),
+        cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not any(r["event"] == "train" and r["step"] >= 13 for r in read_metrics(run_dir)):
+            assert job.poll() is None and time.monotonic() < deadline, "the job ended before step 13"
+            time.sleep(0.05)
+        noticed_after = max(r["step"] for r in read_metrics(run_dir) if r["event"] == "train")
+        victims = worker_pids(job.pid)
+        assert len(victims) == 2
+        os.kill(victims[-1], signal.SIGTERM)
+        output, _ = job.communicate(timeout=300)
+    finally:
+        job.kill()
+    assert job.returncode == 0, output[-3000:]
+    assert "preemption notice (SIGTERM)" in output
+    records = read_metrics(run_dir)
+    preempted = [r for r in records if r["event"] == "preempted"]
+    assert len(preempted) == 1 and preempted[0]["saved"], preempted
+    step = preempted[0]["step"]
+    assert noticed_after <= step <= noticed_after + 3 and step % 10, (noticed_after, step)  # not a scheduled save
+    assert preempted[0]["notice_to_commit_s"] < 25
+    assert step in [r["step"] for r in records if r["event"] == "checkpoint_save"]
+    assert loads(run_dir) == [step]  # the restarted group lost no step
+    assert_same_weights(model_weights(final_checkpoint(run_dir), tmp_path), unbroken)
+
+
 def test_kill_during_a_checkpoint_write_leaves_it_uncommitted_and_resumes_from_the_previous(
     storage: Path, unbroken: dict, tmp_path: Path
 ) -> None:

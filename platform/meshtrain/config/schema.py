@@ -302,6 +302,14 @@ class FaultConfig(Section):
     during_checkpoint: bool = Field(
         False, description="Die right after the checkpoint of fault.at_step starts writing (it must be a save step)."
     )
+    preemption_save_s: float | None = Field(
+        25.0,
+        gt=0,
+        description="On a preemption notice (SIGTERM, or Ray's drain notice) every worker stops at the next step, "
+        "saves it and exits so Ray restarts the group; this is how long after the notice a worker may take to commit "
+        "that save before it exits anyway. Fit it inside the notice period: GCP spot and Kubernetes' default grace 30 s, "
+        "AWS spot 120 s. null = no handling (SIGTERM ends the worker at once).",
+    )
 
 
 class MetricsConfig(Section):

@@ -52,6 +52,7 @@ class Checkpointing:
     ) -> None:
         self.manager, self.state, self.progress, self.manifest = manager, state, progress, manifest
         self.last_step, self.bad_steps, self.outputs, self.faults, self.beat = last_step, bad_steps, outputs, faults, beat
+        self.saved_step: int | None = None  # the newest step this worker group saved
 
     def after_step(self, step: int) -> bool:
         """False when the run must stop (the guard's limit was reached at a checkpoint step)."""
@@ -69,9 +70,26 @@ class Checkpointing:
         saving_since = time.perf_counter()
         self.beat(f"saving the checkpoint of step {step}")
         self.manager.save(self.state, {**self.manifest, **vars(self.progress)}, wait=step == self.last_step)
+        self.saved_step = step
         self.beat(f"training after the checkpoint of step {step}")
         self.outputs.checkpoint_blocked(time.perf_counter() - saving_since)
         self.faults.while_saving(step)
+        return True
+
+    def save_now(self, step: int) -> bool:
+        """Save ``step`` and wait for its commit, unless the newest save is already of this step (then
+        wait for that one); False with checkpoints off, or when the step was skipped by the guard."""
+        if self.manager is None:
+            return False
+        if self.saved_step == step:  # already saved (maybe still writing): never rewrite a checkpoint
+            self.manager.finish_pending()
+            return True
+        bad_in_a_row = self.bad_steps.check(step)
+        if bad_in_a_row is None or bad_in_a_row:
+            return False
+        self.beat(f"saving the checkpoint of step {step} on notice")
+        self.manager.save(self.state, {**self.manifest, **vars(self.progress)}, wait=True)
+        self.saved_step = step
         return True
 
     def close(self) -> None:

@@ -29,6 +29,7 @@ from meshtrain.train.faults import FaultInjection
 from meshtrain.train.gc_schedule import ScheduledCollection
 from meshtrain.train.guard import BadStepLimit, StepGuard
 from meshtrain.train.optim import build_lr_scheduler, build_optimizer
+from meshtrain.train.preemption import Preempted, PreemptionNotice, StopVote, defer_sigterm
 from meshtrain.train.records import LoopOutputs
 from meshtrain.train.setup import build_sharded_model
 from meshtrain.train.step import train_step
@@ -162,9 +163,13 @@ class Trainer:
             cfg.train.log_every, cfg.train.global_batch_size, layout.world_size, self.progress, self.bad_steps,
             self.outputs, self.result.records,
         )
-        # Last, so a setup that fails leaves neither a thread nor the collector switched off.
+        budget = cfg.fault.preemption_save_s
+        self.notice = PreemptionNotice(budget, layout.world_rank) if budget is not None else None
+        self.stop_vote = StopVote(self.notice) if self.notice is not None else None
+        # Last, so a setup that fails leaves neither a thread, a signal route nor the collector switched off.
         self.watchdog = HangWatchdog(cfg.run.hang_timeout_s, layout.world_rank) if cfg.run.hang_timeout_s else None
         self.collection = ScheduledCollection(cfg.train.gc_every)
+        self._restore_sigterm = defer_sigterm(self.notice) if self.notice is not None else None
 
     def run(self) -> TrainResult:
         cfg, progress = self.cfg, self.progress
@@ -175,6 +180,8 @@ class Trainer:
         try:
             for step in range(first_step, cfg.train.steps + 1):
                 self._beat(f"training step {step}", arm=step > first_step)
+                if self.stop_vote is not None:
+                    self.stop_vote.cast()
                 self.faults.before_step(step, self.model)
                 self.collection.step(step)
                 lr = self.scheduler.get_last_lr()[0]
@@ -194,6 +201,8 @@ class Trainer:
                     self.result.eval_loss_by_source = self.evaluation.last_by_source
                 if not self.log.after_step(step, lr, output, data_wait, last):
                     break
+                if self.stop_vote is not None and self.stop_vote.stop():
+                    self._stop_on_notice(step)
         finally:
             self.batches.close()
         self.checkpointing.close()
@@ -203,11 +212,35 @@ class Trainer:
         self.result.stopped = self.bad_steps.stopped
         return self.result
 
+    def _stop_on_notice(self, step: int) -> None:
+        """Every rank agreed that a notice came: save this step, then leave so Ray restarts the group."""
+        assert self.notice is not None and self.stop_vote is not None
+        notices = self.stop_vote.notices()
+        ages = [age for _, age in notices]
+        started = time.perf_counter()
+        saved = self.checkpointing.save_now(step)
+        save_s = time.perf_counter() - started
+        noticed = [rank for rank, (reason, _) in enumerate(notices) if reason is not None]
+        reason = "; ".join(sorted({notices[rank][0] or "" for rank in noticed})) or "a notice"
+        record = {"event": "preempted", "step": step, "reason": reason, "ranks": noticed, "saved": saved,
+                  "save_s": save_s}
+        known = [age for age in ages if age is not None]
+        if known:  # from the earliest notice to the commit
+            record["notice_to_commit_s"] = max(known) + save_s
+        self.outputs.emit(record)
+        self.notice.done()
+        kept = f"checkpoint of step {step} committed" if saved else "no checkpoint saved (checkpoints off, or a skipped step)"
+        raise Preempted(f"rank {self.layout.world_rank}: stopped at step {step} on a preemption notice ({reason}); {kept}")
+
     def _beat(self, doing: str, arm: bool = False) -> None:
         if self.watchdog is not None:
             self.watchdog.beat(doing, arm)
 
     def close(self) -> None:
+        if self._restore_sigterm is not None:
+            self._restore_sigterm()
+        if self.stop_vote is not None:
+            self.stop_vote.close()
         if self.watchdog is not None:
             self.watchdog.close()
         self.collection.close()

@@ -1,0 +1,180 @@
+"""Stopping on notice: a worker told it will be stopped saves the current step and exits, so the run
+loses at most the step in flight instead of everything since the last checkpoint.
+
+Notices come two ways:
+
+* **SIGTERM**: a spot/preemptible reclaim (AWS gives two minutes, GCP 30 s), a Kubernetes eviction
+  (``terminationGracePeriodSeconds``, 30 s by default) or an operator. In a Ray worker the signal
+  reaches Ray's own handler in the process's main thread (``ray._private.worker.main_loop``), which
+  exits at once; the training thread cannot install a handler there, so :func:`defer_sigterm` makes
+  that handler record the notice instead and lets the process end on meshtrain's terms.
+* **Ray's drain notice**: Ray Train 2.60 starts a ``PreemptionWatcher`` actor per worker group that
+  polls Ray Core for draining nodes (``ray drain-node``, the autoscaler, a cloud's own notice) and
+  marks every worker of the group; :meth:`PreemptionNotice.from_ray` reads that mark locally (Ray's
+  public ``ray.train.get_preemption_info()`` is a barrier through Ray on every call, too slow for
+  every step).
+
+One rank hearing is enough: :class:`StopVote` all-reduces every rank's flag each step (a one-int
+all-reduce on its own gloo group, posted when the step starts and read when it ends, so it overlaps
+the step), every rank agrees to stop at the same step boundary, saves that step synchronously and
+leaves the training function with :class:`Preempted`; Ray restarts (or, elastic, shrinks) the group,
+which resumes from that checkpoint. If the save has not committed within ``fault.preemption_save_s``
+of the notice, the worker exits anyway: the notice period is ending.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class Preempted(RuntimeError):
+    """Raised by every rank after the preemption save, so Ray restarts the worker group from it."""
+
+
+class PreemptionNotice:
+    """Whether this worker has been told it will be stopped, and when."""
+
+    def __init__(self, budget_s: float, rank: int, exit_process: Callable[[str], None] | None = None) -> None:
+        self.budget_s, self.rank = budget_s, rank
+        self.reason: str | None = None
+        self.received: float | None = None
+        self._given = threading.Event()
+        self._done = threading.Event()
+        self._exit = exit_process or _exit_now
+
+    def give(self, reason: str) -> None:
+        """Record a notice (thread-safe; a second one changes nothing) and start its deadline."""
+        if self._given.is_set():
+            return
+        self.reason, self.received = reason, time.monotonic()
+        self._given.set()
+        sys.stdout.write(f"[meshtrain] rank {self.rank}: preemption notice ({reason}); saving at the next step boundary, "
+                         f"within fault.preemption_save_s={self.budget_s:g}\n")
+        sys.stdout.flush()
+        threading.Thread(target=self._deadline, name="meshtrain-preemption-deadline", daemon=True).start()
+
+    def _deadline(self) -> None:
+        if not self._done.wait(self.budget_s):
+            self._exit(
+                f"[meshtrain] rank {self.rank}: no committed checkpoint {self.budget_s:g}s after the preemption notice "
+                f"({self.reason}); exiting (fault.preemption_save_s); the run resumes from its last committed checkpoint"
+            )
+
+    def done(self) -> None:
+        """The preemption save committed: the deadline no longer applies."""
+        self._done.set()
+
+    @property
+    def given(self) -> bool:
+        return self._given.is_set()
+
+    def local(self) -> bool:
+        """A notice for this worker, by signal or from Ray."""
+        if not self._given.is_set():
+            ray_reason = self.from_ray()
+            if ray_reason is not None:
+                self.give(ray_reason)
+        return self._given.is_set()
+
+    @staticmethod
+    def from_ray() -> str | None:
+        """Ray Train's drain notice for this worker group, read from the worker's own context; None
+        outside a Ray Train worker or before a notice."""
+        try:
+            from ray.train.v2._internal.execution.context import get_train_context
+
+            info = get_train_context().preemption_context.preemption_info
+        except Exception:  # not in a Ray Train worker, or another Ray version: signals still work
+            return None
+        if info is None:
+            return None
+        return f"Ray drains node(s) {', '.join(info.preempted_node_ids) or '?'}"
+
+
+def _exit_now(message: str) -> None:
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def defer_sigterm(notice: PreemptionNotice) -> Callable[[], None]:
+    """Route SIGTERM to ``notice`` instead of ending the process; returns the undo.
+
+    In the main thread (a plain process, the tests) this installs a signal handler. In a Ray worker,
+    where the training function runs in another thread, it replaces the function Ray's SIGTERM
+    handler calls to exit (looked up by name in ``ray._private.worker`` at every signal).
+    """
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, lambda _signum, _frame: notice.give("SIGTERM"))
+        return lambda: signal.signal(signal.SIGTERM, previous)
+    try:
+        import ray._private.worker as ray_worker
+
+        ray_exit = ray_worker.raise_sys_exit_with_custom_error_message
+    except (ImportError, AttributeError):
+        return lambda: None
+
+    def record_instead(message: Any = "", *args: Any, **kwargs: Any) -> None:
+        if "SIGTERM" in str(message):
+            notice.give("SIGTERM")
+            return
+        ray_exit(message, *args, **kwargs)
+
+    ray_worker.raise_sys_exit_with_custom_error_message = record_instead
+
+    def undo() -> None:
+        if ray_worker.raise_sys_exit_with_custom_error_message is record_instead:
+            ray_worker.raise_sys_exit_with_custom_error_message = ray_exit
+
+    return undo
+
+
+class StopVote:
+    """Every rank's notice flag, all-reduced (max) once per step on a gloo group of its own."""
+
+    def __init__(self, notice: PreemptionNotice) -> None:
+        self.notice = notice
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() and dist.get_world_size() > 1 else None
+        self._flag = torch.zeros(1, dtype=torch.int32)
+        self._work: Any = None
+
+    def cast(self) -> None:
+        """Post this rank's flag (when the step starts)."""
+        self._flag = torch.tensor([int(self.notice.local())], dtype=torch.int32)
+        if self.group is not None:
+            self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+    def stop(self) -> bool:
+        """Whether any rank had a notice when the step started (when the step ends)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return bool(self._flag.item())
+
+    def notices(self) -> list[tuple[str | None, float | None]]:
+        """Every rank's (reason, seconds since) of its notice, gathered once the ranks agreed to stop
+        (ages, not times: monotonic clocks differ between machines)."""
+        received = self.notice.received
+        mine = (self.notice.reason, time.monotonic() - received if received is not None else None)
+        if self.group is None:
+            return [mine]
+        gathered: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, mine, group=self.group)
+        return gathered
+
+    def close(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None

@@ -1,0 +1,104 @@
+"""Preemption notices: SIGTERM (or Ray's drain notice) makes every rank save the current step and
+leave, the resumed run matches an unbroken one, and a save that does not commit in time ends the
+worker anyway. The Ray end to end case (SIGTERM to one of two workers) is in test_recovery.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import meshtrain.train.trainer as trainer_module
+from corpora import stdlib_plan
+from meshtrain.checkpoint.storage import CheckpointStorage, checkpoint_root
+from meshtrain.config import load_config
+from meshtrain.data import DataPlan
+from meshtrain.train.preemption import Preempted, PreemptionNotice, defer_sigterm
+from test_step_guard import run, snapshot
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> DataPlan:
+    return stdlib_plan(tmp_path_factory.mktemp("token_stores"))
+
+
+def config(tmp_path: Path, name: str, *overrides: str):
+    return load_config(None, [
+        "train.log_every=1", "train.global_batch_size=8", "train.micro_batch_size=4", "data.seq_len=32",
+        "data.vocab_size=512", "data.max_documents=24", "optim.warmup_steps=2", "optim.schedule_steps=20",
+        "scaling.num_workers=1", "checkpoint.enabled=true", "checkpoint.interval=100", "checkpoint.mode=async",
+        "eval.interval=null", f"run.storage_path={tmp_path}", f"run.name={name}", *overrides,
+    ])
+
+
+def test_sigterm_saves_the_step_and_the_resumed_run_matches_an_unbroken_one(
+    corpus: DataPlan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    unbroken, _ = run(config(tmp_path, "unbroken", "train.steps=8"), corpus)
+
+    original = trainer_module.FaultInjection.before_step
+
+    def sigterm_at_step_5(self, step: int, model: torch.nn.Module) -> None:
+        if step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)  # after step 5 cast its vote: the ranks agree at step 6
+        original(self, step, model)
+
+    monkeypatch.setattr(trainer_module.FaultInjection, "before_step", sigterm_at_step_5)
+    cfg = config(tmp_path, "preempted", "train.steps=8")
+    with pytest.raises(Preempted, match=r"^rank 0: stopped at step 6 on a preemption notice \(SIGTERM\); "
+                       r"checkpoint of step 6 committed$"):
+        run(cfg, corpus)
+    assert [c.step for c in CheckpointStorage(checkpoint_root(cfg)).committed()] == [6]
+
+    monkeypatch.setattr(trainer_module.FaultInjection, "before_step", original)
+    resumed, events = run(cfg, corpus)
+    assert [e["step"] for e in events if e["event"] == "checkpoint_load"] == [6]
+    expected, got = snapshot(unbroken), snapshot(resumed)
+    assert expected.keys() == got.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_the_sigterm_route_is_restored_after_the_run(corpus: DataPlan, tmp_path: Path) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    run(config(tmp_path, "restored", "train.steps=2"), corpus)
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_save_that_misses_the_budget_ends_the_worker_and_one_in_time_does_not() -> None:
+    exits: list[str] = []
+    late = PreemptionNotice(0.2, rank=3, exit_process=exits.append)
+    late.give("SIGTERM")
+    time.sleep(0.5)
+    assert exits == ["[meshtrain] rank 3: no committed checkpoint 0.2s after the preemption notice (SIGTERM); exiting "
+                     "(fault.preemption_save_s); the run resumes from its last committed checkpoint"]
+    in_time = PreemptionNotice(0.3, rank=0, exit_process=exits.append)
+    in_time.give("SIGTERM")
+    in_time.give("another SIGTERM")  # a second notice changes nothing
+    in_time.done()
+    time.sleep(0.5)
+    assert len(exits) == 1 and in_time.reason == "SIGTERM"
+
+
+def test_in_a_ray_worker_thread_rays_sigterm_exit_becomes_a_notice() -> None:
+    """Ray's worker handles SIGTERM in its main thread by calling an exit function of
+    ray._private.worker; a training thread cannot install a handler, so it replaces that function."""
+    import ray._private.worker as ray_worker
+
+    notice = PreemptionNotice(60.0, rank=1)
+    undo: list = []
+    thread = threading.Thread(target=lambda: undo.append(defer_sigterm(notice)))
+    thread.start()
+    thread.join()
+    try:
+        ray_worker.raise_sys_exit_with_custom_error_message("The process receives a SIGTERM.", exit_code=1)
+        assert notice.given and notice.reason == "SIGTERM"
+        with pytest.raises(SystemExit):  # any other exit Ray asks for still happens
+            ray_worker.raise_sys_exit_with_custom_error_message("exit_actor() is called.")
+    finally:
+        notice.done()
+        undo[0]()
+    assert ray_worker.raise_sys_exit_with_custom_error_message.__module__ != __name__
