@@ -110,6 +110,7 @@ def test_exposition_follows_prometheus_conventions_and_shows_only_known_values()
         assert before["meshtrain_model_flops_per_token"]["value"] == 1000.0
 
         metrics.set_mesh(4, (2, 2))
+        metrics.set_plan(8, 50)
         metrics.start_steps(10, 5000)
         for step in (11, 12, 13):
             time.sleep(0.02)
@@ -117,7 +118,8 @@ def test_exposition_follows_prometheus_conventions_and_shows_only_known_values()
         metrics.logged({"loss": 2.5, "lr": 1e-3, "grad_norm": 0.75, "tokens": 6536, "tokens_per_s": 2000.0}, world_size=4)
         metrics.checkpoint_blocked(0.25)
         metrics.checkpoint_event({"event": "checkpoint_save", "step": 12, "total_s": 1.5, "bytes": 4096})
-        metrics.checkpoint_event({"event": "checkpoint_load", "load_s": 0.125})
+        committed_after = time.time()
+        metrics.checkpoint_event({"event": "checkpoint_load", "step": 12, "load_s": 0.125})
         after = scrape(port)
     finally:
         metrics.close()
@@ -132,7 +134,9 @@ def test_exposition_follows_prometheus_conventions_and_shows_only_known_values()
     assert value["meshtrain_step_duration_seconds_count"] == 3
     assert value["meshtrain_step_duration_seconds_sum"] >= 0.06
     assert value["meshtrain_step_duration_seconds_bucket[+Inf]"] == 3
-    assert value["meshtrain_workers"] == 4
+    assert value["meshtrain_workers"] == 4 and value["meshtrain_workers_requested"] == 8
+    assert value["meshtrain_checkpoint_interval_steps"] == 50
+    assert 0 < committed_after - value["meshtrain_checkpoint_last_commit_timestamp_seconds"] < 5
     assert (value["meshtrain_mesh_replicate_degree"], value["meshtrain_mesh_shard_degree"]) == (2, 2)
     assert value["meshtrain_checkpoint_save_blocking_seconds"] == 0.25
     assert value["meshtrain_checkpoint_save_duration_seconds"] == 1.5

@@ -43,6 +43,8 @@ def prometheus_config(storage: Path) -> dict[str, Any]:
     jobs["meshtrain"]["scrape_interval"] = SCRAPE_INTERVAL
     jobs["meshtrain"]["file_sd_configs"] = [{"files": [str(storage / "prometheus" / "*.json")], "refresh_interval": "1s"}]
     jobs["ray"]["file_sd_configs"][0]["refresh_interval"] = "1s"
+    # The copy lives elsewhere: its rule files are cluster/'s own, so the real Prometheus loads the alerts.
+    config["rule_files"] = [str(REPO / "cluster" / rule) for rule in config.get("rule_files", [])]
     return config
 
 

@@ -149,6 +149,7 @@ def start_metrics(
         peak_flops_per_s=peak,
     )
     metrics.restarts.set(restarts)
+    metrics.set_plan(cfg.scaling.num_workers, cfg.checkpoint.interval if cfg.checkpoint.enabled else None)
     port = metrics.serve(cfg.metrics.bind_address, cfg.metrics.port + layout.local_rank)
     endpoints = _gather(Endpoint(advertised_host(cfg.metrics.bind_address, node_ip), port))
     if layout.world_rank == 0:
@@ -186,6 +187,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         local_rank=context.get_local_rank(),
         local_world_size=context.get_local_world_size(),
         node_rank=context.get_node_rank(),
+        node=ray.util.get_node_ip_address(),
     )
     assert cfg.run.name is not None, "the launcher resolves run.name before starting workers"
     paths = RunPaths(cfg.run.name, Path(cfg.run.storage_path))

@@ -292,13 +292,15 @@ class FaultConfig(Section):
         None, ge=0, description="Chaos testing: this worker fails once, at fault.at_step (how: fault.kind)."
     )
     at_step: int | None = Field(None, gt=0, description="Step at which fault.kill_rank fails.")
-    kind: Literal["kill", "hang", "nan"] = Field(
+    kind: Literal["kill", "hang", "nan", "slow"] = Field(
         "kill",
         description=(
             "kill: the worker sends itself SIGKILL; hang: it stops making progress (sleeps forever); nan: its "
-            "logits are NaN from fault.at_step on, so the global loss and gradients are (the step guard's case)."
+            "logits are NaN from fault.at_step on, so the global loss and gradients are (the step guard's case); "
+            "slow: its transformer blocks take fault.slow_factor times as long from fault.at_step on (a straggler)."
         ),
     )
+    slow_factor: float = Field(3.0, gt=1, description="fault.kind=slow: how many times slower the worker computes.")
     during_checkpoint: bool = Field(
         False, description="Die right after the checkpoint of fault.at_step starts writing (it must be a save step)."
     )
@@ -313,6 +315,14 @@ class FaultConfig(Section):
 
 
 class MetricsConfig(Section):
+    straggler_factor: float = Field(
+        1.5,
+        gt=1,
+        description="A rank whose block compute per step is at least this many times the median of the other ranks' ...",
+    )
+    straggler_patience: int = Field(
+        5, ge=1, description="... for this many logged steps in a row is reported as a straggler (metrics.jsonl, job log, gauges)."
+    )
     port: int = Field(
         9800,
         ge=0,

@@ -19,6 +19,7 @@ class WorkerLayout:
     local_rank: int = 0
     local_world_size: int = 1
     node_rank: int = 0
+    node: str = ""  # the node's address as the cluster names it (Ray: its IP); "" = this host's name
 
 
 def workers_per_node(layout: WorkerLayout, expected: int | None) -> tuple[int, list[int]]:

@@ -150,6 +150,21 @@ class TrainingMetrics:
         self._skipped_seen = 0
         self.restarts = gauge("meshtrain_run_restarts", "Times Ray restarted this run's worker group in the current job.")
         self.workers = gauge("meshtrain_workers", "Workers (world size) in the group.")
+        self.rank_compute = gauge(
+            "meshtrain_rank_step_compute_seconds",
+            "This rank's transformer-block forward compute per step (collective waits excluded), last logging interval.",
+        )
+        self.rank_slowdown = gauge(
+            "meshtrain_rank_slowdown_ratio", "This rank's compute per step over the median of the other ranks'."
+        )
+        self.straggler = gauge("meshtrain_straggler", "1 while the run reports this rank as a straggler, else 0.")
+        self.workers_requested = gauge(
+            "meshtrain_workers_requested", "Workers the run asks for (scaling.num_workers); an elastic group may have fewer."
+        )
+        self.checkpoint_interval = gauge("meshtrain_checkpoint_interval_steps", "Steps between scheduled checkpoints.")
+        self.checkpoint_commit_time = gauge(
+            "meshtrain_checkpoint_last_commit_timestamp_seconds", "Unix time the last checkpoint was committed."
+        )
         self.replicate = gauge("meshtrain_mesh_replicate_degree", "Size of the mesh's replicate dimension (HSDP replicas).")
         self.shard = gauge("meshtrain_mesh_shard_degree", "Size of the mesh's shard dimension (FSDP shard group).")
         self._clock = StepClock(device)
@@ -157,6 +172,17 @@ class TrainingMetrics:
         self._server: _MetricsServer | None = None
 
     # --- updates from the training loop -------------------------------------------------------
+
+    def set_plan(self, workers_requested: int, checkpoint_interval: int | None) -> None:
+        """What the run asks for: its workers, and its checkpoint cadence (None: checkpoints off)."""
+        self.workers_requested.set(workers_requested)
+        if checkpoint_interval is not None:
+            self.checkpoint_interval.set(checkpoint_interval)
+
+    def set_rank_speed(self, compute_s: float, slowdown: float, straggler: bool) -> None:
+        self.rank_compute.set(compute_s)
+        self.rank_slowdown.set(slowdown)
+        self.straggler.set(1 if straggler else 0)
 
     def set_mesh(self, world_size: int, mesh_shape: tuple[int, int]) -> None:
         self.workers.set(world_size)
@@ -207,9 +233,11 @@ class TrainingMetrics:
             self.checkpoint_duration.set(event["total_s"])
             self.checkpoint_size.set(event["bytes"])
             self.checkpoint_step.set(event["step"])
+            self.checkpoint_commit_time.set(time.time())
             self.checkpoint_saves.inc()
         elif event["event"] == "checkpoint_load":
             self.checkpoint_load.set(event["load_s"])
+            self.checkpoint_step.set(event["step"])  # what a resumed group starts from is the newest committed
 
     def checkpoint_blocked(self, seconds: float) -> None:
         self.checkpoint_blocking.set(seconds)

@@ -1,4 +1,5 @@
-"""Fault injection for tests and demos: a worker that kills itself once with SIGKILL, hangs, or turns NaN."""
+"""Fault injection for tests and demos: a worker that kills itself once with SIGKILL, hangs, turns NaN or
+computes slowly."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def maybe_kill_self(fault: FaultConfig, rank: int, step: int, during_checkpoint:
     step without failing again.
     """
     named = (fault.kill_rank, fault.at_step, fault.during_checkpoint)
-    if fault.kind == "nan" or named != (rank, step, during_checkpoint):
+    if fault.kind in ("nan", "slow") or named != (rank, step, during_checkpoint):
         return
     marker = marker_dir / f"killed-rank{rank}-step{step}"
     if marker.exists():
@@ -52,6 +53,27 @@ def maybe_poison_outputs(fault: FaultConfig, rank: int, step: int, model: torch.
     model.register_forward_hook(lambda _module, _inputs, logits: logits * float("nan"))
 
 
+def maybe_slow_down(fault: FaultConfig, rank: int, step: int, model: torch.nn.Module) -> None:
+    """``fault.kind=slow``: from ``fault.at_step`` on, every transformer block of this rank sleeps
+    ``fault.slow_factor - 1`` times its own forward time after computing it, inside the span the
+    straggler timer measures, as a throttled GPU would. Its peers wait for it at every collective."""
+    if fault.kind != "slow" or (fault.kill_rank, fault.at_step) != (rank, step):
+        return
+    sys.stdout.write(f"[meshtrain] fault injection: rank {rank} computes {fault.slow_factor:g}x slower from step {step} on\n")
+    sys.stdout.flush()
+    started: dict[int, float] = {}
+
+    def begin(module: torch.nn.Module, _args: object) -> None:
+        started[id(module)] = time.perf_counter()
+
+    def end(module: torch.nn.Module, _args: object, _output: object) -> None:
+        time.sleep((fault.slow_factor - 1) * (time.perf_counter() - started.pop(id(module), time.perf_counter())))
+
+    for block in getattr(model, "layers", []):
+        block.register_forward_pre_hook(begin)
+        block.register_forward_hook(end, prepend=True)
+
+
 @dataclass(frozen=True)
 class FaultInjection:
     """The faults ``fault.*`` asks of this rank, at the two points of the loop where they strike."""
@@ -63,6 +85,7 @@ class FaultInjection:
     def before_step(self, step: int, model: torch.nn.Module) -> None:
         maybe_kill_self(self.fault, self.rank, step, False, self.marker_dir)
         maybe_poison_outputs(self.fault, self.rank, step, model)
+        maybe_slow_down(self.fault, self.rank, step, model)
 
     def while_saving(self, step: int) -> None:
         maybe_kill_self(self.fault, self.rank, step, True, self.marker_dir)

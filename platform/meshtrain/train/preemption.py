@@ -15,7 +15,7 @@ Notices come two ways:
   every step).
 
 One rank hearing is enough: :class:`StopVote` all-reduces every rank's flag each step (a one-int
-all-reduce on its own gloo group, posted when the step starts and read when it ends, so it overlaps
+all-reduce on the loop's own gloo group, posted when the step starts and read when it ends, so it overlaps
 the step), every rank agrees to stop at the same step boundary, saves that step synchronously and
 leaves the training function with :class:`Preempted`; Ray restarts (or, elastic, shrinks) the group,
 which resumes from that checkpoint. If the save has not committed within ``fault.preemption_save_s``
@@ -141,9 +141,8 @@ def defer_sigterm(notice: PreemptionNotice) -> Callable[[], None]:
 class StopVote:
     """Every rank's notice flag, all-reduced (max) once per step on a gloo group of its own."""
 
-    def __init__(self, notice: PreemptionNotice) -> None:
-        self.notice = notice
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() and dist.get_world_size() > 1 else None
+    def __init__(self, notice: PreemptionNotice, group: Any) -> None:
+        self.notice, self.group = notice, group  # a gloo group (None: one process)
         self._flag = torch.zeros(1, dtype=torch.int32)
         self._work: Any = None
 
@@ -175,6 +174,3 @@ class StopVote:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None

@@ -30,11 +30,14 @@ class StepLog:
         self.started = self.interval_start = now
         self.interval_steps, self.interval_wait = 0, 0.0
 
+    def logged_at(self, step: int, last: bool) -> bool:
+        return last or step % self.log_every == 0
+
     def after_step(self, step: int, lr: float, output: StepOutput, data_wait: float, last: bool) -> bool:
         """Count the step, and at a logged step write its record; False when the guard says stop."""
         self.interval_steps += 1
         self.interval_wait += data_wait
-        if step % self.log_every and not last:
+        if not self.logged_at(step, last):
             return True
         now = time.perf_counter()
         step_time = (now - self.interval_start) / self.interval_steps

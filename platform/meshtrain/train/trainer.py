@@ -7,6 +7,7 @@ named parts of the loop: checkpointing, evaluation and the step log.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from meshtrain.checkpoint.state import Progress, TrainState
 from meshtrain.config import ConfigError, MeshtrainConfig
@@ -34,6 +36,7 @@ from meshtrain.train.records import LoopOutputs
 from meshtrain.train.setup import build_sharded_model
 from meshtrain.train.step import train_step
 from meshtrain.train.step_log import StepLog
+from meshtrain.train.stragglers import ComputeTimer, StragglerWatch
 from meshtrain.train.watchdog import HangWatchdog
 
 
@@ -163,9 +166,18 @@ class Trainer:
             cfg.train.log_every, cfg.train.global_batch_size, layout.world_size, self.progress, self.bad_steps,
             self.outputs, self.result.records,
         )
+        # The loop's own small collectives (notice votes, straggler times) go on a gloo group apart from
+        # the step's and the background checkpoint writes'; every rank issues them in the same order.
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self.control_group = dist.new_group(backend="gloo") if distributed else None
         budget = cfg.fault.preemption_save_s
         self.notice = PreemptionNotice(budget, layout.world_rank) if budget is not None else None
-        self.stop_vote = StopVote(self.notice) if self.notice is not None else None
+        self.stop_vote = StopVote(self.notice, self.control_group) if self.notice is not None else None
+        self.stragglers = StragglerWatch(
+            ComputeTimer(self.model.layers, device), cfg.metrics.straggler_factor, cfg.metrics.straggler_patience,
+            layout.world_rank, layout.node or socket.gethostname(), self.outputs, self.control_group,
+            metrics.set_rank_speed if metrics is not None else None,
+        )
         # Last, so a setup that fails leaves neither a thread, a signal route nor the collector switched off.
         self.watchdog = HangWatchdog(cfg.run.hang_timeout_s, layout.world_rank) if cfg.run.hang_timeout_s else None
         self.collection = ScheduledCollection(cfg.train.gc_every)
@@ -196,11 +208,14 @@ class Trainer:
                 if not self.checkpointing.after_step(step):
                     break
                 self.outputs.step_done(step, output.tokens // self.layout.world_size, data_wait)
+                self.stragglers.step_done()
                 if self.evaluation.due(step, last):
                     self.result.eval_loss = self.evaluation.run(step)
                     self.result.eval_loss_by_source = self.evaluation.last_by_source
                 if not self.log.after_step(step, lr, output, data_wait, last):
                     break
+                if self.log.logged_at(step, last):
+                    self.stragglers.at_logged_step(step)
                 if self.stop_vote is not None and self.stop_vote.stop():
                     self._stop_on_notice(step)
         finally:
@@ -241,6 +256,10 @@ class Trainer:
             self._restore_sigterm()
         if self.stop_vote is not None:
             self.stop_vote.close()
+        self.stragglers.close()
+        if self.control_group is not None:
+            dist.destroy_process_group(self.control_group)
+            self.control_group = None
         if self.watchdog is not None:
             self.watchdog.close()
         self.collection.close()

@@ -1,0 +1,161 @@
+"""Stragglers: one slow GPU (throttled clocks, a failing HBM stack) slows every rank of a synchronous
+job, because every collective waits for it. Here each rank times its own compute and, at logged
+steps, the ranks compare.
+
+What is timed is the forward of every transformer block, from just after FSDP's pre-forward hook
+(which waits for the block's all-gather) to just before its post-forward hook: the block's compute,
+without the collective waits in which fast ranks sit idle for the slow one. On CUDA the two ends are
+events on the compute stream (the stream waits for the all-gather before the first one), read at
+logged steps, which synchronize anyway; on CPU they are host times. Backward costs about twice the
+forward on every rank alike, so the forward is a fair sample of a rank's speed.
+
+At each logged step the ranks all-gather their mean compute time per step. A rank's slowdown is its
+time over the median of the others'. A rank whose slowdown stays at least ``metrics.straggler_factor``
+for ``metrics.straggler_patience`` logged steps in a row is a straggler: one ``straggler`` record in
+metrics.jsonl (and a job-log line) naming the rank, its node and its slowdown, and the gauges
+``meshtrain_rank_slowdown_ratio`` and ``meshtrain_straggler`` on that rank until it recovers.
+A slow network link is not seen here: it slows the collectives, not a rank's compute.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshtrain.train.records import LoopOutputs
+
+
+class ComputeTimer:
+    """Forward compute time of ``blocks`` on this rank, collective waits excluded."""
+
+    def __init__(self, blocks: Iterable[nn.Module], device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._host_seconds = 0.0
+        self._events: list[tuple[Any, Any]] = []
+        self._open: dict[int, Any] = {}
+        self._handles = []
+        for block in blocks:
+            self._handles.append(block.register_forward_pre_hook(self._begin))  # after FSDP's (prepended) pre-hook
+            self._handles.append(block.register_forward_hook(self._end, prepend=True))  # before FSDP's post-hook
+
+    def _begin(self, module: nn.Module, _args: Any) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._open[id(module)] = event
+        else:
+            self._open[id(module)] = time.perf_counter()
+
+    def _end(self, module: nn.Module, _args: Any, _output: Any) -> None:
+        start = self._open.pop(id(module), None)
+        if start is None:
+            return
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((start, end))
+        else:
+            self._host_seconds += time.perf_counter() - start
+
+    def take(self) -> float:
+        """Seconds of block compute since the last call (a device sync on CUDA)."""
+        if self.cuda:
+            events, self._events = self._events, []
+            if events:
+                events[-1][1].synchronize()
+            return sum(start.elapsed_time(end) for start, end in events) / 1000
+        seconds, self._host_seconds = self._host_seconds, 0.0
+        return seconds
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def slowdowns(times: list[float]) -> list[float]:
+    """Each rank's time over the median of the other ranks' (1.0 alone, or when the others took 0)."""
+    result = []
+    for rank, own in enumerate(times):
+        others = times[:rank] + times[rank + 1 :]
+        median = statistics.median(others) if others else 0.0
+        result.append(own / median if median > 0 else 1.0)
+    return result
+
+
+class StragglerWatch:
+    """Compares the ranks' compute at logged steps and names a rank that stays slow."""
+
+    def __init__(
+        self,
+        timer: ComputeTimer,
+        factor: float,
+        patience: int,
+        rank: int,
+        node: str,
+        outputs: LoopOutputs,
+        group: Any,
+        set_gauges: Callable[[float, float, bool], None] | None = None,
+    ) -> None:
+        self.timer, self.factor, self.patience = timer, factor, patience
+        self.rank, self.node, self.outputs, self.group = rank, node, outputs, group
+        self.set_gauges = set_gauges
+        self.streaks: list[int] = []
+        self.flagged: set[int] = set()
+        self._steps = 0
+
+    def step_done(self) -> None:
+        self._steps += 1
+
+    def at_logged_step(self, step: int) -> None:
+        per_step = self.timer.take() / max(self._steps, 1)
+        self._steps = 0
+        mine = (per_step, self.node)
+        if self.group is not None:
+            gathered: list[Any] = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(gathered, mine, group=self.group)
+        else:
+            gathered = [mine]
+        self.observe(step, gathered)
+
+    def observe(self, step: int, gathered: list[tuple[float, str]]) -> None:
+        """Every rank's (compute seconds per step, node) at a logged step: update the streaks, report
+        a rank that became a straggler, and set this rank's gauges."""
+        times = [seconds for seconds, _ in gathered]
+        ratios = slowdowns(times)
+        if len(self.streaks) != len(times):
+            self.streaks = [0] * len(times)
+        for rank, ratio in enumerate(ratios):
+            self.streaks[rank] = self.streaks[rank] + 1 if ratio >= self.factor else 0
+            if self.streaks[rank] >= self.patience and rank not in self.flagged:
+                self.flagged.add(rank)
+                self._report(step, rank, gathered[rank][1], ratio, times)
+            elif self.streaks[rank] == 0 and rank in self.flagged:
+                self.flagged.discard(rank)
+        if self.set_gauges is not None:
+            self.set_gauges(times[self.rank], ratios[self.rank], self.rank in self.flagged)
+
+    def _report(self, step: int, rank: int, node: str, ratio: float, times: list[float]) -> None:
+        others = times[:rank] + times[rank + 1 :]
+        record = {
+            "event": "straggler", "step": step, "rank": rank, "node": node, "slowdown": ratio,
+            "compute_s": times[rank], "median_others_s": statistics.median(others),
+            "logged_steps": self.streaks[rank],
+        }
+        self.outputs.emit(record)
+        if self.rank == 0:
+            sys.stdout.write(
+                f"[meshtrain] straggler: rank {rank} on node {node} computes {ratio:.2f}x slower than the median of the "
+                f"other ranks for {self.streaks[rank]} logged steps (step {step}); every step waits for it\n"
+            )
+            sys.stdout.flush()
+
+    def close(self) -> None:
+        self.timer.close()

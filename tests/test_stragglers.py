@@ -1,0 +1,93 @@
+"""Stragglers: a rank made 3x slower is named (rank, node, slowdown) in metrics.jsonl and on its own
+gauges; the streak logic, and that the timer leaves collective waits out."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from corpora import stdlib_plan
+from meshtrain.config import MeshtrainConfig, load_config
+from meshtrain.data import DataPlan
+from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.train.records import LoopOutputs
+from meshtrain.train.stragglers import ComputeTimer, StragglerWatch, slowdowns
+from meshtrain.train.trainer import train
+from ranks import run_on_ranks
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> DataPlan:
+    return stdlib_plan(tmp_path_factory.mktemp("token_stores"))
+
+
+def config(*overrides: str) -> MeshtrainConfig:
+    return load_config(None, [
+        "train.steps=12", "train.log_every=1", "train.global_batch_size=8", "train.micro_batch_size=4",
+        "data.seq_len=64", "data.vocab_size=512", "data.max_documents=24", "optim.warmup_steps=2",
+        "model.dim=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=256",
+        "scaling.num_workers=2", "checkpoint.enabled=false", "eval.interval=null", *overrides,
+    ])
+
+
+def _rank_events(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    train(cfg, corpus, WorkerLayout(rank, world, rank, world, 0, node=f"node-{rank}"), torch.device("cpu"), events.append)
+    return events
+
+
+def test_a_rank_made_three_times_slower_is_named(corpus: DataPlan) -> None:
+    cfg = config("fault.kind=slow", "fault.kill_rank=1", "fault.at_step=2", "fault.slow_factor=3",
+                 "metrics.straggler_factor=2", "metrics.straggler_patience=3")
+    ranks = run_on_ranks(_rank_events, 2, cfg, corpus)
+    reports = [[e for e in events if e["event"] == "straggler"] for events in ranks]
+    assert reports[0] == reports[1] and len(reports[0]) == 1, reports  # every rank agrees, once
+    report = reports[0][0]
+    assert (report["rank"], report["node"], report["logged_steps"]) == (1, "node-1", 3)
+    assert 2.0 <= report["slowdown"] < 6.0 and report["step"] <= 2 + 3 + 2
+    assert report["compute_s"] > 2 * report["median_others_s"]
+
+
+def test_slowdown_is_against_the_median_of_the_others() -> None:
+    assert slowdowns([1.0, 1.0, 3.0]) == [0.5, 0.5, 3.0]
+    assert slowdowns([1.0, 1.0, 1.0, 3.0]) == [1.0, 1.0, 1.0, 3.0]
+    assert slowdowns([1.0, 3.0]) == [1 / 3, 3.0]  # two ranks: against the other one, not the mean
+    assert slowdowns([2.0]) == [1.0]
+    assert slowdowns([0.0, 0.0]) == [1.0, 1.0]
+
+
+def test_a_straggler_is_reported_once_per_episode_and_its_gauges_follow() -> None:
+    events: list[dict[str, Any]] = []
+    gauges: list[tuple[float, float, bool]] = []
+    timer = ComputeTimer([], torch.device("cpu"))
+    watch = StragglerWatch(timer, 1.5, 2, 2, "node-2", LoopOutputs(events.append, None, None), None,
+                           lambda *values: gauges.append(values))
+    script = [[1, 1, 2], [1, 1, 2], [1, 1, 2], [1, 1, 1], [1, 1, 2], [1, 1, 2], [1, 1, 1.2]]
+    for step, times in enumerate(script, start=1):
+        watch.observe(step, [(seconds, f"node-{rank}") for rank, seconds in enumerate(times)])
+    # Slow at steps 1-3 (reported at 2, after 2 logged steps), recovered at 4, slow again at 5-6.
+    assert [(e["step"], e["rank"], e["node"], e["slowdown"]) for e in events] == [(2, 2, "node-2", 2.0), (6, 2, "node-2", 2.0)]
+    assert [flag for _, _, flag in gauges] == [False, True, True, False, False, True, False]
+    assert [ratio for _, ratio, _ in gauges] == [2.0, 2.0, 2.0, 1.0, 2.0, 2.0, 1.2]
+
+
+def test_the_timer_counts_block_compute_not_what_comes_before_a_block() -> None:
+    """A pre-hook registered before the timer's (FSDP's all-gather wait) is outside the measured span."""
+    block = torch.nn.Linear(4, 4)
+    block.register_forward_pre_hook(lambda *_: time.sleep(0.2), prepend=True)  # stands in for FSDP's wait
+    timer = ComputeTimer([block], torch.device("cpu"))
+    block(torch.ones(2, 4))
+    assert timer.take() < 0.1
+    timer.close()
+
+
+def test_straggler_settings_are_checked() -> None:
+    from meshtrain.config import ConfigError
+
+    for bad, field in (("metrics.straggler_factor=1", "straggler_factor"), ("metrics.straggler_patience=0", "straggler_patience")):
+        with pytest.raises(ConfigError, match=field):
+            load_config(None, [bad])
