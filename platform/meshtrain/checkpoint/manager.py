@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from meshtrain.checkpoint.state import TrainState
+from meshtrain.checkpoint.write_progress import counting_writes
 from meshtrain.checkpoint.storage import (
     CheckpointError,
     CheckpointStorage,
@@ -74,7 +75,7 @@ class CheckpointManager:
         self._barrier()
         state.include_rng = True
         started = time.perf_counter()
-        writer = self.storage.writer(path)
+        writer = counting_writes(self.storage.writer(path))  # the hang watchdog sees a long save progress
         kwargs = {"storage_writer": writer, "process_group": self.group, "no_dist": not self.distributed}
         if self.asynchronous and not wait:
             future = dcp.async_save({"train": state}, async_stager=self._staging(state, writer), **kwargs)

@@ -246,8 +246,8 @@ class RunConfig(Section):
         600.0,
         gt=0,
         description="After the first step, a worker with no progress for this long (a hung collective, a stuck "
-        "rank) exits so Ray restarts the group from the last checkpoint; must exceed the slowest checkpoint save "
-        "and evaluation; null = off.",
+        "rank) exits so Ray restarts the group from the last checkpoint; bytes reaching checkpoint storage count as "
+        "progress, so a long save that keeps writing is never cut; must exceed the slowest step and evaluation; null = off.",
     )
 
     @field_validator("name")

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.checkpoint.state import Progress, TrainState
+from meshtrain.checkpoint.write_progress import bytes_written
 from meshtrain.config import ConfigError, MeshtrainConfig
 from meshtrain.data import LEGACY_SAMPLING, DataParallelBatches, DataPlan, TrainingData, open_data
 from meshtrain.distributed.layout import WorkerLayout
@@ -179,7 +180,9 @@ class Trainer:
             metrics.set_rank_speed if metrics is not None else None,
         )
         # Last, so a setup that fails leaves neither a thread, a signal route nor the collector switched off.
-        self.watchdog = HangWatchdog(cfg.run.hang_timeout_s, layout.world_rank) if cfg.run.hang_timeout_s else None
+        self.watchdog = (
+            HangWatchdog(cfg.run.hang_timeout_s, layout.world_rank, progress=bytes_written) if cfg.run.hang_timeout_s else None
+        )
         self.collection = ScheduledCollection(cfg.train.gc_every)
         self._restore_sigterm = defer_sigterm(self.notice) if self.notice is not None else None
 

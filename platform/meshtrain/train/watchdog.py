@@ -6,6 +6,11 @@ by default) while every other rank waits for it. The loop reports progress at ev
 around checkpoint saves and evaluations; a thread checks that the last report is younger than
 ``run.hang_timeout_s``. Blocking collectives release the GIL, so the thread runs while the main
 thread is stuck. The watchdog is armed after the first step, which may compile.
+
+Bytes written into checkpoint storage count as progress too (``progress``, from
+:mod:`meshtrain.checkpoint.write_progress`): a save of hundreds of GB that keeps writing, in the
+foreground at the last step or in the background while the next save waits for it, is never taken
+for a hang, however long it takes; one whose writes stop is.
 """
 
 from __future__ import annotations
@@ -25,8 +30,17 @@ def _exit_worker(message: str) -> None:
 
 
 class HangWatchdog:
-    def __init__(self, timeout_s: float, rank: int, on_hang: Callable[[str], None] = _exit_worker) -> None:
-        self.timeout_s, self.rank, self.on_hang = timeout_s, rank, on_hang
+    def __init__(
+        self,
+        timeout_s: float,
+        rank: int,
+        on_hang: Callable[[str], None] | None = None,
+        progress: Callable[[], int] | None = None,
+    ) -> None:
+        self.timeout_s, self.rank = timeout_s, rank
+        self.on_hang = on_hang or _exit_worker
+        self.progress = progress
+        self._progress_seen = progress() if progress is not None else 0
         self._last = time.monotonic()
         self._doing = "starting"
         self._armed = False
@@ -41,6 +55,10 @@ class HangWatchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(min(5.0, self.timeout_s / 4)):
+            if self.progress is not None:
+                seen = self.progress()
+                if seen != self._progress_seen:  # a checkpoint write moved on
+                    self._progress_seen, self._last = seen, time.monotonic()
             silent = time.monotonic() - self._last
             if self._armed and silent > self.timeout_s:
                 self.on_hang(
