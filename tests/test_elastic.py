@@ -72,3 +72,78 @@ def test_resize_records_say_why() -> None:
     assert grown is not None and grown["reason"].startswith("capacity returned")
     relaunched = resize_record(start, "b", 4, cfg)
     assert relaunched is not None and relaunched["reason"].startswith("a new launch")
+
+
+class _Actor:
+    def __init__(self, marks: list) -> None:
+        self.mark_preempt = type("Method", (), {"remote": staticmethod(marks.append)})()
+
+
+def _policy(newest: list, sizes: list[int], timeout_s: float = 30.0):
+    import ray.train
+
+    from meshtrain.cluster.elastic_policy import TrainableSizesPolicy
+
+    policy = TrainableSizesPolicy(ray.train.ScalingConfig(num_workers=(1, 4), resources_per_worker={"CPU": 0.6},
+                                                          elastic_resize_monitor_interval_s=0.001),
+                                  sizes, lambda: newest[-1], timeout_s)
+    policy._maybe_send_resource_request = lambda: None  # no autoscaling coordinator here
+    return policy
+
+
+def test_ray_is_offered_only_trainable_sizes() -> None:
+    """Ray's own count of workers the free resources hold, rounded down to a trainable size: 3 slots
+    train on 2, and below the smallest trainable size Ray is told none (it waits for capacity)."""
+    policy = _policy([None], [2, 4])
+    assert policy._count_possible_workers({"a": {"CPU": 2.0}}) == 2  # Ray's count: 3
+    assert policy._count_possible_workers({"a": {"CPU": 2.0}, "b": {"CPU": 0.7}}) == 4
+    assert policy._count_possible_workers({"a": {"CPU": 1.0}}) == 0  # 1 slot: below every trainable size
+    assert _policy([None], [1, 2, 4])._count_possible_workers({"a": {"CPU": 1.0}}) == 1
+
+
+def test_a_grow_waits_for_the_groups_checkpoint_then_resizes() -> None:
+    from types import SimpleNamespace
+
+    from ray.train.v2._internal.execution.scaling_policy.scaling_policy import NoopDecision, ResizeDecision
+
+    from meshtrain.cluster.elastic_policy import RESIZE_REQUEST
+
+    newest = [10]
+    marks: list = []
+    policy = _policy(newest, [1, 2, 4])
+    state = SimpleNamespace(start_time=0.0, num_workers=2, workers=[SimpleNamespace(actor=_Actor(marks)) for _ in range(2)])
+    policy._get_reserved_resources = lambda: {"a": {"CPU": 2.5}}  # capacity for 4 is back
+    assert isinstance(policy.make_decision_for_running_worker_group(state, None), NoopDecision)
+    assert marks == [RESIZE_REQUEST, RESIZE_REQUEST]  # every worker is asked to save where it is
+    assert isinstance(policy.make_decision_for_running_worker_group(state, None), NoopDecision)  # not committed yet
+    newest.append(13)  # the group committed step 13
+    decision = policy.make_decision_for_running_worker_group(state, None)
+    assert isinstance(decision, ResizeDecision) and decision.num_workers == 4
+    assert len(marks) == 2
+    # No save comes (checkpoints off, or a stuck save): the grow happens after the timeout anyway.
+    stuck = _policy([None], [1, 2, 4], timeout_s=0.0)
+    stuck._get_reserved_resources = lambda: {"a": {"CPU": 2.5}}
+    assert isinstance(stuck.make_decision_for_running_worker_group(state, None), NoopDecision)
+    assert isinstance(stuck.make_decision_for_running_worker_group(state, None), ResizeDecision)
+    # A shrink is not held back (and Ray's policy never shrinks a running group by itself).
+    same = _policy([None], [1, 2, 4])
+    same._get_reserved_resources = lambda: {"a": {"CPU": 1.3}}
+    assert isinstance(same.make_decision_for_running_worker_group(state, None), NoopDecision)
+
+
+def test_the_trainer_hands_ray_the_policy_for_elastic_runs(tmp_path) -> None:
+    from meshtrain.cluster.elastic_policy import TrainableSizesPolicy
+    from meshtrain.cluster.launcher import build_trainer
+    from meshtrain.observe.outputs import RunPaths
+
+    cfg = load_config(None, [*BATCH, "scaling.min_workers=2", f"run.storage_path={tmp_path}", "run.name=elastic"])
+    trainer = build_trainer(cfg, RunPaths("elastic", tmp_path), None, launch_id="x")
+    policy = trainer._elastic_policy(trainer.scaling_config)
+    assert isinstance(policy, TrainableSizesPolicy) and policy.sizes == [2, 4, 8]
+    assert policy.newest_checkpoint_step() is None  # no checkpoint yet
+    import pickle
+
+    assert pickle.loads(pickle.dumps(policy)).sizes == [2, 4, 8]  # it travels to Ray's controller
+    fixed = build_trainer(load_config(None, [*BATCH, f"run.storage_path={tmp_path}", "run.name=f"]), RunPaths("f", tmp_path),
+                          None, launch_id="x")
+    assert fixed._elastic_policy is None

@@ -102,3 +102,12 @@ def test_in_a_ray_worker_thread_rays_sigterm_exit_becomes_a_notice() -> None:
         notice.done()
         undo[0]()
     assert ray_worker.raise_sys_exit_with_custom_error_message.__module__ != __name__
+
+
+def test_a_budget_shorter_than_a_step_is_reported_once(corpus: DataPlan, tmp_path: Path) -> None:
+    _, events = run(config(tmp_path, "tight", "train.steps=4", "fault.preemption_save_s=0.000001"), corpus)
+    warnings = [e for e in events if e["event"] == "warning"]
+    assert len(warnings) == 1 and warnings[0]["setting"] == "fault.preemption_save_s"
+    assert warnings[0]["message"].startswith("fault.preemption_save_s=1e-06 is shorter than one step (")
+    _, quiet = run(config(tmp_path, "roomy", "train.steps=4"), corpus)
+    assert not [e for e in quiet if e["event"] == "warning"]

@@ -155,6 +155,20 @@ def test_sigterm_to_one_worker_saves_the_current_step_and_the_run_matches(storag
     assert_same_weights(model_weights(final_checkpoint(run_dir), tmp_path), unbroken)
 
 
+def test_an_elastic_run_offered_a_size_it_cannot_train_on_trains_on_the_largest_it_can(storage: Path) -> None:
+    """Local Ray holds 3 workers of 0.6 CPU; 3 workers cannot split a global batch of 4 micro-batches,
+    so the run trains on 2 (Ray's own policy would start 3, fail, and offer 3 again)."""
+    job = run_job(
+        f"run.storage_path={storage}", "run.name=offered3", "train.steps=4", "train.log_every=1",
+        "train.global_batch_size=8", "train.micro_batch_size=2", "data.max_documents=40",
+        "scaling.num_workers=4", "scaling.min_workers=1", "scaling.cpus_per_worker=0.6", "run.max_failures=0",
+        "checkpoint.interval=100",
+    )
+    assert job.returncode == 0, job.stderr[-3000:]
+    summary = json.loads((storage / "offered3" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 4
+
+
 def test_kill_during_a_checkpoint_write_leaves_it_uncommitted_and_resumes_from_the_previous(
     storage: Path, unbroken: dict, tmp_path: Path
 ) -> None:

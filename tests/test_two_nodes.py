@@ -297,8 +297,8 @@ def test_elastic_run_goes_on_without_the_lost_node_and_matches_a_resharded_run(c
 
 def test_elastic_run_grows_back_when_the_node_returns(cluster: Cluster) -> None:
     """Started while the second node is down, an elastic run trains on 1x2; when the node returns,
-    Ray's next capacity check (scaling.resize_check_interval_s) restarts the group on 2x2, which
-    resumes from the newest checkpoint and completes. The run is long enough that the node (started
+    Ray's next capacity check (scaling.resize_check_interval_s) finds room for 2x2, the 1x2 group saves
+    the step it is at, and the group restarts on 2x2 from that checkpoint and completes. The run is long enough that the node (started
     once the first step is logged) is back well before 1x2 could finish it alone."""
     node_down(cluster)
     run_dir = cluster.storage / "regrown"
@@ -319,10 +319,16 @@ def test_elastic_run_grows_back_when_the_node_returns(cluster: Cluster) -> None:
     assert summary["mesh_shape"] == [2, 2] and summary["world_size"] == 4
     starts = [json.loads(line) for line in (run_dir / "worker_starts.jsonl").read_text().splitlines()]
     assert [s["world_size"] for s in starts] == [2, 4]
-    # Every record as logged (steps after the resumed checkpoint appear twice): 1x2 first, 2x2 to the end.
+    # Before growing, the 1x2 group saved the step it was at and waited; 2x2 resumed from exactly that step.
+    [saved] = [r for r in read_metrics(run_dir) if r["event"] == "resize_save"]
+    assert saved["saved"], saved
+    assert [r["step"] for r in read_metrics(run_dir) if r["event"] == "checkpoint_load"] == [saved["step"]]
+    # Every record as logged: 1x2 up to that step, 2x2 from the next one to the end, no step trained twice.
     records = [r for r in read_metrics(run_dir) if r["event"] == "train"]
-    assert records[0]["world_size"] == 2 and records[-1]["world_size"] == 4, output[-3000:]
-    assert records[-1]["step"] == steps_total
+    assert [r["step"] for r in records] == list(range(1, steps_total + 1)), output[-3000:]
+    assert {r["world_size"] for r in records if r["step"] <= saved["step"]} == {2}
+    assert {r["world_size"] for r in records if r["step"] > saved["step"]} == {4}
+    print(f"grow: saved step {saved['step']} in {saved['save_s']:.2f}s; steps lost: 0")
     steps = train_records(run_dir)
     assert list(steps) == list(range(1, steps_total + 1))
     assert all(r["samples"] == [(s - 1) * 16, s * 16] for s, r in steps.items())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from datetime import datetime
@@ -11,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from meshtrain.checkpoint.storage import newest_committed, run_checkpoints
+from meshtrain.checkpoint.storage import checkpoint_root, newest_committed, run_checkpoints
 from meshtrain.cluster.capacity import START_TIMEOUT_ENV, check_capacity, worker_resources
 from meshtrain.cluster.preflight import preflight
 from meshtrain.config import ConfigError, MeshtrainConfig, config_error_in
@@ -209,8 +210,9 @@ def load_ray_callbacks(specs: list[str]) -> list[Any]:
 
 def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, data: DataPlan, launch_id: str) -> Any:
     import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
+    from meshtrain.cluster.elastic_policy import NewestCommittedStep, TrainableSizesPolicy, trainer_class
     from meshtrain.cluster.worker import train_loop_per_worker
 
     scaling = cfg.scaling
@@ -220,8 +222,18 @@ def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, data: DataPlan, launch_
         backend = "cpu:gloo,cuda:nccl"  # offloaded gradients are clipped with collectives on host memory
     else:
         backend = "nccl"
-    return TorchTrainer(
+    elastic_policy = None
+    if scaling.elastic:
+        # Only trainable sizes; a grow first saves where the group is (none to wait for without checkpoints).
+        elastic_policy = functools.partial(
+            TrainableSizesPolicy,
+            sizes=cfg.elastic_sizes(),
+            newest_checkpoint_step=NewestCommittedStep(checkpoint_root(cfg), cfg.checkpoint.storage_options),
+            grow_save_timeout_s=scaling.grow_save_timeout_s if cfg.checkpoint.enabled else 0.0,
+        )
+    return trainer_class()(
         train_loop_per_worker,
+        elastic_policy=elastic_policy,
         train_loop_config={
             # The validated object itself: re-validating on workers would re-check data paths that
             # exist only where the driver runs.

@@ -217,6 +217,12 @@ class ScalingConfig(Section):
         gt=0,
         description="Elastic training: how often Ray checks a running group for capacity to grow it (seconds).",
     )
+    grow_save_timeout_s: float = Field(
+        600.0,
+        ge=0,
+        description="Elastic training: before growing, the group saves the step it is at and waits; Ray resizes once "
+        "that checkpoint is committed, or after this long (seconds).",
+    )
 
     @property
     def elastic(self) -> bool:

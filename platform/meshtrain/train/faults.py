@@ -70,8 +70,8 @@ def maybe_slow_down(fault: FaultConfig, rank: int, step: int, model: torch.nn.Mo
         time.sleep((fault.slow_factor - 1) * (time.perf_counter() - started.pop(id(module), time.perf_counter())))
 
     for block in getattr(model, "layers", []):
-        block.register_forward_pre_hook(begin)
-        block.register_forward_hook(end, prepend=True)
+        block.register_forward_pre_hook(torch.compiler.disable(begin))
+        block.register_forward_hook(torch.compiler.disable(end), prepend=True)
 
 
 @dataclass(frozen=True)

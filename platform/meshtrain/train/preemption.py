@@ -10,9 +10,12 @@ Notices come two ways:
   that handler record the notice instead and lets the process end on meshtrain's terms.
 * **Ray's drain notice**: Ray Train 2.60 starts a ``PreemptionWatcher`` actor per worker group that
   polls Ray Core for draining nodes (``ray drain-node``, the autoscaler, a cloud's own notice) and
-  marks every worker of the group; :meth:`PreemptionNotice.from_ray` reads that mark locally (Ray's
+  marks every worker of the group; :meth:`PreemptionNotice.local` reads that mark locally (Ray's
   public ``ray.train.get_preemption_info()`` is a barrier through Ray on every call, too slow for
   every step).
+
+The same mark with no node named is meshtrain's elastic policy asking the group to save before it
+grows it (:mod:`meshtrain.cluster.elastic_policy`): then the ranks save and wait to be restarted.
 
 One rank hearing is enough: :class:`StopVote` all-reduces every rank's flag each step (a one-int
 all-reduce on the loop's own gloo group, posted when the step starts and read when it ends, so it overlaps
@@ -34,6 +37,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+# What a rank's notice flag says, ordered so the all-reduced maximum is what the group does.
+NO_NOTICE, RESIZE, PREEMPT = 0, 1, 2
 
 
 class Preempted(RuntimeError):
@@ -77,27 +84,43 @@ class PreemptionNotice:
     def given(self) -> bool:
         return self._given.is_set()
 
-    def local(self) -> bool:
-        """A notice for this worker, by signal or from Ray."""
-        if not self._given.is_set():
-            ray_reason = self.from_ray()
-            if ray_reason is not None:
-                self.give(ray_reason)
-        return self._given.is_set()
+    def local(self) -> int:
+        """This worker's notice: PREEMPT (by signal or Ray's drain notice), RESIZE (meshtrain's elastic
+        policy asks the group to save before it grows it) or NO_NOTICE."""
+        if self._given.is_set():
+            return PREEMPT
+        info = _ray_notice()
+        if info is None:
+            return NO_NOTICE
+        if not info.preempted_node_to_ranks:  # names no node: cluster.elastic_policy's resize request
+            return RESIZE
+        self.give(f"Ray drains node(s) {', '.join(info.preempted_node_ids)}")
+        return PREEMPT
 
     @staticmethod
-    def from_ray() -> str | None:
-        """Ray Train's drain notice for this worker group, read from the worker's own context; None
-        outside a Ray Train worker or before a notice."""
-        try:
-            from ray.train.v2._internal.execution.context import get_train_context
+    def clear_resize_request() -> None:
+        """Forget a handled resize request (Ray keeps the last notice in the worker's context)."""
+        context = _ray_context()
+        if context is not None and _ray_notice() is not None and not context.preemption_context.preemption_info.preempted_node_to_ranks:
+            context.preemption_context.preemption_info = None
 
-            info = get_train_context().preemption_context.preemption_info
-        except Exception:  # not in a Ray Train worker, or another Ray version: signals still work
-            return None
-        if info is None:
-            return None
-        return f"Ray drains node(s) {', '.join(info.preempted_node_ids) or '?'}"
+
+def _ray_context() -> Any:
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return get_train_context()
+    except Exception:  # not in a Ray Train worker, or another Ray version: signals still work
+        return None
+
+
+def _ray_notice() -> Any:
+    """Ray Train's notice to this worker (PreemptionInfo), read from the worker's own context."""
+    context = _ray_context()
+    try:
+        return context.preemption_context.preemption_info if context is not None else None
+    except AttributeError:
+        return None
 
 
 def _exit_now(message: str) -> None:
@@ -147,17 +170,17 @@ class StopVote:
         self._work: Any = None
 
     def cast(self) -> None:
-        """Post this rank's flag (when the step starts)."""
-        self._flag = torch.tensor([int(self.notice.local())], dtype=torch.int32)
+        """Post this rank's notice (when the step starts)."""
+        self._flag = torch.tensor([self.notice.local()], dtype=torch.int32)
         if self.group is not None:
             self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
-    def stop(self) -> bool:
-        """Whether any rank had a notice when the step started (when the step ends)."""
+    def result(self) -> int:
+        """The strongest notice any rank had when the step started (when the step ends)."""
         if self._work is not None:
             self._work.wait()
             self._work = None
-        return bool(self._flag.item())
+        return int(self._flag.item())
 
     def notices(self) -> list[tuple[str | None, float | None]]:
         """Every rank's (reason, seconds since) of its notice, gathered once the ranks agreed to stop

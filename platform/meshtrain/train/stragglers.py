@@ -41,9 +41,11 @@ class ComputeTimer:
         self._events: list[tuple[Any, Any]] = []
         self._open: dict[int, Any] = {}
         self._handles = []
+        # Compiled blocks (parallel.compile) trace their hooks too: these run eagerly, around the graph.
+        begin, end = torch.compiler.disable(self._begin), torch.compiler.disable(self._end)
         for block in blocks:
-            self._handles.append(block.register_forward_pre_hook(self._begin))  # after FSDP's (prepended) pre-hook
-            self._handles.append(block.register_forward_hook(self._end, prepend=True))  # before FSDP's post-hook
+            self._handles.append(block.register_forward_pre_hook(begin))  # after FSDP's (prepended) pre-hook
+            self._handles.append(block.register_forward_hook(end, prepend=True))  # before FSDP's post-hook
 
     def _begin(self, module: nn.Module, _args: Any) -> None:
         if self.cuda:

@@ -32,7 +32,7 @@ from meshtrain.train.faults import FaultInjection
 from meshtrain.train.gc_schedule import ScheduledCollection
 from meshtrain.train.guard import BadStepLimit, StepGuard
 from meshtrain.train.optim import build_lr_scheduler, build_optimizer
-from meshtrain.train.preemption import Preempted, PreemptionNotice, StopVote, defer_sigterm
+from meshtrain.train.preemption import PREEMPT, RESIZE, Preempted, PreemptionNotice, StopVote, defer_sigterm
 from meshtrain.train.records import LoopOutputs
 from meshtrain.train.setup import build_sharded_model
 from meshtrain.train.step import train_step
@@ -174,6 +174,7 @@ class Trainer:
         budget = cfg.fault.preemption_save_s
         self.notice = PreemptionNotice(budget, layout.world_rank) if budget is not None else None
         self.stop_vote = StopVote(self.notice, self.control_group) if self.notice is not None else None
+        self._budget_checked = False
         self.stragglers = StragglerWatch(
             ComputeTimer(self.model.layers, device), cfg.metrics.straggler_factor, cfg.metrics.straggler_patience,
             layout.world_rank, layout.node or socket.gethostname(), self.outputs, self.control_group,
@@ -219,8 +220,12 @@ class Trainer:
                     break
                 if self.log.logged_at(step, last):
                     self.stragglers.at_logged_step(step)
-                if self.stop_vote is not None and self.stop_vote.stop():
+                    self._check_preemption_budget(step)
+                notice = self.stop_vote.result() if self.stop_vote is not None else 0
+                if notice == PREEMPT:
                     self._stop_on_notice(step)
+                elif notice == RESIZE:
+                    self._save_for_resize(step)
         finally:
             self.batches.close()
         self.checkpointing.close()
@@ -249,6 +254,34 @@ class Trainer:
         self.notice.done()
         kept = f"checkpoint of step {step} committed" if saved else "no checkpoint saved (checkpoints off, or a skipped step)"
         raise Preempted(f"rank {self.layout.world_rank}: stopped at step {step} on a preemption notice ({reason}); {kept}")
+
+    def _check_preemption_budget(self, step: int) -> None:
+        """Once, when measured: a preemption budget that cannot hold a step and a save is a setting to fix."""
+        budget = self.cfg.fault.preemption_save_s
+        if budget is None or self._budget_checked or len(self.result.records) < 2:
+            return
+        self._budget_checked = True
+        step_s = self.result.records[-1]["step_time_s"]
+        if budget < step_s:
+            warning = (f"fault.preemption_save_s={budget:g} is shorter than one step ({step_s:.1f}s at step {step}): a "
+                       "preempted run cannot save in time; raise it toward the notice period (AWS spot: 120 s)")
+            self.outputs.emit({"event": "warning", "step": step, "setting": "fault.preemption_save_s", "message": warning})
+            if self.layout.world_rank == 0:
+                print(f"[meshtrain] warning: {warning}", flush=True)
+
+    def _save_for_resize(self, step: int) -> None:
+        """The elastic policy will grow the group: save this step, then wait for Ray to restart the group
+        (it resizes once the checkpoint is committed), so the larger group loses no step. Should the
+        restart not come, training goes on."""
+        assert self.notice is not None
+        started = time.perf_counter()
+        saved = self.checkpointing.save_now(step)
+        self.outputs.emit({"event": "resize_save", "step": step, "saved": saved, "save_s": time.perf_counter() - started})
+        self.notice.clear_resize_request()
+        waiting_until = time.monotonic() + self.cfg.scaling.resize_check_interval_s + 60
+        while time.monotonic() < waiting_until:
+            self._beat(f"waiting for Ray to grow the group after the checkpoint of step {step}")
+            time.sleep(0.5)
 
     def _beat(self, doing: str, arm: bool = False) -> None:
         if self.watchdog is not None:
