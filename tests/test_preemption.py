@@ -111,3 +111,26 @@ def test_a_budget_shorter_than_a_step_is_reported_once(corpus: DataPlan, tmp_pat
     assert warnings[0]["message"].startswith("fault.preemption_save_s=1e-06 is shorter than one step (")
     _, quiet = run(config(tmp_path, "roomy", "train.steps=4"), corpus)
     assert not [e for e in quiet if e["event"] == "warning"]
+
+
+def test_rays_notices_are_a_preemption_when_they_name_nodes_and_a_resize_request_when_not(monkeypatch) -> None:
+    """What Ray Train's PreemptionWatcher leaves in a worker's context (read every step without a
+    call through Ray), and the same mark with no node: meshtrain's elastic policy asking to save."""
+    import meshtrain.train.preemption as preemption
+    from meshtrain.cluster.elastic_policy import RESIZE_REQUEST
+    from ray.train.v2.api.preemption import PreemptionInfo
+
+    context = type("Context", (), {})()
+    context.preemption_context = type("PreemptionContext", (), {"preemption_info": None})()
+    monkeypatch.setattr(preemption, "_ray_context", lambda: context)
+    notice = PreemptionNotice(60.0, rank=0)
+    assert notice.local() == preemption.NO_NOTICE
+    context.preemption_context.preemption_info = RESIZE_REQUEST
+    assert notice.local() == preemption.RESIZE and not notice.given
+    notice.clear_resize_request()
+    assert context.preemption_context.preemption_info is None and notice.local() == preemption.NO_NOTICE
+    context.preemption_context.preemption_info = PreemptionInfo(deadline_ms=None, preempted_node_to_ranks={"ab12": [2, 3]})
+    assert notice.local() == preemption.PREEMPT and notice.reason == "Ray drains node(s) ab12"
+    notice.clear_resize_request()  # a real notice is never cleared
+    assert context.preemption_context.preemption_info is not None
+    notice.done()

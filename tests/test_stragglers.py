@@ -91,3 +91,34 @@ def test_straggler_settings_are_checked() -> None:
     for bad, field in (("metrics.straggler_factor=1", "straggler_factor"), ("metrics.straggler_patience=0", "straggler_patience")):
         with pytest.raises(ConfigError, match=field):
             load_config(None, [bad])
+
+
+def test_eviction_drains_the_stragglers_node_unless_too_few_workers_would_remain() -> None:
+    from meshtrain.cluster.eviction import StragglerEviction
+
+    workers = [{"rank": r, "node_ip": ip} for r, ip in enumerate(["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"])]
+    records: list[dict[str, Any]] = []
+    drained: list[tuple[str, str]] = []
+    eviction = StragglerEviction(workers, 2, records.append, drain=lambda node, why: (drained.append((node, why)), (True, ""))[1],
+                                 find_node=lambda ip: f"id-{ip}")
+    straggler = {"event": "straggler", "step": 9, "rank": 2, "node": "10.0.0.2", "slowdown": 3.1}
+    eviction(straggler)
+    eviction(straggler)  # once per node
+    assert drained == [("id-10.0.0.2", "meshtrain: rank 2 computes 3.10x slower than the others")]
+    assert records == [{"event": "eviction", "step": 9, "rank": 2, "node": "10.0.0.2", "node_id": "id-10.0.0.2",
+                        "evicted": True, "reason": "drained; the group saves and restarts without it"}]
+    tight = StragglerEviction(workers, 3, records.append, drain=lambda *_: (True, ""), find_node=lambda ip: ip)
+    tight(straggler)
+    assert records[-1]["evicted"] is False and records[-1]["reason"] == "2 workers would remain, under scaling.min_workers=3"
+    refused = StragglerEviction(workers, 2, records.append, drain=lambda *_: (False, "head node"), find_node=lambda ip: ip)
+    refused(straggler)
+    assert records[-1]["evicted"] is False and records[-1]["reason"] == "drain refused: head node"
+
+
+def test_eviction_needs_an_elastic_run() -> None:
+    from meshtrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^scaling.evict_stragglers=true needs an elastic run"):
+        load_config(None, ["scaling.evict_stragglers=true"])
+    assert load_config(None, ["scaling.evict_stragglers=true", "scaling.num_workers=4", "scaling.min_workers=2",
+                            "train.micro_batch_size=4"])

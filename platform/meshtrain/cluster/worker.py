@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from meshtrain.checkpoint.storage import newest_committed
 from meshtrain.config import ConfigError, MeshtrainConfig
+from meshtrain.cluster.eviction import StragglerEviction
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.distributed.parallelize import param_dtype, set_matmul_precision, use_tf32
 from meshtrain.model.args import model_args
@@ -211,8 +212,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         on_record(resize)
 
     reporter = RayTrainReporter(cfg.metrics.ray_report_interval_s, layout.world_rank, device)
+    eviction = None
+    if cfg.scaling.evict_stragglers and layout.world_rank == 0:
+        eviction = StragglerEviction(workers, cfg.scaling.required_workers, on_record)
     try:
-        result = train(cfg, data, layout, device, on_record if sinks else None, metrics, reporter)
+        result = train(cfg, data, layout, device, on_record if sinks else None, metrics, reporter, eviction)
         if metrics is not None:
             metrics.await_final_scrape(cfg.metrics.final_scrape_timeout_s)
     finally:

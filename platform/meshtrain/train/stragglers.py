@@ -105,10 +105,11 @@ class StragglerWatch:
         outputs: LoopOutputs,
         group: Any,
         set_gauges: Callable[[float, float, bool], None] | None = None,
+        on_straggler: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.timer, self.factor, self.patience = timer, factor, patience
         self.rank, self.node, self.outputs, self.group = rank, node, outputs, group
-        self.set_gauges = set_gauges
+        self.set_gauges, self.on_straggler = set_gauges, on_straggler
         self.streaks: list[int] = []
         self.flagged: set[int] = set()
         self._steps = 0
@@ -158,6 +159,8 @@ class StragglerWatch:
                 f"other ranks for {self.streaks[rank]} logged steps (step {step}); every step waits for it\n"
             )
             sys.stdout.flush()
+        if self.on_straggler is not None:
+            self.on_straggler(record)
 
     def close(self) -> None:
         self.timer.close()

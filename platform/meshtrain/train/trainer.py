@@ -89,6 +89,7 @@ def train(
     on_record: Callable[[dict[str, Any]], None] | None = None,
     metrics: TrainingMetrics | None = None,
     reporter: RayTrainReporter | None = None,
+    on_straggler: Callable[[dict[str, Any]], None] | None = None,
 ) -> TrainResult:
     """Train until ``cfg.train.steps``, resuming from the newest committed checkpoint if any.
 
@@ -98,7 +99,7 @@ def train(
     """
     if isinstance(data, DataPlan):
         data = open_data(data, cfg.data.seq_len, cfg.train.seed)
-    trainer = Trainer(cfg, data, layout, device, on_record, metrics, reporter)
+    trainer = Trainer(cfg, data, layout, device, on_record, metrics, reporter, on_straggler)
     try:
         return trainer.run()
     finally:
@@ -117,6 +118,7 @@ class Trainer:
         on_record: Callable[[dict[str, Any]], None] | None,
         metrics: TrainingMetrics | None,
         reporter: RayTrainReporter | None = None,
+        on_straggler: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.cfg, self.layout = cfg, layout
         self.outputs = LoopOutputs(on_record, metrics, reporter)
@@ -178,7 +180,7 @@ class Trainer:
         self.stragglers = StragglerWatch(
             ComputeTimer(self.model.layers, device), cfg.metrics.straggler_factor, cfg.metrics.straggler_patience,
             layout.world_rank, layout.node or socket.gethostname(), self.outputs, self.control_group,
-            metrics.set_rank_speed if metrics is not None else None,
+            metrics.set_rank_speed if metrics is not None else None, on_straggler,
         )
         # Last, so a setup that fails leaves neither a thread, a signal route nor the collector switched off.
         self.watchdog = (

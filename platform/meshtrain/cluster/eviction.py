@@ -1,0 +1,81 @@
+"""Evicting a straggler's node (``scaling.evict_stragglers``): drain it through Ray, as an autoscaler
+does on a spot reclaim, and let the run's preemption path do the rest.
+
+Ray Train's ``PreemptionWatcher`` sees the drain and marks every worker; the ranks save the step
+they are at and leave (:mod:`meshtrain.train.preemption`); Ray restarts the elastic group on what
+the cluster still schedules, which no longer includes the drained node. Nothing is evicted that
+would leave the group below ``scaling.min_workers``, and a node is drained at most once per group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+DRAIN_DEADLINE_S = 600  # the node is told it will be stopped; nothing stops it: it just takes no new work
+
+
+def drain_node(node_id: str, message: str) -> tuple[bool, str]:
+    """Ask Ray's GCS to drain a node (the call behind ``ray drain-node``); (accepted, why not)."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    gcs = ray._private.worker.global_worker.gcs_client
+    deadline_ms = time.time_ns() // 1_000_000 + DRAIN_DEADLINE_S * 1000
+    accepted, rejection = gcs.drain_node(
+        node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), message, deadline_ms
+    )
+    return bool(accepted), str(rejection or "")
+
+
+def node_id_of(ip: str) -> str | None:
+    import ray
+
+    return next((node["NodeID"] for node in ray.nodes() if node["Alive"] and node["NodeManagerAddress"] == ip), None)
+
+
+class StragglerEviction:
+    """Called (on rank 0) with each straggler record: drains the straggler's node when the group can
+    go on without it."""
+
+    def __init__(
+        self,
+        workers: list[dict[str, Any]],
+        min_workers: int,
+        emit: Callable[[dict[str, Any]], None],
+        drain: Callable[[str, str], tuple[bool, str]] = drain_node,
+        find_node: Callable[[str], str | None] = node_id_of,
+    ) -> None:
+        self.workers, self.min_workers, self.emit = workers, min_workers, emit
+        self.drain, self.find_node = drain, find_node
+        self.drained: set[str] = set()
+
+    def __call__(self, straggler: dict[str, Any]) -> None:
+        ip = straggler["node"]
+        if ip in self.drained:
+            return
+        remaining = sum(1 for worker in self.workers if worker["node_ip"] != ip)
+        record = {"event": "eviction", "step": straggler["step"], "rank": straggler["rank"], "node": ip}
+        if remaining < self.min_workers:
+            self._say({**record, "evicted": False, "reason": f"{remaining} workers would remain, under "
+                       f"scaling.min_workers={self.min_workers}"})
+            return
+        node_id = self.find_node(ip)
+        if node_id is None:
+            self._say({**record, "evicted": False, "reason": "Ray knows no live node with that address"})
+            return
+        message = f"meshtrain: rank {straggler['rank']} computes {straggler['slowdown']:.2f}x slower than the others"
+        try:
+            accepted, rejection = self.drain(node_id, message)
+        except Exception as exc:  # an internal Ray API: report, never stop training over it
+            accepted, rejection = False, f"{type(exc).__name__}: {exc}"
+        self.drained.add(ip)
+        self._say({**record, "node_id": node_id, "evicted": accepted,
+                   "reason": "drained; the group saves and restarts without it" if accepted else f"drain refused: {rejection}"})
+
+    def _say(self, record: dict[str, Any]) -> None:
+        self.emit(record)
+        verb = "evicting" if record["evicted"] else "not evicting"
+        print(f"[meshtrain] {verb} straggler rank {record['rank']}'s node {record['node']} at step {record['step']}: "
+              f"{record['reason']}", flush=True)
