@@ -101,7 +101,15 @@ def test_ray_is_offered_only_trainable_sizes() -> None:
     assert _policy([None], [1, 2, 4])._count_possible_workers({"a": {"CPU": 1.0}}) == 1
 
 
-def test_a_grow_waits_for_the_groups_checkpoint_then_resizes() -> None:
+def test_draining_nodes_are_not_counted(monkeypatch) -> None:
+    import meshtrain.cluster.elastic_policy as elastic_policy
+
+    policy = _policy([None], [2, 4])
+    monkeypatch.setattr(elastic_policy, "draining_nodes", lambda: {"b"})
+    assert policy._count_possible_workers({"a": {"CPU": 1.3}, "b": {"CPU": 1.3}}) == 2  # 4 with b
+
+
+def test_a_resize_waits_for_the_groups_checkpoint_then_happens() -> None:
     from types import SimpleNamespace
 
     from ray.train.v2._internal.execution.scaling_policy.scaling_policy import NoopDecision, ResizeDecision
@@ -125,10 +133,18 @@ def test_a_grow_waits_for_the_groups_checkpoint_then_resizes() -> None:
     stuck._get_reserved_resources = lambda: {"a": {"CPU": 2.5}}
     assert isinstance(stuck.make_decision_for_running_worker_group(state, None), NoopDecision)
     assert isinstance(stuck.make_decision_for_running_worker_group(state, None), ResizeDecision)
-    # A shrink is not held back (and Ray's policy never shrinks a running group by itself).
+    # Same capacity: nothing to do. Less (a node being drained): the group saves first, as for a grow.
+    marks.clear()
     same = _policy([None], [1, 2, 4])
     same._get_reserved_resources = lambda: {"a": {"CPU": 1.3}}
-    assert isinstance(same.make_decision_for_running_worker_group(state, None), NoopDecision)
+    assert isinstance(same.make_decision_for_running_worker_group(state, None), NoopDecision) and marks == []
+    shrink_newest = [10]
+    shrink = _policy(shrink_newest, [1, 2, 4])
+    shrink._get_reserved_resources = lambda: {"a": {"CPU": 0.7}}
+    assert isinstance(shrink.make_decision_for_running_worker_group(state, None), NoopDecision) and len(marks) == 2
+    shrink_newest.append(12)
+    decision = shrink.make_decision_for_running_worker_group(state, None)
+    assert isinstance(decision, ResizeDecision) and decision.num_workers == 1
 
 
 def test_the_trainer_hands_ray_the_policy_for_elastic_runs(tmp_path) -> None:

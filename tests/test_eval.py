@@ -97,3 +97,24 @@ def test_progress_shows_evaluations_skips_and_stops() -> None:
         "[meshtrain] eval step 50: validation loss 5.0000, perplexity 148.41 (64 sequences)"
     )
     assert progress_line({"event": "stopped", "step": 7, "reason": "why"}, 9) == "[meshtrain] stopped at step 7: why"
+
+
+def test_progress_shows_every_kind_of_record_and_never_fails_on_an_unknown_one() -> None:
+    """The driver prints what the workers record; a record it does not know is shown as it is (a
+    KeyError here once ended a finished run with 'training failed')."""
+    lines = {
+        "straggler": {"event": "straggler", "step": 9, "rank": 2, "node": "10.0.0.2", "slowdown": 3.0, "logged_steps": 3},
+        "eviction": {"event": "eviction", "step": 9, "rank": 2, "node": "10.0.0.2", "evicted": True, "reason": "drained"},
+        "preempted": {"event": "preempted", "step": 15, "reason": "SIGTERM", "saved": True, "save_s": 0.25},
+        "resize_save": {"event": "resize_save", "step": 10, "saved": True, "save_s": 0.5},
+        "warning": {"event": "warning", "step": 4, "message": "fault.preemption_save_s=1 is short"},
+        "future": {"event": "something_new", "step": 3, "value": 1},
+    }
+    shown = {name: progress_line(record, 30) for name, record in lines.items()}
+    assert shown["straggler"].startswith("[meshtrain] straggler: rank 2 on node 10.0.0.2 computes 3.00x slower")
+    assert shown["eviction"] == "[meshtrain] evicting straggler rank 2's node 10.0.0.2: drained"
+    assert shown["preempted"] == ("[meshtrain] preemption notice (SIGTERM): step 15 saved and committed in 0.2s; the group "
+                                  "restarts from it")
+    assert shown["resize_save"].startswith("[meshtrain] growing the group: step 10 saved in 0.5s")
+    assert shown["warning"] == "[meshtrain] warning: fault.preemption_save_s=1 is short"
+    assert shown["future"] == "[meshtrain] something_new at step 3: value=1"

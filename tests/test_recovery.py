@@ -160,7 +160,7 @@ def test_an_elastic_run_offered_a_size_it_cannot_train_on_trains_on_the_largest_
     so the run trains on 2 (Ray's own policy would start 3, fail, and offer 3 again)."""
     job = run_job(
         f"run.storage_path={storage}", "run.name=offered3", "train.steps=4", "train.log_every=1",
-        "train.global_batch_size=8", "train.micro_batch_size=2", "data.max_documents=40",
+        "train.global_batch_size=8", "train.micro_batch_size=2", "data.max_documents=40", "optim.warmup_steps=1",
         "scaling.num_workers=4", "scaling.min_workers=1", "scaling.cpus_per_worker=0.6", "run.max_failures=0",
         "checkpoint.interval=100",
     )

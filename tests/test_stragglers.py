@@ -113,6 +113,11 @@ def test_eviction_drains_the_stragglers_node_unless_too_few_workers_would_remain
     refused = StragglerEviction(workers, 2, records.append, drain=lambda *_: (False, "head node"), find_node=lambda ip: ip)
     refused(straggler)
     assert records[-1]["evicted"] is False and records[-1]["reason"] == "drain refused: head node"
+    from meshtrain.cluster.eviction import HEAD
+
+    head = StragglerEviction(workers, 2, records.append, drain=lambda *_: (True, ""), find_node=lambda ip: HEAD)
+    head(straggler)
+    assert records[-1]["evicted"] is False and records[-1]["reason"] == "it is the head node, which holds Ray's GCS"
 
 
 def test_eviction_needs_an_elastic_run() -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from jobs import REPO, assert_same_weights, model_weights, read_metrics
-from raynodes import RAY, RayNode, ray_env, wait_until
+from raynodes import RayNode, ray_env, wait_until
 
 pytestmark = pytest.mark.ray
 
@@ -89,7 +89,8 @@ class Cluster:
              "import ray; ray.init(logging_level='ERROR'); print(sum(n['Alive'] for n in ray.nodes()))"],
             env={**self.node_env(), "RAY_ADDRESS": self.address}, capture_output=True, text=True, timeout=120,
         )
-        return int(probe.stdout.strip().splitlines()[-1]) if probe.returncode == 0 else 0
+        lines = probe.stdout.strip().splitlines()  # Ray may print warnings (lagging heartbeats) before the count
+        return int(lines[-1]) if probe.returncode == 0 and lines and lines[-1].isdigit() else 0
 
     def job(self, name: str, *overrides: str) -> subprocess.Popen[str]:
         """``python jobs/pretrain.py`` as a driver on the head's namespace, joining the cluster."""
@@ -295,69 +296,28 @@ def test_elastic_run_goes_on_without_the_lost_node_and_matches_a_resharded_run(c
     assert_same_weights(model_weights(resharded / final, scratch), model_weights(run_dir / final, scratch))
 
 
-def test_draining_the_second_node_saves_the_step_and_goes_on_without_it(cluster: Cluster) -> None:
-    """``ray drain-node`` (what the autoscaler does on a spot reclaim) on the second node: Ray Train's
-    PreemptionWatcher marks every worker, the ranks save the step they are at, and the elastic group
-    restarts on the head alone from exactly that step."""
-    if cluster.worker is None:
-        cluster.start_worker()
-        wait_until(lambda: cluster.alive_nodes() == 2, 180, "two live Ray nodes", interval=2)
-    run_dir = cluster.storage / "drained"
-    job = cluster.job("drained", *ELASTIC)
-    try:
-        wait_until(lambda: any(r["step"] >= 12 for r in train_records(run_dir).values()) or job.poll() is not None,
-                   300, "step 12", interval=0.1)
-        assert job.poll() is None, "the job ended before the drain"
-        probe = subprocess.run(
-            ["ip", "netns", "exec", cluster.head_ns, sys.executable, "-c",
-             "import ray; ray.init(logging_level='ERROR'); "
-             f"print(next(n['NodeID'] for n in ray.nodes() if n['Alive'] and n['NodeManagerAddress'] == '{cluster.worker_ip}'))"],
-            env={**cluster.node_env(), "RAY_ADDRESS": cluster.address}, capture_output=True, text=True, timeout=120, check=True,
-        )
-        node_id = probe.stdout.strip().splitlines()[-1]
-        drained_at = time.time()
-        subprocess.run(
-            ["ip", "netns", "exec", cluster.head_ns, RAY, "drain-node", f"--address={cluster.address}", f"--node-id={node_id}",
-             "--reason=DRAIN_NODE_REASON_PREEMPTION", "--reason-message=spot reclaim (test)", "--deadline-remaining-seconds=60"],
-            env=cluster.node_env(), capture_output=True, text=True, timeout=120, check=True,
-        )
-        output = finish(job)
-    finally:
-        if job.poll() is None:
-            job.kill()
-        node_down(cluster)  # a drained node takes no new work: later tests start it again
-        cluster.worker = None
-    records = read_metrics(run_dir)
-    [preempted] = [r for r in records if r["event"] == "preempted"]
-    assert preempted["saved"] and preempted["reason"].startswith(f"Ray drains node(s) {node_id}"), preempted
-    assert [r["step"] for r in records if r["event"] == "checkpoint_load"] == [preempted["step"]], output[-3000:]
-    steps = train_records(run_dir)
-    assert list(steps) == list(range(1, 31))
-    assert {r["world_size"] for s, r in steps.items() if s > preempted["step"]} == {2}
-    resumed = min(r["time"] for r in steps.values() if r["world_size"] == 2)
-    print(f"drain: saved step {preempted['step']} {preempted['notice_to_commit_s']:.1f}s after the notice; "
-          f"training on the head {resumed - drained_at:.1f}s after the drain; steps lost: 0")
-
-
 def test_a_straggler_node_is_evicted_and_the_run_goes_on_without_it(cluster: Cluster) -> None:
-    """Rank 2 (on the second node) computes 3x slower from step 3: it is named a straggler, its node
-    is drained (scaling.evict_stragglers), the group saves and restarts on the head, and completes."""
+    """The second node's ranks compute 3x slower from step 3: they are named stragglers, and the node
+    is drained through Ray (scaling.evict_stragglers: the call behind `ray drain-node`, as an autoscaler
+    makes on a spot reclaim). Ray Train's PreemptionWatcher marks every worker, the ranks save the step
+    they are at, and the elastic group restarts on the head from exactly that step and completes."""
     if cluster.worker is None:
         cluster.start_worker()
         wait_until(lambda: cluster.alive_nodes() == 2, 180, "two live Ray nodes", interval=2)
     run_dir = cluster.storage / "evicted"
-    job = cluster.job("evicted", *ELASTIC, "scaling.evict_stragglers=true", "fault.kind=slow", "fault.kill_rank=2",
-                      "fault.at_step=3", "fault.slow_factor=3", "metrics.straggler_factor=2", "metrics.straggler_patience=3")
+    job = cluster.job("evicted", *ELASTIC, "scaling.evict_stragglers=true", "fault.kind=slow",
+                      f"fault.node={cluster.worker_ip}", "fault.at_step=3", "fault.slow_factor=3", "metrics.straggler_factor=2", "metrics.straggler_patience=3")
     try:
         output = finish(job)
     finally:
         if job.poll() is None:
             job.kill()
-        node_down(cluster)
+        node_down(cluster)  # a drained node takes no new work: the next test starts it again
         cluster.worker = None
     records = read_metrics(run_dir)
-    [straggler] = [r for r in records if r["event"] == "straggler"]
-    assert (straggler["rank"], straggler["node"]) == (2, cluster.worker_ip) and straggler["slowdown"] >= 2, straggler
+    stragglers = [r for r in records if r["event"] == "straggler"]
+    assert stragglers and all(r["node"] == cluster.worker_ip and r["slowdown"] >= 2 for r in stragglers), stragglers
+    straggler = stragglers[0]
     [eviction] = [r for r in records if r["event"] == "eviction"]
     assert eviction["evicted"] and eviction["node"] == cluster.worker_ip, eviction
     [preempted] = [r for r in records if r["event"] == "preempted"]
@@ -366,8 +326,11 @@ def test_a_straggler_node_is_evicted_and_the_run_goes_on_without_it(cluster: Clu
     steps = train_records(run_dir)
     assert list(steps) == list(range(1, 31))
     assert {r["world_size"] for s, r in steps.items() if s > preempted["step"]} == {2}
-    print(f"straggler named at step {straggler['step']} ({straggler['slowdown']:.2f}x), node drained, run resumed "
-          f"on the head from step {preempted['step']}")
+    evicted_at = next(r["time"] for r in records if r["event"] == "train" and r["step"] == straggler["step"])
+    resumed = min(r["time"] for r in steps.values() if r["world_size"] == 2)
+    print(f"straggler named at step {straggler['step']} ({straggler['slowdown']:.2f}x); node drained; step "
+          f"{preempted['step']} committed {preempted['notice_to_commit_s']:.1f}s after Ray's notice; training on the head "
+          f"{resumed - evicted_at:.1f}s after the straggler was named; steps lost: 0")
 
 
 def test_elastic_run_grows_back_when_the_node_returns(cluster: Cluster) -> None:

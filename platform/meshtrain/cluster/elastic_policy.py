@@ -1,4 +1,4 @@
-"""Ray's elastic scaling, made to offer only sizes the run can train on and to grow without losing work.
+"""Ray's elastic scaling, made to offer only sizes the run can train on and to resize without losing work.
 
 Ray Train 2.60's ``ElasticScalingPolicy`` sizes a group by the workers the free resources hold,
 anything from ``min_workers`` to ``max_workers``. A meshtrain run trains only on whole shard groups
@@ -10,14 +10,16 @@ scheduled checkpoint.
 :class:`TrainableSizesPolicy` subclasses Ray's policy (the controller runs it; Ray has no public
 hook for this, so :class:`MeshtrainTorchTrainer` hands it over where Ray builds its own):
 
-* every count of possible workers is rounded down to the largest trainable size (none: below
-  ``min_workers``, so Ray waits for capacity as it does below the minimum), so no size Ray offers
-  ends a run;
-* a grow is held back until the group has saved where it is: the policy marks every worker (through
+* every count of possible workers leaves out draining nodes (Ray counts them, and a group sized for
+  them times out placing, again and again) and is rounded down to the largest trainable size (none:
+  below ``min_workers``, so Ray waits for capacity as it does below the minimum), so no size Ray
+  offers ends a run;
+* a resize of a running group (a grow when capacity returns, or a shrink off a node that is being
+  drained) is held back until the group has saved where it is: the policy marks every worker (through
   the same ``mark_preempt`` call Ray's own ``PreemptionWatcher`` uses, with no node named: a resize,
   not a preemption), the ranks agree at the next step boundary, save that step, and wait; the policy
   resizes once that checkpoint is committed (or after ``grow_save_timeout_s``, if it never is), so
-  the larger group resumes at the step the smaller one stopped.
+  the new group resumes at the step the old one stopped.
 """
 
 from __future__ import annotations
@@ -54,6 +56,16 @@ class NewestCommittedStep:
 RESIZE_REQUEST = PreemptionInfo(deadline_ms=None, preempted_node_to_ranks={})
 
 
+def draining_nodes() -> set[str]:
+    """The IDs (hex) of the nodes Ray Core is draining; empty when that cannot be read."""
+    try:
+        import ray
+
+        return set(ray._private.state.state.get_draining_nodes())
+    except Exception:  # not connected to Ray (unit tests), or another Ray version
+        return set()
+
+
 def is_resize_request(info: Any) -> bool:
     return info is not None and not getattr(info, "preempted_node_to_ranks", None)
 
@@ -73,7 +85,11 @@ class TrainableSizesPolicy(ElasticScalingPolicy):
         self._pending_grow: tuple[float, int | None, ResizeDecision] | None = None
 
     def _count_possible_workers(self, reserved_resources: Any) -> int:
-        possible = super()._count_possible_workers(reserved_resources)
+        # Ray's count includes draining nodes (a spot reclaim, an evicted straggler), which take no new
+        # workers: a group sized for them would time out placing, again and again.
+        draining = draining_nodes()
+        usable = {node: resources for node, resources in reserved_resources.items() if node not in draining}
+        possible = super()._count_possible_workers(usable)
         return max((size for size in self.sizes if size <= possible), default=0)
 
     def make_decision_for_running_worker_group(self, worker_group_state: Any, worker_group_status: Any) -> ScalingDecision:
@@ -86,7 +102,7 @@ class TrainableSizesPolicy(ElasticScalingPolicy):
                 return decision
             return NoopDecision()
         decision = super().make_decision_for_running_worker_group(worker_group_state, worker_group_status)
-        if isinstance(decision, ResizeDecision) and decision.num_workers > worker_group_state.num_workers:
+        if isinstance(decision, ResizeDecision) and decision.num_workers != worker_group_state.num_workers:
             self._pending_grow = (time.monotonic(), self.newest_checkpoint_step(), decision)
             for worker in worker_group_state.workers:
                 worker.actor.mark_preempt.remote(RESIZE_REQUEST)

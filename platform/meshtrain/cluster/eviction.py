@@ -4,7 +4,8 @@ does on a spot reclaim, and let the run's preemption path do the rest.
 Ray Train's ``PreemptionWatcher`` sees the drain and marks every worker; the ranks save the step
 they are at and leave (:mod:`meshtrain.train.preemption`); Ray restarts the elastic group on what
 the cluster still schedules, which no longer includes the drained node. Nothing is evicted that
-would leave the group below ``scaling.min_workers``, and a node is drained at most once per group.
+would leave the group below ``scaling.min_workers``, the head node (Ray's GCS) never is, and a node is
+drained at most once per group.
 """
 
 from __future__ import annotations
@@ -29,10 +30,17 @@ def drain_node(node_id: str, message: str) -> tuple[bool, str]:
     return bool(accepted), str(rejection or "")
 
 
+HEAD = "head"
+
+
 def node_id_of(ip: str) -> str | None:
+    """The live node at ``ip``: its ID, HEAD for the head node (Ray's GCS lives there: never drained), or None."""
     import ray
 
-    return next((node["NodeID"] for node in ray.nodes() if node["Alive"] and node["NodeManagerAddress"] == ip), None)
+    for node in ray.nodes():
+        if node["Alive"] and node["NodeManagerAddress"] == ip:
+            return HEAD if "node:__internal_head__" in node.get("Resources", {}) else str(node["NodeID"])
+    return None
 
 
 class StragglerEviction:
@@ -62,8 +70,10 @@ class StragglerEviction:
                        f"scaling.min_workers={self.min_workers}"})
             return
         node_id = self.find_node(ip)
-        if node_id is None:
-            self._say({**record, "evicted": False, "reason": "Ray knows no live node with that address"})
+        if node_id is None or node_id == HEAD:
+            why = "it is the head node, which holds Ray's GCS" if node_id == HEAD else "Ray knows no live node with that address"
+            self.drained.add(ip)
+            self._say({**record, "evicted": False, "reason": why})
             return
         message = f"meshtrain: rank {straggler['rank']} computes {straggler['slowdown']:.2f}x slower than the others"
         try:
@@ -75,7 +85,4 @@ class StragglerEviction:
                    "reason": "drained; the group saves and restarts without it" if accepted else f"drain refused: {rejection}"})
 
     def _say(self, record: dict[str, Any]) -> None:
-        self.emit(record)
-        verb = "evicting" if record["evicted"] else "not evicting"
-        print(f"[meshtrain] {verb} straggler rank {record['rank']}'s node {record['node']} at step {record['step']}: "
-              f"{record['reason']}", flush=True)
+        self.emit(record)  # the driver prints it in the job log, from metrics.jsonl

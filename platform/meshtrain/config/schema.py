@@ -321,6 +321,9 @@ class FaultConfig(Section):
         ),
     )
     slow_factor: float = Field(3.0, gt=1, description="fault.kind=slow: how many times slower the worker computes.")
+    node: str | None = Field(
+        None, description="fault.kind=slow: slow every worker on the node with this address (Ray: its IP) instead of fault.kill_rank."
+    )
     during_checkpoint: bool = Field(
         False, description="Die right after the checkpoint of fault.at_step starts writing (it must be a save step)."
     )
@@ -338,10 +341,12 @@ class MetricsConfig(Section):
     straggler_factor: float = Field(
         1.5,
         gt=1,
-        description="A rank whose block compute per step is at least this many times the median of the other ranks' ...",
+        description="Straggler threshold: a rank's transformer-block compute per step over the median of the other "
+        "ranks'; a rank at or above it for metrics.straggler_patience logged steps in a row is reported.",
     )
     straggler_patience: int = Field(
-        5, ge=1, description="... for this many logged steps in a row is reported as a straggler (metrics.jsonl, job log, gauges)."
+        5, ge=1, description="Logged steps in a row a rank must stay at or above metrics.straggler_factor to be reported "
+        "as a straggler (metrics.jsonl, the job log, meshtrain_straggler)."
     )
     port: int = Field(
         9800,
@@ -441,7 +446,9 @@ class MeshtrainConfig(Section):
                 "or data.validation.source, or eval.interval=null to turn validation off"
             )
         fault = self.fault
-        if (fault.kill_rank is None) != (fault.at_step is None):
+        if fault.node is not None and (fault.kind != "slow" or fault.at_step is None):
+            raise ValueError("fault.node is for fault.kind=slow with fault.at_step; set those, or unset fault.node")
+        if fault.node is None and (fault.kill_rank is None) != (fault.at_step is None):
             raise ValueError("fault.kill_rank and fault.at_step go together; set both or neither")
         if fault.kill_rank is not None and fault.kill_rank >= self.scaling.num_workers:
             raise ValueError(

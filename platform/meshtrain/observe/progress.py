@@ -39,6 +39,26 @@ def progress_line(record: dict[str, Any], total_steps: int) -> str:
         )
     if record["event"] == "stopped":
         return f"[meshtrain] stopped at step {record['step']}: {record['reason']}"
+    if record["event"] == "straggler":
+        return (
+            f"[meshtrain] straggler: rank {record['rank']} on node {record['node']} computes {record['slowdown']:.2f}x "
+            f"slower than the median of the other ranks for {record['logged_steps']} logged steps (step {record['step']}); "
+            "every step waits for it"
+        )
+    if record["event"] == "eviction":
+        verb = "evicting" if record["evicted"] else "not evicting"
+        return f"[meshtrain] {verb} straggler rank {record['rank']}'s node {record['node']}: {record['reason']}"
+    if record["event"] == "preempted":
+        kept = "saved and committed" if record["saved"] else "not saved"
+        return (f"[meshtrain] preemption notice ({record['reason']}): step {record['step']} {kept} in "
+                f"{record['save_s']:.1f}s; the group restarts from it")
+    if record["event"] == "resize_save":
+        return f"[meshtrain] growing the group: step {record['step']} saved in {record['save_s']:.1f}s, waiting for Ray to restart it"
+    if record["event"] == "warning":
+        return f"[meshtrain] warning: {record['message']}"
+    if record["event"] != "train":  # a record this driver does not know (a newer worker): shown as it is
+        details = ", ".join(f"{key}={value}" for key, value in record.items() if key not in ("event", "step"))
+        return f"[meshtrain] {record['event']} at step {record.get('step', '?')}: {details}"
     eta = (total_steps - record["step"]) * record["step_time_s"]
     return (
         f"[meshtrain] step {record['step']}/{total_steps} | loss {record['loss']:.4f} | "

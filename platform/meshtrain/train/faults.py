@@ -53,11 +53,12 @@ def maybe_poison_outputs(fault: FaultConfig, rank: int, step: int, model: torch.
     model.register_forward_hook(lambda _module, _inputs, logits: logits * float("nan"))
 
 
-def maybe_slow_down(fault: FaultConfig, rank: int, step: int, model: torch.nn.Module) -> None:
+def maybe_slow_down(fault: FaultConfig, rank: int, node: str, step: int, model: torch.nn.Module) -> None:
     """``fault.kind=slow``: from ``fault.at_step`` on, every transformer block of this rank sleeps
     ``fault.slow_factor - 1`` times its own forward time after computing it, inside the span the
     straggler timer measures, as a throttled GPU would. Its peers wait for it at every collective."""
-    if fault.kind != "slow" or (fault.kill_rank, fault.at_step) != (rank, step):
+    struck = fault.node == node if fault.node is not None else fault.kill_rank == rank
+    if fault.kind != "slow" or not struck or fault.at_step != step:
         return
     sys.stdout.write(f"[meshtrain] fault injection: rank {rank} computes {fault.slow_factor:g}x slower from step {step} on\n")
     sys.stdout.flush()
@@ -81,11 +82,12 @@ class FaultInjection:
     fault: FaultConfig
     rank: int
     marker_dir: Path
+    node: str = ""
 
     def before_step(self, step: int, model: torch.nn.Module) -> None:
         maybe_kill_self(self.fault, self.rank, step, False, self.marker_dir)
         maybe_poison_outputs(self.fault, self.rank, step, model)
-        maybe_slow_down(self.fault, self.rank, step, model)
+        maybe_slow_down(self.fault, self.rank, self.node, step, model)
 
     def while_saving(self, step: int) -> None:
         maybe_kill_self(self.fault, self.rank, step, True, self.marker_dir)

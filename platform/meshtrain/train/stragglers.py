@@ -20,7 +20,6 @@ A slow network link is not seen here: it slows the collectives, not a rank's com
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -152,13 +151,7 @@ class StragglerWatch:
             "compute_s": times[rank], "median_others_s": statistics.median(others),
             "logged_steps": self.streaks[rank],
         }
-        self.outputs.emit(record)
-        if self.rank == 0:
-            sys.stdout.write(
-                f"[meshtrain] straggler: rank {rank} on node {node} computes {ratio:.2f}x slower than the median of the "
-                f"other ranks for {self.streaks[rank]} logged steps (step {step}); every step waits for it\n"
-            )
-            sys.stdout.flush()
+        self.outputs.emit(record)  # the driver prints it in the job log, from metrics.jsonl
         if self.on_straggler is not None:
             self.on_straggler(record)
 

@@ -155,7 +155,7 @@ class Trainer:
             "config": cfg.model_dump(mode="json"),
         }
         run_dir = Path(cfg.run.storage_path) / (cfg.run.name or "")
-        self.faults = FaultInjection(cfg.fault, layout.world_rank, run_dir / "faults")
+        self.faults = FaultInjection(cfg.fault, layout.world_rank, run_dir / "faults", layout.node)
         self.bad_steps = BadStepLimit(self.guard, cfg.train.max_bad_steps, self.progress, self.outputs)
         self.checkpointing = Checkpointing(
             checkpoints, state, self.progress, manifest, cfg.train.steps, self.bad_steps, self.outputs,
@@ -268,8 +268,6 @@ class Trainer:
             warning = (f"fault.preemption_save_s={budget:g} is shorter than one step ({step_s:.1f}s at step {step}): a "
                        "preempted run cannot save in time; raise it toward the notice period (AWS spot: 120 s)")
             self.outputs.emit({"event": "warning", "step": step, "setting": "fault.preemption_save_s", "message": warning})
-            if self.layout.world_rank == 0:
-                print(f"[meshtrain] warning: {warning}", flush=True)
 
     def _save_for_resize(self, step: int) -> None:
         """The elastic policy will grow the group: save this step, then wait for Ray to restart the group
