@@ -101,11 +101,11 @@ def test_ray_is_offered_only_trainable_sizes() -> None:
     assert _policy([None], [1, 2, 4])._count_possible_workers({"a": {"CPU": 1.0}}) == 1
 
 
-def test_draining_nodes_are_not_counted(monkeypatch) -> None:
+def test_draining_and_dead_nodes_are_not_counted(monkeypatch) -> None:
     import meshtrain.cluster.elastic_policy as elastic_policy
 
     policy = _policy([None], [2, 4])
-    monkeypatch.setattr(elastic_policy, "draining_nodes", lambda: {"b"})
+    monkeypatch.setattr(elastic_policy, "unusable_nodes", lambda: {"b"})
     assert policy._count_possible_workers({"a": {"CPU": 1.3}, "b": {"CPU": 1.3}}) == 2  # 4 with b
 
 

@@ -48,7 +48,7 @@ def test_a_rank_made_three_times_slower_is_named(corpus: DataPlan) -> None:
     assert reports[0] == reports[1] and len(reports[0]) == 1, reports  # every rank agrees, once
     report = reports[0][0]
     assert (report["rank"], report["node"], report["logged_steps"]) == (1, "node-1", 3)
-    assert 2.0 <= report["slowdown"] < 6.0 and report["step"] <= 2 + 3 + 2
+    assert report["slowdown"] >= 2.0 and report["step"] <= 2 + 3 + 2  # slow from step 2, named after 3 logged steps
     assert report["compute_s"] > 2 * report["median_others_s"]
 
 

@@ -10,8 +10,8 @@ scheduled checkpoint.
 :class:`TrainableSizesPolicy` subclasses Ray's policy (the controller runs it; Ray has no public
 hook for this, so :class:`MeshtrainTorchTrainer` hands it over where Ray builds its own):
 
-* every count of possible workers leaves out draining nodes (Ray counts them, and a group sized for
-  them times out placing, again and again) and is rounded down to the largest trainable size (none:
+* every count of possible workers leaves out draining and dead nodes (Ray counts them, and a group
+  sized for them times out placing, again and again, or restarts for nothing) and is rounded down to the largest trainable size (none:
   below ``min_workers``, so Ray waits for capacity as it does below the minimum), so no size Ray
   offers ends a run;
 * a resize of a running group (a grow when capacity returns, or a shrink off a node that is being
@@ -56,12 +56,14 @@ class NewestCommittedStep:
 RESIZE_REQUEST = PreemptionInfo(deadline_ms=None, preempted_node_to_ranks={})
 
 
-def draining_nodes() -> set[str]:
-    """The IDs (hex) of the nodes Ray Core is draining; empty when that cannot be read."""
+def unusable_nodes() -> set[str]:
+    """The IDs (hex) of the nodes that take no new workers: being drained, or dead (a drained node
+    leaves once idle, before the resources Ray Train last saw are refreshed); empty when unknown."""
     try:
         import ray
 
-        return set(ray._private.state.state.get_draining_nodes())
+        dead = {node["NodeID"] for node in ray.nodes() if not node["Alive"]}
+        return dead | set(ray._private.state.state.get_draining_nodes())
     except Exception:  # not connected to Ray (unit tests), or another Ray version
         return set()
 
@@ -85,10 +87,10 @@ class TrainableSizesPolicy(ElasticScalingPolicy):
         self._pending_grow: tuple[float, int | None, ResizeDecision] | None = None
 
     def _count_possible_workers(self, reserved_resources: Any) -> int:
-        # Ray's count includes draining nodes (a spot reclaim, an evicted straggler), which take no new
-        # workers: a group sized for them would time out placing, again and again.
-        draining = draining_nodes()
-        usable = {node: resources for node, resources in reserved_resources.items() if node not in draining}
+        # Ray's count includes draining nodes (a spot reclaim, an evicted straggler) and, for a while,
+        # nodes that just left: a group sized for them would time out placing, or restart for nothing.
+        unusable = unusable_nodes()
+        usable = {node: resources for node, resources in reserved_resources.items() if node not in unusable}
         possible = super()._count_possible_workers(usable)
         return max((size for size in self.sizes if size <= possible), default=0)
 
