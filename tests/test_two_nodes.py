@@ -315,10 +315,12 @@ def test_a_straggler_node_is_evicted_and_the_run_goes_on_without_it(cluster: Clu
         node_down(cluster)  # a drained node takes no new work: the next test starts it again
         cluster.worker = None
     records = read_metrics(run_dir)
-    stragglers = [r for r in records if r["event"] == "straggler"]
+    # Only what led to the eviction is checked: later, 2 ranks sharing 2 busy cores may cross factor 2 by noise
+    # (the head is never drained for it).
+    [eviction] = [r for r in records if r["event"] == "eviction" and r["evicted"]]
+    stragglers = [r for r in records if r["event"] == "straggler" and r["step"] <= eviction["step"]]
     assert stragglers and all(r["node"] == cluster.worker_ip and r["slowdown"] >= 2 for r in stragglers), stragglers
     straggler = stragglers[0]
-    [eviction] = [r for r in records if r["event"] == "eviction"]
     assert eviction["evicted"] and eviction["node"] == cluster.worker_ip, eviction
     [preempted] = [r for r in records if r["event"] == "preempted"]
     assert preempted["saved"] and preempted["reason"].startswith("Ray drains node(s)"), preempted
