@@ -27,7 +27,6 @@ of the notice, the worker exits anyway: the notice period is ending.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -37,6 +36,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from meshtrain.train.watchdog import _exit_worker
 
 
 # What a rank's notice flag says, ordered so the all-reduced maximum is what the group does.
@@ -56,7 +57,7 @@ class PreemptionNotice:
         self.received: float | None = None
         self._given = threading.Event()
         self._done = threading.Event()
-        self._exit = exit_process or _exit_now
+        self._exit = exit_process or _exit_worker
 
     def give(self, reason: str) -> None:
         """Record a notice (thread-safe; a second one changes nothing) and start its deadline."""
@@ -100,9 +101,9 @@ class PreemptionNotice:
     @staticmethod
     def clear_resize_request() -> None:
         """Forget a handled resize request (Ray keeps the last notice in the worker's context)."""
-        context = _ray_context()
-        if context is not None and _ray_notice() is not None and not context.preemption_context.preemption_info.preempted_node_to_ranks:
-            context.preemption_context.preemption_info = None
+        info = _ray_notice()
+        if info is not None and not info.preempted_node_to_ranks:
+            _ray_context().preemption_context.preemption_info = None
 
 
 def _ray_context() -> Any:
@@ -121,12 +122,6 @@ def _ray_notice() -> Any:
         return context.preemption_context.preemption_info if context is not None else None
     except AttributeError:
         return None
-
-
-def _exit_now(message: str) -> None:
-    sys.stderr.write(message + "\n")
-    sys.stderr.flush()
-    os._exit(1)
 
 
 def defer_sigterm(notice: PreemptionNotice) -> Callable[[], None]:
