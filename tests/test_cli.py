@@ -200,6 +200,18 @@ IN_PROCESS_CASES = [
     (["--dry-run", "parallel.shard=3"], "parallel.shard"),
     (["--dry-run", "data.tokenizer={broken_tokenizer}"], "data.tokenizer"),
     (["--dry-run", "data.tokenizer={missing_tokenizer}"], "data.tokenizer"),
+    # long runs: a preemption budget no step fits in (8B at 100% MFU on an H100 needs 3.8 s), evictions that cannot happen
+    (
+        ["--dry-run", "scaling.use_gpu=true", "scaling.accelerator_type=H100", "model.preset=llama3_8b",
+         "data.seq_len=8192", "scaling.num_workers=64", "train.global_batch_size=512", "train.micro_batch_size=1",
+         "fault.preemption_save_s=0.5"],
+        "fault.preemption_save_s",
+    ),
+    (["scaling.num_workers=4", "scaling.min_workers=2", "train.micro_batch_size=4", "scaling.evict_stragglers=true",
+      "train.steps=20", "optim.warmup_steps=2"], "scaling.evict_stragglers"),
+    (["scaling.num_workers=8", "scaling.min_workers=6", "scaling.workers_per_node=4", "parallel.shard=2",
+      "train.global_batch_size=48", "train.micro_batch_size=1", "scaling.evict_stragglers=true"], "scaling.evict_stragglers"),
+    (["scaling.evict_stragglers=true"], "scaling.evict_stragglers"),
     # GPU dry run with 12 workers: 8 per node is assumed, which does not divide 12
     (
         ["--dry-run", "scaling.use_gpu=true", "scaling.num_workers=12", "train.global_batch_size=96"],

@@ -22,7 +22,7 @@ from corpora import stdlib_plan
 from meshtrain.config import load_config
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.model.args import model_args
-from meshtrain.model.flops import device_peak_flops, flops_per_token, gpu_peak_flops
+from meshtrain.model.flops import device_peak_flops, flops_per_token, gpu_peak_flops, highest_peak_flops
 from meshtrain.model.loss import token_cross_entropy_sum
 from meshtrain.observe.metrics import (
     Endpoint,
@@ -65,6 +65,10 @@ def test_peak_flops_table_picks_the_right_gpu_and_dtype() -> None:
     assert gpu_peak_flops("NVIDIA H100 80GB HBM3", torch.float32, tf32=False) == 66.9e12
     assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", torch.float32, tf32=False) == 19.5e12
     assert gpu_peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16, tf32=False) == 989.4e12
+    # A Ray accelerator type may be any variant of its family: the floor of a step uses the fastest.
+    assert highest_peak_flops("H100") == 989.4e12
+    assert highest_peak_flops("A100-80G") == 312.0e12
+    assert highest_peak_flops("A10G") is None
     cpu = torch.device("cpu")
     assert device_peak_flops(cpu, torch.float32, None, 2e11) == 2e11
     assert device_peak_flops(cpu, torch.float32, 5e12, 2e11) == 5e12

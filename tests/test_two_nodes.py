@@ -324,7 +324,9 @@ def test_a_straggler_node_is_evicted_and_the_run_goes_on_without_it(cluster: Clu
     assert eviction["evicted"] and eviction["node"] == cluster.worker_ip, eviction
     [preempted] = [r for r in records if r["event"] == "preempted"]
     assert preempted["saved"] and preempted["reason"].startswith("Ray drains node(s)"), preempted
-    assert [r["step"] for r in records if r["event"] == "checkpoint_load"][0] == preempted["step"], output[-3000:]
+    # The group may have started on the head alone and grown first: the load after the drain is the one checked.
+    after = records[records.index(preempted):]
+    assert [r["step"] for r in after if r["event"] == "checkpoint_load"][0] == preempted["step"], output[-3000:]
     # No step trained twice: every restart resumed where the group before it stopped.
     assert [r["step"] for r in records if r["event"] == "train"] == list(range(1, 31)), output[-3000:]
     steps = train_records(run_dir)

@@ -17,6 +17,7 @@ from meshtrain.data import expand_local_source, tokenizer_vocab_size
 from meshtrain.data.store import is_token_store
 from meshtrain.distributed.mesh import resolve_mesh_shape
 from meshtrain.model.args import model_args
+from meshtrain.model.flops import flops_per_token, highest_peak_flops
 from meshtrain.model.hf_llama import CONFIG_KEYS, init_from_tokenizer, llama_shape
 
 
@@ -43,7 +44,30 @@ def preflight(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> Meshtrain
     if tokenizer_fits and cfg.data.tokenizer != "train":
         # A broken tokenizer file, or one too large for the model, fails here, before Ray starts.
         model_args(cfg, tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size))
+    _check_preemption_budget(cfg)
     return cfg
+
+
+def _check_preemption_budget(cfg: MeshtrainConfig) -> None:
+    """fault.preemption_save_s must hold at least one step. A step's time is known once measured (the
+    trainer then warns); before that, a known GPU type bounds it from below: the step's model FLOPs per
+    rank at the highest peak that type may have, i.e. at 100% MFU on its fastest variant."""
+    budget = cfg.fault.preemption_save_s
+    if budget is None or not cfg.scaling.use_gpu or cfg.scaling.accelerator_type is None:
+        return
+    peak = highest_peak_flops(cfg.scaling.accelerator_type)
+    if peak is None:
+        return
+    vocab = cfg.data.vocab_size if cfg.data.tokenizer == "train" else (cfg.model.vocab_size or cfg.data.vocab_size)
+    args = model_args(cfg, vocab)
+    tokens_per_rank = cfg.train.global_batch_size * cfg.data.seq_len / cfg.scaling.num_workers
+    floor_s = tokens_per_rank * flops_per_token(args, cfg.data.seq_len) / peak
+    if budget < floor_s:
+        raise ConfigError(
+            f"fault.preemption_save_s={budget:g} is shorter than one step: {tokens_per_rank:,.0f} tokens per "
+            f"{cfg.scaling.accelerator_type} take at least {floor_s:.1f} s even at 100% MFU; raise it toward the "
+            "notice period (AWS spot: 120 s) or lower train.global_batch_size"
+        )
 
 
 def _check_init_from_shape(model: ModelConfig) -> None:

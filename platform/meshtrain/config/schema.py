@@ -438,6 +438,8 @@ class MeshtrainConfig(Section):
         # Every worker is a data-parallel rank whatever the mesh, so this holds before Ray is asked.
         self.batch_layout(self.scaling.num_workers)
         self.elastic_sizes()
+        if self.scaling.evict_stragglers:
+            self._check_eviction_can_happen()
         # A re-run may resolve another horizon (the launcher keeps the first launch's); it checks again.
         self.optim.check_horizon(self.optim.schedule_steps or self.train.steps)
         if self.eval.interval is not None and self.data.validation.fraction == 0 and self.data.validation.source is None:
@@ -463,6 +465,23 @@ class MeshtrainConfig(Section):
                     f"use a multiple of checkpoint.interval={self.checkpoint.interval}"
                 )
         return self
+
+    def _check_eviction_can_happen(self) -> None:
+        """scaling.evict_stragglers with settings under which no straggler could ever be evicted."""
+        patience, every = self.metrics.straggler_patience, self.train.log_every
+        if patience * every >= self.train.steps:
+            raise ValueError(
+                f"scaling.evict_stragglers=true cannot act: metrics.straggler_patience={patience} logged steps of "
+                f"train.log_every={every} is {patience * every} steps, not within train.steps={self.train.steps}; "
+                "lower metrics.straggler_patience or train.log_every"
+            )
+        per_node = self.scaling.workers_per_node
+        if per_node is not None and not any(size <= self.scaling.num_workers - per_node for size in self.elastic_sizes()):
+            raise ValueError(
+                f"scaling.evict_stragglers=true cannot act: draining one node of scaling.workers_per_node={per_node} "
+                f"leaves {self.scaling.num_workers - per_node} workers, below every trainable size "
+                f"{self.elastic_sizes()}; lower scaling.min_workers"
+            )
 
     def elastic_sizes(self) -> list[int]:
         """The worker-group sizes a run may train on, smallest first: ``scaling.num_workers`` alone, or

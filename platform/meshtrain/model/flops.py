@@ -52,6 +52,14 @@ def gpu_peak_flops(device_name: str, compute_dtype: torch.dtype, tf32: bool = Tr
     return None
 
 
+def highest_peak_flops(accelerator_type: str) -> float | None:
+    """The highest bf16 peak of any GPU model a Ray accelerator type (``H100``, ``A100-80G``) may be,
+    or None if unknown: what bounds a step's time from below."""
+    family = accelerator_type.split("-")[0].upper()
+    peaks = [bf16 for pattern, bf16, _, _ in GPU_PEAK_FLOPS if family in pattern.upper()]
+    return max(peaks) if peaks else None
+
+
 def device_peak_flops(
     device: torch.device, compute_dtype: torch.dtype, override: float | None, cpu_peak: float, tf32: bool = True
 ) -> float | None:

@@ -56,10 +56,14 @@ def maybe_poison_outputs(fault: FaultConfig, rank: int, step: int, model: torch.
 def maybe_slow_down(fault: FaultConfig, rank: int, node: str, step: int, model: torch.nn.Module) -> None:
     """``fault.kind=slow``: from ``fault.at_step`` on, every transformer block of this rank sleeps
     ``fault.slow_factor - 1`` times its own forward time after computing it, inside the span the
-    straggler timer measures, as a throttled GPU would. Its peers wait for it at every collective."""
+    straggler timer measures, as a throttled GPU would. Its peers wait for it at every collective.
+    A slow device stays slow: a group restarted past ``fault.at_step`` on it is slowed from its first step."""
     struck = fault.node == node if fault.node is not None else fault.kill_rank == rank
-    if fault.kind != "slow" or not struck or fault.at_step != step:
+    if fault.kind != "slow" or not struck or fault.at_step is None or step < fault.at_step:
         return
+    if getattr(model, "_slowed_by_fault", False):
+        return
+    model._slowed_by_fault = True
     sys.stdout.write(f"[meshtrain] fault injection: rank {rank} computes {fault.slow_factor:g}x slower from step {step} on\n")
     sys.stdout.flush()
     started: dict[int, float] = {}
