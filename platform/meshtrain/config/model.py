@@ -32,6 +32,11 @@ class ModelConfig(Section):
     norm_eps: float | None = Field(None, gt=0, description="RMSNorm epsilon.")
     tie_embeddings: bool | None = Field(None, description="Share the input embedding with the output head.")
     init_std: float | None = Field(None, gt=0, description="Std of the normal weight initialization.")
+    document_mask: bool = Field(
+        True,
+        description="Attend only within each packed document (split at the end-of-document token, which "
+        "opens the next one) with RoPE positions restarting per document; false = across the whole window.",
+    )
     init_from: str | None = Field(
         None,
         description="Continued pretraining: a local Hugging Face Llama directory (config.json + safetensors, "
@@ -60,7 +65,7 @@ class ModelConfig(Section):
         values = dict(MODEL_PRESETS[self.preset])
         if init_shape is not None:
             values.update(init_shape)
-        explicit = self.model_dump(exclude={"preset", "init_from"})
+        explicit = self.model_dump(exclude={"preset", "init_from", "document_mask"})
         values.update({k: v for k, v in explicit.items() if v is not None})
         if values.get("vocab_size") is None:
             if tokenizer_vocab_size is None:

@@ -235,6 +235,7 @@ class TrainingData:
     vocab_size: int
     fingerprint: str
     sampling: str = SAMPLING_SCHEME
+    eos_id: int | None = None  # the end-of-document token, where model.document_mask splits windows
 
 
 def open_data(plan: DataPlan, seq_len: int, seed: int) -> TrainingData:
@@ -267,4 +268,4 @@ def open_data(plan: DataPlan, seq_len: int, seed: int) -> TrainingData:
         validation = ValidationSet([ValidationPart(plan.validation.name, sequences, WholeStream(window_count(store, seq_len)))])
     elif held_out:
         validation = ValidationSet(held_out)
-    return TrainingData(train, validation, plan.vocab_size, plan.fingerprint, plan.sampling)
+    return TrainingData(train, validation, plan.vocab_size, plan.fingerprint, plan.sampling, plan.eos_id)

@@ -2,7 +2,9 @@
 
 Parameter names follow Meta's Llama layout (``layers.N.attention.wq`` ...). Rotary embeddings use
 the "rotate half" pairing, the same as Hugging Face's Llama, so weights export without permutation.
-Attention is ``scaled_dot_product_attention(is_causal=True)``: no mask is ever materialized.
+Attention is ``scaled_dot_product_attention(is_causal=True)``: no mask is ever materialized. With
+``model.document_mask`` (:mod:`meshtrain.model.documents`) each token attends only within its own
+packed document instead, and RoPE positions restart at each document.
 
 Construction allocates nothing when done under ``torch.device("meta")``; the weights are filled
 later by :func:`meshtrain.model.init.init_weights`, which reads :meth:`Transformer.init_std_by_param`.
@@ -19,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from meshtrain.config import ModelArgs
+from meshtrain.model.documents import Documents, find_documents, masked_attention
 
 Recompute = Literal["none", "full", "selective"]
 
@@ -32,14 +35,15 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.dev
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (batch, seq, heads, head_dim) ``x`` by position; cos/sin are (seq, head_dim).
+    """Rotate (batch, seq, heads, head_dim) ``x`` by position; cos/sin are (seq, head_dim), or
+    (batch, seq, head_dim) when positions differ per window (document masking).
 
     The rotation is computed in fp32 (with fp32 tables: bf16 tables would lose the angle at long
     positions) and returned in ``x``'s dtype, so q, k and v reach attention in one dtype.
     """
     first, second = x.chunk(2, dim=-1)
     rotated = torch.cat((-second, first), dim=-1)
-    cos, sin = cos.float()[None, :, None, :], sin.float()[None, :, None, :]
+    cos, sin = cos.float().unsqueeze(-2), sin.float().unsqueeze(-2)
     return (x.float() * cos + rotated.float() * sin).type_as(x)
 
 
@@ -62,7 +66,7 @@ class Attention(nn.Module):
         """
         return q.device.type == "cpu" or q.dtype in (torch.float16, torch.bfloat16)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: object = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
@@ -76,7 +80,10 @@ class Attention(nn.Module):
             group = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             grouped = False
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+        else:
+            out = masked_attention(q, k, v, mask, grouped)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -101,6 +108,7 @@ _SAVED_UNDER_SELECTIVE = {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.higher_order.flex_attention,
 }
 
 
@@ -125,15 +133,16 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
         self.recompute: Recompute = "none"
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: object) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: object = None) -> torch.Tensor:
+        """``mask``: None for causal attention over the window, else a document mask (see documents.py)."""
         if self.recompute == "none" or not torch.is_grad_enabled():
-            return self._forward(x, cos, sin)
+            return self._forward(x, cos, sin, mask)
         extra = {"context_fn": _selective_context} if self.recompute == "selective" else {}
-        return checkpoint(self._forward, x, cos, sin, use_reentrant=False, **extra)
+        return checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False, **extra)
 
 
 class Transformer(nn.Module):
@@ -149,14 +158,27 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # The end-of-document token id when attention is masked per document (model.document_mask);
+        # set by whoever knows the tokenizer, with :meth:`mask_documents`.
+        self.document_eos: int | None = None
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits of shape (batch, seq, vocab) for token ids of shape (batch, seq)."""
-        seq = tokens.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+    def mask_documents(self, eos_id: int | None) -> None:
+        """Attend within packed documents split at ``eos_id`` from now on (None: across the window)."""
+        self.document_eos = eos_id
+
+    def forward(self, tokens: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        """Logits of shape (batch, seq, vocab) for token ids of shape (batch, seq). ``documents``
+        overrides the layout found from :attr:`document_eos` (tests pick the kernel this way)."""
         h = self.tok_embeddings(tokens)
+        if documents is None and self.document_eos is not None:
+            documents = find_documents(tokens, self.document_eos, dtype=h.dtype)
+        if documents is None:
+            seq = tokens.shape[1]
+            cos, sin, mask = self.rope_cos[:seq], self.rope_sin[:seq], None
+        else:
+            cos, sin, mask = self.rope_cos[documents.positions], self.rope_sin[documents.positions], documents.mask
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask)
         return self.output(self.norm(h))
 
     def reset_rope(self) -> None:

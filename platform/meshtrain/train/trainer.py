@@ -126,6 +126,8 @@ class Trainer:
         checkpoints = checkpoint_manager(cfg, layout, self.outputs.checkpoint_event)
         resuming = checkpoints is not None and cfg.checkpoint.resume and checkpoints.any_committed()
         self.model, plan = build_sharded_model(cfg, data.vocab_size, layout, device, read_init_from=not resuming)
+        if cfg.model.document_mask:
+            self.model.mask_documents(data.eos_id)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, cfg.optim.schedule_steps or cfg.train.steps)
         self.guard = StepGuard(self.optimizer, device, cfg.train.loss_spike_factor, cfg.train.loss_spike_window)
