@@ -145,6 +145,14 @@ def activation_bytes(args: ModelArgs, recompute: str, tokens: int, element_bytes
     return activations
 
 
+def document_mask_bytes(cfg: MeshtrainConfig, micro_batch: int, use_gpu: bool, element_bytes: int) -> int:
+    """The CPU kernel's additive (seq, seq) mask per sample, shared by every block; flex attention's
+    block mask on GPU is negligible (a few bytes per 128x128 block)."""
+    if not cfg.model.document_mask or use_gpu:
+        return 0
+    return micro_batch * cfg.data.seq_len**2 * element_bytes
+
+
 def memory_plan(cfg: MeshtrainConfig, args: ModelArgs, plan: MeshPlan, use_gpu: bool) -> MemoryPlan:
     model = build_model(args, "meta")
     element_bytes = compute_bytes(cfg.parallel.mixed_precision, use_gpu)
@@ -158,7 +166,8 @@ def memory_plan(cfg: MeshtrainConfig, args: ModelArgs, plan: MeshPlan, use_gpu: 
         optimizer=8 * sharded * on_device,
         gathered_blocks=gathered_blocks_bytes(model, plan, cfg.parallel.prefetch, element_bytes),
         head_unit=head_unit_bytes(model, element_bytes),
-        activations=activation_bytes(args, cfg.parallel.activation_checkpointing, tokens, element_bytes),
+        activations=activation_bytes(args, cfg.parallel.activation_checkpointing, tokens, element_bytes)
+        + document_mask_bytes(cfg, micro, use_gpu, element_bytes),
         logits=logits_bytes(args, tokens, element_bytes),
     )
 
