@@ -266,9 +266,10 @@ def short_verdict(cfg: MeshtrainConfig, memory: MemoryPlan) -> str:
     return f"{'fits' if fits else 'does not fit'} {device.name} ({device.usable_gib:.1f} GiB usable)"
 
 
-def dry_run(configs: list[BenchConfig], window: Window, device_type: str) -> int:
-    """Each configuration's plan (and, for GPU ones, the fit verdict); no Ray. 2 if one is invalid."""
-    summary: list[tuple[str, str, str, str]] = []
+def dry_run(configs: list[BenchConfig], window: Window, device_type: str, trace: bool = False) -> int:
+    """Each configuration's plan (and, for GPU ones, the fit verdict); no Ray. 2 if one is invalid.
+    ``trace``: also each configuration's traced step (meshtrain.train.trace), plan against traced peak."""
+    summary: list[tuple[str, ...]] = []
     status = 0
     owned = owned_settings(window, "<config>-<time>", "<--storage>")
     print("set by the benchmark over every configuration: " + " ".join(to_overrides(owned)))
@@ -290,11 +291,22 @@ def dry_run(configs: list[BenchConfig], window: Window, device_type: str) -> int
         plan, _ = planned_mesh(cfg)
         memory = memory_plan(cfg, args, plan, cfg.scaling.use_gpu)
         verdict = short_verdict(cfg, memory)
-        summary.append((config.name, f"{memory.total / GIB:.1f}", f"{cfg.scaling.num_workers}", verdict))
-    print("| config | plan per rank (GiB) | workers | verdict |")
-    print("|---|---|---|---|")
-    for name, planned, workers, verdict in summary:
-        print(f"| {name} | {planned} | {workers} | {verdict} |")
+        row = (config.name, f"{memory.total / GIB:.1f}", f"{cfg.scaling.num_workers}", verdict)
+        if trace:
+            from meshtrain.train.trace import trace_step
+
+            traced = trace_step(cfg, args, plan).on_device(cfg.parallel.cpu_offload)
+            print(f"traced peak per rank: {traced / GIB:.2f} GiB; plan/traced {memory.total / traced:.3f}\n", flush=True)
+            row = (*row[:2], f"{traced / GIB:.1f}", f"{memory.total / traced:.3f}", *row[2:])
+        summary.append(row)
+    if trace:
+        print("| config | plan per rank (GiB) | traced peak (GiB) | plan/traced | workers | verdict |")
+        print("|---|---|---|---|---|---|")
+    else:
+        print("| config | plan per rank (GiB) | workers | verdict |")
+        print("|---|---|---|---|")
+    for row in summary:
+        print("| " + " | ".join(row) + " |")
     return status
 
 
@@ -564,6 +576,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="also write the table and every figure as JSON here")
     parser.add_argument("--dry-run", action="store_true",
                         help="print each configuration's memory plan and verdict; no Ray")
+    parser.add_argument("--trace", action="store_true",
+                        help="with --dry-run: trace one step of each configuration on fake tensors and a fake process "
+                        "group (no GPU needed) and print its peak beside the plan")
     parser.add_argument("--device-type", default="H100",
                         help="GPU the --dry-run verdict is for, unless a configuration sets scaling.accelerator_type "
                         "or scaling.device_memory_gib (default H100)")
@@ -619,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     window = Window.for_request(args.warmup, args.steps)
     if args.dry_run:
-        return dry_run(configs, window, args.device_type)
+        return dry_run(configs, window, args.device_type, args.trace)
     lines = header(window, args.set_name)
     rows = run_all(configs, window, args.storage, args.out, lines)
     print()

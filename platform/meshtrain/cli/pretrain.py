@@ -35,11 +35,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="print the resolved config, parameter count, mesh and per-rank memory plan, then exit",
     )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="with --dry-run: also run one real training step of rank 0 at the configured shape and world size "
+        "on fake tensors and a fake process group (no GPU, nothing allocated) and print its traced peak beside the plan",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.steps=100 parallel.shard=2")
     return parser.parse_args(argv)
 
 
-def dry_run(cfg: MeshtrainConfig) -> None:
+def dry_run(cfg: MeshtrainConfig, trace: bool = False) -> None:
     """Print the resolved (preflighted) config and the plan; ConfigError, and nothing on stdout, when the plan fails."""
     from meshtrain.cluster.launcher import config_yaml
     from meshtrain.data import tokenizer_vocab_size
@@ -50,7 +56,26 @@ def dry_run(cfg: MeshtrainConfig) -> None:
     report = describe_plan(cfg, args)  # may raise ConfigError: then nothing goes to stdout
     print(config_yaml(cfg), end="")
     print("---")
-    print(report)
+    print(report, flush=True)
+    if trace:
+        print(traced_report(cfg, args))
+
+
+def traced_report(cfg: MeshtrainConfig, args: "ModelArgs") -> str:  # noqa: F821
+    """The traced step's peak per rank next to the plan's total."""
+    from meshtrain.distributed.plan import GIB, memory_plan, planned_mesh
+    from meshtrain.train.trace import trace_step
+
+    plan, _ = planned_mesh(cfg)
+    planned = memory_plan(cfg, args, plan, cfg.scaling.use_gpu).total
+    peak = trace_step(cfg, args, plan)
+    traced = peak.on_device(cfg.parallel.cpu_offload)
+    kinds = ", ".join(f"{kind} {value / GIB:.3f}" for kind, value in peak.by_kind.items() if value)
+    return "\n".join([
+        f"traced step (rank 0 of {plan.world_size}, fake tensors, {peak.seconds:.1f}s): peak per rank (GiB): "
+        f"{traced / GIB:.3f}; plan {planned / GIB:.3f} = {planned / traced:.3f}x the traced peak",
+        f"  at the peak: {kinds}",
+    ])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
 
         # Every error the config can show, before Ray starts (launch checks again for library callers).
         cfg = preflight(load_config(args.config, args.overrides))
+        if args.trace and not args.dry_run:
+            raise ConfigError("--trace goes with --dry-run: add --dry-run")
         if args.dry_run:
-            dry_run(cfg)
+            dry_run(cfg, args.trace)
             return 0
         from meshtrain.cluster.launcher import TrainingFailed, launch
 

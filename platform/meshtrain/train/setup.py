@@ -25,7 +25,6 @@ def build_sharded_model(
     """Model built on meta, sharded (when distributed), materialized on ``device`` and initialized,
     or filled from ``model.init_from`` (each rank reading only its own shards). A run that resumes
     passes ``read_init_from=False``: its checkpoint replaces every weight, so reading them is waste."""
-    model = build_model(model_args(cfg, vocab_size), "meta")
     plan = MeshPlan(1, 1, True)
     if dist.is_initialized():
         per_node, node_of_rank = workers_per_node(layout, cfg.scaling.workers_per_node)
@@ -33,7 +32,21 @@ def build_sharded_model(
         placement = check_shard_placement(plan, node_of_rank, cfg.parallel.shard)
         if placement is not None and layout.world_rank == 0:
             print(placement, flush=True)
+    model = sharded_meta_model(cfg, vocab_size, plan, device)
+    fill_model(model, cfg, device, read_init_from)
+    return model, plan
+
+
+def sharded_meta_model(cfg: MeshtrainConfig, vocab_size: int, plan: MeshPlan, device: torch.device) -> Transformer:
+    """The model on meta, sharded on ``plan``'s mesh of ``device`` when distributed: no storage yet."""
+    model = build_model(model_args(cfg, vocab_size), "meta")
+    if dist.is_initialized():
         parallelize(model, build_mesh(plan, device.type), plan, cfg.parallel)
+    return model
+
+
+def fill_model(model: Transformer, cfg: MeshtrainConfig, device: torch.device, read_init_from: bool = True) -> None:
+    """Storage for a meta model's shards on ``device``, initialized or read from ``model.init_from``."""
     # Offloaded shards live on the host (FSDP copies them over per unit); the RoPE buffers are read
     # inside the blocks, which FSDP does not move, so they stay on the compute device.
     offload = cfg.parallel.cpu_offload and dist.is_initialized()
@@ -42,4 +55,3 @@ def build_sharded_model(
         init_weights(model, cfg.train.seed)
     else:
         load_hf_weights(model, cfg.model.init_from)
-    return model, plan

@@ -1,0 +1,102 @@
+"""One real training step at a run's real shape and world size, traced on one CPU machine.
+
+The memory plan (``meshtrain.distributed.plan``) is arithmetic. This checks it against the code
+that runs: rank 0 of the configured world builds, shards and steps the model with meshtrain's own
+setup, step and optimizer, under ``FakeTensorMode`` (tensors have shapes and no storage) and a fake
+process group (collectives return at once), so an 8B model on 64 ranks costs a few seconds and
+little memory. PyTorch's FSDP2 memory tracker counts every tensor alive per kind (sharded and
+gathered parameters, gradients, activations, optimizer state, collective buffers) and keeps the
+peak.
+
+What it does not see: the caching allocator's fragmentation and the CUDA context (the plan keeps a
+margin for those), and kernels that differ by device: it runs CPU kernels in the compute dtype a
+GPU run would use, and attention through SDPA without the document mask (flex attention keeps the
+same output and log-sum-exp per token). ``torch.compile`` is left off.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.config import ConfigError, MeshtrainConfig, ModelArgs
+from meshtrain.distributed.mesh import MeshPlan
+from meshtrain.distributed.parallelize import param_dtype
+from meshtrain.train.guard import StepGuard
+from meshtrain.train.optim import build_optimizer
+from meshtrain.train.setup import fill_model, sharded_meta_model
+from meshtrain.train.step import train_step
+
+# Micro-batches traced per step. One: between micro-batches accumulation keeps only the sharded
+# gradients, which one step already holds (and FSDP's deferred HSDP reduction, which accumulation
+# uses, does not run on the fake process group).
+_TRACED_MICRO_BATCHES = 1
+
+
+@dataclass(frozen=True)
+class TracedPeak:
+    """Per-rank bytes at the step's peak: in all, and by the tracker's kinds (names as it gives them)."""
+
+    total: int
+    by_kind: dict[str, int]
+    seconds: float
+
+    def on_device(self, offloaded: bool) -> int:
+        """Bytes on the accelerator: under CPU offload the sharded state stays in host memory."""
+        if not offloaded:
+            return self.total
+        host = ("Sharded Param", "Sharded Grad", "OptState")
+        return self.total - sum(self.by_kind.get(kind, 0) for kind in host)
+
+
+def traced_config(cfg: MeshtrainConfig) -> MeshtrainConfig:
+    """``cfg`` as the trace runs it: the compute dtype of the device the run is for, no compile."""
+    traced = cfg.model_copy(deep=True)
+    device_type = "cuda" if cfg.scaling.use_gpu else "cpu"
+    traced.parallel.mixed_precision = "bf16" if param_dtype(cfg.parallel.mixed_precision, device_type) == torch.bfloat16 else "fp32"
+    traced.parallel.compile = False
+    return traced
+
+
+def trace_step(cfg: MeshtrainConfig, args: ModelArgs, plan: MeshPlan) -> TracedPeak:
+    """Peak memory of rank 0 over one training step (after a first step has made the optimizer state)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    if dist.is_initialized():
+        raise ConfigError("--trace runs in a process of its own; it cannot join a running process group")
+    cfg = traced_config(cfg)
+    cpu = torch.device("cpu")
+    started = time.perf_counter()
+    dist.init_process_group("fake", rank=0, world_size=plan.world_size, store=dist.HashStore())
+    try:
+        model = sharded_meta_model(cfg, args.vocab_size, plan, cpu)  # the mesh is built outside fake mode
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fill_model(model, cfg, cpu, read_init_from=False)
+            optimizer = build_optimizer(model, cfg.optim)
+            guard = StepGuard(optimizer, cpu, cfg.train.loss_spike_factor, cfg.train.loss_spike_window)
+            micro, accumulation = cfg.batch_layout(plan.data_parallel_size)
+            micro_batches = []
+            for _ in range(min(accumulation, _TRACED_MICRO_BATCHES)):
+                tokens = torch.randint(0, args.vocab_size, (micro, cfg.data.seq_len + 1))
+                micro_batches.append((tokens[:, :-1], tokens[:, 1:]))
+            # The first step creates the optimizer state. Traced, DTensor's sharding propagation of
+            # that creation would count global-sized temporaries that a real run never allocates.
+            train_step(model, guard, micro_batches, plan.data_parallel_size, cfg.optim.grad_clip)
+            tracker = FSDPMemTracker(model, optimizer)
+            tracker.track_inputs(tuple(micro_batches))
+            with tracker:
+                train_step(model, guard, micro_batches, plan.data_parallel_size, cfg.optim.grad_clip)
+            peak = tracker.get_tracker_snapshot("peak")[cpu]
+    finally:
+        dist.destroy_process_group()
+    by_kind = {getattr(kind, "value", str(kind)): int(value) for kind, value in peak.items()}
+    total = by_kind.pop("Total")
+    return TracedPeak(total, by_kind, time.perf_counter() - started)
+
+
+__all__ = ["TracedPeak", "trace_step", "traced_config"]

@@ -1,0 +1,38 @@
+"""The traced step: one real training step at a large fake world size, on fake tensors, beside the plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshtrain.config import load_config
+from meshtrain.distributed.plan import memory_plan, planned_mesh
+from meshtrain.model.args import model_args
+from meshtrain.model.llama import build_model, count_parameters
+from meshtrain.train.trace import trace_step
+
+# A GPU run of the debug model on 32 ranks (4 nodes of 8): bf16 compute, HSDP over 8.
+GPU_RUN = ["scaling.use_gpu=true", "scaling.num_workers=32", "scaling.workers_per_node=8", "data.seq_len=512",
+           "train.global_batch_size=64", "train.micro_batch_size=1", "data.tokenizer=train"]
+
+
+def test_a_32_rank_step_is_traced_on_one_cpu_process_and_the_plan_holds_within_10_percent() -> None:
+    cfg = load_config(None, GPU_RUN)
+    args = model_args(cfg, cfg.data.vocab_size)
+    plan, _ = planned_mesh(cfg)
+    assert plan.shape == (4, 8)
+    peak = trace_step(cfg, args, plan)
+    # The sharded state is exact: fp32 parameters and two AdamW moments, one eighth each (rows padded to 8).
+    shard_bytes = 4 * count_parameters(build_model(args, "meta")) / 8
+    assert peak.by_kind["Sharded Param"] == pytest.approx(shard_bytes, rel=0.01)
+    assert peak.by_kind["OptState"] == pytest.approx(2 * shard_bytes, rel=0.01)
+    # Activations were computed in bf16, as on the GPU: collectives, gathered units and activations all appear.
+    assert peak.by_kind["Activation"] > 0 and peak.by_kind["Unsharded Param"] > 0
+    planned = memory_plan(cfg, args, plan, use_gpu=True).total
+    assert abs(planned / peak.total - 1) < 0.10, (planned, peak)
+
+
+def test_trace_needs_dry_run(capsys: pytest.CaptureFixture[str]) -> None:
+    from meshtrain.cli.pretrain import main
+
+    assert main(["--trace"]) == 2
+    assert capsys.readouterr().err == "meshtrain: config error: --trace goes with --dry-run: add --dry-run\n"
