@@ -280,8 +280,14 @@ MEMORY_LABELS = (
     "gathered units + their grads",
     "activations (estimate, recompute=",
     "logits + loss (estimate)",
-    "total",
+    "head gradient, fp32 for its reduce-scatter",
+    "at the loss's backward",
+    "just after the head's backward",
+    "at the end of backward",
+    "total (peak: the largest of the three)",
 )
+MOMENTS = MEMORY_LABELS[-4:-1]
+TOTAL = MEMORY_LABELS[-1]
 
 
 def parse_dry_run(out: str) -> tuple[dict, dict[str, str], dict[str, float]]:
@@ -299,14 +305,15 @@ def parse_dry_run(out: str) -> tuple[dict, dict[str, str], dict[str, float]]:
 
 
 def check_memory(memory: dict[str, float]) -> None:
-    labels = list(memory)
+    labels = [label for label in memory if not label.startswith("block recomputed in backward")]
     assert len(labels) == len(MEMORY_LABELS)
     for label, expected in zip(labels, MEMORY_LABELS, strict=True):
         assert label.startswith(expected), (label, expected)
-    parts = [value for label, value in memory.items() if label != "total"]
+    parts = [value for label, value in memory.items() if label not in (*MOMENTS, TOTAL)]
     assert all(value >= 0 for value in parts)
-    assert memory["total"] == pytest.approx(sum(parts), abs=0.01)
-    assert memory["total"] > 0
+    # Each moment holds some of the terms; the peak is the largest moment.
+    assert all(0 < memory[moment] <= sum(parts) + 0.01 for moment in MOMENTS)
+    assert memory[TOTAL] == pytest.approx(max(memory[moment] for moment in MOMENTS), abs=0.002)
 
 
 def test_dry_run_default_subprocess() -> None:

@@ -33,7 +33,7 @@ from ray.autoscaler._private.kuberay.autoscaling_config import (
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 from meshtrain.config import MeshtrainConfig, MetricsConfig, load_config
-from test_cli import check_memory, parse_dry_run, run_pretrain
+from test_cli import TOTAL, check_memory, parse_dry_run, run_pretrain
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "cluster"
@@ -377,7 +377,7 @@ def test_gpu_config_dry_run_fits_an_h100(name: str) -> None:
         f"strategy={strategy}, reshard_after_forward=True"
     )
     assert f"x {workers} workers x " in lines["batch"]
-    assert memory["total"] < PLANNED_LIMIT_GIB < H100_GIB, memory
+    assert memory[TOTAL] < PLANNED_LIMIT_GIB < H100_GIB, memory
 
 
 def test_rayjob_entrypoint_dry_run(rayjob: dict) -> None:
@@ -386,4 +386,4 @@ def test_rayjob_entrypoint_dry_run(rayjob: dict) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     config, _, memory = parse_dry_run(result.stdout)
     assert config["run"]["name"] == load_config(config_path, overrides).run.name
-    assert memory["total"] < PLANNED_LIMIT_GIB
+    assert memory[TOTAL] < PLANNED_LIMIT_GIB

@@ -37,23 +37,47 @@ FRAGMENTATION_SHARE = 0.10
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Per-rank bytes on the device; activations are an estimate for one micro-batch."""
+    """Per-rank bytes on the device; activations are an estimate for one micro-batch.
+
+    Not every term is alive at once. The peak is the largest of three moments of the step (checked
+    against a traced step, ``meshtrain.train.trace``): the loss's backward (every stored activation,
+    the logits and their gradient, no parameter gradient yet); just after the head's backward (the
+    logits gone, the head's gradient and its fp32 reduce-scatter input alive); and the end of backward
+    (every sharded gradient, the activations gone but one block being recomputed).
+    """
 
     parameters: int
     gradients: int
     optimizer: int
     gathered_blocks: int  # blocks gathered around the running one (and, under ZeRO-2, all of them)
-    head_unit: int  # norm + output head (the root unit with tied embeddings), gathered all step
-    activations: int
+    head_unit: int  # norm + output head (the root unit with tied embeddings), weight and gradient
+    activations: int  # stored for backward
     logits: int
+    recompute_block: int = 0  # one block's activations, recomputed in backward (full recompute)
+    head_reduce: int = 0  # the head's gradient in fp32, the input of its reduce-scatter
+    gathered_block_weights: int = 0  # of gathered_blocks, the weights alone: what is gathered before any block's backward
 
     @property
     def gathered(self) -> int:
         return self.gathered_blocks + self.head_unit
 
     @property
+    def at_loss(self) -> int:
+        return (self.parameters + self.optimizer + self.gathered_block_weights + self.head_unit // 2 + self.activations
+                + self.logits)
+
+    @property
+    def after_head(self) -> int:
+        return self.parameters + self.optimizer + self.gathered_block_weights + self.head_unit + self.head_reduce + self.activations
+
+    @property
+    def end_of_backward(self) -> int:
+        return self.parameters + self.optimizer + self.gradients + self.gathered + self.recompute_block
+
+    @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.gathered + self.activations + self.logits
+        """The planned peak: the largest of the three moments."""
+        return max(self.at_loss, self.after_head, self.end_of_backward)
 
 
 @dataclass(frozen=True)
@@ -123,6 +147,16 @@ def gathered_blocks_bytes(model: Transformer, plan: MeshPlan, prefetch: int, ele
     return (model.args.n_layers * block + block + embedding) * element_bytes
 
 
+def gathered_block_weights_bytes(model: Transformer, plan: MeshPlan, prefetch: int, element_bytes: int) -> int:
+    """Block weights gathered from the end of forward until the first block's backward: the last block
+    and the ones prefetched for backward, or (ZeRO-2) every block and an untied embedding."""
+    block = count_parameters(model.layers[0])
+    if plan.reshard_after_forward:
+        return (1 + prefetch) * block * element_bytes
+    embedding = 0 if model.args.tie_embeddings else count_parameters(model.tok_embeddings)
+    return (model.args.n_layers * block + embedding) * element_bytes
+
+
 def head_unit_bytes(model: Transformer, element_bytes: int) -> int:
     """The head unit (reshard_after_forward=False): its full weight from forward to backward plus
     its unsharded gradient before reduce-scatter, both in the compute dtype."""
@@ -138,11 +172,15 @@ def logits_bytes(args: ModelArgs, tokens: int, element_bytes: int) -> int:
 
 
 def activation_bytes(args: ModelArgs, recompute: str, tokens: int, element_bytes: int) -> int:
-    per_layer = _activation_elements_per_token_per_layer(args, recompute)
-    activations = tokens * per_layer * args.n_layers * element_bytes
-    if recompute == "full":
-        activations += tokens * _activation_elements_per_token_per_layer(args, "none") * element_bytes
-    return activations
+    """Activations every block keeps for backward."""
+    return tokens * _activation_elements_per_token_per_layer(args, recompute) * args.n_layers * element_bytes
+
+
+def recompute_block_bytes(args: ModelArgs, recompute: str, tokens: int, element_bytes: int) -> int:
+    """Under full recompute, the activations of the one block being recomputed in backward."""
+    if recompute != "full":
+        return 0
+    return tokens * _activation_elements_per_token_per_layer(args, "none") * element_bytes
 
 
 def document_mask_bytes(cfg: MeshtrainConfig, micro_batch: int, use_gpu: bool, element_bytes: int) -> int:
@@ -169,6 +207,9 @@ def memory_plan(cfg: MeshtrainConfig, args: ModelArgs, plan: MeshPlan, use_gpu: 
         activations=activation_bytes(args, cfg.parallel.activation_checkpointing, tokens, element_bytes)
         + document_mask_bytes(cfg, micro, use_gpu, element_bytes),
         logits=logits_bytes(args, tokens, element_bytes),
+        recompute_block=recompute_block_bytes(args, cfg.parallel.activation_checkpointing, tokens, element_bytes),
+        head_reduce=4 * head_elements(model),
+        gathered_block_weights=gathered_block_weights_bytes(model, plan, cfg.parallel.prefetch, element_bytes),
     )
 
 
@@ -246,7 +287,12 @@ def describe_plan(cfg: MeshtrainConfig, args: ModelArgs) -> str:
         ("gathered units + their grads", memory.gathered),
         (f"activations (estimate, recompute={cfg.parallel.activation_checkpointing})", memory.activations),
         ("logits + loss (estimate)", memory.logits),
-        ("total", memory.total),
+        *([("block recomputed in backward (estimate)", memory.recompute_block)] if memory.recompute_block else []),
+        ("head gradient, fp32 for its reduce-scatter", memory.head_reduce),
+        ("at the loss's backward", memory.at_loss),
+        ("just after the head's backward", memory.after_head),
+        ("at the end of backward", memory.end_of_backward),
+        ("total (peak: the largest of the three)", memory.total),
     ):
         lines.append(f"  {label:<48} {value / GIB:10.3f}")
     return "\n".join(lines)
