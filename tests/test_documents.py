@@ -120,3 +120,16 @@ def test_the_gpu_kernel_flex_attention_with_a_block_mask_gives_the_cpu_kernels_l
         causal = model(tokens)
     torch.testing.assert_close(flex, sdpa, rtol=0, atol=1e-5)
     assert (flex - causal).abs().max() > 1e-3
+
+
+def test_flex_attention_inside_compiled_blocks_gives_the_same_logits() -> None:
+    """parallel.compile compiles each block with fullgraph=True: flex attention must compile inside it."""
+    model = initialized_model(tiny_args())
+    generator = torch.Generator().manual_seed(2)
+    tokens = torch.cat(documents(generator, [20, 25, 19], 97))[:64][None]
+    with torch.no_grad():
+        sdpa = model(tokens, find_documents(tokens, EOS, "sdpa"))
+        for block in model.layers:
+            block.compile(fullgraph=True)
+        flex = model(tokens, find_documents(tokens, EOS, "flex"))
+    torch.testing.assert_close(flex, sdpa, rtol=0, atol=1e-5)

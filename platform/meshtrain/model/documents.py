@@ -82,8 +82,7 @@ def find_documents(
 
 @cache
 def _compiled_flex_attention() -> object:
-    # Flex attention is only fast (and on CPU only differentiable) compiled; inside a compiled block
-    # dynamo inlines this wrapper.
+    # Flex attention is only fast compiled: outside a compiled block it runs through this wrapper.
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -92,7 +91,9 @@ def masked_attention(
 ) -> torch.Tensor:
     """Attention of (batch, heads, seq, head_dim) q/k/v under a document mask from :func:`find_documents`."""
     if isinstance(mask, BlockMask):
-        return _compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
+        # Inside a compiled block (parallel.compile) the block's graph compiles it.
+        attend = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
+        return attend(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
 
 
