@@ -54,10 +54,13 @@ def test_a_packed_document_has_the_logits_it_has_alone() -> None:
 def test_the_mask_changes_nothing_in_a_window_of_one_document() -> None:
     model = initialized_model(tiny_args())
     tokens = torch.randint(1, 97, (2, 32), generator=torch.Generator().manual_seed(3))
+    tokens[1, 0] = EOS  # a window may open with the end-of-document token: still one document
     with torch.no_grad():
         plain = model(tokens)
+        explicit = model(tokens, find_documents(tokens, EOS, "sdpa"))  # the mask itself, not the causal shortcut
         model.mask_documents(EOS)
         masked = model(tokens)
+    torch.testing.assert_close(explicit, plain, rtol=0, atol=1e-5)
     torch.testing.assert_close(masked, plain, rtol=0, atol=1e-5)
 
 

@@ -166,11 +166,17 @@ class Transformer(nn.Module):
         """Attend within packed documents split at ``eos_id`` from now on (None: across the window)."""
         self.document_eos = eos_id
 
+    def _may_span_documents(self, tokens: torch.Tensor) -> bool:
+        """Whether a window holds a document boundary. On CPU, a batch without one (an end-of-document
+        token at a window's start changes nothing) takes the causal kernel, which skips the upper
+        triangle that a mask cannot; on GPU the block mask skips it anyway, and asking would sync."""
+        return tokens.is_cuda or bool((tokens[:, 1:] == self.document_eos).any())
+
     def forward(self, tokens: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         """Logits of shape (batch, seq, vocab) for token ids of shape (batch, seq). ``documents``
         overrides the layout found from :attr:`document_eos` (tests pick the kernel this way)."""
         h = self.tok_embeddings(tokens)
-        if documents is None and self.document_eos is not None:
+        if documents is None and self.document_eos is not None and self._may_span_documents(tokens):
             documents = find_documents(tokens, self.document_eos, dtype=h.dtype)
         if documents is None:
             seq = tokens.shape[1]
