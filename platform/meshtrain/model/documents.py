@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 Kernel = Literal["flex", "sdpa"]
+# What a block's attention receives: None (causal over the window) or a document mask of either kernel.
+AttentionMask = torch.Tensor | BlockMask | None
 
 
 class Documents:
@@ -97,4 +99,4 @@ def masked_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
 
 
-__all__ = ["Documents", "document_ids", "document_positions", "find_documents", "masked_attention"]
+__all__ = ["AttentionMask", "Documents", "document_ids", "document_positions", "find_documents", "masked_attention"]

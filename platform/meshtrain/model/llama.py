@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from meshtrain.config import ModelArgs
-from meshtrain.model.documents import Documents, find_documents, masked_attention
+from meshtrain.model.documents import AttentionMask, Documents, find_documents, masked_attention
 
 Recompute = Literal["none", "full", "selective"]
 
@@ -66,7 +66,7 @@ class Attention(nn.Module):
         """
         return q.device.type == "cpu" or q.dtype in (torch.float16, torch.bfloat16)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: object = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
@@ -133,11 +133,11 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
         self.recompute: Recompute = "none"
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: object) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: object = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
         """``mask``: None for causal attention over the window, else a document mask (see documents.py)."""
         if self.recompute == "none" or not torch.is_grad_enabled():
             return self._forward(x, cos, sin, mask)
