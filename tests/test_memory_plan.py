@@ -69,15 +69,15 @@ def test_zero2_keeps_every_block_and_the_embedding_gathered() -> None:
     assert tied.gathered_blocks == (LAYERS + 1) * BLOCK * BF16  # the embedding is the head, in the root
 
 
-def test_logits_are_bf16_with_their_gradient_plus_one_fp32_chunk() -> None:
+def test_logits_are_bf16_holding_their_gradient_plus_one_fp32_chunk() -> None:
     tokens = 4096
     chunk = loss_chunk_tokens(VOCAB)
     assert 0 < chunk < tokens
-    expected = 2 * tokens * VOCAB * BF16 + chunk * VOCAB * 4 + tokens * 4
+    expected = tokens * VOCAB * BF16 + chunk * VOCAB * 4 + tokens * 4
     assert plan_for().logits == expected
     # A micro-batch smaller than a chunk upcasts only its own tokens.
     short = plan_for("data.seq_len=256")
-    assert short.logits == 2 * 256 * VOCAB * BF16 + 256 * VOCAB * 4 + 256 * 4
+    assert short.logits == 256 * VOCAB * BF16 + 256 * VOCAB * 4 + 256 * 4
 
 
 def test_offload_moves_only_the_sharded_state_off_the_device() -> None:

@@ -164,16 +164,20 @@ def head_unit_bytes(model: Transformer, element_bytes: int) -> int:
 
 
 def logits_bytes(args: ModelArgs, tokens: int, element_bytes: int) -> int:
-    """The chunked loss (model.token_cross_entropy_sum) at its backward peak: the logits and their
-    gradient in the compute dtype, one fp32 chunk of at most ``loss_chunk_tokens`` tokens, and an
-    fp32 log-sum-exp per token."""
+    """The chunked loss (model.token_cross_entropy_sum) at its backward peak: the logits in the
+    compute dtype (their gradient is written into the same buffer), one fp32 chunk of at most
+    ``loss_chunk_tokens`` tokens, and an fp32 log-sum-exp per token."""
     chunk = min(tokens, loss_chunk_tokens(args.vocab_size))
-    return 2 * tokens * args.vocab_size * element_bytes + chunk * args.vocab_size * 4 + tokens * 4
+    return tokens * args.vocab_size * element_bytes + chunk * args.vocab_size * 4 + tokens * 4
 
 
 def activation_bytes(args: ModelArgs, recompute: str, tokens: int, element_bytes: int) -> int:
-    """Activations every block keeps for backward."""
-    return tokens * _activation_elements_per_token_per_layer(args, recompute) * args.n_layers * element_bytes
+    """Activations every block keeps for backward. Computing in bf16 without recompute, each of the
+    two RMSNorms also keeps its input upcast to fp32 (seen in the traced step)."""
+    per_layer = _activation_elements_per_token_per_layer(args, recompute) * element_bytes
+    if recompute == "none" and element_bytes < 4:
+        per_layer += 2 * args.dim * 4
+    return tokens * per_layer * args.n_layers
 
 
 def recompute_block_bytes(args: ModelArgs, recompute: str, tokens: int, element_bytes: int) -> int:
