@@ -11,7 +11,7 @@ from meshtrain.cli.common import (
     EXIT_TRAINING_FAILED,
     OneLineParser,
 )
-from meshtrain.config import ConfigError, MeshtrainConfig, describe_fields, load_config
+from meshtrain.config import ConfigError, MeshtrainConfig, ModelArgs, describe_fields, load_config
 
 
 def _settings_help() -> str:
@@ -61,7 +61,7 @@ def dry_run(cfg: MeshtrainConfig, trace: bool = False) -> None:
         print(traced_report(cfg, args))
 
 
-def traced_report(cfg: MeshtrainConfig, args: "ModelArgs") -> str:  # noqa: F821
+def traced_report(cfg: MeshtrainConfig, args: ModelArgs) -> str:
     """The traced step's peak per rank next to the plan's total."""
     from meshtrain.distributed.plan import GIB, memory_plan, planned_mesh
     from meshtrain.train.trace import trace_step
