@@ -13,53 +13,35 @@ windows hold several).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+from collections.abc import Callable
 
 import torch
 
+from meshtrain.bench.single_process import alternating_medians, single_process_run
 from meshtrain.config import load_config
-from meshtrain.data import DataParallelBatches, open_data, prepare_data
-from meshtrain.distributed.layout import WorkerLayout
-from meshtrain.train.guard import StepGuard
-from meshtrain.train.optim import build_optimizer
-from meshtrain.train.setup import build_sharded_model
 from meshtrain.train.step import train_step
 
 
 def measure(overrides: list[str], steps: int, workdir: str, device: torch.device) -> tuple[float, float, float]:
     """(masked tokens/s, unmasked tokens/s, documents per window) for the config ``overrides``."""
-    cfg = load_config(None, [*overrides, "scaling.num_workers=1"])
-    plan = prepare_data(cfg.data, workdir, cfg.data.seq_len, use_ray=False, log=lambda _: None)
-    data = open_data(plan, cfg.data.seq_len, cfg.train.seed)
-    model, _ = build_sharded_model(cfg, data.vocab_size, WorkerLayout(), device)
-    optimizer = build_optimizer(model, cfg.optim)
-    guard = StepGuard(optimizer, device, cfg.train.loss_spike_factor, cfg.train.loss_spike_window)
-    micro, _ = cfg.batch_layout(1)
-    batches = DataParallelBatches(data.train, cfg.train.global_batch_size, micro, 0, 1, device)
-    cycle = [list(batches.next_step()) for _ in range(4)]
-    tokens = sum(t.numel() for _, t in cycle[0])
-    inputs = torch.cat([i for step in cycle for i, _ in step])
+    run = single_process_run(load_config(None, [*overrides, "scaling.num_workers=1"]), workdir, device, 4)
+    eos = run.data.eos_id
+    tokens = sum(t.numel() for _, t in run.steps[0])
+    inputs = torch.cat([i for step in run.steps for i, _ in step])
     # An end-of-document token opens a document; so does a window's first token unless it is one.
-    starts = (inputs == data.eos_id).sum(dim=1) + (inputs[:, 0] != data.eos_id)
+    starts = (inputs == eos).sum(dim=1) + (inputs[:, 0] != eos)
     per_window = float(starts.float().mean())
 
-    def timed(masked: bool, count: int) -> float:
-        model.mask_documents(data.eos_id if masked else None)
-        started = time.perf_counter()
-        for index in range(count):
-            train_step(model, guard, cycle[index % len(cycle)], 1, cfg.optim.grad_clip)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - started) / count
+    def steps_with(mask: int | None) -> Callable[[int], None]:
+        def run_steps(count: int) -> None:
+            run.model.mask_documents(mask)
+            for index in range(count):
+                train_step(run.model, run.guard, run.steps[index % len(run.steps)], 1, run.cfg.optim.grad_clip)
+        return run_steps
 
-    timed(True, 3), timed(False, 3)  # warm-up (and, on GPU, compiling the block mask and flex attention)
-    block = 5
-    masked, plain = [], []
-    for _ in range(max(1, steps // block)):
-        masked.append(timed(True, block))
-        plain.append(timed(False, block))
-    return tokens / statistics.median(masked), tokens / statistics.median(plain), per_window
+    # Warm-up 3 (on GPU, compiling the block mask and flex attention), blocks of 5.
+    masked, plain, _ = alternating_medians(steps_with(eos), steps_with(None), steps, 5, 3, device)
+    return tokens / masked, tokens / plain, per_window
 
 
 def main() -> None:

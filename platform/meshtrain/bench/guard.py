@@ -20,15 +20,11 @@ import torch
 
 REPO = Path(__file__).resolve().parents[3]  # the checkout: benchmarks run its jobs/ and read its configs
 
+from meshtrain.bench.single_process import alternating_medians, single_process_run
 from meshtrain.config import load_config
-from meshtrain.data import DataParallelBatches, open_data, prepare_data
-from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.distributed.parallelize import clip_grad_norm_
 from meshtrain.model.loss import token_cross_entropy_sum
 from meshtrain.train.evaluation import evaluate, validation_samples
-from meshtrain.train.guard import StepGuard
-from meshtrain.train.optim import build_optimizer
-from meshtrain.train.setup import build_sharded_model
 from meshtrain.train.step import train_step
 
 
@@ -50,35 +46,21 @@ def main() -> None:
     args = parser.parse_args()
     cfg = load_config(None, [f"model.preset={args.preset}", f"data.seq_len={args.seq_len}", "scaling.num_workers=1"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    plan = prepare_data(cfg.data, args.workdir, cfg.data.seq_len, use_ray=False, log=lambda _: None)
-    data = open_data(plan, cfg.data.seq_len, cfg.train.seed)
-    model, _ = build_sharded_model(cfg, data.vocab_size, WorkerLayout(), device)
-    optimizer = build_optimizer(model, cfg.optim)
-    guard = StepGuard(optimizer, device, cfg.train.loss_spike_factor, cfg.train.loss_spike_window)
+    run = single_process_run(cfg, args.workdir, device, 8)
+    model, optimizer, guard, data, steps = run.model, run.optimizer, run.guard, run.data, run.steps
     micro, _ = cfg.batch_layout(1)
-    batches = DataParallelBatches(data.train, cfg.train.global_batch_size, micro, 0, 1, device)
-    steps = [list(batches.next_step()) for _ in range(8)]
 
-    def timed(guarded: bool, count: int) -> float:
-        started = time.perf_counter()
+    def guarded_steps(count: int) -> None:
         for index in range(count):
-            micro_batches = steps[index % len(steps)]
-            if guarded:
-                train_step(model, guard, micro_batches, 1, cfg.optim.grad_clip)
-            else:
-                plain_step(model, optimizer, micro_batches, cfg.optim.grad_clip)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - started) / count
+            train_step(model, guard, steps[index % len(steps)], 1, cfg.optim.grad_clip)
 
-    timed(True, 10), timed(False, 10)  # warm-up
+    def plain_steps(count: int) -> None:
+        for index in range(count):
+            plain_step(model, optimizer, steps[index % len(steps)], cfg.optim.grad_clip)
+
     block = 10
-    guarded, plain = [], []
-    for _ in range(max(1, args.steps // block)):
-        guarded.append(timed(True, block))
-        plain.append(timed(False, block))
-    g, p = statistics.median(guarded), statistics.median(plain)
-    print(f"step with guard {g * 1000:.2f} ms, without {p * 1000:.2f} ms (medians of {len(guarded)} blocks of "
+    g, p, blocks = alternating_medians(guarded_steps, plain_steps, args.steps, block, 10, device)
+    print(f"step with guard {g * 1000:.2f} ms, without {p * 1000:.2f} ms (medians of {blocks} blocks of "
           f"{block}); guard/plain = {g / p:.3f}")
 
     assert data.validation is not None

@@ -437,9 +437,9 @@ class MeshtrainConfig(Section):
             self.check_seq_len(self.model.resolved(tokenizer_vocab))
         # Every worker is a data-parallel rank whatever the mesh, so this holds before Ray is asked.
         self.batch_layout(self.scaling.num_workers)
-        self.elastic_sizes()
+        sizes = self.elastic_sizes()
         if self.scaling.evict_stragglers:
-            self._check_eviction_can_happen()
+            self._check_eviction_can_happen(sizes)
         # A re-run may resolve another horizon (the launcher keeps the first launch's); it checks again.
         self.optim.check_horizon(self.optim.schedule_steps or self.train.steps)
         if self.eval.interval is not None and self.data.validation.fraction == 0 and self.data.validation.source is None:
@@ -466,8 +466,9 @@ class MeshtrainConfig(Section):
                 )
         return self
 
-    def _check_eviction_can_happen(self) -> None:
-        """scaling.evict_stragglers with settings under which no straggler could ever be evicted."""
+    def _check_eviction_can_happen(self, sizes: list[int]) -> None:
+        """scaling.evict_stragglers with settings under which no straggler could ever be evicted
+        (``sizes``: the trainable group sizes, :meth:`elastic_sizes`)."""
         patience, every = self.metrics.straggler_patience, self.train.log_every
         if patience * every >= self.train.steps:
             raise ValueError(
@@ -476,11 +477,11 @@ class MeshtrainConfig(Section):
                 "lower metrics.straggler_patience or train.log_every"
             )
         per_node = self.scaling.workers_per_node
-        if per_node is not None and not any(size <= self.scaling.num_workers - per_node for size in self.elastic_sizes()):
+        if per_node is not None and not any(size <= self.scaling.num_workers - per_node for size in sizes):
             raise ValueError(
                 f"scaling.evict_stragglers=true cannot act: draining one node of scaling.workers_per_node={per_node} "
                 f"leaves {self.scaling.num_workers - per_node} workers, below every trainable size "
-                f"{self.elastic_sizes()}; lower scaling.min_workers"
+                f"{sizes}; lower scaling.min_workers"
             )
 
     def elastic_sizes(self) -> list[int]:
