@@ -64,11 +64,13 @@ def main() -> None:
           f"{block}); guard/plain = {g / p:.3f}")
 
     assert data.validation is not None
-    samples = validation_samples(len(data.validation), cfg.eval.batches, cfg.train.global_batch_size)
+    selected = data.validation.select(cfg.eval.batches * cfg.train.global_batch_size)
+    chosen = selected[: validation_samples(len(selected), cfg.eval.batches, cfg.train.global_batch_size)]
+    samples = len(chosen)
     runs = []
     for _ in range(5):
         started = time.perf_counter()
-        evaluate(model, data.validation, samples, micro, 0, 1, device)
+        evaluate(model, data.validation, chosen, micro, 0, 1, device)
         runs.append(time.perf_counter() - started)
     e = statistics.median(runs)
     print(f"evaluation of {samples} sequences {e * 1000:.1f} ms = {e / p:.2f} training steps; at eval.interval="
