@@ -456,3 +456,16 @@ def test_dry_run_shipped_job_config(
     assert config == load_config(path).model_dump(mode="json")
     assert lines["parameters"].startswith("parameters: ")
     check_memory(memory)
+
+
+def test_an_unexpected_failure_in_a_dry_run_surfaces_as_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only config errors become the one-line exit 2; anything else keeps its own traceback (the
+    handler of launch failures once masked it as an UnboundLocalError)."""
+    import meshtrain.cli.pretrain as cli
+
+    def broken(cfg: MeshtrainConfig, trace: bool) -> None:
+        raise RuntimeError("the traced step broke")
+
+    monkeypatch.setattr(cli, "dry_run", broken)
+    with pytest.raises(RuntimeError, match="the traced step broke"):
+        main(["--dry-run"])

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 
 @dataclass
@@ -46,8 +47,8 @@ class TrainState(Stateful):
     def state_dict(self) -> dict[str, Any]:
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         state: dict[str, Any] = {
-            "model": model_state,
-            "optimizer": optimizer_state,
+            "model": plain_tensors(model_state),
+            "optimizer": plain_tensors(optimizer_state),
             "scheduler": self.scheduler.state_dict(),
             "progress": {key: torch.tensor(value) for key, value in vars(self.progress).items()},
         }
@@ -64,6 +65,45 @@ class TrainState(Stateful):
             setattr(self.progress, key, int(value))
         if self.include_rng:
             _set_rng_state(state[f"rng_rank{self.rank}"])
+
+
+def plain_tensors(value: Any) -> Any:
+    """``value`` (a nested state dict) with every tensor subclass that only wraps one tensor of its
+    own shape and dtype replaced by that tensor, sharing its storage; DTensors keep their sharding.
+
+    torchao's float8 weights are such wrappers (and optimizer moments created with ``zeros_like``
+    from them). Saved as they are, DCP would pickle the subclass: the checkpoint could not be read
+    without torchao, nor loaded into a run without float8. Since the inner tensor is the parameter's
+    storage, an in-place DCP load into it restores the weight too.
+    """
+    if isinstance(value, dict):
+        return {key: plain_tensors(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [plain_tensors(item) for item in value]
+    if isinstance(value, DTensor):
+        inner = _wrapped(value._local_tensor)
+        if inner is None:
+            return value
+        return DTensor.from_local(
+            inner, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        )
+    if isinstance(value, torch.Tensor):
+        inner = _wrapped(value)
+        return value if inner is None else inner
+    return value
+
+
+def _wrapped(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The one tensor a wrapper subclass holds in place of itself, or None (not such a wrapper)."""
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter) or not hasattr(tensor, "__tensor_flatten__"):
+        return None
+    names, _ = tensor.__tensor_flatten__()
+    if len(names) != 1:
+        return None
+    inner = getattr(tensor, names[0])
+    if type(inner) is not torch.Tensor or inner.shape != tensor.shape or inner.dtype != tensor.dtype:
+        return None
+    return inner
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

@@ -92,13 +92,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from meshtrain.cluster.launcher import TrainingFailed, launch
 
-        summary = launch(cfg)
+        try:
+            summary = launch(cfg)
+        except TrainingFailed as exc:
+            print(f"meshtrain: {exc}", file=sys.stderr)
+            return EXIT_TRAINING_FAILED
     except ConfigError as exc:
         print(f"{CONFIG_ERROR_PREFIX}: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    except TrainingFailed as exc:
-        print(f"meshtrain: {exc}", file=sys.stderr)
-        return EXIT_TRAINING_FAILED
     print(done_line(summary), flush=True)
     return 0
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from meshtrain.config import ConfigError, DataConfig, MeshtrainConfig, ModelConfig
 from meshtrain.data import expand_local_source, tokenizer_vocab_size
 from meshtrain.data.store import is_token_store
+from meshtrain.distributed.float8 import accelerator_lacks_float8, torchao_installed
 from meshtrain.distributed.mesh import resolve_mesh_shape
 from meshtrain.model.args import model_args
 from meshtrain.model.flops import flops_per_token, highest_peak_flops
@@ -45,7 +46,23 @@ def preflight(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> Meshtrain
         # A broken tokenizer file, or one too large for the model, fails here, before Ray starts.
         model_args(cfg, tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size))
     _check_preemption_budget(cfg)
+    _check_float8(cfg)
     return cfg
+
+
+def _check_float8(cfg: MeshtrainConfig) -> None:
+    """parallel.float8 needs torchao, and a GPU of compute capability 8.9+ when the type is known
+    (workers check their device again: an unnamed type is only known there)."""
+    if not cfg.parallel.float8:
+        return
+    if not torchao_installed():
+        raise ConfigError("parallel.float8=true needs torchao: pip install -e '.[float8]', or set parallel.float8=false")
+    accelerator = cfg.scaling.accelerator_type
+    if cfg.scaling.use_gpu and accelerator is not None and accelerator_lacks_float8(accelerator):
+        raise ConfigError(
+            f"parallel.float8=true needs compute capability 8.9+ (H100, H200, L4, L40S, B200); "
+            f"scaling.accelerator_type={accelerator} is older: set parallel.float8=false"
+        )
 
 
 def _check_preemption_budget(cfg: MeshtrainConfig) -> None:

@@ -161,6 +161,14 @@ class ParallelConfig(Section):
         "none", description="Recompute activations in backward: every block (full) or all but matmul/attention outputs (selective)."
     )
     compile: bool = Field(False, description="torch.compile each transformer block.")
+    float8: bool = Field(
+        False,
+        description=(
+            "float8 matrix multiplies in the transformer blocks' linears (torchao, tensorwise dynamic scales; "
+            "pip install -e '.[float8]'), with float8 FSDP all-gathers; the output head and embedding stay in "
+            "high precision. Needs compute capability 8.9+ (H100, L4, L40S); on CPU emulated (numerics, no speed)."
+        ),
+    )
     prefetch: int = Field(
         1, ge=1, le=8, description="Blocks whose all-gather is issued ahead in forward and backward (1 = FSDP2's default)."
     )

@@ -13,6 +13,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from meshtrain.config import ParallelConfig
+from meshtrain.distributed.float8 import gather_float8_as_bytes
 from meshtrain.distributed.mesh import MESH_DIM_NAMES, MeshPlan
 from meshtrain.model.llama import Transformer
 
@@ -82,6 +83,8 @@ def parallelize(model: Transformer, mesh: DeviceMesh, plan: MeshPlan, cfg: Paral
         fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **shard_kwargs)
         fully_shard([model.norm, model.output], reshard_after_forward=False, **shard_kwargs)
     fully_shard(model, reshard_after_forward=False, **shard_kwargs)
+    if cfg.float8 and mesh.device_type == "cpu":
+        gather_float8_as_bytes(model)
 
     # 4. Prefetch: FSDP2 already gathers one block ahead; deeper prefetch trades memory for overlap.
     if cfg.prefetch > 1:

@@ -8,13 +8,18 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from meshtrain.config import OptimConfig
+from meshtrain.distributed.float8 import precompute_scales_after_each_step
 
 # Devices with a fused AdamW kernel (one kernel per parameter group instead of one per op).
 _FUSED_ADAMW_DEVICES = {"cuda", "cpu"}
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW; norms and other vectors get no weight decay. Fused kernels where the device has them."""
+def build_optimizer(
+    model: torch.nn.Module, cfg: OptimConfig, precompute_float8_scales: bool = True
+) -> torch.optim.AdamW:
+    """AdamW; norms and other vectors get no weight decay. Fused kernels where the device has them.
+    Weights all-gathered in float8 get their scales computed after each step, unless
+    ``precompute_float8_scales`` is false (each all-gather then reduces its own weight's amax)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
@@ -25,9 +30,12 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Ada
         # The optimizer runs where the sharded parameters live (host memory under CPU offload).
         implementation = "fused" if params[0].device.type in _FUSED_ADAMW_DEVICES else "foreach"
     kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[implementation]
-    return torch.optim.AdamW(
+    optimizer = torch.optim.AdamW(
         [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel
     )
+    if precompute_float8_scales:
+        precompute_scales_after_each_step(optimizer, model)
+    return optimizer
 
 
 def lr_multiplier(step: int, cfg: OptimConfig, horizon: int) -> float:

@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from meshtrain.checkpoint.hf_weights import load_hf_weights
 from meshtrain.config import MeshtrainConfig
+from meshtrain.distributed.float8 import check_float8_device, convert_to_float8
 from meshtrain.distributed.layout import WorkerLayout, workers_per_node
 from meshtrain.distributed.mesh import MeshPlan, check_shard_placement, resolve_mesh_shape
 from meshtrain.distributed.parallelize import build_mesh, parallelize
@@ -40,6 +41,9 @@ def build_sharded_model(
 def sharded_meta_model(cfg: MeshtrainConfig, vocab_size: int, plan: MeshPlan, device: torch.device) -> Transformer:
     """The model on meta, sharded on ``plan``'s mesh of ``device`` when distributed: no storage yet."""
     model = build_model(model_args(cfg, vocab_size), "meta")
+    if cfg.parallel.float8:
+        check_float8_device(device)
+        convert_to_float8(model, emulate=device.type != "cuda", fsdp_all_gather=dist.is_initialized())
     if dist.is_initialized():
         parallelize(model, build_mesh(plan, device.type), plan, cfg.parallel)
     return model

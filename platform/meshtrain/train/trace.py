@@ -77,7 +77,9 @@ def trace_step(cfg: MeshtrainConfig, args: ModelArgs, plan: MeshPlan) -> TracedP
         model = sharded_meta_model(cfg, args.vocab_size, plan, cpu)  # the mesh is built outside fake mode
         with FakeTensorMode(allow_non_fake_inputs=True):
             fill_model(model, cfg, cpu, read_init_from=False)
-            optimizer = build_optimizer(model, cfg.optim)
+            # torchao's float8 weights take the truth value of a precomputed scale when the tracker
+            # counts their storage, which a fake tensor cannot give; the scales are a few bytes.
+            optimizer = build_optimizer(model, cfg.optim, precompute_float8_scales=False)
             guard = StepGuard(optimizer, cpu, cfg.train.loss_spike_factor, cfg.train.loss_spike_window)
             micro, accumulation = cfg.batch_layout(plan.data_parallel_size)
             micro_batches = []
