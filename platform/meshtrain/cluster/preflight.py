@@ -20,6 +20,8 @@ from meshtrain.distributed.mesh import resolve_mesh_shape
 from meshtrain.model.args import model_args
 from meshtrain.model.flops import flops_per_token, highest_peak_flops
 from meshtrain.model.hf_llama import CONFIG_KEYS, init_from_tokenizer, llama_shape
+from meshtrain.observe.mlflow_tracker import check_mlflow
+from meshtrain.observe.wandb_tracker import check_wandb
 
 
 def preflight(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> MeshtrainConfig:
@@ -47,6 +49,8 @@ def preflight(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> Meshtrain
         model_args(cfg, tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size))
     _check_preemption_budget(cfg)
     _check_float8(cfg)
+    check_wandb(cfg)
+    check_mlflow(cfg)
     return cfg
 
 

@@ -7,6 +7,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from meshtrain.observe.metrics import (
 from meshtrain.observe.outputs import RunPaths, write_summary
 from meshtrain.observe.progress import StepRecorder
 from meshtrain.observe.reporting import RayTrainReporter, TensorBoardWriter
+from meshtrain.observe.trackers import TrackerBackend, TrackerSink, logged_records
 from meshtrain.train.trainer import train
 
 
@@ -178,6 +180,31 @@ def result_pointer(cfg: MeshtrainConfig, paths: RunPaths) -> dict[str, Any]:
     }
 
 
+def open_trackers(cfg: MeshtrainConfig, paths: RunPaths, restarts: int) -> list[TrackerSink]:
+    """Rank 0's W&B and MLflow sinks, as configured. One that cannot open its run is reported in one
+    line and left out: a tracker never stops training (the launch checked them before Ray started)."""
+    makers: list[tuple[str, Callable[[], TrackerBackend]]] = []
+    if cfg.metrics.wandb:
+        from meshtrain.observe.wandb_tracker import WandbTracker
+
+        makers.append(("wandb", lambda: WandbTracker(cfg, paths)))
+    if cfg.metrics.mlflow:
+        from meshtrain.observe.mlflow_tracker import MlflowTracker
+
+        makers.append(("mlflow", lambda: MlflowTracker(cfg, paths)))
+    if not makers:
+        return []
+    already_logged = logged_records(paths.metrics)
+    sinks = []
+    for name, make in makers:
+        try:
+            sinks.append(TrackerSink(make(), already_logged, restarts))
+        except Exception as exc:
+            print(f"[meshtrain] {name}: could not open the run ({type(exc).__name__}: {exc}); training goes on without it",
+                  file=sys.stderr, flush=True)
+    return sinks
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     cfg: MeshtrainConfig = loop_config["config"]
     data = loop_config["data"]
@@ -199,10 +226,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     restarts, workers, resize = record_worker_start(paths, loop_config["launch_id"], layout, cfg)
     metrics = start_metrics(cfg, layout, device, data.vocab_size, restarts) if cfg.metrics.port else None
     sinks: list[Any] = []
+    trackers: list[TrackerSink] = []
     if layout.world_rank == 0:
+        trackers = open_trackers(cfg, paths, restarts)  # before this group appends to metrics.jsonl
         sinks.append(StepRecorder(paths.metrics))
         if cfg.metrics.tensorboard:
             sinks.append(TensorBoardWriter(paths.run_dir / "tensorboard"))
+        sinks.extend(trackers)
 
     def on_record(record: dict[str, Any]) -> None:
         for sink in sinks:
@@ -215,13 +245,18 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     eviction = None
     if cfg.scaling.evict_stragglers and layout.world_rank == 0:
         eviction = StragglerEviction(workers, cfg.scaling.required_workers, on_record)
+    finished = False
     try:
         result = train(cfg, data, layout, device, on_record if sinks else None, metrics, reporter, eviction)
+        finished = True
         if metrics is not None:
             metrics.await_final_scrape(cfg.metrics.final_scrape_timeout_s)
     finally:
         for sink in sinks:
-            sink.close()
+            if isinstance(sink, TrackerSink):
+                sink.close(finished)
+            else:
+                sink.close()
         if metrics is not None:
             metrics.close()
     memory = peak_memory(device)

@@ -400,6 +400,23 @@ class MetricsConfig(Section):
         "arguments on Ray's controller, where each receives every report, e.g. an MLflow or W&B logger.",
     )
     tensorboard: bool = Field(False, description="Also write TensorBoard event files to <run dir>/tensorboard.")
+    wandb: bool = Field(
+        False,
+        description="Log to Weights & Biases from rank 0 (pip install -e '.[wandb]'); one W&B run per meshtrain run, "
+        "continued across restarts. WANDB_MODE=offline writes it under <run dir>/wandb for `wandb sync`.",
+    )
+    wandb_project: str = Field("meshtrain", min_length=1, description="W&B project of the run.")
+    wandb_entity: str | None = Field(None, description="W&B entity (team or user); unset = the API key's default.")
+    wandb_tags: list[str] = Field(default_factory=list, description="Tags of the W&B run.")
+    mlflow: bool = Field(
+        False,
+        description="Log to MLflow from rank 0 (pip install -e '.[mlflow]'); one MLflow run per meshtrain run, "
+        "continued across restarts.",
+    )
+    mlflow_tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI (http(s)://server, sqlite:///file.db); unset = sqlite:///<run dir>/mlflow.db."
+    )
+    mlflow_experiment: str = Field("meshtrain", min_length=1, description="MLflow experiment of the run.")
 
     @field_validator("ray_callbacks")
     @classmethod

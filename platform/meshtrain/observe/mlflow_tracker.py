@@ -1,0 +1,95 @@
+"""MLflow as a tracker (``metrics.mlflow``): params from the config, metrics by step, one MLflow run
+per meshtrain run, found again after a restart by its ``meshtrain.run_id`` tag."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from typing import Any
+
+from meshtrain.config import ConfigError, MeshtrainConfig
+from meshtrain.observe.outputs import RunPaths
+from meshtrain.observe.trackers import flat_settings, tracker_run_id
+
+RUN_ID_TAG = "meshtrain.run_id"
+_PARAM_VALUE_LIMIT = 6000  # MLflow's longest parameter value
+_BATCH_LIMIT = 100  # parameters per log_batch call
+
+
+def tracking_uri(cfg: MeshtrainConfig, paths: RunPaths) -> str:
+    return cfg.metrics.mlflow_tracking_uri or f"sqlite:///{paths.run_dir.resolve() / 'mlflow.db'}"
+
+
+def _client(uri: str, paths: RunPaths | None) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    registry = uri
+    if paths is not None and not uri.startswith(("http://", "https://")):
+        # Only tracking is used; the model registry follows the tracking URI unless told otherwise,
+        # and mlflow-skinny has no registry store for sqlite.
+        registry = f"file://{paths.run_dir.resolve() / 'mlflow-registry'}"
+    return MlflowClient(tracking_uri=uri, registry_uri=registry)
+
+
+def check_mlflow(cfg: MeshtrainConfig) -> None:
+    """ConfigError (one line) before Ray starts: mlflow missing, or the tracking server unreachable."""
+    if not cfg.metrics.mlflow:
+        return
+    if importlib.util.find_spec("mlflow") is None:
+        raise ConfigError("metrics.mlflow=true needs mlflow: pip install -e '.[mlflow]', or set metrics.mlflow=false")
+    uri = cfg.metrics.mlflow_tracking_uri
+    if uri is None or not uri.startswith(("http://", "https://")):
+        return  # a local store is created on first use
+    previous = {key: os.environ.get(key) for key in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
+    os.environ.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="10")
+    try:
+        _client(uri, None).search_experiments(max_results=1)
+    except Exception as exc:
+        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise ConfigError(
+            f"metrics.mlflow_tracking_uri={uri} cannot be reached ({reason}); start the server, fix the URI, "
+            "or set metrics.mlflow=false"
+        ) from None
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+class MlflowTracker:
+    name = "mlflow"
+
+    def __init__(self, cfg: MeshtrainConfig, paths: RunPaths) -> None:
+        from mlflow.entities import Param
+
+        self.paths = paths
+        self.client = _client(tracking_uri(cfg, paths), paths)
+        experiment = self.client.get_experiment_by_name(cfg.metrics.mlflow_experiment)
+        experiment_id = (
+            experiment.experiment_id if experiment is not None else self.client.create_experiment(cfg.metrics.mlflow_experiment)
+        )
+        run_id = tracker_run_id(paths)
+        found = self.client.search_runs([experiment_id], filter_string=f"tags.`{RUN_ID_TAG}` = '{run_id}'", max_results=1)
+        if found:
+            self.run_id = found[0].info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+            return
+        run = self.client.create_run(
+            experiment_id, run_name=paths.name, tags={RUN_ID_TAG: run_id, "meshtrain.run_dir": str(paths.run_dir)}
+        )
+        self.run_id = run.info.run_id
+        params = [Param(key, str(value)[:_PARAM_VALUE_LIMIT]) for key, value in flat_settings(cfg.model_dump(mode="json"))]
+        for start in range(0, len(params), _BATCH_LIMIT):
+            self.client.log_batch(self.run_id, params=params[start : start + _BATCH_LIMIT])
+
+    def log(self, step: int, values: dict[str, float], timestamp: float | None) -> None:
+        from mlflow.entities import Metric
+
+        milliseconds = int((timestamp or time.time()) * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(key, value, milliseconds, step) for key, value in values.items()])
+
+    def close(self, finished: bool) -> None:
+        self.client.set_terminated(self.run_id, "FINISHED" if finished else "FAILED")

@@ -1,0 +1,150 @@
+"""Experiment trackers (Weights & Biases, MLflow): rank 0's records, one tracker run per meshtrain run.
+
+A tracker sees the records ``metrics.jsonl`` gets, as numbers named ``train/loss``, ``eval/loss``,
+``checkpoint/save_s``... keyed by the training step. A restarted worker group continues the same
+tracker run (its id is derived from the run's directory) and skips every (event, step) that the
+run's ``metrics.jsonl`` already holds, so a step retrained after a restart is logged once. A tracker
+that fails mid-run never stops training: the first failure is printed, failed records are dropped,
+and each later record tries again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from meshtrain.observe.outputs import RunPaths
+
+# The numbers of each kind of record, as (record key, tracker name).
+_TRAIN = [
+    ("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
+    ("tokens_per_s", "train/tokens_per_s"), ("step_time_s", "train/step_time_s"),
+    ("data_wait_s", "train/data_wait_s"), ("skipped_steps", "train/skipped_steps"), ("tokens", "train/tokens"),
+    ("mfu", "train/mfu"), ("world_size", "run/workers"),
+]
+_CHECKPOINT_SAVE = [("total_s", "checkpoint/save_s"), ("blocking_s", "checkpoint/loop_stall_s"), ("bytes", "checkpoint/bytes")]
+
+
+def tracker_values(record: dict[str, Any]) -> dict[str, float]:
+    """The numbers a tracker logs for ``record`` (empty for records it does not log)."""
+    event = record["event"]
+    if event == "train":
+        return _pick(record, _TRAIN)
+    if event == "eval":
+        values = _pick(record, [("loss", "eval/loss"), ("perplexity", "eval/perplexity")])
+        for source, figures in (record.get("sources") or {}).items():
+            values[f"eval/{_metric_name(source)}/loss"] = float(figures["loss"])
+        return values
+    if event == "checkpoint_save":
+        return _pick(record, _CHECKPOINT_SAVE)
+    if event == "checkpoint_load":
+        return {"run/resumed_from_step": float(record["step"])}
+    if event == "resize":
+        return {"run/workers": float(record["to_workers"])}
+    return {}
+
+
+def _pick(record: dict[str, Any], names: list[tuple[str, str]]) -> dict[str, float]:
+    return {name: float(record[key]) for key, name in names if isinstance(record.get(key), (int, float))}
+
+
+def _metric_name(text: str) -> str:
+    """A name both trackers accept: letters, digits and ``_-.`` (a data source's name may hold more)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
+
+
+def tracker_run_id(paths: RunPaths) -> str:
+    """The tracker run id of a meshtrain run: its name, made safe, and a hash of its directory (two
+    runs of one name under different storage paths stay apart). Every restart derives the same id."""
+    digest = hashlib.sha1(str(paths.run_dir.resolve()).encode()).hexdigest()[:8]
+    return f"{_metric_name(paths.name)[:48]}-{digest}"
+
+
+def logged_records(metrics_path: Path) -> set[tuple[str, int]]:
+    """(event, step) of every record the run's ``metrics.jsonl`` already holds (a torn last line from
+    a killed writer is ignored)."""
+    seen: set[tuple[str, int]] = set()
+    if not metrics_path.exists():
+        return seen
+    with metrics_path.open(encoding="utf-8") as file:
+        for line in file:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                seen.add((record["event"], record["step"]))
+    return seen
+
+
+def flat_settings(config: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """A nested config as (dotted key, value) pairs, the form trackers show as parameters."""
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            yield from flat_settings(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+class TrackerBackend(Protocol):
+    name: str
+
+    def log(self, step: int, values: dict[str, float], timestamp: float | None) -> None: ...
+
+    def close(self, finished: bool) -> None: ...
+
+
+class TrackerSink:
+    """Rank 0's record sink in front of one tracker: names the numbers, logs each (event, step) once,
+    and keeps training going when the tracker fails.
+
+    Records without a step (a resize) are carried into the next logged row, as is the number of
+    times Ray restarted this launch's worker group (``restarts``).
+    """
+
+    def __init__(self, backend: TrackerBackend, already_logged: set[tuple[str, int]], restarts: int) -> None:
+        self.backend = backend
+        self.logged = set(already_logged)
+        self.pending: dict[str, float] = {"run/restarts": float(restarts)}
+        self.failures = 0
+
+    def record(self, record: dict[str, Any]) -> None:
+        values = tracker_values(record)
+        step = record.get("step")
+        if not values:
+            return
+        if not isinstance(step, int):
+            self.pending.update(values)
+            return
+        if (record["event"], step) in self.logged:
+            return
+        self.logged.add((record["event"], step))
+        row = {**self.pending, **values}
+        self.pending = {}
+        try:
+            self.backend.log(step, row, record.get("time"))
+        except Exception as exc:  # a tracker outage must not stop training
+            self._failed(exc, f"step {step}")
+
+    def _failed(self, exc: Exception, where: str) -> None:
+        self.failures += 1
+        if self.failures == 1:
+            print(
+                f"[meshtrain] {self.backend.name}: logging failed at {where} ({type(exc).__name__}: {exc}); "
+                "training goes on, records that fail are dropped",
+                file=sys.stderr, flush=True,
+            )
+
+    def close(self, finished: bool = False) -> None:
+        """``finished``: the worker group trained to the end (not a failure a restart may follow)."""
+        try:
+            self.backend.close(finished)
+        except Exception as exc:
+            self._failed(exc, "close")
+        if self.failures:
+            print(f"[meshtrain] {self.backend.name}: {self.failures} records not logged", file=sys.stderr, flush=True)

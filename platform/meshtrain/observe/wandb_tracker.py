@@ -1,0 +1,78 @@
+"""Weights & Biases as a tracker (``metrics.wandb``): the resolved config once, records by step, one
+W&B run per meshtrain run whose id is derived from the run, resumed by every restart.
+
+``WANDB_MODE=offline`` (clusters without internet access) writes the run under
+``<run dir>/wandb/offline-run-*``; ``wandb sync <run dir>/wandb/offline-run-*`` uploads it later.
+Each worker-group start writes its own offline folder under the same run id.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+from meshtrain.config import ConfigError, MeshtrainConfig
+from meshtrain.observe.outputs import RunPaths
+from meshtrain.observe.trackers import tracker_run_id
+
+_OFFLINE_MODES = ("offline", "dryrun", "disabled")
+STEP_METRIC = "step"  # the x-axis of every logged series: the training step
+
+
+def check_wandb(cfg: MeshtrainConfig) -> None:
+    """ConfigError (one line) before Ray starts: wandb missing, or (online) no credentials."""
+    if not cfg.metrics.wandb:
+        return
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError("metrics.wandb=true needs wandb: pip install -e '.[wandb]', or set metrics.wandb=false")
+    if os.environ.get("WANDB_MODE", "online") in _OFFLINE_MODES:
+        return
+    if not _has_api_key():
+        raise ConfigError(
+            "metrics.wandb=true needs W&B credentials: run `wandb login` or set WANDB_API_KEY (on a cluster, in the "
+            "job's runtime env); without internet access set WANDB_MODE=offline and `wandb sync` the run later"
+        )
+
+
+def _has_api_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc().authenticators(host or "") is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+
+
+class WandbTracker:
+    name = "wandb"
+
+    def __init__(self, cfg: MeshtrainConfig, paths: RunPaths) -> None:
+        import wandb
+
+        paths.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run: Any = wandb.init(
+            project=cfg.metrics.wandb_project,
+            entity=cfg.metrics.wandb_entity,
+            id=tracker_run_id(paths),
+            name=paths.name,
+            resume="allow",
+            tags=cfg.metrics.wandb_tags or None,
+            config=cfg.model_dump(mode="json"),
+            dir=str(paths.run_dir),
+            settings=wandb.Settings(console="off", silent=True),
+        )
+        self.run.define_metric(STEP_METRIC)
+        self.run.define_metric("*", step_metric=STEP_METRIC)
+
+    def log(self, step: int, values: dict[str, float], timestamp: float | None) -> None:
+        # W&B's own _step only counts rows; the x-axis is meshtrain's step, so records of an earlier
+        # step (a resume's checkpoint load) still land where they belong.
+        self.run.log({STEP_METRIC: step, **values})
+
+    def close(self, finished: bool) -> None:
+        self.run.finish(exit_code=0 if finished else 1)
