@@ -123,6 +123,11 @@ def test_a_tracker_that_cannot_work_is_refused_before_ray(tmp_path: Path, monkey
     with pytest.raises(ConfigError, match=r"^metrics.wandb=true needs W&B credentials: run `wandb login` or set "
                                            r"WANDB_API_KEY .* set WANDB_MODE=offline and `wandb sync` the run later$"):
         preflight(config(tmp_path, "metrics.wandb=true"))
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    with pytest.raises(ConfigError, match=r"^metrics.wandb=true: W&B at http://127.0.0.1:9 cannot be reached "
+                                           r"\(ConnectionError\); .* set WANDB_MODE=offline and `wandb sync` the run later$"):
+        preflight(config(tmp_path, "metrics.wandb=true"))
     monkeypatch.setenv("WANDB_MODE", "offline")
     preflight(config(tmp_path, "metrics.wandb=true"))
 

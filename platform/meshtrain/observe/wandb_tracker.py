@@ -33,6 +33,19 @@ def check_wandb(cfg: MeshtrainConfig) -> None:
             "metrics.wandb=true needs W&B credentials: run `wandb login` or set WANDB_API_KEY (on a cluster, in the "
             "job's runtime env); without internet access set WANDB_MODE=offline and `wandb sync` the run later"
         )
+    import requests
+
+    try:
+        requests.head(_base_url(), timeout=10)
+    except requests.RequestException as exc:
+        raise ConfigError(
+            f"metrics.wandb=true: W&B at {_base_url()} cannot be reached ({type(exc).__name__}); check the network or "
+            "WANDB_BASE_URL, or set WANDB_MODE=offline and `wandb sync` the run later"
+        ) from None
+
+
+def _base_url() -> str:
+    return os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
 
 
 def _has_api_key() -> bool:
@@ -41,7 +54,7 @@ def _has_api_key() -> bool:
     import netrc
     from urllib.parse import urlparse
 
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    host = urlparse(_base_url()).hostname
     try:
         return netrc.netrc().authenticators(host or "") is not None
     except (FileNotFoundError, netrc.NetrcParseError):
