@@ -45,7 +45,10 @@ def check_wandb(cfg: MeshtrainConfig) -> None:
 
 
 def _base_url() -> str:
-    return os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    """The server wandb would talk to: WANDB_BASE_URL, else its own default (it changes between releases)."""
+    import wandb
+
+    return os.environ.get("WANDB_BASE_URL") or str(wandb.Settings().base_url)
 
 
 def _has_api_key() -> bool:
@@ -88,4 +91,7 @@ class WandbTracker:
         self.run.log({STEP_METRIC: step, **values})
 
     def close(self, finished: bool) -> None:
+        import wandb
+
         self.run.finish(exit_code=0 if finished else 1)
+        wandb.teardown()  # stops the wandb-core process the run started
