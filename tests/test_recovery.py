@@ -1,5 +1,7 @@
 """Recovery through Ray Train: workers die (by their own hand, from outside, mid-checkpoint) and the
-run still finishes with exactly the weights of a run that never broke."""
+run still finishes with exactly the weights of a run that never broke. The run killed mid-checkpoint
+also has both experiment trackers on: W&B (offline) and MLflow (sqlite) each read back one run
+holding every logged step once, with metrics.jsonl's values."""
 
 from __future__ import annotations
 
@@ -9,16 +11,22 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from jobs import REPO, assert_same_weights, job_command, job_env, model_weights, read_metrics, run_job
+from meshtrain.config import load_config
+from meshtrain.observe.mlflow_tracker import RUN_ID_TAG, tracking_uri
+from meshtrain.observe.outputs import RunPaths
+from meshtrain.observe.trackers import tracker_run_id, tracker_values
 
 pytestmark = pytest.mark.ray
 
 SETTINGS = (
     "train.steps=40", "train.log_every=1", "checkpoint.interval=10", "data.max_documents=40", "run.max_failures=2",
 )
+TRACKERS = ("metrics.wandb=true", "metrics.mlflow=true", "metrics.wandb_tags=[ci,resume]")
 
 
 def final_checkpoint(run_dir: Path) -> Path:
@@ -160,22 +168,83 @@ def test_an_elastic_run_offered_a_size_it_cannot_train_on_trains_on_the_largest_
     assert summary["world_size"] == 2 and summary["steps"] == 4
 
 
-def test_kill_during_a_checkpoint_write_leaves_it_uncommitted_and_resumes_from_the_previous(
-    storage: Path, unbroken: dict, tmp_path: Path
-) -> None:
+@pytest.fixture(scope="module")
+def midsave(storage: Path) -> Path:
+    """A run whose rank 1 is killed while step 20's checkpoint is being written, with both experiment
+    trackers on (W&B offline, MLflow's local store): checked by the checkpoint and tracker tests."""
     job = run_job(
-        f"run.storage_path={storage}", "run.name=midsave", *SETTINGS,
-        "fault.kill_rank=1", "fault.at_step=20", "fault.during_checkpoint=true",
+        f"run.storage_path={storage}", "run.name=midsave", *SETTINGS, *TRACKERS,
+        "fault.kill_rank=1", "fault.at_step=20", "fault.during_checkpoint=true", WANDB_MODE="offline",
     )
     assert job.returncode == 0, job.stderr[-3000:]
-    run_dir = storage / "midsave"
     assert "fault injection: rank 1 sends itself SIGKILL at step 20" in job.stdout + job.stderr
+    return storage / "midsave"
+
+
+def test_kill_during_a_checkpoint_write_leaves_it_uncommitted_and_resumes_from_the_previous(
+    midsave: Path, unbroken: dict, tmp_path: Path
+) -> None:
+    run_dir = midsave
     # The marker keeps the restarted worker from failing again at the same step.
     assert (run_dir / "faults" / "killed-rank1-step20").is_file()
     assert loads(run_dir) == [10]  # step 20 was never committed, so the restart used step 10
     saves = [r["step"] for r in read_metrics(run_dir) if r["event"] == "checkpoint_save"]
     assert saves == [10, 20, 30, 40]  # the second 20 is the resumed run's
     assert_same_weights(model_weights(final_checkpoint(run_dir), tmp_path), unbroken)
+
+
+def first_values(records: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
+    """Each tracker series from metrics.jsonl, by step, as first logged (a retrained step repeats)."""
+    series: dict[str, dict[int, float]] = {}
+    for record in records:
+        if "step" not in record:
+            continue
+        for name, value in tracker_values(record).items():
+            series.setdefault(name, {}).setdefault(record["step"], value)
+    return series
+
+
+TRACKED_SERIES = ("train/loss", "train/lr", "train/grad_norm", "eval/loss", "checkpoint/save_s")
+
+
+def test_mlflow_holds_one_run_with_every_logged_step_once(midsave: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    paths = RunPaths("midsave", midsave.parent)
+    records = read_metrics(midsave)
+    assert len([r for r in records if r["event"] == "train"]) > 40  # steps 11.. were trained and logged twice
+    client = MlflowClient(tracking_uri(load_config(None, [*TRACKERS]), paths))
+    runs = client.search_runs([client.get_experiment_by_name("meshtrain").experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED" and run.data.tags[RUN_ID_TAG] == tracker_run_id(paths)
+    assert run.data.params["train.steps"] == "40" and run.data.params["fault.at_step"] == "20"
+    expected = first_values(records)
+    for name in TRACKED_SERIES:
+        history = client.get_metric_history(run.info.run_id, name)
+        assert sorted(m.step for m in history) == sorted(expected[name]), name  # each step once
+        assert {m.step: m.value for m in history} == expected[name], name
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "run/resumed_from_step")] == [10.0]
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "run/restarts")] == [(1, 0.0), (10, 1.0)]
+
+
+def test_wandb_offline_holds_one_run_with_every_logged_step_once(midsave: Path) -> None:
+    from wandb_records import read_run
+
+    paths = RunPaths("midsave", midsave.parent)
+    files = sorted((midsave / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 2  # one per worker-group start: before the kill and after the resume
+    runs = [read_run(path) for path in files]
+    assert {run["id"] for run in runs} == {tracker_run_id(paths)}  # one W&B run, resumed
+    assert all(run["config"]["train"]["steps"] == 40 and run["config"]["fault"]["at_step"] == 20 for run in runs)
+    rows = [row for run in runs for row in run["history"]]
+    expected = first_values(read_metrics(midsave))
+    for name in TRACKED_SERIES:
+        logged = [(row["step"], row[name]) for row in rows if name in row]
+        assert sorted(step for step, _ in logged) == sorted(expected[name]), name  # each step once
+        assert dict(logged) == expected[name], name
+    assert [(row["step"], row["run/restarts"]) for row in rows if "run/restarts" in row] == [(1, 0), (10, 1)]
+    assert [row["step"] for row in rows if "run/resumed_from_step" in row] == [10]
 
 
 def test_exhausted_restarts_fail_naming_the_last_committed_checkpoint(storage: Path) -> None:

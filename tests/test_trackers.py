@@ -1,5 +1,5 @@
 """Experiment trackers: what rank 0 hands W&B and MLflow, checked without Ray (the Ray job that is
-killed and resumed with both trackers on is in test_trackers_ray.py)."""
+killed and resumed with both trackers on is in test_recovery.py)."""
 
 from __future__ import annotations
 
