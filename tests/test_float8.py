@@ -114,11 +114,21 @@ def test_float8_is_refused_before_ray_without_torchao_or_on_gpus_older_than_sm89
         preflight(config(tmp_path, "no-torchao", "parallel.float8=true"))
     preflight(config(tmp_path, "off", "parallel.float8=false"))
 
-    # A worker on a GPU whose type the config did not name checks its device before building the model.
+    # A worker on a GPU whose type the config did not name checks its device before building the model;
+    # with a local Ray (no RAY_ADDRESS) the launch asks this machine's GPUs before Ray starts.
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(Float8Unavailable, match=r"this worker's NVIDIA A100-SXM4-80GB is 8.0: set parallel.float8=false$"):
         check_float8_device(torch.device("cuda", 0))
+    monkeypatch.setattr(checks, "torchao_installed", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ConfigError, match=r"this machine's NVIDIA A100-SXM4-80GB is 8.0: set parallel.float8=false$"):
+        preflight(config(tmp_path, "local-a100", *gpu))
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a cluster's GPUs are checked by its workers
+    preflight(config(tmp_path, "remote", *gpu))
+    monkeypatch.delenv("RAY_ADDRESS")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     check_float8_device(torch.device("cuda", 0))
 

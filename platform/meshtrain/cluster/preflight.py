@@ -10,12 +10,18 @@ is connected, the launcher also asks whether the cluster can hold the workers (`
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from meshtrain.config import ConfigError, DataConfig, MeshtrainConfig, ModelConfig
 from meshtrain.data import expand_local_source, tokenizer_vocab_size
 from meshtrain.data.store import is_token_store
-from meshtrain.distributed.float8 import accelerator_lacks_float8, torchao_installed
+from meshtrain.distributed.float8 import (
+    Float8Unavailable,
+    accelerator_lacks_float8,
+    check_float8_device,
+    torchao_installed,
+)
 from meshtrain.distributed.mesh import resolve_mesh_shape
 from meshtrain.model.args import model_args
 from meshtrain.model.flops import flops_per_token, highest_peak_flops
@@ -67,6 +73,15 @@ def _check_float8(cfg: MeshtrainConfig) -> None:
             f"parallel.float8=true needs compute capability 8.9+ (H100, H200, L4, L40S, B200); "
             f"scaling.accelerator_type={accelerator} is older: set parallel.float8=false"
         )
+    if cfg.scaling.use_gpu and accelerator is None and not os.environ.get("RAY_ADDRESS"):
+        # A local Ray trains on this machine's GPUs, so they can be asked now.
+        import torch
+
+        for index in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+            try:
+                check_float8_device(torch.device("cuda", index))
+            except Float8Unavailable as exc:
+                raise ConfigError(str(exc).replace("this worker's", "this machine's")) from None
 
 
 def _check_preemption_budget(cfg: MeshtrainConfig) -> None:
