@@ -107,11 +107,13 @@ def test_float8_is_refused_before_ray_without_torchao_or_on_gpus_older_than_sm89
                        r"scaling.accelerator_type=A100-80G is older: set parallel.float8=false$"):
         preflight(config(tmp_path, "a100", *gpu, "scaling.accelerator_type=A100-80G"))
     preflight(config(tmp_path, "h100", *gpu, "scaling.accelerator_type=H100"))
-    import meshtrain.cluster.preflight as checks
+    import importlib.util
 
-    monkeypatch.setattr(checks, "torchao_installed", lambda: False)
-    with pytest.raises(ConfigError, match=r"needs torchao: pip install -e '.\[float8\]', or set parallel.float8=false"):
-        preflight(config(tmp_path, "no-torchao", "parallel.float8=true"))
+    with monkeypatch.context() as patched:
+        find_spec = importlib.util.find_spec
+        patched.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find_spec(name, *a))
+        with pytest.raises(ConfigError, match=r"needs torchao: pip install -e '.\[float8\]', or set parallel.float8=false"):
+            preflight(config(tmp_path, "no-torchao", "parallel.float8=true"))
     preflight(config(tmp_path, "off", "parallel.float8=false"))
 
     # A worker on a GPU whose type the config did not name checks its device before building the model;
@@ -120,7 +122,6 @@ def test_float8_is_refused_before_ray_without_torchao_or_on_gpus_older_than_sm89
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(Float8Unavailable, match=r"this worker's NVIDIA A100-SXM4-80GB is 8.0: set parallel.float8=false$"):
         check_float8_device(torch.device("cuda", 0))
-    monkeypatch.setattr(checks, "torchao_installed", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

@@ -67,49 +67,50 @@ def plain_loop(overrides: list[str], steps: int, warmup: int, workdir: str) -> f
     return statistics.median(rates)
 
 
+# What every meshtrain run of the comparison sets: one log record per step, nothing but training.
+RUN_SETTINGS = ["train.log_every=1", "eval.interval=null", "checkpoint.enabled=false", "metrics.port=0",
+                "optim.warmup_steps=0"]
+
+
+def median_rate(records: list[dict], warmup: int) -> float:
+    """Median tokens/s of the logged steps after ``warmup``."""
+    return statistics.median(r["tokens_per_s"] for r in records if r.get("event") == "train" and r["step"] > warmup)
+
+
 def trainer_in_process(overrides: list[str], steps: int, warmup: int, workdir: str, storage: str) -> float:
-    """Median tokens/s of meshtrain's Trainer in this process on a gloo group of one (so FSDP2 wraps the
+    """Median tokens/s of meshtrain's trainer in this process on a gloo group of one (so FSDP2 wraps the
     model, as in a one-worker Ray run), without Ray: meshtrain's own cost, apart from Ray's."""
     import torch
     import torch.distributed as dist
 
     from meshtrain.config import load_config
-    from meshtrain.data import open_data, prepare_data
+    from meshtrain.data import prepare_data
     from meshtrain.distributed.layout import WorkerLayout
-    from meshtrain.train.trainer import Trainer
+    from meshtrain.train.trainer import train
 
-    cfg = load_config(None, [*overrides, "scaling.num_workers=1", f"train.steps={steps}", "train.log_every=1",
-                             "eval.interval=null", "checkpoint.enabled=false", "metrics.port=0", "optim.warmup_steps=0",
+    cfg = load_config(None, [*overrides, *RUN_SETTINGS, "scaling.num_workers=1", f"train.steps={steps}",
                              f"run.storage_path={storage}", "run.name=in-process"])
     plan = prepare_data(cfg.data, workdir, cfg.data.seq_len, use_ray=False, log=lambda _: None)
-    store = dist.HashStore()
-    dist.init_process_group("gloo", rank=0, world_size=1, store=store)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     records: list[dict] = []
     try:
-        trainer = Trainer(cfg, open_data(plan, cfg.data.seq_len, cfg.train.seed), WorkerLayout(), torch.device("cpu"),
-                          records.append, None)
-        try:
-            trainer.run()
-        finally:
-            trainer.close()
+        train(cfg, plan, WorkerLayout(), torch.device("cpu"), records.append)
     finally:
         dist.destroy_process_group()
-    return statistics.median(r["tokens_per_s"] for r in records if r.get("event") == "train" and r["step"] > warmup)
+    return median_rate(records, warmup)
 
 
 def meshtrain_run(overrides: list[str], workers: int, cpus: int, steps: int, warmup: int, storage: str) -> float:
     """Median tokens/s of meshtrain's logged steps after ``warmup``, on ``workers`` Ray workers."""
     name = f"gap-{workers}w-{int(time.time())}"
-    command = [sys.executable, str(REPO / "jobs" / "pretrain.py"), *overrides, f"scaling.num_workers={workers}",
-               f"scaling.cpus_per_worker={cpus / workers:g}", f"train.steps={steps}", "train.log_every=1",
-               "eval.interval=null", "checkpoint.enabled=false", "metrics.port=0", "optim.warmup_steps=0",
+    command = [sys.executable, str(REPO / "jobs" / "pretrain.py"), *overrides, *RUN_SETTINGS,
+               f"scaling.num_workers={workers}", f"scaling.cpus_per_worker={cpus / workers:g}", f"train.steps={steps}",
                f"run.storage_path={storage}", f"run.name={name}"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"meshtrain run failed ({result.returncode}): {result.stderr[-2000:]}")
     records = [json.loads(line) for line in (Path(storage) / name / "metrics.jsonl").read_text().splitlines()]
-    rates = [r["tokens_per_s"] for r in records if r.get("event") == "train" and r["step"] > warmup]
-    return statistics.median(rates)
+    return median_rate(records, warmup)
 
 
 def main() -> None:

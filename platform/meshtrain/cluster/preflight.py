@@ -13,15 +13,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from meshtrain.config import ConfigError, DataConfig, MeshtrainConfig, ModelConfig
+from meshtrain.config import ConfigError, DataConfig, MeshtrainConfig, ModelConfig, require_extra
 from meshtrain.data import expand_local_source, tokenizer_vocab_size
 from meshtrain.data.store import is_token_store
-from meshtrain.distributed.float8 import (
-    Float8Unavailable,
-    accelerator_lacks_float8,
-    check_float8_device,
-    torchao_installed,
-)
+from meshtrain.distributed.float8 import Float8Unavailable, accelerator_lacks_float8, check_float8_device
 from meshtrain.distributed.mesh import resolve_mesh_shape
 from meshtrain.model.args import model_args
 from meshtrain.model.flops import flops_per_token, highest_peak_flops
@@ -65,8 +60,7 @@ def _check_float8(cfg: MeshtrainConfig) -> None:
     (workers check their device again: an unnamed type is only known there)."""
     if not cfg.parallel.float8:
         return
-    if not torchao_installed():
-        raise ConfigError("parallel.float8=true needs torchao: pip install -e '.[float8]', or set parallel.float8=false")
+    require_extra("parallel.float8", "torchao", "float8")
     accelerator = cfg.scaling.accelerator_type
     if cfg.scaling.use_gpu and accelerator is not None and accelerator_lacks_float8(accelerator):
         raise ConfigError(
@@ -79,9 +73,9 @@ def _check_float8(cfg: MeshtrainConfig) -> None:
 
         for index in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
             try:
-                check_float8_device(torch.device("cuda", index))
+                check_float8_device(torch.device("cuda", index), holder="this machine")
             except Float8Unavailable as exc:
-                raise ConfigError(str(exc).replace("this worker's", "this machine's")) from None
+                raise ConfigError(str(exc)) from None
 
 
 def _check_preemption_budget(cfg: MeshtrainConfig) -> None:

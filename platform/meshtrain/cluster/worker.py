@@ -232,10 +232,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         sinks.append(StepRecorder(paths.metrics))
         if cfg.metrics.tensorboard:
             sinks.append(TensorBoardWriter(paths.run_dir / "tensorboard"))
-        sinks.extend(trackers)
 
     def on_record(record: dict[str, Any]) -> None:
-        for sink in sinks:
+        for sink in (*sinks, *trackers):
             sink.record(record)
 
     if resize is not None:
@@ -247,16 +246,15 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         eviction = StragglerEviction(workers, cfg.scaling.required_workers, on_record)
     finished = False
     try:
-        result = train(cfg, data, layout, device, on_record if sinks else None, metrics, reporter, eviction)
+        result = train(cfg, data, layout, device, on_record if sinks or trackers else None, metrics, reporter, eviction)
         finished = True
         if metrics is not None:
             metrics.await_final_scrape(cfg.metrics.final_scrape_timeout_s)
     finally:
         for sink in sinks:
-            if isinstance(sink, TrackerSink):
-                sink.close(finished)
-            else:
-                sink.close()
+            sink.close()
+        for tracker in trackers:
+            tracker.close(finished)
         if metrics is not None:
             metrics.close()
     memory = peak_memory(device)

@@ -12,7 +12,7 @@ from meshtrain.config.data import (
     ValidationConfig,
     source_labels,
 )
-from meshtrain.config.errors import ConfigError, config_error_in
+from meshtrain.config.errors import ConfigError, config_error_in, require_extra
 from meshtrain.config.loading import describe_fields, load_config
 from meshtrain.config.model import ModelArgs, ModelConfig
 from meshtrain.config.presets import MODEL_PRESETS
@@ -35,6 +35,7 @@ __all__ = [
     "OVERALL_LABEL",
     "CheckpointConfig",
     "ConfigError",
+    "require_extra",
     "DataConfig",
     "EvalConfig",
     "FaultConfig",

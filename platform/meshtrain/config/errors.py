@@ -7,6 +7,15 @@ class ConfigError(ValueError):
     """A user-facing configuration problem; the message is one line naming the field and the fix."""
 
 
+def require_extra(setting: str, module: str, extra: str) -> None:
+    """ConfigError when ``setting`` (e.g. ``parallel.float8``) is on but ``module`` of the optional
+    extra ``extra`` is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(f"{setting}=true needs {module}: pip install -e '.[{extra}]', or set {setting}=false")
+
+
 def config_error_in(exc: BaseException) -> ConfigError | None:
     """A ConfigError raised on a worker or task, found in the chain of exceptions wrapped around it.
 

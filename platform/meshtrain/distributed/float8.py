@@ -14,7 +14,6 @@ proves numerics on CPU and gains no speed.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import re
 import sys
@@ -39,17 +38,13 @@ class Float8Unavailable(ValueError):
     """float8 was asked for where it cannot run."""
 
 
-def torchao_installed() -> bool:
-    return importlib.util.find_spec("torchao") is not None
-
-
 def accelerator_lacks_float8(accelerator_type: str) -> bool:
     """Whether a Ray accelerator type (``A100``, ``A10G``, ``H100``) names a GPU below sm_89."""
     return bool(_BELOW_SM89.match(accelerator_type.strip()))
 
 
-def check_float8_device(device: torch.device) -> None:
-    """Float8Unavailable (one line) on a CUDA device below compute capability 8.9."""
+def check_float8_device(device: torch.device, holder: str = "this worker") -> None:
+    """Float8Unavailable (one line, naming ``holder``'s GPU) on a CUDA device below compute capability 8.9."""
     if device.type != "cuda":
         return
     capability = torch.cuda.get_device_capability(device)
@@ -57,7 +52,7 @@ def check_float8_device(device: torch.device) -> None:
         name = torch.cuda.get_device_name(device)
         raise Float8Unavailable(
             f"parallel.float8=true needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+ (H100, H200, L4, "
-            f"L40S, B200); this worker's {name} is {capability[0]}.{capability[1]}: set parallel.float8=false"
+            f"L40S, B200); {holder}'s {name} is {capability[0]}.{capability[1]}: set parallel.float8=false"
         )
 
 

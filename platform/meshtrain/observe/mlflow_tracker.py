@@ -3,14 +3,12 @@ per meshtrain run, found again after a restart by its ``meshtrain.run_id`` tag."
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import time
 from typing import Any
 
-from meshtrain.config import ConfigError, MeshtrainConfig
+from meshtrain.config import ConfigError, MeshtrainConfig, require_extra
 from meshtrain.observe.outputs import RunPaths
-from meshtrain.observe.trackers import flat_settings, tracker_run_id
+from meshtrain.observe.trackers import flat_settings, tracker_run_id, unreachable
 
 RUN_ID_TAG = "meshtrain.run_id"
 _PARAM_VALUE_LIMIT = 6000  # MLflow's longest parameter value
@@ -21,11 +19,11 @@ def tracking_uri(cfg: MeshtrainConfig, paths: RunPaths) -> str:
     return cfg.metrics.mlflow_tracking_uri or f"sqlite:///{paths.run_dir.resolve() / 'mlflow.db'}"
 
 
-def _client(uri: str, paths: RunPaths | None) -> Any:
+def _client(uri: str, paths: RunPaths) -> Any:
     from mlflow.tracking import MlflowClient
 
     registry = uri
-    if paths is not None and not uri.startswith(("http://", "https://")):
+    if not uri.startswith(("http://", "https://")):
         # Only tracking is used; the model registry follows the tracking URI unless told otherwise,
         # and mlflow-skinny has no registry store for sqlite.
         registry = f"file://{paths.run_dir.resolve() / 'mlflow-registry'}"
@@ -36,27 +34,16 @@ def check_mlflow(cfg: MeshtrainConfig) -> None:
     """ConfigError (one line) before Ray starts: mlflow missing, or the tracking server unreachable."""
     if not cfg.metrics.mlflow:
         return
-    if importlib.util.find_spec("mlflow") is None:
-        raise ConfigError("metrics.mlflow=true needs mlflow: pip install -e '.[mlflow]', or set metrics.mlflow=false")
+    require_extra("metrics.mlflow", "mlflow", "mlflow")
     uri = cfg.metrics.mlflow_tracking_uri
     if uri is None or not uri.startswith(("http://", "https://")):
         return  # a local store is created on first use
-    previous = {key: os.environ.get(key) for key in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
-    os.environ.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="10")
-    try:
-        _client(uri, None).search_experiments(max_results=1)
-    except Exception as exc:
-        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+    reason = unreachable(uri)
+    if reason is not None:
         raise ConfigError(
             f"metrics.mlflow_tracking_uri={uri} cannot be reached ({reason}); start the server, fix the URI, "
             "or set metrics.mlflow=false"
-        ) from None
-    finally:
-        for key, value in previous.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        )
 
 
 class MlflowTracker:

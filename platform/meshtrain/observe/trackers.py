@@ -82,6 +82,17 @@ def logged_records(metrics_path: Path) -> set[tuple[str, int]]:
     return seen
 
 
+def unreachable(url: str) -> str | None:
+    """Why ``url`` cannot be reached (the exception's type), or None when it answers at all."""
+    import requests  # wandb's and mlflow's own dependency
+
+    try:
+        requests.head(url, timeout=10)
+    except requests.RequestException as exc:
+        return type(exc).__name__
+    return None
+
+
 def flat_settings(config: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
     """A nested config as (dotted key, value) pairs, the form trackers show as parameters."""
     for key, value in config.items():

@@ -8,13 +8,12 @@ Each worker-group start writes its own offline folder under the same run id.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import Any
 
-from meshtrain.config import ConfigError, MeshtrainConfig
+from meshtrain.config import ConfigError, MeshtrainConfig, require_extra
 from meshtrain.observe.outputs import RunPaths
-from meshtrain.observe.trackers import tracker_run_id
+from meshtrain.observe.trackers import tracker_run_id, unreachable
 
 _OFFLINE_MODES = ("offline", "dryrun", "disabled")
 STEP_METRIC = "step"  # the x-axis of every logged series: the training step
@@ -24,8 +23,7 @@ def check_wandb(cfg: MeshtrainConfig) -> None:
     """ConfigError (one line) before Ray starts: wandb missing, or (online) no credentials."""
     if not cfg.metrics.wandb:
         return
-    if importlib.util.find_spec("wandb") is None:
-        raise ConfigError("metrics.wandb=true needs wandb: pip install -e '.[wandb]', or set metrics.wandb=false")
+    require_extra("metrics.wandb", "wandb", "wandb")
     if os.environ.get("WANDB_MODE", "online") in _OFFLINE_MODES:
         return
     if not _has_api_key():
@@ -33,15 +31,13 @@ def check_wandb(cfg: MeshtrainConfig) -> None:
             "metrics.wandb=true needs W&B credentials: run `wandb login` or set WANDB_API_KEY (on a cluster, in the "
             "job's runtime env); without internet access set WANDB_MODE=offline and `wandb sync` the run later"
         )
-    import requests
-
-    try:
-        requests.head(_base_url(), timeout=10)
-    except requests.RequestException as exc:
+    base_url = _base_url()
+    reason = unreachable(base_url)
+    if reason is not None:
         raise ConfigError(
-            f"metrics.wandb=true: W&B at {_base_url()} cannot be reached ({type(exc).__name__}); check the network or "
+            f"metrics.wandb=true: W&B at {base_url} cannot be reached ({reason}); check the network or "
             "WANDB_BASE_URL, or set WANDB_MODE=offline and `wandb sync` the run later"
-        ) from None
+        )
 
 
 def _base_url() -> str:
