@@ -176,6 +176,12 @@ IN_PROCESS_CASES = [
     (["data.source=/nonexistent/x.jsonl"], "data.source"),
     (["data.tokenizer={missing_tokenizer}"], "data.tokenizer"),
     (["run.name=a/b"], "run.name"),
+    (["run.name=prometheus"], "run.name"),
+    (["run.storage_path=s3://bucket/runs"], "run.storage_path"),
+    # storage that cannot take a file: refused before Ray starts, and by --dry-run
+    (["run.storage_path={invalid_yaml}/runs"], "run.storage_path"),
+    (["--dry-run", "run.storage_path={invalid_yaml}"], "run.storage_path"),
+    (["--dry-run", "checkpoint.path={invalid_yaml}/checkpoints"], "checkpoint.path"),
     (["checkpoint.path=gs://bucket/ckpt"], "checkpoint.path"),
     (["data.cache_dir=gs://bucket/stores"], "data.cache_dir"),
     # LR schedule
@@ -231,6 +237,19 @@ def test_bad_input(
     argv = [arg.format(**bad_files) for arg in argv]
     code, out, err = run_main(argv, capsys, monkeypatch)
     assert_one_line_config_error(code, out, err, names)
+
+
+def test_unwritable_run_storage_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    def refused(*args: object, **kwargs: object) -> tuple[int, str]:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refused)  # as root, chmod would not stop the write
+    code, out, err = run_main(["--dry-run", f"run.storage_path={tmp_path}"], capsys, monkeypatch)
+    assert_one_line_config_error(code, out, err, f"run.storage_path: cannot write in {tmp_path}")
 
 
 def test_missing_config_message_says_what_to_do(

@@ -16,6 +16,7 @@ from meshtrain.config import (
     MeshtrainConfig,
     ModelArgs,
     ModelConfig,
+    SHARED_FOLDERS,
     ParallelConfig,
     ScalingConfig,
     TrainConfig,
@@ -287,6 +288,16 @@ def test_shard_with_more_workers() -> None:
             "run.name: must be a plain folder name (no '/', not '.' or '..'), got 'a/b'",
         ),
         (["run.name=.."], "run.name: must be a plain folder name (no '/', not '.' or '..'), got '..'"),
+        (
+            ["run.name=token_stores"],
+            "run.name: 'token_stores' is a folder every run under run.storage_path shares (token_stores, "
+            "prometheus); choose another run.name",
+        ),
+        (
+            ["run.storage_path=s3://alice:pw@bucket/runs"],
+            "run.storage_path: must be a directory (on a cluster, one every node mounts), not a URL, got "
+            "'s3://alice:<redacted>@bucket/runs'; put s3:// storage in checkpoint.path and data.cache_dir",
+        ),
         (
             ["data.source=/nonexistent/x.jsonl"],
             "data.source: no files at '/nonexistent/x.jsonl'; give an existing file, directory or glob, "
@@ -618,3 +629,15 @@ def test_the_config_knows_the_remote_check_block() -> None:
     from meshtrain.data.remote import CHECK_BYTES
 
     assert CHECK_BLOCK_BYTES == CHECK_BYTES
+
+
+def test_every_shared_folder_is_a_reserved_run_name(tmp_path: Path) -> None:
+    """The folders the launcher and the metrics put beside the runs are the ones no run may be named."""
+    from meshtrain.cluster.launcher import data_cache_url
+    from meshtrain.observe.metrics import targets_path
+
+    cfg = load_config(None, [f"run.storage_path={tmp_path}"])
+    assert {Path(data_cache_url(cfg)).name, targets_path(None, str(tmp_path), "run").parent.name} == set(SHARED_FOLDERS)
+    for name in SHARED_FOLDERS:
+        with pytest.raises(ConfigError, match=rf"^run.name: '{name}' is a folder every run .* choose another run.name$"):
+            load_config(None, [f"run.name={name}"])

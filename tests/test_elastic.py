@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from meshtrain.cli.pretrain import main
-from meshtrain.cluster.worker import check_group_size, resize_record
+from meshtrain.cluster.worker import UntrainableGroupSize, check_group_size, resize_record
 from meshtrain.config import ConfigError, load_config
 
 BATCH = ["scaling.num_workers=8", "train.global_batch_size=32", "train.micro_batch_size=2"]
@@ -56,7 +56,7 @@ def test_dry_run_lists_the_sizes(capsys: pytest.CaptureFixture[str]) -> None:
 def test_a_size_ray_offers_but_the_run_cannot_use_fails_its_start() -> None:
     cfg = load_config(None, [*BATCH, "scaling.min_workers=2"])
     check_group_size(cfg, 4)
-    with pytest.raises(ConfigError, match="Ray started 6 workers, but .* trains only on 2, 4, 8"):
+    with pytest.raises(UntrainableGroupSize, match="Ray started 6 workers, but .* trains only on 2, 4, 8"):
         check_group_size(cfg, 6)
 
 

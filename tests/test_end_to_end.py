@@ -103,7 +103,8 @@ def check_default_run(run_dir: Path) -> None:
 
 
 def test_layout_error_found_on_workers_exits_2_with_the_field(tmp_path: Path) -> None:
-    """Workers learn the real workers-per-node from Ray; a wrong expectation is a config error.
+    """Workers learn the real workers-per-node from Ray; a wrong expectation is a config error, which
+    stops the run at once (no restart can fix it).
 
     The job starts its own local Ray even though Ray's "current cluster" file names a cluster that is
     gone (what a killed `ray start` node leaves behind).
@@ -115,7 +116,7 @@ def test_layout_error_found_on_workers_exits_2_with_the_field(tmp_path: Path) ->
     try:
         job = run_job(
             f"run.storage_path={tmp_path}", "scaling.workers_per_node=1", "train.steps=2", "optim.warmup_steps=1",
-            "run.max_failures=0", "data.max_documents=40",
+            "run.max_failures=3", "data.max_documents=40",
         )
     finally:
         if before is None:
@@ -128,3 +129,6 @@ def test_layout_error_found_on_workers_exits_2_with_the_field(tmp_path: Path) ->
         "meshtrain: config error: scaling.workers_per_node=1, but Ray placed 2 workers per node; "
         "fix scaling.workers_per_node or leave it unset"
     ]
+    # A restart cannot fix a config error: the group started once although run.max_failures=3.
+    (starts,) = tmp_path.glob("*/worker_starts.jsonl")
+    assert len(starts.read_text().splitlines()) == 1

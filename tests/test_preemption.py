@@ -18,7 +18,10 @@ from corpora import stdlib_plan
 from meshtrain.checkpoint.storage import CheckpointStorage, checkpoint_root
 from meshtrain.config import load_config
 from meshtrain.data import DataPlan
-from meshtrain.train.preemption import Preempted, PreemptionNotice, defer_sigterm
+from meshtrain.train.preemption import Preempted, PreemptionNotice, StopRequest, defer_sigterm
+from meshtrain.train.trainer import Trainer
+from meshtrain.data import open_data
+from meshtrain.distributed.layout import WorkerLayout
 from test_step_guard import run, snapshot
 
 
@@ -60,6 +63,43 @@ def test_sigterm_saves_the_step_and_the_resumed_run_matches_an_unbroken_one(
     assert [e["step"] for e in events if e["event"] == "checkpoint_load"] == [6]
     expected, got = snapshot(unbroken), snapshot(resumed)
     assert expected.keys() == got.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_the_drivers_stop_request_saves_the_step_and_finishes_without_a_restart(
+    corpus: DataPlan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C on the driver: the ranks save at the next step boundary and return normally (no
+    Preempted, so Ray would not restart them); a request of another launch is ignored."""
+    unbroken, _ = run(config(tmp_path, "whole", "train.steps=8"), corpus)
+    cfg = config(tmp_path, "interrupted", "train.steps=8")
+    request = StopRequest(str(tmp_path / "stop_request.json"), "launch-2")
+    StopRequest(request.path, "launch-1").write("SIGINT to the driver")  # an earlier launch's: ignored
+    original = trainer_module.FaultInjection.before_step
+
+    def interrupt_at_step_3(self, step: int, model: torch.nn.Module) -> None:
+        if step == 3:
+            request.write("SIGINT to the driver")
+            time.sleep(1.2)  # the watch (every 0.5 s) sees it before step 4 casts its vote
+        original(self, step, model)
+
+    monkeypatch.setattr(trainer_module.FaultInjection, "before_step", interrupt_at_step_3)
+    events: list[dict] = []
+    trainer = Trainer(cfg, open_data(corpus, cfg.data.seq_len, cfg.train.seed), WorkerLayout(), torch.device("cpu"),
+                      events.append, None, stop_request=request)
+    try:
+        result = trainer.run()
+    finally:
+        trainer.close()
+    assert result.interrupted == {"step": 4, "saved": True, "reason": "SIGINT to the driver"}
+    assert [e for e in events if e["event"] == "interrupted"] == [{"event": "interrupted", **result.interrupted}]
+    assert [c.step for c in CheckpointStorage(checkpoint_root(cfg)).committed()] == [4]
+
+    monkeypatch.setattr(trainer_module.FaultInjection, "before_step", original)
+    request.clear()
+    resumed, events = run(cfg, corpus)
+    assert [e["step"] for e in events if e["event"] == "checkpoint_load"] == [4]
+    expected, got = snapshot(unbroken), snapshot(resumed)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
 def test_the_sigterm_route_is_restored_after_the_run(corpus: DataPlan, tmp_path: Path) -> None:

@@ -247,16 +247,40 @@ def test_wandb_offline_holds_one_run_with_every_logged_step_once(midsave: Path) 
     assert [row["step"] for row in rows if "run/resumed_from_step" in row] == [10]
 
 
-def test_exhausted_restarts_fail_naming_the_last_committed_checkpoint(storage: Path) -> None:
-    job = run_job(
-        f"run.storage_path={storage}", "run.name=doomed", *SETTINGS,
-        "run.max_failures=0", "fault.kill_rank=0", "fault.at_step=15",
-    )
+def test_ctrl_c_saves_then_the_rerun_resumes_there_and_exhausted_restarts_name_the_cause(storage: Path) -> None:
+    """SIGINT to the driver: the workers save at the next step boundary, the driver exits 130 naming
+    the step; the same command resumes from that checkpoint; there a killed worker with no restarts
+    left ends the run with one line naming the rank, the cause and the last committed checkpoint."""
+    run_dir = storage / "doomed"
+    args = (f"run.storage_path={storage}", "run.name=doomed", *SETTINGS)
+    log = storage / "doomed-driver.log"  # a file, not a pipe: a full pipe would stall the driver
+    with log.open("w") as output:
+        driver = subprocess.Popen(job_command(*args), cwd=REPO, env=job_env(), stdout=output, stderr=output, text=True)
+        deadline = time.monotonic() + 240
+        while not any(r.get("step", 0) >= 12 for r in read_metrics(run_dir) if r["event"] == "train"):
+            assert driver.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        driver.send_signal(signal.SIGINT)
+        driver.wait(timeout=120)
+    stderr = log.read_text()
+    assert driver.returncode == 130, stderr[-3000:]
+    (interrupted,) = [r for r in read_metrics(run_dir) if r["event"] == "interrupted"]
+    step = interrupted["step"]
+    assert 12 <= step < 30 and interrupted["saved"]
+    assert [line for line in stderr.splitlines() if line.startswith("meshtrain: ")] == [(
+        f"meshtrain: interrupted at step {step}; checkpoint step {step} committed; "
+        "run the same command (run.name=doomed) to resume"
+    )]
+
+    job = run_job(*args, "run.max_failures=0", "fault.kill_rank=0", "fault.at_step=35")
     assert job.returncode == 1
+    assert loads(run_dir) == [step]
     lines = [line for line in job.stderr.splitlines() if line.startswith("meshtrain: training failed")]
     assert len(lines) == 1
-    checkpoint = storage / "doomed" / "checkpoints" / "step-00000010"
-    assert f"last committed checkpoint: {checkpoint} (step 10)" in lines[0]
+    checkpoint = run_dir / "checkpoints" / "step-00000030"
+    assert lines[0].startswith("meshtrain: training failed: rank 0")
+    assert "after 0 restart(s) (run.max_failures=0)" in lines[0]
+    assert f"last committed checkpoint: {checkpoint} (step 30)" in lines[0]
     assert "run.name=doomed" in lines[0]
 
 

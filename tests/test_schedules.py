@@ -237,6 +237,9 @@ def test_config_written_before_schedules_existed(tmp_path: Path) -> None:
 
 def test_rerun_may_not_change_the_schedule(tmp_path: Path) -> None:
     launch_config(tmp_path, "train.steps=100")
+    committed = tmp_path / "r" / "checkpoints" / "step-00000010"  # a run with a checkpoint to resume
+    committed.mkdir(parents=True)
+    (committed / "COMMITTED").write_text("{}")
     with pytest.raises(ConfigError, match=r"^optim\.schedule: run r was started with 'cosine', not 'linear'"):
         launch_config(tmp_path, "train.steps=100", "optim.schedule=linear")
 

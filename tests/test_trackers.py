@@ -117,6 +117,8 @@ def test_a_tracker_that_cannot_work_is_refused_before_ray(tmp_path: Path, monkey
     with pytest.raises(ConfigError, match=r"^metrics.mlflow_tracking_uri=http://127.0.0.1:9 cannot be reached \(.*\); "
                                            r"start the server, fix the URI, or set metrics.mlflow=false$"):
         preflight(config(tmp_path, "metrics.mlflow=true", "metrics.mlflow_tracking_uri=http://127.0.0.1:9"))
+    with pytest.raises(ConfigError, match=r"^metrics.mlflow_tracking_uri=http://alice:<redacted>@127.0.0.1:9 cannot"):
+        preflight(config(tmp_path, "metrics.mlflow=true", "metrics.mlflow_tracking_uri=http://alice:hunter2@127.0.0.1:9"))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc

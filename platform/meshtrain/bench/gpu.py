@@ -82,10 +82,6 @@ DEFAULT_MATRIX = REPO / "jobs" / "bench_gpu.yaml"
 FLOPS_FORMULA = "6 x matmul weights + 12 x layers x seq_len x dim"
 MFU_FORMULA = f"MFU = tokens/s per worker x model FLOPs per token ({FLOPS_FORMULA}) / device peak FLOP/s"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-# What a Python exception's last traceback line looks like: "torch.OutOfMemoryError: CUDA out of memory. ..."
-_ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)): ?(.*)$")
-# A rank's error that only says a peer went away (the peer's own error is the reason).
-_PEER_LOST = re.compile(r"gloo|nccl|connection reset|closed by peer|remote worker|ProcessGroup", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -405,46 +401,15 @@ def _fill_memory(row: Row, cfg: MeshtrainConfig, args: ModelArgs, summary: dict[
 
 
 def failure_reason(exc: BaseException) -> str:
-    """One line: the error under the launcher's and Ray's wrappers; of a worker group's failures, the first
-    rank's that is not just a peer losing its connection (the ranks that lost a dead or OOM peer)."""
-    root = _unwrapped(exc)
-    failures = getattr(root, "worker_failures", None)
-    if not (isinstance(failures, dict) and failures):
-        return _one_line(root)
-    ranked = sorted(failures.items())
-    rank, error = next(((r, e) for r, e in ranked if not _PEER_LOST.search(str(e))), ranked[0])
-    others = f" (+{len(ranked) - 1} other rank(s) failed)" if len(ranked) > 1 else ""
-    return f"rank {rank}: {_one_line(_unwrapped(error))}{others}"
-
-
-def _unwrapped(exc: BaseException) -> BaseException:
-    """Follow the launcher's TrainingFailed (raised from None over Ray's error) and Ray's task and controller
-    wrappers down to a worker group's error or the innermost one."""
+    """One line: the launcher's root cause (the rank that failed first, not one that lost its peer), or
+    for any other error its own line."""
+    from meshtrain.cluster.failures import root_failure
     from meshtrain.cluster.launcher import TrainingFailed
 
-    seen: set[int] = set()
-    while id(exc) not in seen:
-        seen.add(id(exc))
-        if getattr(exc, "worker_failures", None):
-            return exc
-        inner = getattr(exc, "cause", None) or getattr(exc, "controller_failure", None) or exc.__cause__
-        if inner is None and isinstance(exc, TrainingFailed):
-            inner = exc.__context__
-        if not isinstance(inner, BaseException):
-            return exc
-        exc = inner
-    return exc
-
-
-def _one_line(exc: BaseException, limit: int = 240) -> str:
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    remote_traceback = "Traceback (most recent call last)" in str(exc)
-    errors = [m for m in map(_ERROR_LINE.match, lines) if m] if remote_traceback else []
-    if errors:  # the last error line of the traceback
-        line = f"{errors[-1][1].rsplit('.', 1)[-1]}: {errors[-1][3]}"
-    else:
-        line = f"{type(exc).__name__}: {lines[0] if lines else ''}"
-    return line if len(line) <= limit else line[: limit - 3] + "..."
+    failure = getattr(exc, "failure", None)
+    if failure is None and isinstance(exc, TrainingFailed) and exc.__context__ is not None:
+        failure = root_failure(exc.__context__)  # a TrainingFailed raised over Ray's error without its cause
+    return (failure or root_failure(exc)).describe()
 
 
 def wait_for_workers_to_exit(run_dir: Path, timeout_s: float = 60.0) -> None:

@@ -7,6 +7,7 @@ from typing import Any, NoReturn
 
 EXIT_TRAINING_FAILED = 1
 EXIT_CONFIG_ERROR = 2  # also bad input of any kind: a missing checkpoint, an existing output
+EXIT_INTERRUPTED = 130  # Ctrl-C or `ray job stop` (128 + SIGINT, as a shell reports it)
 CONFIG_ERROR_PREFIX = "meshtrain: config error"
 
 

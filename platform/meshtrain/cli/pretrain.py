@@ -8,6 +8,7 @@ import sys
 from meshtrain.cli.common import (
     CONFIG_ERROR_PREFIX,
     EXIT_CONFIG_ERROR,
+    EXIT_INTERRUPTED,
     EXIT_TRAINING_FAILED,
     OneLineParser,
 )
@@ -90,13 +91,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             dry_run(cfg, args.trace)
             return 0
-        from meshtrain.cluster.launcher import TrainingFailed, launch
+        from meshtrain.cluster.launcher import Interrupted, TrainingFailed, launch
 
         try:
             summary = launch(cfg)
         except TrainingFailed as exc:
             print(f"meshtrain: {exc}", file=sys.stderr)
             return EXIT_TRAINING_FAILED
+        except Interrupted as exc:
+            print(f"meshtrain: {exc}", file=sys.stderr)
+            return EXIT_INTERRUPTED
+    except KeyboardInterrupt:
+        print("meshtrain: interrupted before training started; nothing was trained", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except ConfigError as exc:
         print(f"{CONFIG_ERROR_PREFIX}: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

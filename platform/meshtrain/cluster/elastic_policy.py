@@ -8,7 +8,7 @@ returns, Ray restarts a healthy group larger straight away, losing every step si
 scheduled checkpoint.
 
 :class:`TrainableSizesPolicy` subclasses Ray's policy (the controller runs it; Ray has no public
-hook for this, so :class:`MeshtrainTorchTrainer` hands it over where Ray builds its own):
+hook for this, so :mod:`meshtrain.cluster.ray_trainer` hands it over where Ray builds its own):
 
 * every count of possible workers leaves out draining and dead nodes (Ray counts them, and a group
   sized for them times out placing, again and again, or restarts for nothing) and is rounded down to the largest trainable size (none:
@@ -114,21 +114,3 @@ class TrainableSizesPolicy(ElasticScalingPolicy):
     def make_decision_for_non_running_worker_group(self) -> ScalingDecision:
         self._pending_grow = None  # the group it was for is gone
         return super().make_decision_for_non_running_worker_group()
-
-
-def trainer_class() -> type:
-    """TorchTrainer, handing Ray's controller a :class:`TrainableSizesPolicy` for elastic runs."""
-    from ray.train.torch import TorchTrainer
-
-    class MeshtrainTorchTrainer(TorchTrainer):
-        def __init__(self, *args: Any, elastic_policy: Callable[[Any], TrainableSizesPolicy] | None = None,
-                     **kwargs: Any) -> None:
-            self._elastic_policy = elastic_policy
-            super().__init__(*args, **kwargs)
-
-        def _initialize_and_run_controller(self, **controller_init_kwargs: Any) -> Any:
-            if self._elastic_policy is not None and isinstance(controller_init_kwargs.get("scaling_policy"), ElasticScalingPolicy):
-                controller_init_kwargs["scaling_policy"] = self._elastic_policy(self.scaling_config)
-            return super()._initialize_and_run_controller(**controller_init_kwargs)
-
-    return MeshtrainTorchTrainer

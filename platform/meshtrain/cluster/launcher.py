@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import time
 from datetime import datetime
@@ -14,6 +15,8 @@ import yaml
 
 from meshtrain.checkpoint.storage import checkpoint_root, newest_committed, run_checkpoints
 from meshtrain.cluster.capacity import START_TIMEOUT_ENV, check_capacity, worker_resources
+from meshtrain.cluster.failures import Failure, root_failure
+from meshtrain.cluster.interrupts import DriverInterrupts
 from meshtrain.cluster.preflight import preflight
 from meshtrain.config import ConfigError, MeshtrainConfig, config_error_in
 from meshtrain.data import (
@@ -26,6 +29,7 @@ from meshtrain.data import (
 from meshtrain.observe.metrics import targets_path, write_targets
 from meshtrain.observe.outputs import RunPaths, read_summary, write_summary
 from meshtrain.observe.progress import ProgressMonitor
+from meshtrain.train.preemption import StopRequest
 
 
 def resolve_run(cfg: MeshtrainConfig) -> tuple[MeshtrainConfig, RunPaths]:
@@ -79,27 +83,48 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def _unresumable_change(previous_text: str, text: str) -> tuple[str, Any, Any] | None:
+    """The first setting outside RESUMABLE_CHANGES that differs between two config.yaml texts, as
+    (dotted key, earlier value, new value); None when a run could resume across the change."""
+    # A setting added to meshtrain after the run started counts as having had its default.
+    defaults = _flatten(MeshtrainConfig().model_dump(mode="json"))
+    previous = {**defaults, **_flatten(yaml.safe_load(previous_text))}
+    current = _flatten(yaml.safe_load(text))
+    for key in sorted(previous.keys() | current.keys()):
+        allowed = any(key == p or key.startswith(p + ".") for p in RESUMABLE_CHANGES)
+        if previous.get(key) != current.get(key) and not allowed:
+            return key, previous.get(key), current.get(key)
+    return None
+
+
 def write_run_config(cfg: MeshtrainConfig, paths: RunPaths) -> None:
-    """Write config.yaml. Re-running a run name may change only RESUMABLE_CHANGES; the earlier
-    config is then kept beside it as config.<time>.yaml."""
+    """Write config.yaml (credentials redacted). A re-run of a run name that has committed checkpoints
+    resumes them, so it may change only RESUMABLE_CHANGES; one without (an earlier launch failed
+    before its first checkpoint) starts afresh with any config, and the run's tokenizer is trained
+    again. The earlier config (and a set-aside tokenizer) is kept beside it as config.<time>.yaml."""
     text = config_yaml(cfg)
     paths.run_dir.mkdir(parents=True, exist_ok=True)
     if paths.config.exists():
         previous_text = paths.config.read_text()
         if previous_text == text:
             return
-        # A setting added to meshtrain after the run started counts as having had its default.
-        defaults = _flatten(MeshtrainConfig().model_dump(mode="json"))
-        previous = {**defaults, **_flatten(yaml.safe_load(previous_text))}
-        current = _flatten(yaml.safe_load(text))
-        for key in sorted(previous.keys() | current.keys()):
-            allowed = any(key == p or key.startswith(p + ".") for p in RESUMABLE_CHANGES)
-            if previous.get(key) != current.get(key) and not allowed:
+        stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
+        change = _unresumable_change(previous_text, text)
+        if change is not None:
+            key, before, after = change
+            if run_checkpoints(cfg).committed():
                 raise ConfigError(
-                    f"{key}: run {paths.name} was started with {previous.get(key)!r}, not {current.get(key)!r}; "
-                    "a re-run resumes the same training, so keep it or choose another run.name"
+                    f"{key}: run {paths.name} was started with {before!r}, not {after!r}, and has committed "
+                    "checkpoints; a re-run resumes the same training, so keep it or choose another run.name"
                 )
-        paths.config.rename(paths.run_dir / f"config.{datetime.now():%Y%m%d-%H%M%S}.yaml")
+            if paths.tokenizer.exists():
+                paths.tokenizer.rename(paths.run_dir / f"tokenizer.{stamp}.json")
+            print(
+                f"[meshtrain] run {paths.name} has no committed checkpoint: it starts afresh with {key}={after!r} "
+                f"(was {before!r}); the earlier config is kept as config.{stamp}.yaml",
+                flush=True,
+            )
+        paths.config.rename(paths.run_dir / f"config.{stamp}.yaml")
     paths.config.write_text(text)
 
 
@@ -159,8 +184,17 @@ def data_for_resume(cfg: MeshtrainConfig, plan: DataPlan) -> DataPlan:
 
 
 class TrainingFailed(RuntimeError):
-    """The worker group failed for good (restarts exhausted) or the step guard stopped the run; the
-    message says where it can resume from."""
+    """The worker group failed for good (a permanent failure, or restarts exhausted) or the step guard
+    stopped the run; the message names the cause and where the run can resume from."""
+
+    def __init__(self, message: str, failure: Failure | None = None) -> None:
+        super().__init__(message)
+        self.failure = failure
+
+
+class Interrupted(RuntimeError):
+    """The driver was interrupted (Ctrl-C, ``ray job stop``); the message says where the run stopped,
+    what was saved and how to resume."""
 
 
 def _last_committed(cfg: MeshtrainConfig) -> str:
@@ -170,13 +204,33 @@ def _last_committed(cfg: MeshtrainConfig) -> str:
     return "no checkpoint was committed"
 
 
-def _failure_message(cfg: MeshtrainConfig, exc: BaseException) -> str:
-    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-    restarts = f"after {cfg.run.max_failures} restart(s)" if cfg.run.max_failures else "(run.max_failures=0)"
-    return (
-        f"training failed {restarts}: {reason}; {_last_committed(cfg)}; "
-        f"run the same command again (run.name={cfg.run.name}) to resume"
-    )
+def restarts_used(paths: RunPaths, launch_id: str) -> int:
+    """How many times Ray restarted this launch's worker group (from worker_starts.jsonl)."""
+    starts = paths.run_dir / "worker_starts.jsonl"
+    if not starts.exists():
+        return 0
+    entries = [json.loads(line) for line in starts.read_text().splitlines() if line.strip()]
+    return max(0, sum(entry.get("launch") == launch_id for entry in entries) - 1)
+
+
+def _failure_message(cfg: MeshtrainConfig, failure: Failure, restarts: int) -> str:
+    if failure.permanent:
+        how = f"not restarted, a restart cannot fix this{f' (after {restarts} restart(s))' if restarts else ''}"
+        resume = f"fix the cause, then run the same command again (run.name={cfg.run.name}) to resume"
+    else:
+        how = f"after {restarts} restart(s) (run.max_failures={cfg.run.max_failures})"
+        resume = f"run the same command again (run.name={cfg.run.name}) to resume"
+    return f"training failed: {failure.describe()}; {how}; {_last_committed(cfg)}; {resume}"
+
+
+def _interrupted_message(cfg: MeshtrainConfig, interrupted: dict[str, Any] | None) -> str:
+    storage, newest = newest_committed(cfg)
+    if interrupted is None:
+        at = "stopped at once without saving"
+    else:
+        at = f"interrupted at step {interrupted['step']}"
+    saved = f"checkpoint step {newest.step} committed" if newest is not None else "no checkpoint committed"
+    return f"{at}; {saved}; run the same command (run.name={cfg.run.name}) to resume"
 
 
 def _stopped_message(cfg: MeshtrainConfig, reason: str) -> str:
@@ -212,7 +266,8 @@ def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, data: DataPlan, launch_
     import ray.train
     from ray.train.torch import TorchConfig
 
-    from meshtrain.cluster.elastic_policy import NewestCommittedStep, TrainableSizesPolicy, trainer_class
+    from meshtrain.cluster.elastic_policy import NewestCommittedStep, TrainableSizesPolicy
+    from meshtrain.cluster.ray_trainer import trainer_class
     from meshtrain.cluster.worker import train_loop_per_worker
 
     scaling = cfg.scaling
@@ -298,15 +353,20 @@ def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
         f"vocab {data.vocab_size} from {stores}; outputs in {paths.run_dir}",
         flush=True,
     )
-    trainer = build_trainer(cfg, paths, data, launch_id=f"{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}")
+    launch_id = f"{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"
+    trainer = build_trainer(cfg, paths, data, launch_id=launch_id)
     try:
-        with ProgressMonitor(paths.metrics, cfg.train.steps, cfg.metrics.progress_interval_s):
+        with DriverInterrupts(StopRequest(str(paths.stop_request), launch_id), cfg.fault.preemption_save_s), \
+                ProgressMonitor(paths.metrics, cfg.train.steps, cfg.metrics.progress_interval_s):
             trainer.fit()
+    except KeyboardInterrupt:
+        raise Interrupted(_interrupted_message(cfg, None)) from None
     except Exception as exc:
         config_error = config_error_in(exc)
         if config_error is not None:
             raise config_error from None
-        raise TrainingFailed(_failure_message(cfg, exc)) from None
+        failure = root_failure(exc)
+        raise TrainingFailed(_failure_message(cfg, failure, restarts_used(paths, launch_id)), failure) from None
     finally:
         targets = targets_path(cfg.metrics.targets_dir, cfg.run.storage_path, paths.name)
         if targets.exists():
@@ -317,4 +377,6 @@ def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
     write_summary(paths, summary)
     if summary.get("stopped"):
         raise TrainingFailed(_stopped_message(cfg, summary["stopped"]))
+    if summary.get("interrupted"):
+        raise Interrupted(_interrupted_message(cfg, summary["interrupted"]))
     return summary

@@ -2,8 +2,8 @@
 
 The schema (``meshtrain.config``) checks what a config says; this step checks what it names: that
 data sources and stores exist, that a tokenizer file is one and fits the model, that a
-``model.init_from`` directory holds Llama weights whose shape the config does not contradict, and
-that the mesh fits the declared node layout. Errors are the same one-line ``ConfigError`` (exit 2).
+``model.init_from`` directory holds Llama weights whose shape the config does not contradict, that
+the mesh fits the declared node layout, and that run and checkpoint storage take a written file. Errors are the same one-line ``ConfigError`` (exit 2).
 The CLI (run, ``--dry-run``, ``prepare_data.py``) and the launcher call :func:`preflight`; once Ray
 is connected, the launcher also asks whether the cluster can hold the workers (``capacity``).
 """
@@ -11,11 +11,17 @@ is connected, the launcher also asks whether the cluster can hold the workers (`
 from __future__ import annotations
 
 import os
+import tempfile
+import uuid
 from pathlib import Path
+from typing import Any
 
-from meshtrain.config import ConfigError, DataConfig, MeshtrainConfig, ModelConfig, require_extra
+import fsspec
+from fsspec.core import split_protocol
+
+from meshtrain.config import ConfigError, DataConfig, MeshtrainConfig, ModelConfig, redact_url, require_extra
 from meshtrain.data import expand_local_source, tokenizer_vocab_size
-from meshtrain.data.store import is_token_store
+from meshtrain.data.store import is_token_store, with_timeouts
 from meshtrain.distributed.float8 import Float8Unavailable, accelerator_lacks_float8, check_float8_device
 from meshtrain.distributed.mesh import resolve_mesh_shape
 from meshtrain.model.args import model_args
@@ -33,6 +39,9 @@ def preflight(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> Meshtrain
     cfg = cfg.model_copy(deep=True)
     _check_init_from_shape(cfg.model)
     _check_data_paths(cfg.data)
+    _check_local_directory(Path(cfg.run.storage_path), "run.storage_path")
+    if cfg.checkpoint.enabled and cfg.checkpoint.path is not None:
+        _check_checkpoint_root(cfg.checkpoint.path, cfg.checkpoint.storage_options)
     if cfg.model.init_from is not None:
         if cfg.data.tokenizer == "train":
             # Continued pretraining keeps the tokenizer the weights were trained with.
@@ -131,3 +140,60 @@ def _check_source_exists(source: str, where: str, data: DataConfig) -> None:
             f"{where}: no files at {source!r}; give an existing file, directory or glob, a token store, "
             "'stdlib', or 'hf:<dataset>'"
         )
+
+
+_PROBE_PREFIX = ".meshtrain-probe-"
+_PROBE_TIMEOUT_S = 30.0  # the whole remote probe, retries included
+
+
+def _check_checkpoint_root(url: str, storage_options: dict[str, Any]) -> None:
+    """ConfigError (one line) unless checkpoint.path takes a file: locally see
+    :func:`_check_local_directory`; remotely a probe object is written under it and deleted."""
+    scheme = split_protocol(url)[0]
+    if scheme in (None, "file", "local"):
+        _check_local_directory(Path(fsspec.core.url_to_fs(url)[1]), "checkpoint.path")
+        return
+    options = with_timeouts(storage_options, _PROBE_TIMEOUT_S) if scheme in ("s3", "s3a") else storage_options
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **options)
+        probe = f"{root.rstrip('/')}/{_PROBE_PREFIX}{uuid.uuid4().hex}"
+        fs.pipe_file(probe, b"")
+        fs.rm_file(probe)
+    except Exception as exc:  # whatever the backend raises, the storage cannot be written
+        raise ConfigError(
+            f"checkpoint.path: cannot write and delete a test object under {redact_url(url)} ({_reason(exc)}); "
+            "create the bucket or fix the path, and give credentials that may write there (environment, instance "
+            "role, or checkpoint.storage_options)"
+        ) from None
+
+
+def _check_local_directory(directory: Path, setting: str) -> None:
+    """ConfigError (one line) unless ``directory`` is one, or can be created, where this user can
+    write: a probe file is written and deleted in it or its nearest existing parent (nothing else
+    is created, so a dry run leaves no trace)."""
+    try:
+        existing = directory = directory.expanduser().absolute()
+        while not existing.exists():
+            existing = existing.parent
+    except OSError as exc:
+        raise ConfigError(f"{setting}: cannot look at {directory} ({_reason(exc)}); give a directory this user can reach") from None
+    if not existing.is_dir():
+        below = "" if existing == directory else f", on the way to {directory}"
+        raise ConfigError(
+            f"{setting}: {existing} is a file, not a directory{below}; move the file or choose another {setting}"
+        )
+    try:
+        handle, probe = tempfile.mkstemp(prefix=_PROBE_PREFIX, dir=existing)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(
+            f"{setting}: cannot write in {existing} ({_reason(exc)}); give a writable directory "
+            "(on a cluster, one every node mounts)"
+        ) from None
+
+
+def _reason(exc: BaseException) -> str:
+    """The exception's type and the first line of its message, short enough for a one-line error."""
+    message = (str(exc).strip().splitlines() or [""])[0][:200]
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.checkpoint.storage import newest_committed
-from meshtrain.config import ConfigError, MeshtrainConfig
+from meshtrain.config import MeshtrainConfig
 from meshtrain.cluster.eviction import StragglerEviction
+from meshtrain.cluster.failures import stamp
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.distributed.parallelize import param_dtype, set_matmul_precision, use_tf32
 from meshtrain.model.args import model_args
@@ -35,6 +36,7 @@ from meshtrain.observe.outputs import RunPaths, write_summary
 from meshtrain.observe.progress import StepRecorder
 from meshtrain.observe.reporting import RayTrainReporter, TensorBoardWriter
 from meshtrain.observe.trackers import TrackerBackend, TrackerSink, logged_records
+from meshtrain.train.preemption import StopRequest
 from meshtrain.train.trainer import train
 
 
@@ -83,12 +85,17 @@ def resizes(paths: RunPaths) -> list[dict[str, Any]]:
     ]
 
 
+class UntrainableGroupSize(RuntimeError):
+    """Ray started an elastic group of a size the run cannot train on; its next start may fit."""
+
+
 def check_group_size(cfg: MeshtrainConfig, world_size: int) -> None:
     """An elastic group of a size the run cannot train on (a partial shard group, or a global batch
-    it does not divide) fails its start with one line; Ray then retries."""
+    it does not divide) fails its start with one line; Ray then retries (not a permanent failure:
+    the cluster's capacity changes)."""
     sizes = cfg.elastic_sizes()
     if world_size not in sizes:
-        raise ConfigError(
+        raise UntrainableGroupSize(
             f"Ray started {world_size} workers, but scaling.min_workers={cfg.scaling.required_workers} to "
             f"scaling.num_workers={cfg.scaling.num_workers} trains only on {', '.join(map(str, sizes))} (whole shard "
             "groups that divide train.global_batch_size); give nodes whole multiples of the shard group"
@@ -206,6 +213,17 @@ def open_trackers(cfg: MeshtrainConfig, paths: RunPaths, restarts: int) -> list[
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """The worker's run; whatever it raises is stamped with this rank and node, so the driver can
+    name the rank that failed first and the failure policy can tell a permanent failure."""
+    context = ray.train.get_context()
+    try:
+        _train_worker(loop_config)
+    except BaseException as exc:
+        stamp(exc, context.get_world_rank(), ray.util.get_node_ip_address())
+        raise
+
+
+def _train_worker(loop_config: dict[str, Any]) -> None:
     cfg: MeshtrainConfig = loop_config["config"]
     data = loop_config["data"]
     context = ray.train.get_context()
@@ -246,7 +264,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         eviction = StragglerEviction(workers, cfg.scaling.required_workers, on_record)
     finished = False
     try:
-        result = train(cfg, data, layout, device, on_record if sinks or trackers else None, metrics, reporter, eviction)
+        stop_request = StopRequest(str(paths.stop_request), loop_config["launch_id"])
+        result = train(cfg, data, layout, device, on_record if sinks or trackers else None, metrics, reporter, eviction,
+                       stop_request)
         finished = True
         if metrics is not None:
             metrics.await_final_scrape(cfg.metrics.final_scrape_timeout_s)
@@ -269,6 +289,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 "eval_loss_by_source": result.eval_loss_by_source,
                 "skipped_steps": result.skipped_steps,
                 "stopped": result.stopped,
+                "interrupted": result.interrupted,
                 "mean_tokens_per_s": result.mean_tokens_per_s,
                 "tokens": result.tokens,
                 "train_time_s": result.train_time_s,

@@ -12,11 +12,13 @@ from meshtrain.config.data import (
     ValidationConfig,
     source_labels,
 )
-from meshtrain.config.errors import ConfigError, config_error_in, require_extra
+from meshtrain.config.errors import ConfigError, PermanentError, config_error_in, require_extra
 from meshtrain.config.loading import describe_fields, load_config
 from meshtrain.config.model import ModelArgs, ModelConfig
 from meshtrain.config.presets import MODEL_PRESETS
+from meshtrain.config.redaction import REDACTED, redact_options, redact_url
 from meshtrain.config.schema import (
+    SHARED_FOLDERS,
     CheckpointConfig,
     EvalConfig,
     FaultConfig,
@@ -33,8 +35,11 @@ from meshtrain.config.schema import (
 __all__ = [
     "MODEL_PRESETS",
     "OVERALL_LABEL",
+    "REDACTED",
+    "SHARED_FOLDERS",
     "CheckpointConfig",
     "ConfigError",
+    "PermanentError",
     "require_extra",
     "DataConfig",
     "EvalConfig",
@@ -54,5 +59,7 @@ __all__ = [
     "config_error_in",
     "describe_fields",
     "load_config",
+    "redact_options",
+    "redact_url",
     "source_labels",
 ]

@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
+from meshtrain.config.redaction import Location, OptionalLocation, StorageOptions
 from meshtrain.config.section import Section, check_tested_scheme
 
 _SOURCE_HELP = (
@@ -19,7 +20,7 @@ _SOURCE_HELP = (
 class SourceConfig(Section):
     """One source of documents (or a prepared token store) and its share of a mixture."""
 
-    source: str = Field("stdlib", description=_SOURCE_HELP)
+    source: Location = Field("stdlib", description=_SOURCE_HELP)
     weight: float = Field(1.0, description="Share of training samples drawn from this source (mixtures).")
     text_field: str = Field("text", description="Column holding the document text (jsonl/parquet/hub).")
     hf_config: str | None = Field(None, description="Hub dataset configuration name (hf: sources).")
@@ -50,7 +51,7 @@ class ValidationConfig(Section):
         description="Share of each source's windows held out of training for validation (0 = none; "
         "0 when validation.source is set).",
     )
-    source: str | None = Field(
+    source: OptionalLocation = Field(
         None, description="A separate validation source (same forms as data.source); all of it is held out."
     )
     text_field: str = Field("text", description="Text column of validation.source.")
@@ -82,7 +83,7 @@ CHECK_BLOCK_BYTES = 1024  # bytes per checksum of remote reads (meshtrain.data.r
 
 
 class DataConfig(Section):
-    source: str = Field("stdlib", description=_SOURCE_HELP)
+    source: Location = Field("stdlib", description=_SOURCE_HELP)
     text_field: str = Field("text", description="Column holding the document text (jsonl/parquet/hub).")
     hf_config: str | None = Field(None, description="Hub dataset configuration name (hf: sources).")
     split: str = Field("train", description="Dataset split to read.")
@@ -104,7 +105,7 @@ class DataConfig(Section):
         description="Text the tokenizer is trained on: at most this many bytes, taken evenly across the data.",
     )
     seq_len: int = Field(128, gt=1, description="Tokens per training sequence (packed, no padding).")
-    cache_dir: str | None = Field(
+    cache_dir: OptionalLocation = Field(
         None,
         description="Where prepared token stores are cached by source+tokenizer fingerprint (local or s3://); "
         "unset = <run.storage_path>/token_stores.",
@@ -115,8 +116,10 @@ class DataConfig(Section):
         description="Most source bytes per prepare task and token shard; a small corpus is cut finer (into about 64 "
         "units, none under 1 MiB) and .jsonl files larger than a unit are split at line boundaries (ranges of 1 MiB or more).",
     )
-    storage_options: dict[str, Any] = Field(
-        default_factory=dict, description="fsspec options for s3:// stores and cache, e.g. {client_kwargs: {endpoint_url: ...}}."
+    storage_options: StorageOptions = Field(
+        default_factory=dict,
+        description="fsspec options for s3:// stores and cache, e.g. {client_kwargs: {endpoint_url: ...}}; "
+        "shown redacted wherever meshtrain writes or prints the config.",
     )
     cache_max_bytes: int = Field(
         32 * 2**30,

@@ -7,6 +7,12 @@ class ConfigError(ValueError):
     """A user-facing configuration problem; the message is one line naming the field and the fix."""
 
 
+class PermanentError(RuntimeError):
+    """A failure that restarting the worker group cannot fix (corrupt input, no loadable checkpoint,
+    no space or no permission on storage): the run stops at its first occurrence, and the message
+    (one line naming the path and the fix) becomes the driver's final line."""
+
+
 def require_extra(setting: str, module: str, extra: str) -> None:
     """ConfigError when ``setting`` (e.g. ``parallel.float8``) is on but ``module`` of the optional
     extra ``extra`` is not installed."""

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from meshtrain.config.errors import ConfigError
+from meshtrain.config.redaction import redact_url
 from meshtrain.config.schema import MeshtrainConfig
 
 # A message that already starts with a dotted field name ("train.steps=..." / "data.source: ...").
@@ -83,8 +84,10 @@ def _format_validation_error(error: ValidationError) -> str:
         shown = " (got a mapping of sub-keys, not a single value)"
     elif value is None:
         shown = " (got an empty value)"
+    elif "storage_options" in first["loc"]:
+        shown = ""  # may be a credential
     else:
-        shown = f" (got {value!r})"
+        shown = f" (got {redact_url(value) if isinstance(value, str) else value!r})"
     return f"{location}: {message}{shown}" if location else message
 
 

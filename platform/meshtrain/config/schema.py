@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from meshtrain.config.data import DataConfig
 from meshtrain.config.errors import ConfigError
 from meshtrain.config.model import ModelArgs, ModelConfig
+from meshtrain.config.redaction import OptionalLocation, StorageOptions, redact_url
 from meshtrain.config.section import Section, check_tested_scheme
 
 
@@ -260,6 +261,11 @@ class ScalingConfig(Section):
         return "scaling.min_workers" if self.elastic else "scaling.num_workers"
 
 
+# Folders under run.storage_path beside the runs, shared by all of them (data.cache_dir's and
+# metrics.targets_dir's defaults): no run may take one's name.
+SHARED_FOLDERS = ("token_stores", "prometheus")
+
+
 class RunConfig(Section):
     name: str | None = Field(
         None, description="Run name (a folder under storage_path); unset = '<preset>-<timestamp>'."
@@ -283,6 +289,21 @@ class RunConfig(Section):
     def _plain_name(cls, value: str | None) -> str | None:
         if value is not None and (not value or "/" in value or value in {".", ".."}):
             raise ValueError(f"must be a plain folder name (no '/', not '.' or '..'), got {value!r}")
+        if value in SHARED_FOLDERS:
+            raise ValueError(
+                f"{value!r} is a folder every run under run.storage_path shares ({', '.join(SHARED_FOLDERS)}); "
+                "choose another run.name"
+            )
+        return value
+
+    @field_validator("storage_path")
+    @classmethod
+    def _directory(cls, value: str) -> str:
+        if "://" in value:
+            raise ValueError(
+                f"must be a directory (on a cluster, one every node mounts), not a URL, got {redact_url(value)!r}; "
+                "put s3:// storage in checkpoint.path and data.cache_dir"
+            )
         return value
 
 
@@ -293,14 +314,15 @@ class CheckpointConfig(Section):
     mode: Literal["async", "sync"] = Field(
         "async", description="async: the loop waits only while state is staged to host memory; sync: until written."
     )
-    path: str | None = Field(
+    path: OptionalLocation = Field(
         None,
         description="Root for checkpoints: a local/NFS path or s3://bucket/prefix (run.name is appended); "
         "unset = checkpoints/ in the run directory.",
     )
-    storage_options: dict[str, Any] = Field(
+    storage_options: StorageOptions = Field(
         default_factory=dict,
-        description="fsspec options for a remote path, e.g. {client_kwargs: {endpoint_url: ...}} for S3-compatible stores.",
+        description="fsspec options for a remote path, e.g. {client_kwargs: {endpoint_url: ...}} for S3-compatible "
+        "stores; shown redacted wherever meshtrain writes or prints the config.",
     )
     resume: bool = Field(True, description="Continue from the newest committed checkpoint when one exists.")
     allow_untested_scheme: bool = Field(
@@ -413,7 +435,7 @@ class MetricsConfig(Section):
         description="Log to MLflow from rank 0 (pip install -e '.[mlflow]'); one MLflow run per meshtrain run, "
         "continued across restarts.",
     )
-    mlflow_tracking_uri: str | None = Field(
+    mlflow_tracking_uri: OptionalLocation = Field(
         None, description="MLflow tracking URI (http(s)://server, sqlite:///file.db); unset = sqlite:///<run dir>/mlflow.db."
     )
     mlflow_experiment: str = Field("meshtrain", min_length=1, description="MLflow experiment of the run.")

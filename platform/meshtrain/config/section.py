@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 from fsspec.core import split_protocol
 from pydantic import BaseModel, ConfigDict
+
+from meshtrain.config.redaction import redacted_repr_args
 
 
 class Section(BaseModel):
     # No float setting may be inf or nan: pydantic rejects them on the field's own path ("finite_number").
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        # An exception or log line that prints a config must not carry its credentials.
+        return redacted_repr_args(type(self).model_fields, super().__repr_args__())
 
 
 def check_tested_scheme(url: str, where: str, opt_in: str | None = None) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from meshtrain.config import ConfigError, MeshtrainConfig, require_extra
+from meshtrain.config import ConfigError, MeshtrainConfig, redact_url, require_extra
 from meshtrain.observe.outputs import RunPaths
 from meshtrain.observe.trackers import flat_settings, tracker_run_id, unreachable
 
@@ -41,9 +41,14 @@ def check_mlflow(cfg: MeshtrainConfig) -> None:
     reason = unreachable(uri)
     if reason is not None:
         raise ConfigError(
-            f"metrics.mlflow_tracking_uri={uri} cannot be reached ({reason}); start the server, fix the URI, "
+            f"metrics.mlflow_tracking_uri={redact_url(uri)} cannot be reached ({reason}); start the server, fix the URI, "
             "or set metrics.mlflow=false"
         )
+
+
+def mlflow_params(cfg: MeshtrainConfig) -> list[tuple[str, str]]:
+    """The run's settings as MLflow parameters (dotted key, value as text), credentials redacted."""
+    return [(key, str(value)[:_PARAM_VALUE_LIMIT]) for key, value in flat_settings(cfg.model_dump(mode="json"))]
 
 
 class MlflowTracker:
@@ -68,7 +73,7 @@ class MlflowTracker:
             experiment_id, run_name=paths.name, tags={RUN_ID_TAG: run_id, "meshtrain.run_dir": str(paths.run_dir)}
         )
         self.run_id = run.info.run_id
-        params = [Param(key, str(value)[:_PARAM_VALUE_LIMIT]) for key, value in flat_settings(cfg.model_dump(mode="json"))]
+        params = [Param(key, value) for key, value in mlflow_params(cfg)]
         for start in range(0, len(params), _BATCH_LIMIT):
             self.client.log_batch(self.run_id, params=params[start : start + _BATCH_LIMIT])
 

@@ -33,6 +33,11 @@ class RunPaths:
     def summary(self) -> Path:
         return self.run_dir / "summary.json"
 
+    @property
+    def stop_request(self) -> Path:
+        """Where the driver asks the workers to save and stop (Ctrl-C, ``ray job stop``)."""
+        return self.run_dir / "stop_request.json"
+
 
 def write_summary(paths: RunPaths, summary: dict[str, Any]) -> None:
     tmp = paths.summary.with_suffix(".json.tmp")

@@ -60,6 +60,11 @@ def _has_api_key() -> bool:
         return False
 
 
+def wandb_config(cfg: MeshtrainConfig) -> dict[str, Any]:
+    """The run's settings as the W&B run's config, credentials redacted."""
+    return cfg.model_dump(mode="json")
+
+
 class WandbTracker:
     name = "wandb"
 
@@ -74,7 +79,7 @@ class WandbTracker:
             name=paths.name,
             resume="allow",
             tags=cfg.metrics.wandb_tags or None,
-            config=cfg.model_dump(mode="json"),
+            config=wandb_config(cfg),
             dir=str(paths.run_dir),
             settings=wandb.Settings(console="off", silent=True),
         )

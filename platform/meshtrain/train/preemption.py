@@ -17,6 +17,12 @@ Notices come two ways:
 The same mark with no node named is meshtrain's elastic policy asking the group to save before it
 grows it (:mod:`meshtrain.cluster.elastic_policy`): then the ranks save and wait to be restarted.
 
+A third kind of notice is an **interrupt**: Ctrl-C (SIGINT) or ``ray job stop`` (SIGTERM) reaching
+the driver. The driver writes a :class:`StopRequest` into the run directory and every rank's
+:class:`StopRequestWatch` turns it into a notice; the ranks save at the next step boundary as for a
+preemption, but then finish normally, so Ray does not restart them and the driver can say where the
+run stopped.
+
 One rank hearing is enough: :class:`StopVote` all-reduces every rank's flag each step (a one-int
 all-reduce on the loop's own gloo group, posted when the step starts and read when it ends, so it overlaps
 the step), every rank agrees to stop at the same step boundary, saves that step synchronously and
@@ -27,11 +33,15 @@ of the notice, the worker exits anyway: the notice period is ending.
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,7 +51,7 @@ from meshtrain.train.watchdog import _exit_worker
 
 
 # What a rank's notice flag says, ordered so the all-reduced maximum is what the group does.
-NO_NOTICE, RESIZE, PREEMPT = 0, 1, 2
+NO_NOTICE, RESIZE, PREEMPT, INTERRUPT = 0, 1, 2, 3
 
 
 class Preempted(RuntimeError):
@@ -55,17 +65,20 @@ class PreemptionNotice:
         self.budget_s, self.rank = budget_s, rank
         self.reason: str | None = None
         self.received: float | None = None
+        self.interrupted = False  # the notice is the driver's stop request, not a preemption
         self._given = threading.Event()
         self._done = threading.Event()
         self._exit = exit_process or _exit_worker
 
-    def give(self, reason: str) -> None:
-        """Record a notice (thread-safe; a second one changes nothing) and start its deadline."""
+    def give(self, reason: str, interrupt: bool = False) -> None:
+        """Record a notice (thread-safe; a second one changes nothing) and start its deadline.
+        ``interrupt``: the driver was interrupted, so the group saves and finishes instead of restarting."""
         if self._given.is_set():
             return
-        self.reason, self.received = reason, time.monotonic()
+        self.reason, self.received, self.interrupted = reason, time.monotonic(), interrupt
         self._given.set()
-        sys.stdout.write(f"[meshtrain] rank {self.rank}: preemption notice ({reason}); saving at the next step boundary, "
+        kind = "interrupted" if interrupt else "preemption notice"
+        sys.stdout.write(f"[meshtrain] rank {self.rank}: {kind} ({reason}); saving at the next step boundary, "
                          f"within fault.preemption_save_s={self.budget_s:g}\n")
         sys.stdout.flush()
         threading.Thread(target=self._deadline, name="meshtrain-preemption-deadline", daemon=True).start()
@@ -89,7 +102,7 @@ class PreemptionNotice:
         """This worker's notice: PREEMPT (by signal or Ray's drain notice), RESIZE (meshtrain's elastic
         policy asks the group to save before it grows it) or NO_NOTICE."""
         if self._given.is_set():
-            return PREEMPT
+            return INTERRUPT if self.interrupted else PREEMPT
         info = _ray_notice()
         if info is None:
             return NO_NOTICE
@@ -104,6 +117,55 @@ class PreemptionNotice:
         info = _ray_notice()
         if info is not None and not info.preempted_node_to_ranks:
             _ray_context().preemption_context.preemption_info = None
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """The driver's request that one launch's workers save and stop: a small JSON file in the run
+    directory (storage every node sees), naming the launch so a later launch of the run ignores it."""
+
+    path: str
+    launch_id: str
+
+    def write(self, reason: str) -> None:
+        tmp = f"{self.path}.tmp"
+        Path(tmp).write_text(json.dumps({"launch": self.launch_id, "reason": reason, "time": time.time()}))
+        os.replace(tmp, self.path)
+
+    def read(self) -> str | None:
+        """The reason of a request for this launch, or None."""
+        try:
+            request = json.loads(Path(self.path).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(request, dict) or request.get("launch") != self.launch_id:
+            return None
+        return str(request.get("reason") or "interrupted")
+
+    def clear(self) -> None:
+        Path(self.path).unlink(missing_ok=True)
+
+
+class StopRequestWatch:
+    """Turns the driver's stop request into an interrupt notice on this rank (checked twice a second
+    on a thread of its own, so the step pays nothing)."""
+
+    def __init__(self, request: StopRequest, notice: PreemptionNotice, interval_s: float = 0.5) -> None:
+        self.request, self.notice, self.interval_s = request, notice, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="meshtrain-stop-request", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            reason = self.request.read()
+            if reason is not None:
+                self.notice.give(reason, interrupt=True)
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _ray_context() -> Any:

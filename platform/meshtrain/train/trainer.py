@@ -32,7 +32,17 @@ from meshtrain.train.faults import FaultInjection
 from meshtrain.train.gc_schedule import ScheduledCollection
 from meshtrain.train.guard import BadStepLimit, StepGuard
 from meshtrain.train.optim import build_lr_scheduler, build_optimizer
-from meshtrain.train.preemption import PREEMPT, RESIZE, Preempted, PreemptionNotice, StopVote, defer_sigterm
+from meshtrain.train.preemption import (
+    INTERRUPT,
+    PREEMPT,
+    RESIZE,
+    Preempted,
+    PreemptionNotice,
+    StopRequest,
+    StopRequestWatch,
+    StopVote,
+    defer_sigterm,
+)
 from meshtrain.train.records import LoopOutputs
 from meshtrain.train.setup import build_sharded_model
 from meshtrain.train.step import train_step
@@ -53,6 +63,7 @@ class TrainResult:
     eval_loss_by_source: dict[str, float | None] = field(default_factory=dict)  # the last evaluation's
     skipped_steps: int = 0
     stopped: str | None = None  # why the run stopped before train.steps (the step guard)
+    interrupted: dict[str, Any] | None = None  # the driver was interrupted: at which step, what was saved
 
     @property
     def final_loss(self) -> float | None:
@@ -90,16 +101,17 @@ def train(
     metrics: TrainingMetrics | None = None,
     reporter: RayTrainReporter | None = None,
     on_straggler: Callable[[dict[str, Any]], None] | None = None,
+    stop_request: StopRequest | None = None,
 ) -> TrainResult:
     """Train until ``cfg.train.steps``, resuming from the newest committed checkpoint if any.
 
     ``on_record`` receives every logged step, evaluation and checkpoint event (rank 0 emits the save
     events); ``metrics`` (when given) is updated every step; ``reporter`` (every rank, or none) hands
-    logged steps to Ray Train.
+    logged steps to Ray Train; ``stop_request`` is where the driver asks the ranks to save and stop.
     """
     if isinstance(data, DataPlan):
         data = open_data(data, cfg.data.seq_len, cfg.train.seed)
-    trainer = Trainer(cfg, data, layout, device, on_record, metrics, reporter, on_straggler)
+    trainer = Trainer(cfg, data, layout, device, on_record, metrics, reporter, on_straggler, stop_request)
     try:
         return trainer.run()
     finally:
@@ -119,6 +131,7 @@ class Trainer:
         metrics: TrainingMetrics | None,
         reporter: RayTrainReporter | None = None,
         on_straggler: Callable[[dict[str, Any]], None] | None = None,
+        stop_request: StopRequest | None = None,
     ) -> None:
         self.cfg, self.layout = cfg, layout
         self.outputs = LoopOutputs(on_record, metrics, reporter)
@@ -190,6 +203,9 @@ class Trainer:
         )
         self.collection = ScheduledCollection(cfg.train.gc_every)
         self._restore_sigterm = defer_sigterm(self.notice) if self.notice is not None else None
+        self.stop_watch = (
+            StopRequestWatch(stop_request, self.notice) if stop_request is not None and self.notice is not None else None
+        )
 
     def run(self) -> TrainResult:
         cfg, progress = self.cfg, self.progress
@@ -226,6 +242,9 @@ class Trainer:
                     self.stragglers.at_logged_step(step)
                     self._check_preemption_budget(step)
                 notice = self.stop_vote.result() if self.stop_vote is not None else 0
+                if notice == INTERRUPT:
+                    self._stop_on_interrupt(step)
+                    break
                 if notice == PREEMPT:
                     self._stop_on_notice(step)
                 elif notice == RESIZE:
@@ -259,6 +278,15 @@ class Trainer:
         kept = f"checkpoint of step {step} committed" if saved else "no checkpoint saved (checkpoints off, or a skipped step)"
         raise Preempted(f"rank {self.layout.world_rank}: stopped at step {step} on a preemption notice ({reason}); {kept}")
 
+    def _stop_on_interrupt(self, step: int) -> None:
+        """The driver was interrupted (Ctrl-C, ``ray job stop``): save this step and finish normally,
+        so Ray does not restart the group and the driver can say where to resume from."""
+        assert self.notice is not None
+        saved = self.checkpointing.save_now(step)
+        self.notice.done()
+        self.result.interrupted = {"step": step, "saved": saved, "reason": self.notice.reason}
+        self.outputs.emit({"event": "interrupted", **self.result.interrupted})
+
     def _check_preemption_budget(self, step: int) -> None:
         """Once, when measured: a preemption budget that cannot hold a step and a save is a setting to fix."""
         budget = self.cfg.fault.preemption_save_s
@@ -290,6 +318,8 @@ class Trainer:
             self.watchdog.beat(doing, arm)
 
     def close(self) -> None:
+        if self.stop_watch is not None:
+            self.stop_watch.close()
         if self._restore_sigterm is not None:
             self._restore_sigterm()
         if self.stop_vote is not None:

@@ -1,0 +1,117 @@
+"""Why a worker group failed, in one line, and whether restarting it can help.
+
+Ray Train restarts a failed group up to ``run.max_failures`` times whatever the error was. A
+restart helps when a worker or node was lost, a collective hung or timed out, or the job was
+preempted; it cannot help when the input is wrong: a config error, corrupt data or checkpoints, no
+loadable checkpoint, a storage path without space or permission. Those fail the same way every time,
+so :class:`meshtrain.cluster.ray_trainer.StopOnPermanentFailure` (Ray's own failure policy, handed
+to its controller the way the elastic policy is) stops the run at the first one, and the driver's final line names it.
+
+Every worker stamps what it raises with its rank, node and time (:func:`stamp`); the stamps travel
+with the exception (Ray pickles it with its ``__dict__``), so the driver can tell the rank that failed
+first from the ranks that only lost a peer.
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from meshtrain.config import ConfigError, PermanentError
+
+# Storage errors a restart cannot fix: the same path fails the same way on the next start.
+PERMANENT_ERRNOS = frozenset({
+    errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG,
+})
+# What the ranks that only lost a peer (one that died, ran out of memory or failed first) report.
+_PEER_LOST = re.compile(
+    r"gloo|nccl|connection reset|closed by peer|remote worker|ProcessGroup|Connection refused|Broken pipe", re.IGNORECASE
+)
+# The last "Type: message" line of a traceback printed into an error's message (Ray's wrappers).
+_ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)): ?(.*)$")
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """Whether a restart of the worker group would fail the same way."""
+    if isinstance(exc, (ConfigError, PermanentError)):
+        return True
+    return isinstance(exc, OSError) and exc.errno in PERMANENT_ERRNOS
+
+
+def stamp(exc: BaseException, rank: int, node: str | None) -> None:
+    """Record on ``exc`` where and when it was raised (kept when Ray sends it to the driver)."""
+    try:
+        exc.meshtrain_rank, exc.meshtrain_node = rank, node  # type: ignore[attr-defined]
+        exc.meshtrain_time = time.time()  # type: ignore[attr-defined]
+    except AttributeError:  # an exception type without a __dict__: the rank Ray reports still names it
+        pass
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The error that ended a worker group: where it was raised, and whether a restart can help."""
+
+    rank: int | None
+    node: str | None
+    error: str  # "Type: message", one line
+    permanent: bool
+    other_ranks: int = 0  # how many more ranks failed (mostly peers of this one)
+
+    def describe(self) -> str:
+        where = "" if self.rank is None else f"rank {self.rank}{f' on {self.node}' if self.node else ''}: "
+        others = f" (+{self.other_ranks} other rank(s) failed)" if self.other_ranks else ""
+        return f"{where}{self.error}{others}"
+
+
+def root_failure(exc: BaseException) -> Failure:
+    """The failure under Ray's wrappers: of a worker group's errors, a permanent one first, then the
+    earliest that is not a rank losing its peer, then the lowest rank."""
+    root = _unwrapped(exc)
+    failures = getattr(root, "worker_failures", None)
+    if not (isinstance(failures, dict) and failures):
+        return Failure(None, None, one_line(root), is_permanent(root))
+    errors = {rank: _unwrapped(error) for rank, error in failures.items() if isinstance(error, BaseException)}
+    if not errors:
+        return Failure(None, None, one_line(root), False)
+
+    def order(item: tuple[int, BaseException]) -> tuple[bool, bool, float, int]:
+        rank, error = item
+        stamped = getattr(error, "meshtrain_time", None)
+        return (not is_permanent(error), bool(_PEER_LOST.search(str(error))), stamped or float("inf"), rank)
+
+    rank, error = min(errors.items(), key=order)
+    return Failure(
+        getattr(error, "meshtrain_rank", rank), getattr(error, "meshtrain_node", None), one_line(error),
+        is_permanent(error), len(errors) - 1,
+    )
+
+
+def _unwrapped(exc: BaseException) -> BaseException:
+    """Follow Ray's task and controller wrappers down to a worker group's error or the innermost one."""
+    seen: set[int] = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        if getattr(exc, "worker_failures", None):
+            return exc
+        inner = vars(exc).get("cause") or getattr(exc, "controller_failure", None) or exc.__cause__
+        if not isinstance(inner, BaseException):
+            return exc
+        exc = inner
+    return exc
+
+
+def one_line(exc: BaseException, limit: int = 240) -> str:
+    """``Type: message`` on one line; for an error carrying a remote traceback, its last error line."""
+    text = str(exc)
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    errors = [m for m in map(_ERROR_LINE.match, lines) if m] if "Traceback (most recent call last)" in text else []
+    if errors:
+        line = f"{errors[-1][1].rsplit('.', 1)[-1]}: {errors[-1][3]}"
+    elif isinstance(exc, OSError) and exc.strerror:
+        line = f"{type(exc).__name__}: {exc.strerror}" + (f": {exc.filename}" if exc.filename else "")
+    else:
+        line = f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
