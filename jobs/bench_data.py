@@ -1,6 +1,8 @@
-"""Benchmark the token store: prepare throughput on 1 and 2 CPUs, and launch-to-first-step time (median of (meshtrain.bench.data).
+"""Benchmark the token store: the cost of checking every read, prepare throughput on 1 and 2 CPUs, and
+launch-to-first-step time (meshtrain.bench.data).
 
     python jobs/bench_data.py                       # 10 MB and 200 MB corpora under /tmp
+    python jobs/bench_data.py --verification-only   # checked vs unchecked reads only (seconds)
     python jobs/bench_data.py --sizes-mb 10 400     # another pair of sizes
 """
 

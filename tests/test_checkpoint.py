@@ -210,7 +210,7 @@ def test_broken_newest_checkpoint_falls_back_to_the_previous_one(
 def test_only_broken_checkpoints_stop_the_run_instead_of_starting_over(unbroken: dict, corpus: DataPlan, tmp_path: Path) -> None:
     seed_run_with(tmp_path, "hopeless", ckpt_dir(unbroken["storage"], "unbroken", 8))
     (ckpt_dir(tmp_path, "hopeless", 8) / ".metadata").unlink()
-    with pytest.raises(AssertionError, match="no usable checkpoint in .*hopeless/checkpoints"):
+    with pytest.raises(AssertionError, match="NoLoadableCheckpoint: no loadable checkpoint in .*hopeless/checkpoints"):
         run(config(tmp_path, "hopeless", 2), corpus, 2)
     assert not ckpt_dir(tmp_path, "hopeless", 12).exists()
 

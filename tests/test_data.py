@@ -55,6 +55,31 @@ def test_missing_text_column_is_a_config_error(tmp_path) -> None:
         all_documents(SourceConfig(source=str(source)))
 
 
+@pytest.mark.parametrize(
+    "columns, files, message",
+    [
+        ({"text": [[1, 2, 3]]}, ["a.parquet"],
+         r"^data.text_field: column 'text' of \S+a.parquet holds int values \(row 0\), not text; set data.text_field to the "
+         "column holding the text$"),
+        ({"text": [["one", None, "three"]]}, ["a.parquet"],
+         r"^data.text_field: row 1 of \S+a.parquet has no text \(column 'text' is null\); drop or fill that row, or set "
+         "data.text_field to a column with text in every row$"),
+        ({"text": [["one", "two"], ["three", None]]}, ["a.parquet", "b.parquet"],  # one unit of two files
+         r"^data.text_field: row 1 of \S+b.parquet has no text \(column 'text' is null\)"),
+    ],
+    ids=["integer-column", "null-row", "null-row-in-the-second-file"],
+)
+def test_a_parquet_column_that_is_not_text_is_one_line_naming_the_file(tmp_path, columns, files, message) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for k, name in enumerate(files):
+        pq.write_table(pa.table({field: values[k] for field, values in columns.items()}), tmp_path / name)
+    with pytest.raises(ConfigError, match=message) as info:
+        all_documents(SourceConfig(source=str(tmp_path)))
+    assert "\n" not in str(info.value)
+
+
 def test_a_small_corpus_is_cut_finer_than_the_unit_size_but_not_below_one_mib() -> None:
     from meshtrain.data.sources import MIN_UNIT_BYTES, UNITS_WANTED, unit_target
 

@@ -336,3 +336,62 @@ def test_cli_exports_newest_step_of_a_root(runs: dict[str, Run], tmp_path: Path)
     assert torch.equal(weights["model.embed_tokens.weight"], newest["tok_embeddings.weight"])
     assert torch.equal(weights["lm_head.weight"], newest["output.weight"])
     assert os.path.isfile(out / "tokenizer.json")
+
+
+# --- untrusted storage ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reseal_it", [False, True], ids=["checksum stale", "checksum edited to match"])
+def test_export_refuses_a_crafted_metadata_without_running_it(
+    runs: dict[str, Run], tmp_path: Path, reseal_it: bool
+) -> None:
+    from test_checkpoint_trust import plant_metadata_payload
+
+    copy = tmp_path / "checkpoints" / "step-00000004"
+    shutil.copytree(runs["untied-gqa"].step(4), copy)
+    proof = tmp_path / "payload-ran"
+    plant_metadata_payload(copy, proof, reseal_it=reseal_it)
+    detail = ".metadata refers to posix.system, which DCP metadata never holds" if reseal_it else ".metadata ends at byte"
+
+    with pytest.raises(CheckpointError, match=re.escape(f"checkpoint {copy}: {detail}")):
+        export_checkpoint(str(copy), "torch", tmp_path / "model.pt")
+    result = run_export(str(copy), "--format", "hf", str(tmp_path / "hf"))
+    assert_one_line_error(result, f"checkpoint {copy}: {detail}")
+    assert not proof.exists()
+    assert not (tmp_path / "model.pt").exists() and not (tmp_path / "hf").exists()
+
+
+def test_export_verifies_every_byte_even_those_it_does_not_export(runs: dict[str, Run], tmp_path: Path) -> None:
+    from test_checkpoint_trust import dcp_metadata
+
+    copy = tmp_path / "step-00000004"
+    shutil.copytree(runs["untied-gqa"].step(4), copy)
+    info = next(i for index, i in dcp_metadata(copy).storage_data.items() if index.fqn.endswith(".exp_avg_sq"))
+    shard = copy / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x04
+    shard.write_bytes(bytes(data))
+
+    result = run_export(str(copy), "--format", "safetensors", str(tmp_path / "model.safetensors"))
+    assert_one_line_error(result, f"checkpoint {copy}: {info.relative_path} at offset {info.offset} ", "does not match its checksum")
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_a_checkpoint_from_before_checksums_exports_with_a_note_and_damage_is_one_line(
+    runs: dict[str, Run], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from test_checkpoint_trust import dcp_metadata, strip_checksums
+
+    copy = tmp_path / "step-00000004"
+    shutil.copytree(runs["untied-gqa"].step(4), copy)
+    strip_checksums(copy)
+    export_checkpoint(str(copy), "torch", tmp_path / "model.pt")
+    assert f"checkpoint {copy} has no checksums (written before meshtrain recorded them)" in capfd.readouterr().err
+
+    info = next(i for index, i in dcp_metadata(copy).storage_data.items() if index.fqn == "train.model.norm.weight")
+    shard = copy / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset : info.offset + 4] = b"\0\0\0\0"  # the item's zip header: torch.load fails on it
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"^checkpoint {re.escape(str(copy))}: [^\n]+$"):
+        export_checkpoint(str(copy), "torch", tmp_path / "damaged.pt")

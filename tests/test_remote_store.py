@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from meshtrain.bench.scale import write_store
-from meshtrain.config import ConfigError
+from meshtrain.config import ConfigError, PermanentError
 from meshtrain.data import TokenStore
 from meshtrain.data import remote as remote_module
+from meshtrain.data.integrity import CorruptTokens
 from meshtrain.data.remote import StorageUnavailable
 from meshtrain.data.store import ReadSettings
 from s3server import moto_s3
@@ -119,6 +120,25 @@ def test_a_corrupted_block_is_refused_in_one_line(tmp_path, monkeypatch) -> None
         with pytest.raises(ConfigError, match=rf"^data.source: block 3 \(bytes {3 * BLOCK}-{4 * BLOCK}\) of shard "
                            "s3://data/s/shard-000001.bin does not match its recorded checksum; prepare the store again$"):
             store.read(10_000 + 3 * BLOCK // 2, 10_000 + 3 * BLOCK // 2 + 8)
+
+
+def test_a_token_past_the_vocabulary_is_refused_on_s3_too(tmp_path, monkeypatch) -> None:
+    """A block that matches its checksum but holds an id past the vocabulary (a shard written wrong) is
+    named like a local one: shard, byte and the command that prepares it again."""
+    summary = write_store(tmp_path / "store", shards=2, tokens_per_shard=10_000, sparse=False)
+    shard = Path(summary["url"]) / "shard-000001.bin"
+    tokens = np.fromfile(shard, dtype="<u2")
+    tokens[1234] = 40_000  # the store's vocabulary is 512
+    shard.write_bytes(tokens.tobytes())
+    shard.with_suffix(".crc32").write_bytes(remote_module.block_crcs(tokens.tobytes()))
+    with moto_s3(monkeypatch, "data") as options:
+        url = _upload(Path(summary["url"]), options, "s")
+        store = TokenStore(url, options, reading=ReadSettings(local_cache_dir=str(tmp_path / "c"), read_timeout_s=10))
+        assert np.array_equal(store.read(10_000, 11_234), tokens[:1234])
+        with pytest.raises(CorruptTokens, match=r"^data.source: shard s3://data/s/shard-000001.bin is corrupt at byte offset "
+                           "2468: token id 40000 is outside the tokenizer's vocabulary of 512; prepare the store again") as info:
+            store.read(11_000, 11_300)
+    assert isinstance(info.value, PermanentError) and "\n" not in str(info.value)
 
 
 def test_a_cache_bound_smaller_than_one_read_is_one_line(tmp_path, monkeypatch) -> None:

@@ -366,5 +366,8 @@ def test_a_rerun_may_move_the_cache_or_allow_other_data_but_not_change_the_sourc
     (tmp_path / "text.txt").write_text("other data")
     rerun()
     rerun(f"data.cache_dir={tmp_path / 'elsewhere'}", "data.allow_fingerprint_change=true")
+    committed = tmp_path / "r" / "checkpoints" / "step-00000010"  # a run with a checkpoint to resume
+    committed.mkdir(parents=True)
+    (committed / "COMMITTED").write_text("{}")
     with pytest.raises(ConfigError, match="data.source: run r was started with 'stdlib'"):
         rerun(f"data.source={tmp_path / 'text.txt'}")

@@ -1,5 +1,14 @@
-"""Benchmark the token store: prepare throughput on 1 and 2 CPUs, and launch-to-first-step time (median of
---launches) and worker memory with a cached store, for a small and a 20x larger synthetic corpus.
+"""Benchmark the token store: what checking every read costs, prepare throughput on 1 and 2 CPUs, and
+launch-to-first-step time (median of --launches) and worker memory with a cached store, for a small and
+a 20x larger synthetic corpus.
+
+The verification cost comes first and takes about a minute (``--verification-only`` stops there):
+one rank's batches are read from a store written directly, checked (blocks against the shards'
+.crc32 lists, tokens against the vocabulary) and unchecked (as reads were before the checks), the
+two taking the same windows step by step in turn. Two figures per sequence length, each the wait
+for a step's batches (the trainer's ``data_wait_s``): with the reads in the step
+(``data.read_ahead_steps=0``: the checks' whole cost is in it) and with the default read-ahead while
+a simulated step of --step-ms runs; the goal is a checked/unchecked ratio <= 1.02 for the latter.
 
 Run with ``python jobs/bench_data.py`` (its docstring shows examples; ``--help`` lists the options).
 
@@ -23,7 +32,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import psutil
 
 REPO = Path(__file__).resolve().parents[3]  # the checkout: benchmarks run its jobs/ and read its configs
@@ -123,14 +134,142 @@ def first_step(store: str, storage: Path, name: str) -> tuple[float, int]:
     return first, memory.peak
 
 
+def flip_token_bit(store: str, token: int, bit: int) -> tuple[Path, int]:
+    """Flip bit ``bit`` (0 = lowest) of token ``token`` (its position in the stream) in a local store's
+    shard, leaving the shard's size and checksum lists as they were, as a bad disk would: a read of
+    that token then fails with :class:`~meshtrain.data.integrity.CorruptTokens`. Returns the shard's
+    path and the byte changed in it. Shards are ``<store>/shard-NNNNNN.bin``, little-endian tokens."""
+    from meshtrain.data.store import TokenStore, shard_name
+
+    tokens = TokenStore(store)
+    tokens.close()
+    if not tokens.location.is_local:
+        raise ValueError(f"{store} is not a local store; flip bits in a local copy")
+    itemsize = tokens.dtype.itemsize
+    if not 0 <= token < len(tokens) or not 0 <= bit < 8 * itemsize:
+        raise ValueError(f"token {token} bit {bit} is not in {store} ({len(tokens)} tokens of {8 * itemsize} bits)")
+    shard = tokens.index.shard_of(token)
+    byte = (token - tokens.index.start(shard)) * itemsize + bit // 8
+    path = Path(tokens.location.path(shard_name(shard)))
+    with open(path, "r+b") as handle:
+        handle.seek(byte)
+        value = handle.read(1)[0] ^ (1 << bit % 8)
+        handle.seek(byte)
+        handle.write(bytes([value]))
+    return path, byte
+
+
+class UncheckedReads:
+    """A store's stream read as it was before reads were checked: positional reads of exactly the bytes
+    asked for, no checksum and no vocabulary check (the baseline of the verification cost)."""
+
+    def __init__(self, store: Any) -> None:
+        from meshtrain.data.store import OpenFiles
+
+        self.store, self.files = store, OpenFiles()
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        from meshtrain.data.store import shard_name
+
+        index, itemsize, dtype = self.store.index, self.store.dtype.itemsize, self.store.dtype
+        shard, position, pieces = index.shard_of(start), start, []
+        while position < stop:
+            shard_start, end = index.start(shard), min(stop, index.end(shard))
+            if end > position:
+                offset, size = (position - shard_start) * itemsize, (end - position) * itemsize
+                data = self.files.read(self.store.location.path(shard_name(shard)), offset, size)
+                pieces.append(np.frombuffer(data, dtype=dtype))
+            position, shard = end, shard + 1
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+
+def _paired_waits(streams: dict[str, Any], seq_len: int, steps: int, batch: int, read_ahead: int,
+                  step_s: float) -> dict[str, list[float]]:
+    """Seconds the calling thread waits for each step's batches (the trainer's ``data_wait_s``), one
+    rank reading the same windows from each stream: the streams take steps in turn (the first one
+    alternating), each step followed by ``step_s`` of sleep, so load that comes and goes on a shared
+    machine weighs on both. Python's automatic garbage collection is off meanwhile, as the trainer
+    has it (``train.gc_every``)."""
+    import gc
+
+    import torch
+
+    from meshtrain.config import DataConfig
+    from meshtrain.data import DataParallelBatches, PackedSequences
+
+    threads = DataConfig().read_threads
+    batches = {name: DataParallelBatches(PackedSequences(stream, seq_len, 0), batch, 8, 0, 1, torch.device("cpu"),
+                                         read_ahead_steps=read_ahead, read_threads=threads)
+               for name, stream in streams.items()}
+    waits: dict[str, list[float]] = {name: [] for name in streams}
+    gc.collect()
+    gc.disable()
+    try:
+        for step in range(steps):
+            for name in (list(streams) if step % 2 else list(streams)[::-1]):
+                started = time.perf_counter()
+                list(batches[name].next_step())
+                waits[name].append(time.perf_counter() - started)
+                time.sleep(step_s)
+    finally:
+        gc.enable()
+        for reader in batches.values():
+            reader.close()
+    return {name: times[read_ahead:] for name, times in waits.items()}  # from the first step read ahead
+
+
+def verification_cost(work: Path, seq_lens: list[int], batch: int, steps: int, step_s: float) -> None:
+    """Print, per sequence length, one rank's data-path time per step with checked and unchecked reads."""
+    from meshtrain.bench.scale import write_store
+    from meshtrain.config import DataConfig
+    from meshtrain.data import TokenStore
+
+    summary = write_store(work / "verify-store", shards=64, tokens_per_shard=1 << 20, sparse=False)
+    checked = TokenStore(summary["url"])
+    streams = {"unchecked": UncheckedReads(checked), "checked": checked}
+    read_ahead = DataConfig().read_ahead_steps
+    print(f"verification cost: {summary['tokens']:,}-token uint16 store with .crc32 lists, {batch} samples per step on "
+          f"one rank (micro-batches of 8), {steps} steps each way; ms per step (medians), ratio = median of the "
+          "steps' checked / unchecked")
+    print("| seq_len | bytes read / step | in the step (read_ahead_steps=0): unchecked | checked | ratio | "
+          f"with read-ahead {read_ahead} and {step_s * 1000:.0f} ms steps: unchecked | checked | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for seq_len in seq_lens:
+        cells = [f"{seq_len}", f"{batch * (seq_len + 1) * 2:,}"]
+        for ahead, pause in ((0, 0.0), (read_ahead, step_s)):
+            waits = _paired_waits(streams, seq_len, steps, batch, ahead, pause)
+            plain, verified = waits["unchecked"], waits["checked"]
+            ratio = statistics.median(v / p for v, p in zip(verified, plain))
+            cells += [f"{statistics.median(plain) * 1000:.2f}", f"{statistics.median(verified) * 1000:.2f}",
+                      f"{ratio:.3f}"]
+        print(f"| {' | '.join(cells)} |", flush=True)
+    checked.close()
+    print("goal: checked / unchecked <= 1.02 with read-ahead (the default: a step's reads and their checks run in "
+          "the reader threads while the step before trains)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mb", type=int, nargs=2, default=[10, 200], help="small and large corpus, MB of text")
     parser.add_argument("--launches", type=int, default=3, help="launches per corpus; the median time is shown")
     parser.add_argument("--workdir", default="/tmp/meshtrain-bench-data", help="corpora, stores and runs go here")
+    parser.add_argument("--verify-seq-lens", type=int, nargs="+", default=[2048, 8192],
+                        help="sequence lengths of the verification cost")
+    parser.add_argument("--verify-batch", type=int, default=64,
+                        help="one rank's samples per step in the verification cost")
+    parser.add_argument("--verify-steps", type=int, default=200, help="steps each way in the verification cost")
+    parser.add_argument("--step-ms", type=float, default=50.0, help="simulated step time while reading ahead")
+    parser.add_argument("--verification-only", action="store_true", help="measure the verification cost only")
     args = parser.parse_args()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
+    verification_cost(work, args.verify_seq_lens, args.verify_batch, args.verify_steps, args.step_ms / 1000)
+    if args.verification_only:
+        return
+    print()
     corpora = {size: make_corpus(work / f"corpus-{size}mb", size) for size in args.sizes_mb}
 
     tokenizer = work / "tokenizer.json"

@@ -1,8 +1,10 @@
 """Turn a committed DCP checkpoint into consolidated weights: one file, or a Hugging Face directory.
 
 Only the model tensors are read (never the optimizer state), in this one process, into full fp32
-tensors on CPU. The checkpoint may live on a local path or an fsspec URL (``s3://bucket/prefix``).
-The torch and safetensors formats hold the whole model in memory; hf streams it tensor by tensor.
+tensors on CPU. Before that every file of the checkpoint is read once and checked against the
+checksums its commit marker vouches for, and nothing read is unpickled beyond DCP's metadata
+classes and plain data (see ``dcp_files``). The checkpoint may live on a local path or an fsspec
+URL (``s3://bucket/prefix``). The torch and safetensors formats hold the whole model in memory; hf streams it tensor by tensor.
 
 Formats:
 
@@ -27,6 +29,7 @@ import functools
 import json
 import os
 import shutil
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,8 +41,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from pydantic import ValidationError
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.api import CheckpointException
 
 from meshtrain.checkpoint.storage import (
+    BAD_MARKER,
     COMMIT_MARKER,
     CheckpointError,
     CheckpointStorage,
@@ -77,9 +82,16 @@ def resolve_checkpoint(path: str, storage_options: dict[str, Any] | None = None)
     storage = CheckpointStorage(path, storage_options)
     if storage.fs.exists(f"{storage.root.rstrip('/')}/{COMMIT_MARKER}"):
         return path
-    committed = storage.committed()
+    committed = storage.all_committed()
+    loadable = [checkpoint for checkpoint in committed if checkpoint.bad is None]
+    if loadable:
+        return storage.display(loadable[0].path)
     if committed:
-        return storage.display(committed[0].path)
+        newest = committed[0]
+        raise CheckpointError(
+            f"no loadable checkpoint under {storage.display(storage.root)}: every committed one is bad (step "
+            f"{newest.step}: {newest.bad}); give a step directory once it is repaired and its {BAD_MARKER} file removed"
+        )
     interrupted = storage.uncommitted()
     if interrupted:
         raise CheckpointError(
@@ -107,8 +119,20 @@ def _read_committed(storage: CheckpointStorage) -> CommittedCheckpoint:
         raise CheckpointError(
             f"checkpoint {shown}: {COMMIT_MARKER} has no model_args; it was not written by meshtrain"
         )
+    bad = storage.bad_reason(path)
+    if bad is not None:
+        raise CheckpointError(
+            f"checkpoint {shown} is marked bad ({bad}); repair it and remove its {BAD_MARKER} file, "
+            "or give another step"
+        )
     checkpoint = CommittedCheckpoint(path, int(manifest.get("step", -1)), manifest)
     storage.validate(checkpoint)
+    if not storage.verify_files(checkpoint):  # every byte, whole files: an export reads the checkpoint once
+        print(
+            f"[meshtrain] checkpoint {shown} has no checksums (written before meshtrain recorded them): "
+            "checked its file sizes only",
+            file=sys.stderr,
+        )
     return checkpoint
 
 
@@ -164,7 +188,8 @@ class _Checkpoint:
 
     @functools.cached_property
     def reader(self) -> dcp.StorageReader:
-        return self.storage.reader(self.committed.path, metadata_once=True)
+        """Reads ``.metadata`` once, and checks each tensor it reads against the checkpoint's checksums."""
+        return self.storage.reader(self.committed.path, self.storage.sidecars(self.committed))
 
     def to_load(self, model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The entries of ``model_state`` (a model's state dict) to read, checked against the metadata."""
@@ -173,9 +198,16 @@ class _Checkpoint:
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
         """Fill ``state``'s tensors (meshtrain names) from the checkpoint, reading nothing else."""
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load({"train": {"model": state}}, storage_reader=self.reader, no_dist=True)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+                dcp.load({"train": {"model": state}}, storage_reader=self.reader, no_dist=True)
+        except CheckpointException as exc:  # DCP's wrapper (a BaseException) around this process's failure
+            failure = next(iter(exc.failures.values()))[0]
+            if isinstance(failure, CheckpointError):
+                raise failure from None
+            first = (str(failure).strip().splitlines() or [type(failure).__name__])[0]
+            raise CheckpointError(f"checkpoint {self.storage.display(self.committed.path)}: {first}") from None
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """The whole model as fp32 CPU tensors (a tied embedding is one tensor under both names)."""

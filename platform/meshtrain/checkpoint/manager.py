@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -10,21 +11,23 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from meshtrain.checkpoint.dcp_files import ChecksummedWriting
+from meshtrain.checkpoint.errors import CheckpointError, CheckpointUnreachable, NoLoadableCheckpoint
+from meshtrain.checkpoint.save_failures import is_full, not_writable, storage_full, storage_os_error
 from meshtrain.checkpoint.state import TrainState
+from meshtrain.checkpoint.storage import BAD_MARKER, CheckpointStorage, CommittedCheckpoint
 from meshtrain.checkpoint.write_progress import counting_writes
-from meshtrain.checkpoint.storage import (
-    CheckpointError,
-    CheckpointStorage,
-    CommittedCheckpoint,
-)
 
 
 @dataclass
 class _PendingSave:
     step: int
     path: str
+    state: TrainState
+    writer: ChecksummedWriting
     future: Future
     started: float
     blocking_s: float
@@ -70,24 +73,60 @@ class CheckpointManager:
         self.finish_pending()
         step = state.progress.step
         path = self.storage.step_dir(step)
-        if self.rank == 0:
-            self.storage.remove(path)  # leftovers of a save that was interrupted before its commit
-        self._barrier()
-        state.include_rng = True
-        started = time.perf_counter()
-        writer = counting_writes(self.storage.writer(path))  # the hang watchdog sees a long save progress
-        kwargs = {"storage_writer": writer, "process_group": self.group, "no_dist": not self.distributed}
-        if self.asynchronous and not wait:
-            future = dcp.async_save({"train": state}, async_stager=self._staging(state, writer), **kwargs)
-        else:
-            dcp.save({"train": state}, **kwargs)
-            future = Future()
-            future.set_result(None)
-        pending = _PendingSave(step, path, future, started, time.perf_counter() - started, manifest)
+        try:
+            if self.rank == 0:
+                self._clear_step_dir(path, step)
+            self._barrier()
+            state.include_rng = True
+            started = time.perf_counter()
+            writer = self.storage.writer(path)
+            counting_writes(writer)  # the hang watchdog sees a long save progress
+            kwargs = {"storage_writer": writer, "process_group": self.group, "no_dist": not self.distributed}
+            if self.asynchronous and not wait:
+                future = dcp.async_save({"train": state}, async_stager=self._staging(state, writer), **kwargs)
+            else:
+                dcp.save({"train": state}, **kwargs)
+                future = Future()
+                future.set_result(None)
+        except (Exception, CheckpointException) as exc:
+            self._stop_if_storage_failed(exc, path, state)
+            raise
+        pending = _PendingSave(step, path, state, writer, future, started, time.perf_counter() - started, manifest)
         future.add_done_callback(lambda _: pending.finished.append(time.perf_counter()))
         self._pending = pending
         if wait or not self.asynchronous:
             self.finish_pending()
+
+    def _clear_step_dir(self, path: str, step: int) -> None:
+        """Make room for the save of ``step``: leftovers of a save interrupted before its commit are
+        removed; a committed checkpoint that is bad is moved aside, never deleted."""
+        existing = self.storage.committed_at(step)
+        if existing is None or existing.bad is None:
+            self.storage.remove(path)
+            return
+        moved = self.storage.set_aside(path)
+        self.log(
+            f"[meshtrain] checkpoint {self.storage.display(path)} is bad ({existing.bad}); "
+            f"moved it to {moved} to save step {step} again"
+        )
+
+    def _stop_if_storage_failed(self, exc: BaseException, path: str, state: TrainState) -> None:
+        """Raise a one-line PermanentError if ``exc`` says the storage is full (after removing the
+        partial save) or refuses writes; return otherwise (the caller re-raises ``exc``)."""
+        error = storage_os_error(exc)
+        if error is None:
+            return
+        shown = self.storage.display(path)
+        if not is_full(error):
+            raise not_writable(error, shown) from exc
+        if self.rank == 0:
+            self.storage.remove(path)  # every rank's writes ended: DCP gathered their results first
+        previous = self.storage.committed()
+        if previous and previous[0].manifest.get("bytes"):
+            needed, basis = int(previous[0].manifest["bytes"]), "the size of the previous checkpoint"
+        else:
+            needed, basis = state.nbytes(), "the size of the training state"
+        raise storage_full(error, shown, needed, basis, self.storage.free_bytes(path)) from exc
 
     def _staging(self, state: TrainState, writer: dcp.StorageWriter) -> DefaultStager:
         """The stager that copies the state to host memory, kept so every save refills the same host
@@ -121,12 +160,19 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        pending.future.result()  # raises if any rank failed to write: then nothing is committed
+        manifest: dict[str, Any] = {}
+        try:
+            pending.future.result()  # raises if any rank failed to write: then nothing is committed
+            if self.rank == 0:
+                # Rank 0's save returns only after DCP gathered every rank's write results (and their
+                # checksums) and wrote the metadata, so all shards are durable when the marker goes down.
+                manifest = {"step": pending.step, **pending.manifest}
+                manifest = self.storage.commit(pending.path, manifest, pending.writer.written)
+        except (Exception, CheckpointException) as exc:
+            self._stop_if_storage_failed(exc, pending.path, pending.state)
+            raise
         if self.rank != 0:
             return
-        # Rank 0's save returns only after DCP gathered every rank's write results and wrote the
-        # metadata, so all shards are on storage (fsynced) when the marker goes down.
-        manifest = self.storage.commit(pending.path, {"step": pending.step, **pending.manifest})
         total = (pending.finished[0] if pending.finished else time.perf_counter()) - pending.started
         self._emit(
             {
@@ -142,6 +188,8 @@ class CheckpointManager:
         self._prune(pending.step)
 
     def _prune(self, newest: int) -> None:
+        """Keep the ``keep`` newest checkpoints not marked bad (the newest loadable one always among
+        them); checkpoints marked bad stay for inspection and do not count."""
         for checkpoint in self.storage.committed()[self.keep :]:
             self.storage.remove(checkpoint.path)
         for step, path in self.storage.uncommitted():
@@ -151,56 +199,98 @@ class CheckpointManager:
     # --- restoring ----------------------------------------------------------------------------
 
     def any_committed(self) -> bool:
-        """Whether there is a committed checkpoint to resume from (rank 0 lists, every rank agrees)."""
-        return bool(self._broadcast(bool(self.storage.committed()) if self.rank == 0 else None))
+        """Whether there is a committed checkpoint, marked bad or not (rank 0 lists, every rank agrees):
+        with only bad ones the run must stop in ``restore``, not start over and overwrite them."""
+        return bool(self._broadcast(bool(self.storage.all_committed()) if self.rank == 0 else None))
 
     def restore(self, state: TrainState) -> CommittedCheckpoint | None:
-        """Load the newest usable committed checkpoint into ``state``; fall back past broken ones.
+        """Load the newest loadable committed checkpoint into ``state``, falling back past broken ones.
 
-        Returns None when there is no committed checkpoint. Raises CheckpointError when there are
-        some but none can be loaded (starting over would later overwrite them).
+        A checkpoint that fails to load on any rank (missing or damaged files, a checksum mismatch,
+        other shapes or keys, metadata that is unreadable or refused) is marked bad, with one line,
+        and the next older one is tried; every rank takes the same decision. Returns None when there
+        is no committed checkpoint; raises NoLoadableCheckpoint when none loads.
         """
-        candidates = self._broadcast(self.storage.committed() if self.rank == 0 else None)
-        failures = []
-        for checkpoint in candidates:
-            problem = None
-            if self.rank == 0:
-                try:
-                    self.storage.validate(checkpoint)
-                except CheckpointError as exc:
-                    problem = str(exc)
-            problem = self._broadcast(problem)
+        listing: list[CommittedCheckpoint] = self._broadcast(
+            self.storage.all_committed() if self.rank == 0 else None
+        )
+        if not listing:
+            return None
+        tried = []
+        for index, checkpoint in enumerate(listing):
+            shown = self.storage.display(checkpoint.path)
+            if checkpoint.bad is not None:
+                tried.append(f"checkpoint {shown}: skipped ({checkpoint.bad})")
+                if self.rank == 0:
+                    self.log(f"[meshtrain] checkpoint {shown} skipped: it is bad ({checkpoint.bad})")
+                continue
+            problem = self._load(state, checkpoint)
             if problem is None:
-                try:
-                    started = time.perf_counter()
-                    state.include_rng = checkpoint.manifest.get("world_size") == self.world_size
-                    dcp.load(
-                        {"train": state},
-                        storage_reader=self.storage.reader(checkpoint.path),
-                        process_group=self.group,
-                        no_dist=not self.distributed,
-                    )
-                    self._emit(
-                        {
-                            "event": "checkpoint_load",
-                            "step": checkpoint.step,
-                            "path": self.storage.display(checkpoint.path),
-                            "load_s": time.perf_counter() - started,
-                            "rng_restored": state.include_rng,
-                        }
-                    )
-                    return checkpoint
-                except Exception as exc:  # DCP wraps every rank's failure in CheckpointException
-                    problem = f"checkpoint {self.storage.display(checkpoint.path)}: {_first_line(exc)}"
-            failures.append(problem)
+                return checkpoint
+            tried.append(problem)
             if self.rank == 0:
-                self.log(f"[meshtrain] {problem}; falling back to the previous committed checkpoint")
-        if failures:
-            raise CheckpointError(
-                f"no usable checkpoint in {self.storage.url} ({'; '.join(failures)}); "
-                "repair or remove them, or start a new run.name"
+                self._mark_bad(checkpoint, problem, any(c.bad is None for c in listing[index + 1 :]))
+        raise NoLoadableCheckpoint(
+            f"no loadable checkpoint in {self.storage.url}: {'; '.join(tried)}; repair them (and remove their "
+            f"{BAD_MARKER} files) or start a new run.name"
+        )
+
+    def _load(self, state: TrainState, checkpoint: CommittedCheckpoint) -> str | None:
+        """Load ``checkpoint`` into ``state``; None, or the one-line reason it failed (the same on every
+        rank). Raises CheckpointUnreachable, marking nothing, when the storage did not answer."""
+        shown = self.storage.display(checkpoint.path)
+        problem = None
+        if self.rank == 0:
+            try:
+                self.storage.validate(checkpoint)
+                if self.storage.sidecars(checkpoint) is None:
+                    self.log(
+                        f"[meshtrain] checkpoint {shown} has no checksums (written before meshtrain recorded "
+                        "them): checked its file sizes only"
+                    )
+            except Exception as exc:  # a CheckpointError, or storage that cannot be listed
+                problem = _problem(exc, shown)
+        problem = _settled(self._broadcast(problem))
+        if problem is not None:
+            return problem
+        started = time.perf_counter()
+        try:  # read, verify and unpickle the metadata on every rank, before DCP's collectives
+            reader = self.storage.reader(checkpoint.path, self.storage.sidecars(checkpoint))
+            reader.read_metadata()
+        except Exception as exc:
+            problem = _problem(exc, shown)
+        problem = _settled(self._agree(problem))
+        if problem is not None:
+            return problem
+        try:
+            state.include_rng = checkpoint.manifest.get("world_size") == self.world_size
+            dcp.load({"train": state}, storage_reader=reader, process_group=self.group, no_dist=not self.distributed)
+        except (Exception, CheckpointException) as exc:  # DCP gathers every rank's failure into one
+            problem = _problem(exc, shown)
+        problem = _settled(self._agree(problem))
+        if problem is None:
+            self._emit(
+                {
+                    "event": "checkpoint_load",
+                    "step": checkpoint.step,
+                    "path": shown,
+                    "load_s": time.perf_counter() - started,
+                    "rng_restored": state.include_rng,
+                }
             )
-        return None
+        return problem
+
+    def _mark_bad(self, checkpoint: CommittedCheckpoint, problem: str, older: bool) -> None:
+        next_step = "falling back to the previous committed checkpoint"
+        if not older:
+            next_step = "no older checkpoint to fall back to"
+        reason = problem.removeprefix(f"checkpoint {self.storage.display(checkpoint.path)}: ")
+        try:
+            marker = self.storage.mark_bad(checkpoint, reason)
+        except OSError as exc:  # read-only storage: still fall back, say why it is not marked
+            self.log(f"[meshtrain] {problem}; could not mark it bad ({exc.strerror}), {next_step}")
+            return
+        self.log(f"[meshtrain] {problem}; marked it bad ({marker}), {next_step}")
 
     # --- plumbing -----------------------------------------------------------------------------
 
@@ -219,6 +309,14 @@ class CheckpointManager:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
+    def _agree(self, problem: _Problem | None) -> _Problem | None:
+        """The lowest rank's problem, on every rank (None when no rank has one)."""
+        if not self.distributed:
+            return problem
+        problems: list[_Problem | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(problems, problem, group=self.group)
+        return next((p for p in problems if p is not None), None)
+
     def close(self) -> None:
         self.finish_pending()
         if self._stager is not None:  # DCP leaves closing a stager it was given to its owner
@@ -227,6 +325,69 @@ class CheckpointManager:
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
+
+
+@dataclass(frozen=True)
+class _Problem:
+    reason: str
+    unreachable: bool  # the storage did not answer: nothing is known about the checkpoint itself
+
+
+def _problem(exc: BaseException, shown: str) -> _Problem:
+    return _Problem(_reason(exc, shown), _unreachable(exc))
+
+
+def _settled(problem: _Problem | None) -> str | None:
+    """The reason to mark a checkpoint bad, or None; a storage that did not answer is no reason to:
+    CheckpointUnreachable then ends this start (Ray restarts the group, which tries again)."""
+    if problem is not None and problem.unreachable:
+        raise CheckpointUnreachable(
+            f"{problem.reason}; the checkpoint storage did not answer (nothing was marked bad): a restart tries again"
+        )
+    return None if problem is None else problem.reason
+
+
+# Errors of a store that did not answer (the network, S3's clients), as opposed to what it returned.
+_UNREACHABLE_ERRNOS = frozenset({
+    errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EHOSTUNREACH,
+    errno.ENETUNREACH, errno.ENETDOWN, errno.EPIPE,
+})
+_UNREACHABLE_TYPES = frozenset({
+    "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
+    "ClientConnectorError", "ServerDisconnectedError", "ClientOSError", "ServerTimeoutError",
+})
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it wraps: DCP's per-rank failures, exception chains) is the storage not
+    answering rather than a fault in the checkpoint."""
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, CheckpointException):
+            stack.extend(failure[0] if isinstance(failure, tuple) else failure for failure in current.failures.values())
+            continue
+        if isinstance(current, (ConnectionError, TimeoutError)):
+            return True
+        if isinstance(current, OSError) and current.errno in _UNREACHABLE_ERRNOS:
+            return True
+        if any(cls.__name__ in _UNREACHABLE_TYPES for cls in type(current).__mro__):
+            return True
+        stack.extend(e for e in (current.__cause__, current.__context__) if isinstance(e, BaseException))
+    return False
+
+
+def _reason(exc: BaseException, shown: str) -> str:
+    """One line for a failed load: the lowest failing rank's error, naming the checkpoint."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = exc.failures[min(exc.failures)][0]
+    if isinstance(exc, CheckpointError):  # ours name the checkpoint already
+        return _first_line(exc)
+    return f"checkpoint {shown}: {_first_line(exc)}"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -56,6 +56,14 @@ class TrainState(Stateful):
             state[f"rng_rank{self.rank}"] = _rng_state()
         return state
 
+    def nbytes(self) -> int:
+        """About the bytes a checkpoint of this state takes: the weights and the optimizer's tensors,
+        at their full (unsharded) size."""
+        tensors = [*self.model.parameters()]
+        for entry in self.optimizer.state.values():
+            tensors += [value for value in entry.values() if isinstance(value, torch.Tensor)]
+        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_state_dict(
             self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]

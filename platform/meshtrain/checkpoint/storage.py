@@ -3,9 +3,14 @@
 Layout under the checkpoint root (``{run_dir}/checkpoints`` or ``{checkpoint.path}/{run.name}``)::
 
     step-00000050/            DCP files: one or more shard files per rank, and .metadata
+    step-00000050/*.xxh3      per DCP file, the checksum of every item in it (see ``checksums``)
     step-00000050/COMMITTED   JSON written by rank 0 after every rank's shards and the metadata are
                               durable: step, tokens, data position, world and mesh, vocabulary, file
-                              sizes (checked before loading), and the config the run had
+                              sizes (checked before loading), the checksums of the .xxh3 files, and
+                              the config the run had
+    step-00000050/BAD         JSON written when a committed checkpoint failed to load: the reason
+                              and the time; such a checkpoint is skipped from then on and kept
+                              for inspection (never pruned)
 
 A directory without ``COMMITTED`` is an interrupted save: it is never loaded and is removed by the
 next save. Every rank writes only its own shards (``dcp.save``/``dcp.async_save``); nothing is ever
@@ -21,10 +26,11 @@ looks for the newest committed checkpoint in the same place.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
+import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,14 +38,21 @@ from typing import Any
 import fsspec
 import torch.distributed.checkpoint as dcp
 
+from meshtrain.checkpoint.checksums import ALGORITHM, SIDECAR_SUFFIX, read_sidecar, verify_whole
+from meshtrain.checkpoint.dcp_files import (
+    ChecksummedFileSystemWriter,
+    ChecksummedFsspecWriter,
+    ChecksummedWriting,
+    VerifiedFileSystemReader,
+    VerifiedFsspecReader,
+)
+from meshtrain.checkpoint.errors import CheckpointError
 from meshtrain.config import MeshtrainConfig
 
 COMMIT_MARKER = "COMMITTED"
+BAD_MARKER = "BAD"
+_MARKERS = (COMMIT_MARKER, BAD_MARKER)
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names it."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,7 @@ class CommittedCheckpoint:
     path: str
     step: int
     manifest: dict[str, Any]
+    bad: str | None = None  # why it was marked bad (its BAD marker); None: not known to be broken
 
 
 class CheckpointStorage:
@@ -86,106 +100,191 @@ class CheckpointStorage:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"checkpoint {self.display(path)}: {COMMIT_MARKER} is not valid JSON ({exc})") from None
 
-    def committed(self) -> list[CommittedCheckpoint]:
-        """Committed checkpoints, newest first."""
-        result = []
-        for step, path in self._step_dirs():
+    def bad_reason(self, path: str) -> str | None:
+        """Why the checkpoint at ``path`` was marked bad; None when it was not."""
+        marker = f"{path}/{BAD_MARKER}"
+        if not self.fs.exists(marker):
+            return None
+        try:
+            with self.fs.open(marker, "r") as handle:
+                return str(json.load(handle)["reason"])
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            return f"its {BAD_MARKER} marker is unreadable"
+
+    def committed_at(self, step: int) -> CommittedCheckpoint | None:
+        """The committed checkpoint of ``step`` (None: there is none); one whose marker is unreadable
+        is listed as bad, never loaded and never deleted."""
+        path = self.step_dir(step)
+        try:
             manifest = self.read_marker(path)
-            if manifest is not None:
-                result.append(CommittedCheckpoint(path, step, manifest))
-        return result
+        except CheckpointError:
+            return CommittedCheckpoint(path, step, {}, f"its {COMMIT_MARKER} is not valid JSON")
+        return None if manifest is None else CommittedCheckpoint(path, step, manifest, self.bad_reason(path))
+
+    def all_committed(self) -> list[CommittedCheckpoint]:
+        """Every committed checkpoint, newest first, the bad ones included (with the reason)."""
+        listed = [self.committed_at(step) for step, _ in self._step_dirs()]
+        return [checkpoint for checkpoint in listed if checkpoint is not None]
+
+    def committed(self) -> list[CommittedCheckpoint]:
+        """Committed checkpoints not marked bad (the ones to resume from), newest first."""
+        return [checkpoint for checkpoint in self.all_committed() if checkpoint.bad is None]
 
     def uncommitted(self) -> list[tuple[int, str]]:
         return [(step, path) for step, path in self._step_dirs() if not self.fs.exists(f"{path}/{COMMIT_MARKER}")]
 
     def files(self, path: str) -> dict[str, int]:
-        """Relative name → size of every file in a checkpoint directory (the marker excluded)."""
+        """Relative name → size of every file in a checkpoint directory (the markers excluded)."""
         sizes = {}
         for name, info in self.fs.find(path, detail=True).items():
             relative = name[len(path.rstrip("/")) + 1 :]
-            if relative != COMMIT_MARKER:
+            if relative not in _MARKERS:
                 sizes[relative] = int(info["size"])
         return sizes
 
-    def commit(self, path: str, manifest: dict[str, Any]) -> dict[str, Any]:
-        """Write the marker last; locally via a temporary file and an atomic rename, fsynced."""
-        manifest = {**manifest, "files": self.files(path)}
-        manifest["bytes"] = sum(manifest["files"].values())
-        payload = json.dumps(manifest, indent=1)
-        marker = f"{path}/{COMMIT_MARKER}"
-        if self.is_local:
-            tmp = f"{marker}.tmp"
-            with open(tmp, "w", encoding="utf-8") as handle:
-                handle.write(payload)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, marker)
-            directory = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(directory)
-            finally:
-                os.close(directory)
-        else:
-            with self.fs.open(marker, "w") as handle:  # one PUT: the object appears whole or not at all
-                handle.write(payload)
+    def commit(self, path: str, manifest: dict[str, Any], written: dict[str, tuple[int, str]]) -> dict[str, Any]:
+        """Write the marker last, with every file's size and the checksums of the files' sidecars.
+
+        ``written`` is the writer's file → (bytes written, sidecar checksum); a file on storage that
+        the save did not write whole is refused, so a marker never vouches for bytes nobody hashed.
+        """
+        files = self.files(path)
+        lost = sorted(set(written) - set(files))
+        if lost:
+            raise CheckpointError(f"checkpoint {self.display(path)}: {lost[0]} was written but is not on storage")
+        for name, size in sorted(files.items()):
+            recorded = written.get(name)
+            is_sidecar = name.endswith(SIDECAR_SUFFIX) and name[: -len(SIDECAR_SUFFIX)] in written
+            if recorded is None and not is_sidecar and size:
+                raise CheckpointError(f"checkpoint {self.display(path)}: {name} was not written by this save")
+            if recorded is not None and recorded[0] != size:
+                raise CheckpointError(
+                    f"checkpoint {self.display(path)}: {name} has {size} bytes on storage, {recorded[0]} were written"
+                )
+        manifest = {
+            **manifest,
+            "files": files,
+            "bytes": sum(files.values()),
+            "checksums": {
+                "algorithm": ALGORITHM,
+                "sidecars": {name: sidecar for name, (_, sidecar) in sorted(written.items())},
+            },
+        }
+        self._write_json(path, COMMIT_MARKER, manifest)
         return manifest
 
+    def mark_bad(self, checkpoint: CommittedCheckpoint, reason: str) -> str:
+        """Mark ``checkpoint`` as not loadable (kept for inspection, skipped from now on); the marker's path."""
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self._write_json(checkpoint.path, BAD_MARKER, {"step": checkpoint.step, "reason": reason, "marked_at": stamp})
+        return self.display(f"{checkpoint.path}/{BAD_MARKER}")
+
+    def set_aside(self, path: str) -> str:
+        """Move a checkpoint directory out of the step sequence (kept under a new name); the new path."""
+        target = f"{path}.bad-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+        self.fs.mv(path, target, recursive=True)
+        return self.display(target)
+
+    def _write_json(self, path: str, name: str, document: dict[str, Any]) -> None:
+        """``path/name`` appears whole or not at all: locally a temporary file, fsynced, renamed."""
+        payload = json.dumps(document, indent=1)
+        marker = f"{path}/{name}"
+        if not self.is_local:
+            with self.fs.open(marker, "w") as handle:  # one PUT: the object appears whole or not at all
+                handle.write(payload)
+            return
+        tmp = f"{marker}.tmp"
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, marker)
+        directory = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+    def sidecars(self, checkpoint: CommittedCheckpoint) -> dict[str, str] | None:
+        """The marker's file → sidecar checksum map; None for a checkpoint written before checksums."""
+        checksums = checkpoint.manifest.get("checksums")
+        if checksums is None:
+            return None
+        shown = self.display(checkpoint.path)
+        if not isinstance(checksums, dict) or checksums.get("algorithm") != ALGORITHM:
+            raise CheckpointError(
+                f"checkpoint {shown}: {COMMIT_MARKER} records checksums this meshtrain cannot check"
+            )
+        sidecars = checksums.get("sidecars")
+        if not isinstance(sidecars, dict) or not all(isinstance(v, str) for v in sidecars.values()):
+            raise CheckpointError(f"checkpoint {shown}: the checksums in its {COMMIT_MARKER} are malformed")
+        return sidecars
+
     def validate(self, checkpoint: CommittedCheckpoint) -> None:
-        """Every file the marker lists is present with its recorded size (catches truncation)."""
+        """Every file the marker lists is present with its recorded size (catches truncation), and
+        every data file has a checksum when the marker records them."""
+        shown = self.display(checkpoint.path)
         expected: dict[str, int] = checkpoint.manifest.get("files", {})
         if ".metadata" not in expected:
-            raise CheckpointError(f"checkpoint {self.display(checkpoint.path)}: its marker lists no .metadata")
+            raise CheckpointError(f"checkpoint {shown}: its marker lists no .metadata")
         actual = self.files(checkpoint.path)
         for name, size in sorted(expected.items()):
             if name not in actual:
-                raise CheckpointError(f"checkpoint {self.display(checkpoint.path)}: {name} is missing")
+                raise CheckpointError(f"checkpoint {shown}: {name} is missing")
             if actual[name] != size:
-                raise CheckpointError(
-                    f"checkpoint {self.display(checkpoint.path)}: {name} has {actual[name]} bytes, expected {size}"
-                )
+                raise CheckpointError(f"checkpoint {shown}: {name} has {actual[name]} bytes, expected {size}")
+        sidecars = self.sidecars(checkpoint)
+        if sidecars is not None and ".metadata" not in sidecars:
+            raise CheckpointError(f"checkpoint {shown}: its marker has no checksum for .metadata")
+
+    def verify_files(self, checkpoint: CommittedCheckpoint) -> bool:
+        """Read every file whole and check it against its checksums; False (nothing checked) for a
+        checkpoint written before checksums. Call ``validate`` first."""
+        sidecars = self.sidecars(checkpoint)
+        if sidecars is None:
+            return False
+        where = f"checkpoint {self.display(checkpoint.path)}"
+        for name in sorted(checkpoint.manifest.get("files", {})):
+            if name.endswith(SIDECAR_SUFFIX) and name[: -len(SIDECAR_SUFFIX)] in sidecars:
+                continue  # checked with its file
+            if name not in sidecars:
+                raise CheckpointError(f"{where}: {name} has no checksum in its {COMMIT_MARKER}")
+            try:
+                with self.fs.open(f"{checkpoint.path}/{name}{SIDECAR_SUFFIX}", "rb") as handle:
+                    index = read_sidecar(handle.read(), name, sidecars[name], where)
+                with self.fs.open(f"{checkpoint.path}/{name}", "rb") as handle:
+                    verify_whole(handle, name, index, where)
+            except FileNotFoundError as exc:
+                raise CheckpointError(f"{where}: {Path(str(exc.filename)).name} is missing") from None
+        return True
+
+    def free_bytes(self, path: str) -> int | None:
+        """Free bytes on the local filesystem holding ``path``; None for object storage."""
+        if not self.is_local:
+            return None
+        existing = Path(path)
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        return shutil.disk_usage(existing).free
 
     def remove(self, path: str) -> None:
         if self.fs.exists(path):
             self.fs.rm(path, recursive=True)
 
-    def writer(self, path: str) -> dcp.StorageWriter:
+    def writer(self, path: str) -> ChecksummedWriting:
+        """A DCP writer of the checkpoint at ``path`` that records a checksum of every item it writes."""
         if self.is_local:
-            return dcp.FileSystemWriter(path, sync_files=True, overwrite=True)
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+            return ChecksummedFileSystemWriter(path, sync_files=True, overwrite=True)
+        return ChecksummedFsspecWriter(self.display(path), sync_files=True, overwrite=True, **self.storage_options)
 
-        return FsspecWriter(self.display(path), sync_files=True, overwrite=True, **self.storage_options)
-
-    def reader(self, path: str, metadata_once: bool = False) -> dcp.StorageReader:
-        """A DCP reader of the checkpoint at ``path``. With ``metadata_once`` it reads ``.metadata``
-        at its first load only, for callers that load one checkpoint piece by piece."""
+    def reader(self, path: str, sidecars: dict[str, str] | None = None) -> dcp.StorageReader:
+        """A DCP reader of the checkpoint at ``path`` that checks what it reads against ``sidecars``
+        (see ``sidecars``; None checks nothing) and unpickles only DCP metadata and plain data.
+        It reads ``.metadata`` once, however many loads it serves."""
+        where = f"checkpoint {self.display(path)}"
         if self.is_local:
-            reader_class: type[dcp.StorageReader] = dcp.FileSystemReader
-            location = path
-        else:
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-            reader_class, location = FsspecReader, self.display(path)
-        if metadata_once:
-            reader_class = _reading_metadata_once(reader_class)
-        options = {} if self.is_local else self.storage_options
-        return reader_class(location, **options)
-
-
-class _MetadataOnce:
-    """Mixed into a DCP reader: ``dcp.load`` asks for the metadata at every call, and for an hf
-    export that loads a 70B checkpoint tensor by tensor each ask would re-read and unpickle it."""
-
-    _metadata: Any = None
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        if self._metadata is None:
-            self._metadata = super().read_metadata(*args, **kwargs)  # type: ignore[misc]
-        return self._metadata
-
-
-@functools.cache
-def _reading_metadata_once(reader_class: type[dcp.StorageReader]) -> type[dcp.StorageReader]:
-    return type(f"MetadataOnce{reader_class.__name__}", (_MetadataOnce, reader_class), {})
+            return VerifiedFileSystemReader(path, where=where, sidecars=sidecars)
+        return VerifiedFsspecReader(self.display(path), where=where, sidecars=sidecars, **self.storage_options)
 
 
 def checkpoint_root(cfg: MeshtrainConfig) -> str:
@@ -203,7 +302,8 @@ def run_checkpoints(cfg: MeshtrainConfig) -> CheckpointStorage:
 
 
 def newest_committed(cfg: MeshtrainConfig) -> tuple[CheckpointStorage, CommittedCheckpoint | None]:
-    """This run's checkpoint storage and its newest committed checkpoint (None: none, or disabled)."""
+    """This run's checkpoint storage and its newest committed checkpoint not marked bad (None: none, or
+    checkpoints disabled): the one a restart would resume from."""
     storage = run_checkpoints(cfg)
     committed = storage.committed() if cfg.checkpoint.enabled else []
     return storage, committed[0] if committed else None

@@ -6,7 +6,9 @@ Formats: torch (one torch.save file), safetensors (one file), hf (a LlamaForCaus
 config.json, the weights and the run's tokenizer; weights beyond --max-shard-size are split into
 model-0000x-of-0000N.safetensors files with a model.safetensors.index.json, and hf streams them tensor
 by tensor instead of holding the whole model). Only model weights are read, in this process.
-Exit code 2 with one line on stderr for a missing or uncommitted checkpoint or an existing output.
+Every file of the checkpoint is checked against its checksums before anything is exported.
+Exit code 2 with one line on stderr for a missing, uncommitted, damaged or tampered-with checkpoint
+(naming the file) or an existing output.
 """
 
 from __future__ import annotations

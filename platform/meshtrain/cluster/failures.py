@@ -35,7 +35,10 @@ _ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)): ?
 
 
 def is_permanent(exc: BaseException) -> bool:
-    """Whether a restart of the worker group would fail the same way."""
+    """Whether a restart of the worker group would fail the same way (an error class may say a restart
+    can help: a store that did not answer in time)."""
+    if getattr(exc, "restart_may_help", False):
+        return False
     if isinstance(exc, (ConfigError, PermanentError)):
         return True
     return isinstance(exc, OSError) and exc.errno in PERMANENT_ERRNOS

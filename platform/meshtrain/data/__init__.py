@@ -3,8 +3,10 @@
 ``sources`` lists and reads documents, ``tokenizer`` trains or loads the tokenizer, ``prepare``
 tokenizes a source into a ``store`` in parallel Ray tasks, ``sampling`` turns stores into per-rank
 batches from one global position, and ``pipeline`` ties them together for the driver and workers.
+``integrity`` checks what is read: blocks against their checksums, tokens against the vocabulary.
 """
 
+from meshtrain.data.integrity import CorruptTokens
 from meshtrain.data.pipeline import DataPlan, TrainingData, open_data, prepare_data
 from meshtrain.data.sampling import (
     IGNORE_INDEX,
@@ -24,6 +26,7 @@ from meshtrain.data.tokenizer import EOS_TOKEN, eos_token_id, tokenizer_vocab_si
 
 __all__ = [
     "EOS_TOKEN",
+    "CorruptTokens",
     "LEGACY_SAMPLING",
     "SAMPLING_SCHEME",
     "SAMPLING_SCHEMES",

@@ -68,7 +68,7 @@ class DataPlan:
     eos_id: int
     validation_fraction: float = 0.0
     validation: StoreRef | None = None
-    storage_options: dict[str, Any] = field(default_factory=dict)
+    storage_options: dict[str, Any] = field(default_factory=dict, repr=False)  # credentials: Ray shows str(plan)
     sampling: str = SAMPLING_SCHEME  # the order and split scheme (a resumed run keeps its checkpoints')
     validation_span_tokens: int = 65536
     reading: ReadSettings = field(default_factory=ReadSettings)  # how workers read remote stores

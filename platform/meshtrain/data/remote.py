@@ -70,7 +70,10 @@ def checksum_lists() -> tuple[tuple[str, int], ...]:
 
 
 class StorageUnavailable(ConfigError):
-    """Remote storage did not answer within ``data.read_timeout_s``."""
+    """Remote storage did not answer within ``data.read_timeout_s``. Before training it is a config
+    error (exit 2); on a worker a restart may find the store answering again, so it is retried."""
+
+    restart_may_help = True
 
 
 def with_retries(action: Callable[[], T], what: str, timeout_s: float) -> T:

@@ -259,18 +259,50 @@ def read_unit(plan: SourcePlan, unit: Unit) -> Iterator[str]:
             stream = datasets.load_dataset(
                 plan.loader, data_files=list(unit.files), split="train", streaming=True, **kwargs
             )
-        for row in stream:
+        for number, row in enumerate(stream):
             text = row.get(plan.field)
-            if text is None:
-                raise ConfigError(
-                    f"data.text_field: column {plan.field!r} not in {_where(unit)} (columns: {', '.join(row)}); "
-                    "set data.text_field to the column holding the text"
-                )
+            if not isinstance(text, str):
+                raise _not_text(plan, unit, row, number)
             yield text
     except ConfigError:
         raise
     except Exception as exc:  # pyarrow/json/datasets errors: name the files and the problem
         raise ConfigError(f"data.source: cannot read {_where(unit)} ({first_line(exc)}); check the files") from None
+
+
+def _not_text(plan: SourcePlan, unit: Unit, row: dict[str, Any], number: int) -> ConfigError:
+    """The one line for row ``number`` of ``unit`` whose ``plan.field`` is missing, null or not a string."""
+    field = plan.field
+    if field not in row:
+        return ConfigError(
+            f"data.text_field: column {field!r} not in {_where(unit)} (columns: {', '.join(row)}); "
+            "set data.text_field to the column holding the text"
+        )
+    where, number = _row_in_files(plan, unit, number)
+    if row[field] is None:
+        return ConfigError(
+            f"data.text_field: row {number} of {where} has no text (column {field!r} is null); "
+            "drop or fill that row, or set data.text_field to a column with text in every row"
+        )
+    return ConfigError(
+        f"data.text_field: column {field!r} of {where} holds {type(row[field]).__name__} values (row {number}), "
+        "not text; set data.text_field to the column holding the text"
+    )
+
+
+def _row_in_files(plan: SourcePlan, unit: Unit, number: int) -> tuple[str, int]:
+    """(file, row within it) of the unit's row ``number``, counting each file's rows on its own
+    (only on the way to an error: a unit of several files is read as one stream)."""
+    if unit.hub_shard is not None or len(unit.files) == 1:
+        return _where(unit), number
+    import datasets
+
+    for name in unit.files:
+        rows = sum(1 for _ in datasets.load_dataset(plan.loader, data_files=[name], split="train", streaming=True))
+        if number < rows:
+            return name, number
+        number -= rows
+    return _where(unit), number
 
 
 def _where(unit: Unit) -> str:

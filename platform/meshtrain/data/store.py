@@ -6,6 +6,8 @@ Layout::
     plan.json               what is being prepared (source, units, tokenizer hash); written first
     shard-000000.bin        little-endian uint16 (vocabulary <= 65,536) or uint32 token ids; every
                             document is followed by the end-of-document token
+    shard-000000.crc32      the CRC-32 of every 1 KiB block of the shard (stores prepared before
+                            these lists have 64 KiB ``.crc`` lists, or none)
     shard-000000.json       that shard's record (tokens, documents, sha256), written after its .bin:
                             a prepare that is re-run skips units whose record and bytes agree
     manifest.json           written last, only when every shard is present: format version, dtype,
@@ -13,8 +15,10 @@ Layout::
 
 A store is read only when its manifest says it is complete. Workers read only the windows they
 train on, with positional reads (``os.pread``) through a small pool of open shard files, so a
-rank's descriptors and memory maps do not grow with the number of shards (remote stores: each
-shard is copied once into a local cache first); the stream is the shards concatenated in order.
+rank's descriptors and memory maps do not grow with the number of shards (remote stores: byte
+ranges through a node cache, see :mod:`meshtrain.data.remote`); the stream is the shards
+concatenated in order. Every read is checked where it is read (:mod:`meshtrain.data.integrity`):
+the blocks it touches against the shard's checksum list, its tokens against the vocabulary.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from meshtrain.config import ConfigError
-from meshtrain.data.remote import RemoteShards, with_retries
+from meshtrain.data.integrity import CorruptTokens, bad_block, first_out_of_range, reprepare_hint
+from meshtrain.data.remote import RemoteShards, checksum_lists, crc_name, with_retries
 from meshtrain.data.shard_index import INDEX_JSON, INDEX_NPY, ShardIndex, index_arrays, parse_header
 
 FORMAT = "meshtrain-token-store"
@@ -242,6 +247,10 @@ def with_timeouts(storage_options: dict[str, Any], timeout_s: float) -> dict[str
 OPEN_SHARDS = 16
 
 
+class ShortFile(OSError):
+    """A positional read past the end of a file."""
+
+
 class OpenFiles:
     """At most ``capacity`` files open for positional reads; the least recently used is closed first.
     Safe to share between threads."""
@@ -254,7 +263,7 @@ class OpenFiles:
         self._lock = threading.Lock()
 
     def read(self, path: str, offset: int, size: int) -> bytes:
-        """``size`` bytes of ``path`` from ``offset``; OSError when the file holds fewer."""
+        """``size`` bytes of ``path`` from ``offset``; :class:`ShortFile` when the file holds fewer."""
         with self._lock:
             fd = self._open.pop(path, None)
             if fd is None:
@@ -266,7 +275,7 @@ class OpenFiles:
             while done < size:
                 piece = os.pread(fd, size - done, offset + done)
                 if not piece:
-                    raise OSError(f"{path}: {size} bytes wanted at offset {offset}, the file ends after {done}")
+                    raise ShortFile(f"{path}: {size} bytes wanted at offset {offset}, the file ends after {done}")
                 pieces.append(piece)
                 done += len(piece)
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
@@ -331,6 +340,10 @@ class TokenStore:
         check_shard_sizes(self.location, self.index, self.dtype.itemsize, sizes)
         self._files = OpenFiles(open_shards)
         self._manifest: Manifest | None = None
+        self.vocab_size = int(self.index.header["vocab_size"])
+        # Which checksum list a local store has, learnt from the first read as remote reads learn it
+        # (a store is written by one prepare); len(checksum_lists()) = none.
+        self._list_kind = 0
         self._opening_requests = 0 if self.location.is_local else 2 + int(INDEX_JSON in sizes)  # listing, index
         self._remote = None if self.location.is_local else RemoteShards(
             self.location, self.fingerprint, reading.cache_root(), reading.cache_max_bytes, reading.read_timeout_s,
@@ -396,6 +409,8 @@ class TokenStore:
         return self.location.read_text(TOKENIZER)
 
     def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)``; :class:`CorruptTokens` when a block they lie in does not match its
+        checksum or a token is outside the vocabulary."""
         index = self.index
         shard = index.shard_of(start)
         pieces = []
@@ -407,12 +422,59 @@ class TokenStore:
             if end > position:  # an empty shard (a byte range that held no line) is never opened
                 offset, size = (position - shard_start) * itemsize, (end - position) * itemsize
                 if self._remote is None:
-                    data = self._files.read(self.location.path(shard_name(shard)), offset, size)
+                    data = self._read_local(shard, offset, size, (shard_end - shard_start) * itemsize)
                 else:
                     data = self._remote.read(shard, offset, size)
-                pieces.append(np.frombuffer(data, dtype=self.dtype))
+                piece = np.frombuffer(data, dtype=self.dtype)
+                bad = first_out_of_range(piece, self.vocab_size)
+                if bad is not None:
+                    raise self._corrupt(shard, offset + bad * itemsize, f"token id {int(piece[bad])} is outside the "
+                                        f"tokenizer's vocabulary of {self.vocab_size}")
+                pieces.append(piece)
             position, shard = end, shard + 1
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def _read_local(self, shard: int, offset: int, size: int, shard_bytes: int) -> bytes:
+        """``size`` bytes of a local shard (of ``shard_bytes``) from ``offset``, read with the whole
+        checksum blocks they lie in (at most two blocks more) and checked against the shard's list;
+        unchecked (but for the vocabulary) in a store prepared without lists: a whole-shard sha256
+        here would read whole shards, so those are checked by ``verify_store`` only."""
+        name = shard_name(shard)
+        lists = checksum_lists()
+        while (kind := self._list_kind) < len(lists):
+            suffix, block = lists[kind]
+            first, last = offset // block, (offset + size - 1) // block
+            try:
+                crcs = self._files.read(self.location.path(crc_name(name, suffix)), 4 * first, 4 * (last + 1 - first))
+            except FileNotFoundError:
+                self._list_kind = max(self._list_kind, kind + 1)  # other reader threads may learn it too
+                continue
+            except ShortFile:
+                raise self._corrupt(shard, offset, f"its {crc_name(name, suffix)} list ends before the checksum of "
+                                    f"block {last}") from None
+            start, end = first * block, min((last + 1) * block, shard_bytes)
+            read = self._files.read(self.location.path(name), start, end - start)
+            data = memoryview(read)
+            bad = bad_block(crcs, data, block)
+            if bad is not None:
+                at = start + bad * block
+                raise self._corrupt(shard, at, f"its {block}-byte block {first + bad} (bytes {at}-{min(at + block, end)}) "
+                                    f"does not match the checksum in {crc_name(name, suffix)}")
+            # A copy of just the bytes asked for: the batch then holds what it reads, and the rounded-out
+            # buffer is freed here, in the reader thread, not by the training step that frees the batch.
+            if (start, end) == (offset, offset + size):
+                return read
+            return bytes(data[offset - start : offset - start + size])
+        return self._files.read(self.location.path(name), offset, size)
+
+    def _corrupt(self, shard: int, byte: int, what: str) -> CorruptTokens:
+        name = shard_name(shard)
+        try:
+            source = self.manifest.source
+        except ConfigError:  # a manifest that no longer reads: the hint falls back to a whole prepare
+            source = None
+        return CorruptTokens(f"data.source: shard {self.location.display(name)} is corrupt at byte offset {byte}: "
+                             f"{what}; {reprepare_hint(self.location.url, name, source)}")
 
     def close(self) -> None:
         self._files.close()

@@ -1,0 +1,496 @@
+"""The fault matrix: each fault a careless or hostile user can cause, injected into a real job, and
+what the run did about it.
+
+Every row runs ``jobs/pretrain.py`` as a user would (a local Ray, two CPU workers) and prints: the
+fault; the worker-group restarts it used; the seconds from launch to the driver's final line; that
+line; the steps lost (committed steps the run could not resume from); and whether the outcome is
+right: one line with the cause, no restart for a deterministic fault, resumption from the newest
+loadable checkpoint with final weights bitwise equal to an unbroken run, nothing committed lost, no
+payload run, no secret in any file.
+
+The checkpoint rows start from copies of one base run (30 steps, committed at 10, 20 and 30) and
+continue it to step 40; the unbroken continuation is the reference for their final weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[3]
+RUN = "r"
+SETTINGS = (
+    f"run.name={RUN}", "train.log_every=5", "checkpoint.interval=10", "data.max_documents=40",
+    "optim.schedule_steps=40", "run.max_failures=2", "metrics.progress_interval_s=0",
+)
+SECRET = "meshtrain-bench-secret-7f3a9c"
+PAYLOAD_SENTINEL = "payload-ran"
+
+
+@dataclass
+class Job:
+    returncode: int
+    seconds: float
+    output: str
+
+    @property
+    def final_line(self) -> str:
+        ours = [line for line in self.output.splitlines() if line.startswith(("meshtrain:", "[meshtrain] done"))]
+        return ours[-1] if ours else (self.output.strip().splitlines() or [""])[-1]
+
+
+@dataclass
+class Row:
+    fault: str
+    restarts: int | None
+    seconds: float
+    final_line: str
+    steps_lost: int | None
+    right: bool
+    wrong: str = ""  # which check failed, when not right
+
+
+def run_job(storage: Path, *overrides: str, interrupt_at_step: int | None = None, timeout_s: float = 600,
+            env: dict[str, str] | None = None) -> Job:
+    """``jobs/pretrain.py`` with ``overrides`` on storage ``storage`` (its output in a file: a full pipe
+    would stall the driver); with ``interrupt_at_step``, SIGINT to the driver once that step is logged."""
+    storage.mkdir(parents=True, exist_ok=True)
+    log = storage / f"driver-{time.time_ns()}.log"
+    job_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | (env or {})
+    command = [sys.executable, "jobs/pretrain.py", f"run.storage_path={storage}", *SETTINGS, *overrides]
+    started = time.perf_counter()
+    with log.open("w") as output:
+        driver = subprocess.Popen(command, cwd=REPO, env=job_env, stdout=output, stderr=output, text=True)
+        try:
+            if interrupt_at_step is not None:
+                while driver.poll() is None and logged_step(storage / RUN) < interrupt_at_step:
+                    time.sleep(0.1)
+                driver.send_signal(signal.SIGINT)
+            driver.wait(timeout=timeout_s)
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+                driver.wait()
+    seconds = time.perf_counter() - started
+    text = log.read_text()
+    log.unlink()
+    return Job(driver.returncode, seconds, text)
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def logged_step(run_dir: Path) -> int:
+    return max((r["step"] for r in records(run_dir) if r.get("event") == "train"), default=0)
+
+
+def restarts(run_dir: Path) -> int | None:
+    """Restarts of the run's last launch (worker-group starts beyond its first)."""
+    path = run_dir / "worker_starts.jsonl"
+    if not path.exists():
+        return None
+    starts = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sum(start["launch"] == starts[-1]["launch"] for start in starts) - 1 if starts else None
+
+
+def loads(run_dir: Path) -> list[int]:
+    return [r["step"] for r in records(run_dir) if r.get("event") == "checkpoint_load"]
+
+
+def step_dir(storage: Path, step: int) -> Path:
+    return storage / RUN / "checkpoints" / f"step-{step:08d}"
+
+
+def model_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    from meshtrain.checkpoint.export import load_model_state
+
+    state, _, _ = load_model_state(str(checkpoint))
+    return state
+
+
+def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+def flip_bit(path: Path, offset: int, bit: int) -> None:
+    with path.open("r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)[0]
+        handle.seek(offset)
+        handle.write(bytes([byte ^ (1 << bit)]))
+
+
+def flip_tokens(shard: Path, dtype: np.dtype, high_byte: bool, bit: int, every_bytes: int = 16 << 10) -> None:
+    """Flip ``bit`` of one token every ``every_bytes`` (so the first batches surely read one): in its
+    most significant byte (``high_byte``, an id far past a small vocabulary) or its least."""
+    byte = dtype.itemsize - 1 if high_byte else 0  # little-endian
+    for offset in range(every_bytes // 2, shard.stat().st_size - dtype.itemsize, every_bytes):
+        flip_bit(shard, offset - offset % dtype.itemsize + byte, bit)
+
+
+def largest_shard(checkpoint: Path) -> Path:
+    return max(checkpoint.glob("*.distcp"), key=lambda p: p.stat().st_size)
+
+
+class Crafted:
+    """What a hostile writer of checkpoint storage would put in ``.metadata``: unpickling it runs
+    its payload (here: writing a sentinel file), then returns the real metadata so nothing looks wrong."""
+
+    def __init__(self, real: bytes, sentinel: Path) -> None:
+        self.real, self.sentinel = real, sentinel
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        code = f"open({str(self.sentinel)!r}, 'w').write('ran') or __import__('pickle').loads({self.real!r})"
+        return (eval, (code,))
+
+
+def rewrite_marker_for(checkpoint: Path, name: str) -> None:
+    """Make ``COMMITTED`` agree with ``name``'s new bytes (size, and checksum where recorded), as a
+    writer of the storage could: the file must then be refused for what it is, not for its size."""
+    from meshtrain.checkpoint.checksums import digest
+
+    marker_path = checkpoint / "COMMITTED"
+    marker = json.loads(marker_path.read_text())
+    data = (checkpoint / name).read_bytes()
+    marker["files"][name] = len(data)
+    marker["bytes"] = sum(marker["files"].values())
+    _replace_digests(marker, name, digest(data))
+    marker_path.write_text(json.dumps(marker, indent=1))
+
+
+def _replace_digests(tree: Any, name: str, value: str) -> None:
+    """Every checksum recorded for file ``name`` in the marker, set to ``value`` (whatever the layout)."""
+    if isinstance(tree, dict):
+        for key, item in tree.items():
+            if key == name and isinstance(item, str):
+                tree[key] = value
+            else:
+                _replace_digests(item, name, value)
+    elif isinstance(tree, list):
+        for item in tree:
+            _replace_digests(item, name, value)
+
+
+def s3_client(s3: Any) -> Any:
+    import boto3
+
+    return boto3.client("s3", aws_access_key_id="testing", aws_secret_access_key="testing",
+                        **s3.storage_options["client_kwargs"])
+
+
+def token_shard(storage: Path) -> tuple[Path, np.dtype]:
+    (index,) = storage.glob("token_stores/*/index.json")
+    dtype = np.dtype(json.loads(index.read_text())["dtype"])
+    return max(index.parent.glob("shard-*.bin"), key=lambda p: p.stat().st_size), dtype
+
+
+class Matrix:
+    """The rows, sharing a base run and its unbroken continuation."""
+
+    def __init__(self, root: Path, log: Callable[[str], None]) -> None:
+        self.root, self.log = root, log
+        self.base = root / "base"
+        self.reference: dict[str, torch.Tensor] = {}
+
+    def prepare(self) -> None:
+        job = run_job(self.base, "train.steps=30")
+        if job.returncode != 0:
+            raise SystemExit(f"the base run failed: {job.final_line}")
+        unbroken = self.copy("unbroken")
+        job = run_job(unbroken, "train.steps=40")
+        if job.returncode != 0:
+            raise SystemExit(f"the unbroken continuation failed: {job.final_line}")
+        self.reference = model_weights(step_dir(unbroken, 40))
+
+    def copy(self, name: str) -> Path:
+        target = self.root / name
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(self.base, target)
+        return target
+
+    # --- rows -------------------------------------------------------------------------------------
+
+    def resumed_row(self, fault: str, storage: Path, *overrides: str, resume_from: int, expect_bad: list[int]) -> Row:
+        """Continue a damaged copy to step 40: it must resume from ``resume_from`` without a restart, say
+        why it skipped the newer ones, and end with the unbroken run's weights."""
+        job = run_job(storage, "train.steps=40", *overrides)
+        run_dir = storage / RUN
+        checks = {
+            "exit 0": job.returncode == 0,
+            "no restart": restarts(run_dir) == 0,
+            f"resumed from step {resume_from}": loads(run_dir)[-1:] == [resume_from],
+            "a line per skipped checkpoint": all(f"step-{step:08d}" in job.output for step in expect_bad),
+            "final weights equal the unbroken run's": job.returncode == 0
+            and same_weights(model_weights(step_dir(storage, 40)), self.reference),
+        }
+        return self.row(fault, job, run_dir, 30 - resume_from, checks)
+
+    def row(self, fault: str, job: Job, run_dir: Path, steps_lost: int | None, checks: dict[str, bool]) -> Row:
+        wrong = [name for name, ok in checks.items() if not ok]
+        row = Row(fault, restarts(run_dir), job.seconds, job.final_line, steps_lost, not wrong, "; ".join(wrong))
+        self.log(format_row(row))
+        return row
+
+    def checkpoint_of_another_shape(self) -> Row:
+        other = self.root / "other-shape"
+        shutil.rmtree(other, ignore_errors=True)
+        job = run_job(other, "train.steps=10", "model.n_layers=1")
+        if job.returncode != 0:
+            raise SystemExit(f"the other-shape run failed: {job.final_line}")
+        storage = self.copy("shape")
+        shutil.rmtree(step_dir(storage, 30))
+        shutil.copytree(step_dir(other, 10), step_dir(storage, 30))
+        return self.resumed_row("1. newest checkpoint of another model shape", storage, resume_from=20, expect_bad=[30])
+
+    def truncated_with_keep_1(self) -> Row:
+        storage = self.copy("keep1")
+        shard = largest_shard(step_dir(storage, 30))
+        os.truncate(shard, shard.stat().st_size // 2)
+        row = self.resumed_row("2. truncated newest, checkpoint.keep=1", storage, "checkpoint.keep=1",
+                               resume_from=20, expect_bad=[30])
+        kept = sorted(p.parent.name for p in (storage / RUN / "checkpoints").glob("step-*/COMMITTED"))
+        if "step-00000040" not in kept:
+            row.right, row.wrong = False, "; ".join(filter(None, [row.wrong, f"newest loadable pruned ({kept})"]))
+        return row
+
+    def flipped_checkpoint_shard(self) -> Row:
+        storage = self.copy("shard-flip")
+        shard = largest_shard(step_dir(storage, 30))
+        flip_bit(shard, shard.stat().st_size // 2 + 3, 6)  # a high exponent bit of an fp32 value, little-endian
+        return self.resumed_row("3a. bit flip in a checkpoint shard", storage, resume_from=20, expect_bad=[30])
+
+    def flipped_metadata(self) -> Row:
+        storage = self.copy("metadata-flip")
+        metadata = step_dir(storage, 30) / ".metadata"
+        flip_bit(metadata, metadata.stat().st_size // 2, 2)
+        return self.resumed_row("3b. bit flip in .metadata", storage, resume_from=20, expect_bad=[30])
+
+    def crafted_metadata(self) -> Row:
+        storage = self.copy("crafted")
+        sentinel = storage / PAYLOAD_SENTINEL
+        checkpoint = step_dir(storage, 30)
+        metadata = checkpoint / ".metadata"
+        metadata.write_bytes(pickle.dumps(Crafted(metadata.read_bytes(), sentinel)))
+        rewrite_marker_for(checkpoint, ".metadata")
+        export = subprocess.run(
+            [sys.executable, "jobs/export.py", str(checkpoint), "--out", str(self.root / "crafted-export")],
+            cwd=REPO, capture_output=True, text=True,
+        )
+        export_refused = export.returncode != 0 and len(export.stderr.strip().splitlines()) == 1 and not sentinel.exists()
+        row = self.resumed_row("4. crafted .metadata (marker edited to match)", storage, resume_from=20, expect_bad=[30])
+        extra = {"payload never ran": not sentinel.exists(), "export refused in one line": export_refused}
+        return self.amend(row, extra)
+
+    @staticmethod
+    def amend(row: Row, checks: dict[str, bool]) -> Row:
+        wrong = [name for name, ok in checks.items() if not ok]
+        if wrong:
+            row.right, row.wrong = False, "; ".join(filter(None, [row.wrong, *wrong]))
+        return row
+
+    def stopped_row(self, fault: str, storage: Path, *overrides: str, expect: list[str], exit_code: int = 1,
+                    steps_lost: int | None = 0, env: dict[str, str] | None = None) -> Row:
+        """A deterministic fault: the run must stop at once (no restart) with one line naming the cause."""
+        job = run_job(storage, *overrides, env=env)
+        run_dir = storage / RUN
+        ours = [line for line in job.output.splitlines() if line.startswith("meshtrain:")]
+        checks = {
+            f"exit {exit_code}": job.returncode == exit_code,
+            "no restart": restarts(run_dir) in (0, None),
+            "one final line": len(ours) == 1,
+            **{f"the line names {text!r}": text in job.final_line for text in expect},
+        }
+        return self.row(fault, job, run_dir, steps_lost, checks)
+
+    def no_loadable_checkpoint(self) -> Row:
+        storage = self.copy("none-loadable")
+        for step in (10, 20, 30):
+            shard = largest_shard(step_dir(storage, step))
+            flip_bit(shard, shard.stat().st_size // 2, 0)
+        before = sorted(p.name for p in (storage / RUN / "checkpoints").iterdir())
+        row = self.stopped_row("1'. no loadable checkpoint left", storage, "train.steps=40",
+                               expect=["step-00000030", "step-00000020", "step-00000010"], steps_lost=None)
+        after = sorted(p.name for p in (storage / RUN / "checkpoints").iterdir())
+        return self.amend(row, {"nothing committed removed": before == after})
+
+    def flipped_token(self, fault: str, name: str, high_byte: bool, bit: int) -> Row:
+        storage = self.copy(name)
+        shard, dtype = token_shard(storage)
+        flip_tokens(shard, dtype, high_byte, bit)
+        for checkpoint in (storage / RUN / "checkpoints").iterdir():
+            shutil.rmtree(checkpoint)  # a fresh start: the run reads its first batches again
+        return self.stopped_row(fault, storage, "train.steps=40", expect=[shard.name, "offset"], steps_lost=None)
+
+    def flipped_token_on_s3(self) -> Row:
+        """The base run's token store on S3 (a local endpoint), one bit flipped: read back, refused."""
+        from meshtrain.bench.s3 import SlowS3
+
+        storage = self.root / "token-s3"
+        shutil.rmtree(storage, ignore_errors=True)
+        store = self.root / "token-s3-store"
+        shutil.rmtree(store, ignore_errors=True)
+        shard, dtype = token_shard(self.base)
+        shutil.copytree(shard.parent, store)
+        flip_tokens(store / shard.name, dtype, high_byte=False, bit=0)
+        with SlowS3(0.0) as s3:
+            url = s3.upload(store, "tokens", "store")
+            options = json.dumps(s3.storage_options)
+            return self.stopped_row("3e. bit flip in a token shard on S3", storage, "train.steps=40", f"data.source={url}",
+                                    f"data.storage_options={options}", f"data.tokenizer={store / 'tokenizer.json'}",
+                                    expect=[shard.name], steps_lost=None,
+                                    env={"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"})
+
+    def storage_path_is_a_file(self) -> Row:
+        storage = self.root / "storage-file"
+        storage.mkdir(parents=True, exist_ok=True)
+        blocker = storage / "file"
+        blocker.write_text("not a directory")
+        job = run_job(storage, "train.steps=40", f"checkpoint.path={blocker}")
+        checks = {"exit 2": job.returncode == 2, "the line names checkpoint.path": "checkpoint.path" in job.final_line}
+        return self.row("6. checkpoint.path is a file", job, storage / RUN, 0, checks)
+
+    def disk_full(self) -> Row | None:
+        """checkpoint.path on a 12 MiB tmpfs: the first save fills it (needs root to mount)."""
+        mount = self.root / "small-disk"
+        mount.mkdir(parents=True, exist_ok=True)
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mount)], capture_output=True).returncode:
+            self.log("6'. full disk: skipped (mounting a small tmpfs needs root)")
+            return None
+        try:
+            storage = self.root / "disk-full"
+            shutil.rmtree(storage, ignore_errors=True)
+            row = self.stopped_row("6'. disk full during a save", storage, "train.steps=40", f"checkpoint.path={mount}",
+                                   expect=[str(mount), "free"], steps_lost=None)
+            leftovers = [p.name for p in mount.glob(f"{RUN}/step-*") if not (p / "COMMITTED").exists()]
+            return self.amend(row, {"the partial step is removed": not leftovers})
+        finally:
+            subprocess.run(["umount", str(mount)], capture_output=True)
+
+    def ctrl_c(self) -> Row:
+        storage = self.copy("ctrl-c")
+        job = run_job(storage, "train.steps=40", interrupt_at_step=33)
+        run_dir = storage / RUN
+        interrupted = [r for r in records(run_dir) if r.get("event") == "interrupted"]
+        step = interrupted[0]["step"] if interrupted else None
+        checks = {
+            "exit 130": job.returncode == 130,
+            "saved where it stopped": bool(interrupted) and interrupted[0]["saved"],
+            "the line names the step": step is not None and f"checkpoint step {step} committed" in job.final_line,
+        }
+        row = self.row("7. Ctrl-C (SIGINT to the driver)", job, run_dir, 0 if checks["saved where it stopped"] else None,
+                       checks)
+        resumed = run_job(storage, "train.steps=40")
+        return self.amend(row, {
+            "the re-run resumes there": loads(run_dir)[-1:] == [step],
+            "and ends with the unbroken run's weights": resumed.returncode == 0
+            and same_weights(model_weights(step_dir(storage, 40)), self.reference),
+        })
+
+    def secrets(self) -> Row:
+        """Credentials in checkpoint.storage_options (S3 on a local endpoint): in no file and no log line."""
+        from meshtrain.bench.s3 import SlowS3
+
+        storage = self.root / "secrets"
+        shutil.rmtree(storage, ignore_errors=True)
+        with SlowS3(0.0) as s3:
+            client = s3_client(s3)
+            client.create_bucket(Bucket="ckpt")
+            options = json.dumps({"key": "testing", "secret": SECRET, "token": SECRET,
+                                  "client_kwargs": s3.storage_options["client_kwargs"]})
+            job = run_job(storage, "train.steps=10", "checkpoint.path=s3://ckpt/runs",
+                          f"checkpoint.storage_options={options}")
+            listed = client.list_objects_v2(Bucket="ckpt").get("Contents", [])
+            stored = [obj["Key"] for obj in listed if obj["Key"].endswith("COMMITTED")]
+            in_markers = any(SECRET.encode() in client.get_object(Bucket="ckpt", Key=key)["Body"].read() for key in stored)
+        leaked = [str(p) for p in storage.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
+        checks = {"exit 0": job.returncode == 0, "a checkpoint was committed on S3": bool(stored),
+                  "no secret in the log": SECRET not in job.output, "no secret in any file": not leaked,
+                  "no secret in the markers": not in_markers}
+        return self.row("5. secrets in checkpoint.storage_options", job, storage / RUN, 0, checks)
+
+    def input_errors(self) -> Iterator[Row]:
+        """Finding 8: bad input that must be one line, exit 2, before anything is trained."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        data = self.root / "bad-data"
+        data.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"text": [1, 2, 3]}), data / "ints.parquet")
+        pq.write_table(pa.table({"text": ["a document", None, "another"]}), data / "nulls.parquet")
+        (data / "empty").mkdir(exist_ok=True)
+        (data / "empty" / "empty.txt").write_text("")
+        for fault, storage, overrides, expect in (
+            ("8a. parquet text column of integers", "ints", [f"data.source={data / 'ints.parquet'}"], "text"),
+            ("8b. a null text row", "nulls", [f"data.source={data / 'nulls.parquet'}"], "text"),
+            ("8c. run.name token_stores", "reserved", ["run.name=token_stores"], "run.name"),
+        ):
+            target = self.root / storage
+            shutil.rmtree(target, ignore_errors=True)
+            job = run_job(target, "train.steps=10", *overrides)
+            yield self.row(fault, job, target / RUN, 0, {"exit 2": job.returncode == 2, f"names {expect}": expect in job.final_line})
+        target = self.root / "relaunch"
+        shutil.rmtree(target, ignore_errors=True)
+        failed = run_job(target, "train.steps=10", f"data.source={data / 'empty'}")
+        job = run_job(target, "train.steps=10")
+        yield self.row("8d. relaunch after a failed launch with another data.source", job, target / RUN, 0,
+                       {"the failed launch exits 2": failed.returncode == 2, "the relaunch trains": job.returncode == 0})
+
+
+def format_row(row: Row) -> str:
+    restarts_text = "-" if row.restarts is None else str(row.restarts)
+    lost = "-" if row.steps_lost is None else str(row.steps_lost)
+    verdict = "right" if row.right else f"WRONG ({row.wrong})"
+    return f"| {row.fault} | {restarts_text} | {row.seconds:.0f} | {row.final_line} | {lost} | {verdict} |"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/meshtrain-bench-faults"), help="scratch folder")
+    parser.add_argument("--only", nargs="*", default=None, help="row methods to run (default: all)")
+    args = parser.parse_args(argv)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    args.dir.mkdir(parents=True)
+    print("| fault | restarts | seconds | final line | steps lost | outcome |", flush=True)
+    print("|---|---|---|---|---|---|", flush=True)
+    matrix = Matrix(args.dir, lambda line: print(line, flush=True))
+    matrix.prepare()
+    rows: list[Row | None] = []
+    steps: list[tuple[str, Callable[[], Any]]] = [
+        ("checkpoint_of_another_shape", matrix.checkpoint_of_another_shape),
+        ("no_loadable_checkpoint", matrix.no_loadable_checkpoint),
+        ("truncated_with_keep_1", matrix.truncated_with_keep_1),
+        ("flipped_checkpoint_shard", matrix.flipped_checkpoint_shard),
+        ("flipped_metadata", matrix.flipped_metadata),
+        ("flipped_token_low", lambda: matrix.flipped_token("3c. low bit flips in a local token shard", "token-low", False, 0)),
+        ("flipped_token_high", lambda: matrix.flipped_token("3d. high bit flips in a local token shard", "token-high", True, 7)),
+        ("flipped_token_on_s3", matrix.flipped_token_on_s3),
+        ("crafted_metadata", matrix.crafted_metadata),
+        ("secrets", matrix.secrets),
+        ("storage_path_is_a_file", matrix.storage_path_is_a_file),
+        ("disk_full", matrix.disk_full),
+        ("ctrl_c", matrix.ctrl_c),
+        ("input_errors", lambda: list(matrix.input_errors())),
+    ]
+    for name, step in steps:
+        if args.only is None or name in args.only:
+            result = step()
+            rows.extend(result if isinstance(result, list) else [result])
+    done = [row for row in rows if row is not None]
+    print(f"{sum(row.right for row in done)}/{len(done)} rows right", flush=True)
+    return 0 if all(row.right for row in done) else 1
