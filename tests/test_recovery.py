@@ -1,5 +1,6 @@
-"""Recovery through Ray Train: workers die (by their own hand, from outside, mid-checkpoint) and the
-run still finishes with exactly the weights of a run that never broke. The run killed mid-checkpoint
+"""Recovery through Ray Train: workers die (by their own hand, from outside, mid-checkpoint), the
+newest checkpoints are damaged or crafted, the driver is interrupted, and the run still finishes with
+exactly the weights of a run that never broke. The run killed mid-checkpoint
 also has both experiment trackers on: W&B (offline) and MLflow (sqlite) each read back one run
 holding every logged step once, with metrics.jsonl's values."""
 
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import shutil
 import signal
 import subprocess
 import time
@@ -16,6 +19,7 @@ from typing import Any
 import pytest
 
 from jobs import REPO, assert_same_weights, job_command, job_env, model_weights, read_metrics, run_job
+from meshtrain.bench.faults import Crafted, flip_bit, largest_shard, rewrite_marker_for
 from meshtrain.config import load_config
 from meshtrain.observe.mlflow_tracker import RUN_ID_TAG, tracking_uri
 from meshtrain.observe.outputs import RunPaths
@@ -247,6 +251,36 @@ def test_wandb_offline_holds_one_run_with_every_logged_step_once(midsave: Path) 
     assert [row["step"] for row in rows if "run/resumed_from_step" in row] == [10]
 
 
+def test_damaged_newest_checkpoints_are_marked_bad_and_the_run_falls_back_to_the_unbroken_weights(
+    storage: Path, unbroken: dict, tmp_path: Path
+) -> None:
+    """The unbroken run's checkpoints (20, 30, 40) with step 40's .metadata crafted to run code (its
+    checksums rewritten to match) and a bit flipped in a shard of step 30: the job resumes from step
+    20 without a restart, never runs the payload, keeps both bad checkpoints with their reasons, and
+    retrains to exactly the unbroken run's weights."""
+    run_dir = storage / "tampered"
+    shutil.copytree(storage / "unbroken" / "checkpoints", run_dir / "checkpoints")
+    step_40, step_30 = (run_dir / "checkpoints" / f"step-000000{n}" for n in (40, 30))
+    proof = tmp_path / "payload-ran"
+    metadata = step_40 / ".metadata"
+    metadata.write_bytes(pickle.dumps(Crafted(metadata.read_bytes(), proof)))
+    rewrite_marker_for(step_40, ".metadata")
+    shard = largest_shard(step_30)
+    flip_bit(shard, shard.stat().st_size // 2, 6)
+
+    job = run_job(f"run.storage_path={storage}", "run.name=tampered", *SETTINGS)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert not proof.exists()
+    assert loads(run_dir) == [20]
+    assert len((run_dir / "worker_starts.jsonl").read_text().splitlines()) == 1  # no restart
+    kept = {p.name.split(".bad-")[0]: json.loads((p / "BAD").read_text())["reason"]
+            for p in (run_dir / "checkpoints").glob("step-*.bad-*")}
+    assert kept.keys() == {"step-00000040", "step-00000030"}
+    assert "never holds" in kept["step-00000040"]
+    assert shard.name in kept["step-00000030"]
+    assert_same_weights(model_weights(final_checkpoint(run_dir), tmp_path), unbroken)
+
+
 def test_ctrl_c_saves_then_the_rerun_resumes_there_and_exhausted_restarts_name_the_cause(storage: Path) -> None:
     """SIGINT to the driver: the workers save at the next step boundary, the driver exits 130 naming
     the step; the same command resumes from that checkpoint; there a killed worker with no restarts
@@ -354,10 +388,11 @@ def _boto_credentials() -> dict[str, str]:
     }
 
 
-def test_s3_checkpoints_survive_a_killed_worker(storage: Path, unbroken: dict, s3_endpoint: str, tmp_path: Path) -> None:
+def test_s3_checkpoints_survive_a_killed_worker_and_hold_no_secret(storage: Path, unbroken: dict, s3_endpoint: str, tmp_path: Path) -> None:
     import s3fs
 
-    options = '{client_kwargs: {endpoint_url: "%s"}}' % s3_endpoint
+    secret = "meshtrain-test-secret-91c2"  # moto takes any credentials: these must reach s3fs, and no file
+    options = '{key: testing, secret: %s, client_kwargs: {endpoint_url: "%s"}}' % (secret, s3_endpoint)
     job = run_job(
         f"run.storage_path={storage}", "run.name=on-s3", *SETTINGS,
         "checkpoint.path=s3://meshtrain/runs", f"checkpoint.storage_options={options}",
@@ -376,3 +411,6 @@ def test_s3_checkpoints_survive_a_killed_worker(storage: Path, unbroken: dict, s
     assert fs.exists("meshtrain/runs/on-s3/step-00000040/COMMITTED")
     fs.get("meshtrain/runs/on-s3/step-00000040", str(tmp_path / "step-00000040"), recursive=True)
     assert_same_weights(model_weights(tmp_path / "step-00000040", tmp_path), unbroken)
+    assert secret not in job.stdout + job.stderr
+    assert not [p for p in run_dir.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert not [key for key in fs.find("meshtrain/runs/on-s3") if secret.encode() in fs.cat(key)]

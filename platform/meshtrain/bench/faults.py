@@ -161,30 +161,20 @@ class Crafted:
 
 
 def rewrite_marker_for(checkpoint: Path, name: str) -> None:
-    """Make ``COMMITTED`` agree with ``name``'s new bytes (size, and checksum where recorded), as a
-    writer of the storage could: the file must then be refused for what it is, not for its size."""
-    from meshtrain.checkpoint.checksums import digest
+    """What a writer of the storage who knows the checksum scheme would do after replacing ``name``:
+    its sidecar says the new bytes are one item, and ``COMMITTED`` records the new sidecar checksum
+    and file sizes. The file must then be refused for what it is, not for a checksum."""
+    from meshtrain.checkpoint.checksums import SIDECAR_SUFFIX, digest, encode_sidecar
+    from meshtrain.checkpoint.storage import BAD_MARKER, COMMIT_MARKER
 
-    marker_path = checkpoint / "COMMITTED"
-    marker = json.loads(marker_path.read_text())
     data = (checkpoint / name).read_bytes()
-    marker["files"][name] = len(data)
+    sidecar = encode_sidecar(name, [(0, len(data), digest(data))])
+    (checkpoint / f"{name}{SIDECAR_SUFFIX}").write_bytes(sidecar)
+    marker = json.loads((checkpoint / COMMIT_MARKER).read_text())
+    marker["checksums"]["sidecars"][name] = digest(sidecar)
+    marker["files"] = {p.name: p.stat().st_size for p in checkpoint.iterdir() if p.name not in (COMMIT_MARKER, BAD_MARKER)}
     marker["bytes"] = sum(marker["files"].values())
-    _replace_digests(marker, name, digest(data))
-    marker_path.write_text(json.dumps(marker, indent=1))
-
-
-def _replace_digests(tree: Any, name: str, value: str) -> None:
-    """Every checksum recorded for file ``name`` in the marker, set to ``value`` (whatever the layout)."""
-    if isinstance(tree, dict):
-        for key, item in tree.items():
-            if key == name and isinstance(item, str):
-                tree[key] = value
-            else:
-                _replace_digests(item, name, value)
-    elif isinstance(tree, list):
-        for item in tree:
-            _replace_digests(item, name, value)
+    (checkpoint / COMMIT_MARKER).write_text(json.dumps(marker, indent=1))
 
 
 def s3_client(s3: Any) -> Any:

@@ -18,7 +18,6 @@ import errno
 import re
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from meshtrain.config import ConfigError, PermanentError
 
