@@ -109,3 +109,10 @@ def test_the_drivers_final_line(tmp_path) -> None:
     assert _failure_message(cfg, transient, restarts=3).startswith(
         "training failed: rank 0 on 10.0.0.7: RuntimeError: boom; after 3 restart(s) (run.max_failures=3); "
     )
+
+
+def test_meshtrains_own_permanent_errors_are_kept_whole() -> None:
+    tried = "; ".join(f"checkpoint /c/r/step-000000{n}0: __0_0.distcp at offset 1024 does not match its checksum"
+                      for n in (3, 2, 1))
+    failure = root_failure(NoLoadableCheckpoint(f"no loadable checkpoint in /c/r: {tried}; repair them"))
+    assert failure.error == f"NoLoadableCheckpoint: no loadable checkpoint in /c/r: {tried}; repair them"

@@ -117,9 +117,11 @@ def test_a_corrupted_block_is_refused_in_one_line(tmp_path, monkeypatch) -> None
         fs.pipe_file("data/s/shard-000001.bin", bytes(data))
         store = TokenStore(url, options, reading=ReadSettings(local_cache_dir=str(tmp_path / "c"), read_timeout_s=10))
         assert len(store.read(10_000, 10_000 + BLOCK)) == BLOCK  # blocks 0-2 of shard 1 are intact
-        with pytest.raises(ConfigError, match=rf"^data.source: block 3 \(bytes {3 * BLOCK}-{4 * BLOCK}\) of shard "
-                           "s3://data/s/shard-000001.bin does not match its recorded checksum; prepare the store again$"):
+        with pytest.raises(CorruptTokens, match=rf"^data.source: shard s3://data/s/shard-000001.bin is corrupt at byte "
+                           rf"offset {3 * BLOCK}: its {BLOCK}-byte block 3 \(bytes {3 * BLOCK}-{4 * BLOCK}\) does not match the "
+                           r"checksum in shard-000001.crc32; prepare the store again") as info:
             store.read(10_000 + 3 * BLOCK // 2, 10_000 + 3 * BLOCK // 2 + 8)
+    assert isinstance(info.value, PermanentError) and "\n" not in str(info.value)
 
 
 def test_a_token_past_the_vocabulary_is_refused_on_s3_too(tmp_path, monkeypatch) -> None:

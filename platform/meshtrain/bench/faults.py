@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -68,8 +69,7 @@ def run_job(storage: Path, *overrides: str, interrupt_at_step: int | None = None
             env: dict[str, str] | None = None) -> Job:
     """``jobs/pretrain.py`` with ``overrides`` on storage ``storage`` (its output in a file: a full pipe
     would stall the driver); with ``interrupt_at_step``, SIGINT to the driver once that step is logged."""
-    storage.mkdir(parents=True, exist_ok=True)
-    log = storage / f"driver-{time.time_ns()}.log"
+    log = Path(tempfile.mkstemp(prefix="meshtrain-bench-faults-", suffix=".log")[1])
     job_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | (env or {})
     command = [sys.executable, "jobs/pretrain.py", f"run.storage_path={storage}", *SETTINGS, *overrides]
     started = time.perf_counter()
@@ -355,6 +355,44 @@ class Matrix:
         checks = {"exit 2": job.returncode == 2, "the line names checkpoint.path": "checkpoint.path" in job.final_line}
         return self.row("6. checkpoint.path is a file", job, storage / RUN, 0, checks)
 
+    def run_storage_is_a_file(self) -> Row:
+        storage = self.root / "run-storage-file"
+        storage.parent.mkdir(parents=True, exist_ok=True)
+        storage.write_text("not a directory")
+        job = run_job(storage, "train.steps=40")
+        checks = {"exit 2": job.returncode == 2, "the line names run.storage_path": "run.storage_path" in job.final_line}
+        return self.row("6. run.storage_path is a file", job, storage / RUN, 0, checks)
+
+    def read_only_checkpoints(self) -> Row | None:
+        """checkpoint.path on a read-only mount (root writes through file modes, not through this)."""
+        mount = self.root / "read-only"
+        mount.mkdir(parents=True, exist_ok=True)
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+            self.log("6. read-only checkpoint directory: skipped (mounting needs root)")
+            return None
+        try:
+            storage = self.root / "read-only-run"
+            shutil.rmtree(storage, ignore_errors=True)
+            job = run_job(storage, "train.steps=40", f"checkpoint.path={mount}")
+            checks = {"exit 2": job.returncode == 2, "the line names checkpoint.path": "checkpoint.path" in job.final_line}
+            return self.row("6. read-only checkpoint directory", job, storage / RUN, 0, checks)
+        finally:
+            subprocess.run(["umount", str(mount)], capture_output=True)
+
+    def killed_worker(self) -> Row:
+        """For contrast, a fault a restart does fix: Ray restarts the group, which resumes and matches."""
+        storage = self.copy("killed")
+        job = run_job(storage, "train.steps=40", "fault.kill_rank=1", "fault.at_step=35")
+        run_dir = storage / RUN
+        checks = {
+            "exit 0": job.returncode == 0,
+            "one restart": restarts(run_dir) == 1,
+            "resumed from step 30": loads(run_dir)[-1:] == [30],
+            "final weights equal the unbroken run's": job.returncode == 0
+            and same_weights(model_weights(step_dir(storage, 40)), self.reference),
+        }
+        return self.row("6''. a killed worker (a restart fixes it)", job, run_dir, 5, checks)
+
     def disk_full(self) -> Row | None:
         """checkpoint.path on a 12 MiB tmpfs: the first save fills it (needs root to mount)."""
         mount = self.root / "small-disk"
@@ -472,8 +510,11 @@ def main(argv: list[str] | None = None) -> int:
         ("flipped_token_on_s3", matrix.flipped_token_on_s3),
         ("crafted_metadata", matrix.crafted_metadata),
         ("secrets", matrix.secrets),
-        ("storage_path_is_a_file", matrix.storage_path_is_a_file),
+        ("checkpoint_path_is_a_file", matrix.storage_path_is_a_file),
+        ("run_storage_is_a_file", matrix.run_storage_is_a_file),
+        ("read_only_checkpoints", matrix.read_only_checkpoints),
         ("disk_full", matrix.disk_full),
+        ("killed_worker", matrix.killed_worker),
         ("ctrl_c", matrix.ctrl_c),
         ("input_errors", lambda: list(matrix.input_errors())),
     ]

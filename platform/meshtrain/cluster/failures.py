@@ -74,7 +74,7 @@ def root_failure(exc: BaseException) -> Failure:
     root = _unwrapped(exc)
     failures = getattr(root, "worker_failures", None)
     if not (isinstance(failures, dict) and failures):
-        return Failure(None, None, one_line(root), is_permanent(root))
+        return Failure(None, None, _line(root), is_permanent(root))
     errors = {rank: _unwrapped(error) for rank, error in failures.items() if isinstance(error, BaseException)}
     if not errors:
         return Failure(None, None, one_line(root), False)
@@ -86,9 +86,17 @@ def root_failure(exc: BaseException) -> Failure:
 
     rank, error = min(errors.items(), key=order)
     return Failure(
-        getattr(error, "meshtrain_rank", rank), getattr(error, "meshtrain_node", None), one_line(error),
+        getattr(error, "meshtrain_rank", rank), getattr(error, "meshtrain_node", None), _line(error),
         is_permanent(error), len(errors) - 1,
     )
+
+
+def _line(exc: BaseException) -> str:
+    """meshtrain's own permanent errors are written as one line (naming every path and checkpoint
+    involved), so they are kept whole; anything else is cut to one short line."""
+    if isinstance(exc, (ConfigError, PermanentError)):
+        return one_line(exc, limit=4000)
+    return one_line(exc)
 
 
 def _unwrapped(exc: BaseException) -> BaseException:

@@ -201,7 +201,8 @@ def _last_committed(cfg: MeshtrainConfig) -> str:
     storage, newest = newest_committed(cfg)
     if newest is not None:
         return f"last committed checkpoint: {storage.display(newest.path)} (step {newest.step})"
-    return "no checkpoint was committed"
+    bad = len(storage.all_committed()) if cfg.checkpoint.enabled else 0
+    return f"no loadable checkpoint ({bad} committed, marked bad)" if bad else "no checkpoint was committed"
 
 
 def restarts_used(paths: RunPaths, launch_id: str) -> int:

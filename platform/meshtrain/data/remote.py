@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from meshtrain.config import ConfigError
+from meshtrain.data.integrity import CorruptTokens
 
 CHECK_BYTES = 1 << 10  # bytes per CRC-32 in a shard's .crc32 list
 CRC_SUFFIX = ".crc32"
@@ -67,6 +68,15 @@ def block_crcs(data: bytes, block_bytes: int | None = None) -> bytes:
 def checksum_lists() -> tuple[tuple[str, int], ...]:
     """(suffix, bytes per checksum) of the lists a shard may have, newest first."""
     return ((CRC_SUFFIX, CHECK_BYTES), (LEGACY_CRC_SUFFIX, LEGACY_CHECK_BYTES))
+
+
+class BlockMismatch(CorruptTokens):
+    """A fetched block that does not match its checksum; the store turns it into its one line (shard,
+    byte offset, the command that re-prepares the shard)."""
+
+    def __init__(self, shard: int, byte: int, what: str) -> None:
+        super().__init__(what)
+        self.shard, self.byte, self.what = shard, byte, what
 
 
 class StorageUnavailable(ConfigError):
@@ -232,9 +242,9 @@ class RemoteShards:
         for k in range(last - first + 1):
             lo, hi = k * block, min((k + 1) * block, end - start)
             if hi > len(view) or k >= len(crcs) or zlib.crc32(view[lo:hi]) != int(crcs[k]):
-                raise ConfigError(
-                    f"data.source: block {first + k} (bytes {start + lo}-{start + hi}) of shard "
-                    f"{self.location.display(shard_file)} does not match its recorded checksum; prepare the store again"
+                raise BlockMismatch(
+                    shard, start + lo, f"its {block}-byte block {first + k} (bytes {start + lo}-{start + hi}) does not "
+                    f"match the checksum in {crc_name(shard_file, suffix)}"
                 )
         return bytes(data)
 

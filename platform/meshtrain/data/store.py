@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from meshtrain.config import ConfigError
 from meshtrain.data.integrity import CorruptTokens, bad_block, first_out_of_range, reprepare_hint
-from meshtrain.data.remote import RemoteShards, checksum_lists, crc_name, with_retries
+from meshtrain.data.remote import BlockMismatch, RemoteShards, checksum_lists, crc_name, with_retries
 from meshtrain.data.shard_index import INDEX_JSON, INDEX_NPY, ShardIndex, index_arrays, parse_header
 
 FORMAT = "meshtrain-token-store"
@@ -424,7 +424,10 @@ class TokenStore:
                 if self._remote is None:
                     data = self._read_local(shard, offset, size, (shard_end - shard_start) * itemsize)
                 else:
-                    data = self._remote.read(shard, offset, size)
+                    try:
+                        data = self._remote.read(shard, offset, size)
+                    except BlockMismatch as mismatch:
+                        raise self._corrupt(mismatch.shard, mismatch.byte, mismatch.what) from None
                 piece = np.frombuffer(data, dtype=self.dtype)
                 bad = first_out_of_range(piece, self.vocab_size)
                 if bad is not None:
