@@ -174,3 +174,19 @@ def test_rays_notices_are_a_preemption_when_they_name_nodes_and_a_resize_request
     notice.clear_resize_request()  # a real notice is never cleared
     assert context.preemption_context.preemption_info is not None
     notice.done()
+
+
+def test_the_driver_asks_once_then_a_second_interrupt_stops_at_once(tmp_path: Path) -> None:
+    from meshtrain.cluster.interrupts import DriverInterrupts
+
+    request = StopRequest(str(tmp_path / "stop_request.json"), "launch-7")
+    StopRequest(request.path, "launch-6").write("left by an earlier launch")
+    with DriverInterrupts(request, preemption_save_s=25.0) as interrupts:
+        assert request.read() is None and not Path(request.path).exists()  # the earlier launch's is gone
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: ask the workers to save
+        assert interrupts.received == "SIGINT" and request.read() == "SIGINT to the driver"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)  # again (ray job stop): stop at once
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and not Path(request.path).exists()
+    with DriverInterrupts(request, preemption_save_s=None), pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)  # without preemption handling the workers cannot save on notice
