@@ -17,6 +17,7 @@ import torch
 
 from corpora import stdlib_plan
 from meshtrain.config import ConfigError, DataConfig, load_config
+from meshtrain.data.integrity import CorruptTokens
 from meshtrain.data import (
     DataParallelBatches,
     MixtureSamples,
@@ -353,7 +354,8 @@ def test_a_store_on_s3_is_prepared_cached_locally_and_checked(plan, tmp_path, mo
         fs.pipe(shard, b"\0\0" * store.manifest.shards[1].tokens)  # same size, other bytes
         monkeypatch.setenv("MESHTRAIN_TOKEN_CACHE", str(tmp_path / "fresh_cache"))
         fresh = TokenStore(remote.stores[0].url, options)
-        with pytest.raises(ConfigError, match=r"^data.source: (block \d+ \(bytes \d+-\d+\) of )?shard s3://.*shard-000001.bin does not match"):
+        with pytest.raises(CorruptTokens, match=r"^data.source: shard s3://.*shard-000001.bin is corrupt at byte offset \d+: "
+                           r"its 1024-byte block \d+ \(bytes \d+-\d+\) does not match the checksum in shard-000001.crc32"):
             fresh.read(0, len(fresh))
 
 
