@@ -18,7 +18,7 @@ from meshtrain.cluster.capacity import START_TIMEOUT_ENV, check_capacity, worker
 from meshtrain.cluster.failures import Failure, root_failure
 from meshtrain.cluster.interrupts import DriverInterrupts
 from meshtrain.cluster.preflight import preflight
-from meshtrain.config import ConfigError, MeshtrainConfig, config_error_in
+from meshtrain.config import ConfigError, MeshtrainConfig, config_error_in, redact_url
 from meshtrain.data import (
     LEGACY_SAMPLING,
     SAMPLING_SCHEME,
@@ -348,7 +348,7 @@ def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
     data = data_for_resume(cfg, data)
     if cached_tokenizer is None:
         paths.tokenizer.write_text(data.tokenizer_json)
-    stores = ", ".join(ref.url for ref in data.stores)
+    stores = ", ".join(redact_url(ref.url) for ref in data.stores)
     print(
         f"[meshtrain] run {paths.name}: {data.documents:,} documents, {data.tokens:,} tokens, "
         f"vocab {data.vocab_size} from {stores}; outputs in {paths.run_dir}",
