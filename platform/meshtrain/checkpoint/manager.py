@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from meshtrain.checkpoint.dcp_files import ChecksummedWriting
 from meshtrain.checkpoint.errors import CheckpointError, CheckpointUnreachable, NoLoadableCheckpoint
-from meshtrain.checkpoint.save_failures import is_full, not_writable, storage_full, storage_os_error
+from meshtrain.checkpoint.save_failures import is_full, not_writable, storage_full, storage_os_error, wrapped_errors
 from meshtrain.checkpoint.state import TrainState
 from meshtrain.checkpoint.storage import BAD_MARKER, CheckpointStorage, CommittedCheckpoint
 from meshtrain.checkpoint.write_progress import counting_writes
@@ -359,26 +359,13 @@ _UNREACHABLE_TYPES = frozenset({
 
 
 def _unreachable(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what it wraps: DCP's per-rank failures, exception chains) is the storage not
-    answering rather than a fault in the checkpoint."""
-    seen: set[int] = set()
-    stack = [exc]
-    while stack:
-        current = stack.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, CheckpointException):
-            stack.extend(failure[0] if isinstance(failure, tuple) else failure for failure in current.failures.values())
-            continue
-        if isinstance(current, (ConnectionError, TimeoutError)):
-            return True
-        if isinstance(current, OSError) and current.errno in _UNREACHABLE_ERRNOS:
-            return True
-        if any(cls.__name__ in _UNREACHABLE_TYPES for cls in type(current).__mro__):
-            return True
-        stack.extend(e for e in (current.__cause__, current.__context__) if isinstance(e, BaseException))
-    return False
+    """Whether ``exc`` (or what it wraps) is the storage not answering rather than a fault in the checkpoint."""
+    return any(
+        isinstance(e, (ConnectionError, TimeoutError))
+        or (isinstance(e, OSError) and e.errno in _UNREACHABLE_ERRNOS)
+        or any(cls.__name__ in _UNREACHABLE_TYPES for cls in type(e).__mro__)
+        for e in wrapped_errors(exc)
+    )
 
 
 def _reason(exc: BaseException, shown: str) -> str:

@@ -8,6 +8,7 @@ restart, so both become PermanentErrors.
 from __future__ import annotations
 
 import errno
+from collections.abc import Iterator
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -17,8 +18,8 @@ _FULL = (errno.ENOSPC, errno.EDQUOT)
 _REFUSED = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
-def storage_os_error(exc: BaseException) -> OSError | None:
-    """The OSError saying the storage is full or refuses writes, found in ``exc`` or what it wraps."""
+def wrapped_errors(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and every error it wraps: DCP's per-rank failures and the exception chains, each once."""
     seen: set[int] = set()
     stack = [exc]
     while stack:
@@ -26,12 +27,17 @@ def storage_os_error(exc: BaseException) -> OSError | None:
         if id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, OSError) and current.errno in _FULL + _REFUSED:
-            return current
+        yield current
         if isinstance(current, CheckpointException):
-            stack.extend(failure for failure, _ in current.failures.values())
-        stack.extend(e for e in (current.__cause__, current.__context__) if e is not None)
-    return None
+            stack.extend(failure[0] if isinstance(failure, tuple) else failure for failure in current.failures.values())
+        stack.extend(e for e in (current.__cause__, current.__context__) if isinstance(e, BaseException))
+
+
+def storage_os_error(exc: BaseException) -> OSError | None:
+    """The OSError saying the storage is full or refuses writes, found in ``exc`` or what it wraps."""
+    return next(
+        (e for e in wrapped_errors(exc) if isinstance(e, OSError) and e.errno in _FULL + _REFUSED), None
+    )
 
 
 def is_full(error: OSError) -> bool:
