@@ -9,6 +9,7 @@ every rank; either way a restart reads the same bytes again, so the error is per
 from __future__ import annotations
 
 import shlex
+import struct
 import zlib
 from typing import Any
 
@@ -43,8 +44,8 @@ def reprepare_hint(store: str, shard_file: str, source: dict[str, Any] | None) -
 def bad_block(crcs: bytes, data: memoryview, block_bytes: int) -> int | None:
     """Index of the first ``block_bytes`` block of ``data`` whose CRC-32 is not the one in ``crcs``
     (little-endian uint32s, one per block), or None when all match."""
-    found = [zlib.crc32(data[lo : lo + block_bytes]) for lo in range(0, len(data), block_bytes)]
-    expected = np.frombuffer(crcs, dtype="<u4").tolist()
+    found = tuple(zlib.crc32(data[lo : lo + block_bytes]) for lo in range(0, len(data), block_bytes))
+    expected = struct.unpack(f"<{len(crcs) // 4}I", crcs[: len(crcs) // 4 * 4])
     if found == expected:
         return None
     return next((k for k, (a, b) in enumerate(zip(found, expected)) if a != b), min(len(found), len(expected)))

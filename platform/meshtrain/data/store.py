@@ -339,6 +339,9 @@ class TokenStore:
         self.dtype = np.dtype(self.index.header["dtype"])
         check_shard_sizes(self.location, self.index, self.dtype.itemsize, sizes)
         self._files = OpenFiles(open_shards)
+        # The shards' checksum lists get descriptors of their own: in one cache they would halve the
+        # shards kept open, and every checked read would cost two opens where an unchecked one costs one.
+        self._lists = OpenFiles(open_shards)
         self._manifest: Manifest | None = None
         self.vocab_size = int(self.index.header["vocab_size"])
         # Which checksum list a local store has, learnt from the first read as remote reads learn it
@@ -448,7 +451,7 @@ class TokenStore:
             suffix, block = lists[kind]
             first, last = offset // block, (offset + size - 1) // block
             try:
-                crcs = self._files.read(self.location.path(crc_name(name, suffix)), 4 * first, 4 * (last + 1 - first))
+                crcs = self._lists.read(self.location.path(crc_name(name, suffix)), 4 * first, 4 * (last + 1 - first))
             except FileNotFoundError:
                 self._list_kind = max(self._list_kind, kind + 1)  # other reader threads may learn it too
                 continue
@@ -481,6 +484,7 @@ class TokenStore:
 
     def close(self) -> None:
         self._files.close()
+        self._lists.close()
 
 
 def _index_from_manifest(manifest: Manifest, display: str) -> ShardIndex:
