@@ -161,3 +161,21 @@ def test_checkpoint_marker_holds_no_credential_while_s3_gets_them(
     assert any(kw.get("key") == KEY and kw.get("secret") == SECRET and kw.get("token") == TOKEN for kw in received)
     assert {kw.get("client_kwargs", {}).get("aws_account_id") for kw in received} == {NESTED}
 
+
+
+def test_a_source_url_password_stays_out_of_the_store_plan_and_errors() -> None:
+    from meshtrain.cli.export import parse_storage_options
+    from meshtrain.config import SourceConfig
+    from meshtrain.data.sources import SourcePlan, plan_source
+
+    source = SourceConfig(source=f"https://alice:{PASSWORD}@corpus.example/data")
+    plan = SourcePlan(source=source, loader="text", field="text", units=(), fingerprint="f")
+    assert plan.describe()["source"] == f"https://alice:{REDACTED}@corpus.example/data"  # the manifest's copy
+    assert plan.source.source == source.source  # the live value still reads the data
+    with pytest.raises(ConfigError) as error:
+        plan_source(source, 1 << 20)
+    assert str(error.value).startswith("data.source:")
+    assert_no_secret(str(error.value), "the error")
+    with pytest.raises(ValueError) as malformed:  # a credential given without its key
+        parse_storage_options([SECRET])
+    assert_no_secret(str(malformed.value), "export's error")

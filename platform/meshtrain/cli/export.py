@@ -33,7 +33,9 @@ def parse_storage_options(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"--storage-option {item!r}: expected KEY=VALUE, e.g. anon=true")
+            # Not echoed: a malformed option may be a credential.
+            raise ValueError("--storage-option: expected KEY=VALUE, e.g. anon=true (the option given is not shown "
+                             "in case it holds a credential)")
         try:
             value = yaml.safe_load(raw) if raw.strip() else raw
         except yaml.YAMLError:
@@ -43,7 +45,7 @@ def parse_storage_options(items: list[str]) -> dict[str, Any]:
         for part in parents:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ValueError(f"--storage-option {item!r}: {part!r} is already a value, not a section")
+                raise ValueError(f"--storage-option {key}=...: {part!r} is already a value, not a section")
         node[leaf] = value
     return options
 

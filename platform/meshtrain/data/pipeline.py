@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshtrain.config import ConfigError, DataConfig, SourceConfig, source_labels
+from meshtrain.config import ConfigError, DataConfig, SourceConfig, redact_url, source_labels
 from meshtrain.data.prepare import prepare_store, store_key
 from meshtrain.data.sampling import (
     SAMPLING_SCHEME,
@@ -192,7 +192,7 @@ def prepare_data(
             )
             if report.prepared_tokens:
                 log(
-                    f"[meshtrain] prepared {source.source!r}: {report.manifest.tokens:,} tokens in "
+                    f"[meshtrain] prepared {redact_url(source.source)!r}: {report.manifest.tokens:,} tokens in "
                     f"{len(report.manifest.shards)} shards ({report.reused_shards} re-used), {report.seconds:.1f}s "
                     f"({report.tokens_per_s:,.0f} tok/s) -> {url}"
                 )
@@ -203,7 +203,7 @@ def prepare_data(
             raise ConfigError(f"data.source: {url} was encoded with another tokenizer than this run's; prepare it again")
         if manifest.tokens < seq_len + 1:
             raise ConfigError(
-                f"data.source: {source.source!r} holds {manifest.tokens} tokens, fewer than data.seq_len+1="
+                f"data.source: {redact_url(source.source)!r} holds {manifest.tokens} tokens, fewer than data.seq_len+1="
                 f"{seq_len + 1}; add documents or lower data.seq_len"
             )
         refs.append(StoreRef(url, source.weight, manifest.fingerprint, manifest.tokens, manifest.documents, label))

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from meshtrain.config import ConfigError
+from meshtrain.config import ConfigError, redact_url
 from meshtrain.data.remote import block_crcs, crc_name
 from meshtrain.data.sources import SourcePlan, Unit, read_unit
 from meshtrain.data.store import (
@@ -257,7 +257,7 @@ def prepare_store(
         fingerprint=store_fingerprint(dtype.name, tokenizer_hash, shards),
     )
     if manifest.documents == 0:
-        raise ConfigError(f"data.source: {plan.source.source!r} holds no documents; point it at files with text")
+        raise ConfigError(f"data.source: {redact_url(plan.source.source)!r} holds no documents; point it at files with text")
     text = manifest_text(manifest)
     write_index(location, manifest, len(text.encode()))  # derived from the manifest, so written before it
     location.write_text(MANIFEST, text)

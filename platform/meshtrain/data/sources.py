@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict
 
-from meshtrain.config import ConfigError, SourceConfig
+from meshtrain.config import ConfigError, SourceConfig, redact_url
 
 LOADERS_BY_SUFFIX = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 # Files with one document each (read whole); the others hold one document per row.
@@ -81,7 +81,7 @@ class SourcePlan(BaseModel):
         return sum(unit.bytes for unit in self.units)
 
     def describe(self) -> dict[str, Any]:
-        return {"source": self.source.source, "loader": self.loader, "field": self.field,
+        return {"source": redact_url(self.source.source), "loader": self.loader, "field": self.field,
                 "units": len(self.units), "bytes": self.bytes, "fingerprint": self.fingerprint}
 
 
@@ -161,13 +161,13 @@ def plan_source(source: SourceConfig, unit_bytes: int) -> SourcePlan:
     files = expand_local_source(source.source)
     if not files:
         raise ConfigError(
-            f"data.source: no .txt/.jsonl/.json/.parquet files at {source.source!r}; give an existing file, "
+            f"data.source: no .txt/.jsonl/.json/.parquet files at {redact_url(source.source)!r}; give an existing file, "
             "directory or glob, 'stdlib', or 'hf:<dataset>'"
         )
     loaders = {LOADERS_BY_SUFFIX[p.suffix.lower()] for p in files}
     if len(loaders) != 1:
         raise ConfigError(
-            f"data.source: {source.source!r} mixes formats ({', '.join(sorted(loaders))}); point it at one kind of file"
+            f"data.source: {redact_url(source.source)!r} mixes formats ({', '.join(sorted(loaders))}); point it at one kind of file"
         )
     empty = next((p for p in files if p.stat().st_size == 0), None)
     if empty is not None:
@@ -191,7 +191,7 @@ def check_hub_reachable(source: str, timeout_s: float = 3.0) -> None:
     """Fail in seconds, with one line, where the Hub cannot be reached (instead of retrying for long)."""
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes"}:
         raise ConfigError(
-            f"data.source: {source!r} needs the Hugging Face Hub but HF_HUB_OFFLINE is set; "
+            f"data.source: {redact_url(source)!r} needs the Hugging Face Hub but HF_HUB_OFFLINE is set; "
             "prepare it on a connected machine (jobs/prepare_data.py) and point data.source at the token store"
         )
     url = urlparse(hub_endpoint())
@@ -200,7 +200,7 @@ def check_hub_reachable(source: str, timeout_s: float = 3.0) -> None:
         socket.create_connection((url.hostname or "", port), timeout=timeout_s).close()
     except OSError as exc:
         raise ConfigError(
-            f"data.source: cannot reach {url.scheme}://{url.hostname} to stream {source!r} ({exc}); "
+            f"data.source: cannot reach {url.scheme}://{url.hostname} to stream {redact_url(source)!r} ({exc}); "
             "prepare it on a connected machine (jobs/prepare_data.py) and point data.source at the token store"
         ) from None
 
@@ -219,12 +219,12 @@ def _plan_hub_source(source: SourceConfig) -> SourcePlan:
         revision = _hub_revision(source.source[3:])
     except Exception as exc:  # datasets/hub raise many types; the user needs the source named
         raise ConfigError(
-            f"data.source: cannot open {source.source!r} ({first_line(exc)}); check the dataset name, "
+            f"data.source: cannot open {redact_url(source.source)!r} ({first_line(exc)}); check the dataset name, "
             "data.hf_config and data.split"
         ) from None
     if source.text_field not in (stream.column_names or [source.text_field]):
         raise ConfigError(
-            f"data.text_field: column {source.text_field!r} not in {source.source!r} "
+            f"data.text_field: column {source.text_field!r} not in {redact_url(source.source)!r} "
             f"(columns: {', '.join(stream.column_names)})"
         )
     shards = stream.num_shards
