@@ -201,6 +201,13 @@ def written(storage: Path) -> dict[str, Any]:
     return yaml.safe_load((storage / "r" / "config.yaml").read_text())
 
 
+def commit_a_checkpoint(storage: Path) -> None:
+    """Give run r a committed checkpoint: a re-run then resumes it."""
+    committed = storage / "r" / "checkpoints" / "step-00000010"
+    committed.mkdir(parents=True)
+    (committed / "COMMITTED").write_text("{}")
+
+
 def test_first_launch_spans_train_steps(tmp_path: Path) -> None:
     assert launch_config(tmp_path, "train.steps=100").optim.schedule_steps == 100
     assert written(tmp_path)["optim"]["schedule_steps"] == 100
@@ -208,6 +215,7 @@ def test_first_launch_spans_train_steps(tmp_path: Path) -> None:
 
 def test_rerun_with_more_steps_keeps_the_first_horizon(tmp_path: Path) -> None:
     launch_config(tmp_path, "train.steps=100")
+    commit_a_checkpoint(tmp_path)
     cfg = launch_config(tmp_path, "train.steps=300")
     assert (cfg.train.steps, cfg.optim.schedule_steps) == (300, 100)
     assert written(tmp_path)["train"]["steps"] == 300 and written(tmp_path)["optim"]["schedule_steps"] == 100
@@ -216,8 +224,25 @@ def test_rerun_with_more_steps_keeps_the_first_horizon(tmp_path: Path) -> None:
     assert launch_config(tmp_path, "train.steps=50").optim.schedule_steps == 100
 
 
+def test_a_rerun_with_nothing_to_resume_spans_its_own_steps(tmp_path: Path) -> None:
+    """A launch that failed before its first checkpoint trained nothing that lasts: the next one starts at
+    step 0 with its own horizon, and the failed launch's step records are set aside, not continued."""
+    launch_config(tmp_path, "train.steps=100")
+    metrics = tmp_path / "r" / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 9.0}\n')
+    assert launch_config(tmp_path, "train.steps=300").optim.schedule_steps == 300
+    assert not metrics.exists()
+    [kept] = (tmp_path / "r").glob("metrics.*.jsonl")
+    assert kept.read_text() == '{"step": 1, "loss": 9.0}\n'
+    commit_a_checkpoint(tmp_path)
+    metrics.write_text('{"step": 10, "loss": 5.0}\n')
+    assert launch_config(tmp_path, "train.steps=500").optim.schedule_steps == 300  # resumed: kept
+    assert metrics.read_text() == '{"step": 10, "loss": 5.0}\n'
+
+
 def test_explicit_horizon_wins(tmp_path: Path) -> None:
     assert launch_config(tmp_path, "train.steps=100", "optim.schedule_steps=400").optim.schedule_steps == 400
+    commit_a_checkpoint(tmp_path)
     assert launch_config(tmp_path, "train.steps=300").optim.schedule_steps == 400  # kept when unset again
     cfg = launch_config(tmp_path, "train.steps=300", "optim.schedule_steps=300")  # a deliberate change
     assert cfg.optim.schedule_steps == 300 and written(tmp_path)["optim"]["schedule_steps"] == 300
@@ -226,6 +251,7 @@ def test_explicit_horizon_wins(tmp_path: Path) -> None:
 def test_config_written_before_schedules_existed(tmp_path: Path) -> None:
     """An older config.yaml has no schedule settings: its horizon was its train.steps, and it was cosine."""
     launch_config(tmp_path, "train.steps=100")
+    commit_a_checkpoint(tmp_path)
     old = written(tmp_path)
     for key in ("schedule", "decay_fraction", "schedule_steps"):
         del old["optim"][key]
@@ -237,9 +263,7 @@ def test_config_written_before_schedules_existed(tmp_path: Path) -> None:
 
 def test_rerun_may_not_change_the_schedule(tmp_path: Path) -> None:
     launch_config(tmp_path, "train.steps=100")
-    committed = tmp_path / "r" / "checkpoints" / "step-00000010"  # a run with a checkpoint to resume
-    committed.mkdir(parents=True)
-    (committed / "COMMITTED").write_text("{}")
+    commit_a_checkpoint(tmp_path)
     with pytest.raises(ConfigError, match=r"^optim\.schedule: run r was started with 'cosine', not 'linear'"):
         launch_config(tmp_path, "train.steps=100", "optim.schedule=linear")
 
@@ -247,6 +271,7 @@ def test_rerun_may_not_change_the_schedule(tmp_path: Path) -> None:
 def test_inherited_horizon_must_fit_the_warmup(tmp_path: Path) -> None:
     """A config.yaml from before the warmup check could hold a horizon shorter than the warmup."""
     launch_config(tmp_path, "train.steps=100")
+    commit_a_checkpoint(tmp_path)
     old = written(tmp_path)
     old["train"]["steps"] = 10
     del old["optim"]["schedule_steps"]

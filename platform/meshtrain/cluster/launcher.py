@@ -42,11 +42,12 @@ def resolve_run(cfg: MeshtrainConfig) -> tuple[MeshtrainConfig, RunPaths]:
 
 
 def resolve_schedule_horizon(cfg: MeshtrainConfig, paths: RunPaths) -> MeshtrainConfig:
-    """Fix optim.schedule_steps when unset: the horizon in the run's config.yaml on a re-run (so a new
-    train.steps does not silently change the LR curve), train.steps on the first launch."""
+    """Fix optim.schedule_steps when unset: the horizon in the run's config.yaml on a re-run that
+    resumes committed checkpoints (so a new train.steps does not silently change the LR curve),
+    train.steps on the first launch and on a re-run that has nothing to resume."""
     if cfg.optim.schedule_steps is not None:
         return cfg
-    if paths.config.exists():
+    if paths.config.exists() and run_checkpoints(cfg).committed():
         previous = yaml.safe_load(paths.config.read_text())
         # A config.yaml written before optim.schedule_steps existed spanned its train.steps.
         horizon = previous["optim"].get("schedule_steps") or previous["train"]["steps"]
@@ -104,11 +105,15 @@ def write_run_config(cfg: MeshtrainConfig, paths: RunPaths) -> None:
     again. The earlier config (and a set-aside tokenizer) is kept beside it as config.<time>.yaml."""
     text = config_yaml(cfg)
     paths.run_dir.mkdir(parents=True, exist_ok=True)
+    stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
+    if paths.metrics.exists() and not run_checkpoints(cfg).committed():
+        # An earlier launch's steps that no checkpoint kept: this launch trains them again from step 0,
+        # and its records (and the trackers fed from them) start a fresh history.
+        paths.metrics.rename(paths.run_dir / f"metrics.{stamp}.jsonl")
     if paths.config.exists():
         previous_text = paths.config.read_text()
         if previous_text == text:
             return
-        stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
         change = _unresumable_change(previous_text, text)
         if change is not None:
             key, before, after = change
@@ -329,8 +334,8 @@ def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
 
     started = time.perf_counter()
     cfg, paths = resolve_run(cfg)
-    cfg = resolve_schedule_horizon(cfg, paths)
     cfg = preflight(cfg)  # the config against the world, before anything is written or started
+    cfg = resolve_schedule_horizon(cfg, paths)  # after preflight: it lists the (reachable) checkpoints
     write_run_config(cfg, paths)
     local_ray = init_ray()
     check_capacity(cfg.scaling, local_ray)  # before data preparation, which may take long
