@@ -82,6 +82,24 @@ def test_sharded_losses_equal_single_process(corpus: DataPlan, world: int, overr
 
 
 @pytest.mark.parametrize(
+    "world,overrides,mesh",
+    [
+        (2, ["parallel.tensor=2"], (1, 1, 2)),
+        (4, ["parallel.shard=2", "parallel.tensor=2"], (1, 2, 2)),
+    ],
+    ids=["tp2", "shard2xtp2"],
+)
+def test_tensor_parallel_equals_single_process(corpus: DataPlan, world: int, overrides: list[str], mesh: tuple) -> None:
+    """Heads, FFN columns and the vocabulary split over 2 ranks (sequence-parallel norms, the
+    vocabulary-parallel loss), alone and under 2-way FSDP: the same curves as one process."""
+    reference = single_process(config(), corpus)
+    results = run_on_ranks(_train_rank, world, config(f"scaling.num_workers={world}", *overrides), corpus, world)
+    for result in results:
+        assert result["mesh"] == mesh
+    assert_same_curves(results[0], reference, "x".join(map(str, mesh)), rtol=1e-4)
+
+
+@pytest.mark.parametrize(
     "strategy,mesh",
     [("full_shard", (1, 2)), ("shard_grad_op", (1, 2)), ("no_shard", (2, 1)), ("hybrid_shard_zero2", (1, 2))],
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from meshtrain.config import ConfigError
-from meshtrain.distributed.mesh import MESH_DIM_NAMES, MeshPlan, resolve_mesh_shape
+from meshtrain.distributed.mesh import MESH_DIM_NAMES, MeshPlan, check_shard_placement, resolve_mesh_shape
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
 
@@ -76,7 +76,36 @@ def test_auto_shape_always_covers_the_world(strategy: str, world_size: int) -> N
 
 
 def test_mesh_dim_names() -> None:
-    assert MESH_DIM_NAMES == ("replicate", "shard")
+    assert MESH_DIM_NAMES == ("replicate", "shard", "context", "tensor")
+    assert MeshPlan(2, 4, True).dim_names == ("replicate", "shard") and MeshPlan(2, 4, True).shape == (2, 4)
+    assert MeshPlan(1, 2, True, context=2, tensor=2).shape == (1, 2, 2, 2)
+    assert MeshPlan(2, 1, True, tensor=4).dim_names == ("replicate", "shard", "tensor")
+
+
+def test_ranks_lie_tensor_fastest_and_tp_cp_peers_share_a_data_parallel_rank() -> None:
+    plan = MeshPlan(2, 2, True, context=2, tensor=2)  # 16 ranks
+    assert [plan.coordinates(rank) for rank in (0, 1, 2, 5, 15)] == [
+        (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 1), (1, 1, 1, 1)]
+    assert [plan.data_parallel_rank(rank) for rank in range(16)] == [r // 4 for r in range(16)]
+    assert (plan.data_parallel_size, plan.gradient_ranks, plan.world_size) == (4, 8, 16)
+    assert [rank for rank in range(16) if plan.writes_records(rank)] == [0, 4, 8, 12]
+
+
+def test_tensor_and_context_degrees_shape_the_mesh() -> None:
+    assert resolve_mesh_shape(16, 8, "hybrid_shard", "auto", context=1, tensor=2) == MeshPlan(2, 4, True, 1, 2)
+    assert resolve_mesh_shape(16, 8, "full_shard", "auto", context=2, tensor=2) == MeshPlan(1, 4, True, 2, 2)
+    assert resolve_mesh_shape(128, 8, "hybrid_shard", 4, tensor=8) == MeshPlan(4, 4, True, 1, 8)
+    with pytest.raises(ConfigError, match=r"^parallel.tensor x parallel.context = 4 x 1 = 4 does not divide the 6 "
+                                          r"workers per node: tensor- and context-parallel groups must lie within one node"):
+        resolve_mesh_shape(12, 6, "hybrid_shard", "auto", tensor=4)
+
+
+def test_a_tensor_parallel_group_across_nodes_is_refused() -> None:
+    plan = MeshPlan(1, 2, True, tensor=2)
+    with pytest.raises(ConfigError, match=r"^parallel.tensor x parallel.context: Ray placed groups of 2 ranks across "
+                                          r"nodes \(group 1 \(ranks 2-3\) on nodes 0,1\)"):
+        check_shard_placement(plan, [0, 0, 0, 1], "auto")
+    assert check_shard_placement(MeshPlan(2, 1, True, tensor=2), [0, 0, 1, 1], "auto") is None
 
 
 # (world_size, workers_per_node, strategy, shard) -> the exact one-line message

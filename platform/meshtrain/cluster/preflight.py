@@ -47,16 +47,19 @@ def preflight(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> Meshtrain
             # Continued pretraining keeps the tokenizer the weights were trained with.
             cfg.data.tokenizer = init_from_tokenizer(cfg.model.init_from)
         cfg.check_seq_len(model_args(cfg, None))
+        cfg.check_model_parallel(model_args(cfg, None))
     if cfg.parallel.shard != "auto" or cfg.scaling.workers_per_node is not None:
         resolve_mesh_shape(
             cfg.scaling.num_workers,
             cfg.scaling.workers_per_node or cfg.scaling.num_workers,
             cfg.parallel.strategy,
             cfg.parallel.shard,
+            cfg.parallel.context,
+            cfg.parallel.tensor,
         )
     if tokenizer_fits and cfg.data.tokenizer != "train":
         # A broken tokenizer file, or one too large for the model, fails here, before Ray starts.
-        model_args(cfg, tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size))
+        cfg.check_model_parallel(model_args(cfg, tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size)))
     _check_preemption_budget(cfg)
     _check_float8(cfg)
     check_wandb(cfg)

@@ -173,6 +173,29 @@ class ParallelConfig(Section):
     prefetch: int = Field(
         1, ge=1, le=8, description="Blocks whose all-gather is issued ahead in forward and backward (1 = FSDP2's default)."
     )
+    tensor: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Tensor-parallel degree: attention heads, FFN columns and the vocabulary split over this many workers "
+            "of one node (Megatron-style, with sequence parallel norms and a vocabulary-parallel loss). It must "
+            "divide model.n_heads, model.n_kv_heads, model.ffn_dim and the vocabulary."
+        ),
+    )
+    context: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Context-parallel degree: each window's tokens split (load-balanced) over this many workers of one "
+            "node, which gather keys and values to attend over the whole window, document mask included. "
+            "data.seq_len must be a multiple of 2 x parallel.context."
+        ),
+    )
+    async_tensor: bool = Field(
+        False,
+        description="Async tensor parallel on CUDA with parallel.compile: inductor overlaps the TP collectives with "
+        "the matmuls (symmetric memory). Needs parallel.tensor > 1.",
+    )
 
     @field_validator("shard", mode="before")
     @classmethod
@@ -481,9 +504,12 @@ class MeshtrainConfig(Section):
             tokenizer_vocab = self.data.vocab_size if self.data.tokenizer == "train" else (
                 self.model.vocab_size or self.data.vocab_size
             )
-            self.check_seq_len(self.model.resolved(tokenizer_vocab))
-        # Every worker is a data-parallel rank whatever the mesh, so this holds before Ray is asked.
-        self.batch_layout(self.scaling.num_workers)
+            model = self.model.resolved(tokenizer_vocab)
+            self.check_seq_len(model)
+            self.check_model_parallel(model)
+        self._check_parallel_degrees()
+        # TP and CP peers read the same samples: the data-parallel ranks are the workers over TP x CP.
+        self.batch_layout(self.scaling.num_workers // self.parallel_group_size)
         sizes = self.elastic_sizes()
         if self.scaling.evict_stragglers:
             self._check_eviction_can_happen(sizes)
@@ -512,6 +538,51 @@ class MeshtrainConfig(Section):
                     f"use a multiple of checkpoint.interval={self.checkpoint.interval}"
                 )
         return self
+
+    @property
+    def parallel_group_size(self) -> int:
+        """Workers that share one data-parallel rank: a tensor- and context-parallel group."""
+        return self.parallel.tensor * self.parallel.context
+
+    def _check_parallel_degrees(self) -> None:
+        """parallel.tensor / parallel.context against the workers, the nodes, the window and the paths."""
+        parallel, scaling, inner = self.parallel, self.scaling, self.parallel_group_size
+        if inner == 1:
+            if parallel.async_tensor:
+                raise ValueError("parallel.async_tensor needs tensor parallelism; set parallel.tensor > 1 or drop it")
+            return
+        degrees = f"parallel.tensor x parallel.context = {parallel.tensor} x {parallel.context} = {inner}"
+        if scaling.num_workers % inner:
+            raise ValueError(f"{degrees} does not divide scaling.num_workers={scaling.num_workers}; "
+                             f"use a multiple of {inner} workers")
+        per_node = scaling.workers_per_node
+        if per_node is not None and per_node % inner:
+            raise ValueError(f"{degrees} does not divide scaling.workers_per_node={per_node}: tensor- and "
+                             "context-parallel groups must lie within one node; lower the degrees")
+        if parallel.context > 1 and self.data.seq_len % (2 * parallel.context):
+            raise ValueError(f"data.seq_len={self.data.seq_len} is not a multiple of 2 x parallel.context="
+                             f"{2 * parallel.context} (each rank holds two balanced chunks of a window); "
+                             "change one of them")
+        if parallel.async_tensor and (parallel.tensor == 1 or not scaling.use_gpu or not parallel.compile):
+            raise ValueError("parallel.async_tensor needs parallel.tensor > 1, scaling.use_gpu=true and "
+                             "parallel.compile=true (inductor pipelines the collectives on CUDA); drop it or set those")
+        if parallel.float8 and parallel.tensor > 1:
+            raise ValueError("parallel.float8 is not composed with parallel.tensor > 1 yet; drop one of them")
+
+    def check_model_parallel(self, model: ModelArgs) -> None:
+        """ConfigError when ``parallel.tensor`` does not divide what it splits of ``model``."""
+        tensor = self.parallel.tensor
+        if tensor == 1:
+            return
+        for name, value in (("model.n_heads", model.n_heads), ("model.n_kv_heads", model.n_kv_heads),
+                            ("model.ffn_dim", model.ffn_dim), ("the vocabulary (model.vocab_size)", model.vocab_size)):
+            if value % tensor:
+                raise ConfigError(f"parallel.tensor={tensor} does not divide {name}={value}; choose a degree that "
+                                  f"divides {model.n_heads} heads, {model.n_kv_heads} KV heads, FFN {model.ffn_dim} "
+                                  f"and vocabulary {model.vocab_size}")
+        if model.tie_embeddings:
+            raise ConfigError(f"parallel.tensor={tensor} with model.tie_embeddings=true is not supported yet (the "
+                              "embedding and the output head split the shared weight differently); drop one of them")
 
     def _check_eviction_can_happen(self, sizes: list[int]) -> None:
         """scaling.evict_stragglers with settings under which no straggler could ever be evicted
@@ -544,23 +615,26 @@ class MeshtrainConfig(Section):
                 f"scaling.min_workers={scaling.min_workers} exceeds scaling.num_workers={scaling.num_workers}; "
                 "set it to at most scaling.num_workers (or unset it: not elastic)"
             )
-        shard = self.parallel.shard
+        shard, inner = self.parallel.shard, self.parallel_group_size
+        # The unit of workers a size is a whole number of: each data-parallel rank is a tensor x context
+        # group of workers (one worker without TP/CP).
         if self.parallel.strategy in ("full_shard", "shard_grad_op", "no_shard"):
-            unit = 1  # the shard group is every worker (or one): any size holds it
+            unit = inner  # the shard group is every data-parallel rank (or one): any number holds it
         elif shard != "auto":
-            if shard > scaling.min_workers:
+            if shard * inner > scaling.min_workers:
                 raise ValueError(
                     f"parallel.shard={shard} does not fit scaling.min_workers={scaling.min_workers}: a smaller group "
-                    f"could not hold one shard group; raise scaling.min_workers to {shard} or use parallel.shard=auto"
+                    f"could not hold one shard group of {shard * inner} workers; raise scaling.min_workers to "
+                    f"{shard * inner} or use parallel.shard=auto"
                 )
-            unit = shard
+            unit = shard * inner
         else:
-            unit = scaling.workers_per_node or 1  # learned from Ray when unset: checked when the group starts
+            unit = scaling.workers_per_node or inner  # learned from Ray when unset: checked when the group starts
         step_samples = self.train.micro_batch_size
         sizes = [
             size
             for size in range(scaling.min_workers, scaling.num_workers + 1)
-            if size % unit == 0 and self.train.global_batch_size % (size * step_samples) == 0
+            if size % unit == 0 and self.train.global_batch_size % (size // inner * step_samples) == 0
         ]
         if sizes == [scaling.num_workers]:
             raise ValueError(

@@ -1,8 +1,11 @@
-"""Resolve the 2D ("replicate", "shard") device-mesh shape from a strategy name and the cluster layout.
+"""Resolve the device-mesh shape ("replicate", "shard"[, "context"][, "tensor"]) from a strategy name,
+the tensor- and context-parallel degrees and the cluster layout.
 
 Pure functions, no torch.distributed: the driver uses them for --dry-run and config validation, the
-workers with the layout Ray reports. Every rank is a data-parallel rank; the mesh only decides which
-ranks hold which shard of the parameters.
+workers with the layout Ray reports. Ranks are laid out row-major over the mesh, tensor fastest:
+a tensor-parallel group is consecutive ranks, then a context-parallel group, then a shard group, so
+each lies within one node when the node holds a whole number of them. The data-parallel ranks are
+replicate x shard; TP and CP peers read the same samples. FSDP shards over shard x context.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Literal
 
 from meshtrain.config import ConfigError, StrategyName
 
-MESH_DIM_NAMES = ("replicate", "shard")
+MESH_DIM_NAMES = ("replicate", "shard", "context", "tensor")
 
 # Strategies whose parameters stay gathered between forward and backward (ZeRO-2 style).
 _KEEPS_PARAMS_AFTER_FORWARD = {"shard_grad_op", "hybrid_shard_zero2"}
@@ -21,21 +24,63 @@ _KEEPS_PARAMS_AFTER_FORWARD = {"shard_grad_op", "hybrid_shard_zero2"}
 
 @dataclass(frozen=True)
 class MeshPlan:
+    """The mesh and what each part of training needs of it (which samples a rank reads, which ranks
+    average gradients, which ranks split a window or a layer): meshtrain's one answer to "where does
+    this rank sit", as torchtitan's ParallelDims is."""
+
     replicate: int
     shard: int
     reshard_after_forward: bool
+    context: int = 1
+    tensor: int = 1
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return (self.replicate, self.shard)
+    def dim_names(self) -> tuple[str, ...]:
+        """The mesh's dimensions: replicate and shard always, context and tensor when used."""
+        return tuple(name for name, size in zip(MESH_DIM_NAMES, self.sizes) if name in ("replicate", "shard") or size > 1)
+
+    @property
+    def sizes(self) -> tuple[int, int, int, int]:
+        return (self.replicate, self.shard, self.context, self.tensor)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(size for name, size in zip(MESH_DIM_NAMES, self.sizes) if name in self.dim_names)
 
     @property
     def world_size(self) -> int:
-        return self.replicate * self.shard
+        return self.replicate * self.shard * self.context * self.tensor
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size
+        """Ranks reading distinct samples (replicate x shard)."""
+        return self.replicate * self.shard
+
+    @property
+    def gradient_ranks(self) -> int:
+        """Ranks FSDP averages gradients over (replicate x shard x context): each holds a distinct part
+        of the global batch's tokens."""
+        return self.replicate * self.shard * self.context
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that work on the same samples: one context x tensor group."""
+        return self.context * self.tensor
+
+    def coordinates(self, world_rank: int) -> tuple[int, int, int, int]:
+        """(replicate, shard, context, tensor) index of ``world_rank``."""
+        rest, tensor = divmod(world_rank, self.tensor)
+        rest, context = divmod(rest, self.context)
+        replicate, shard = divmod(rest, self.shard)
+        return replicate, shard, context, tensor
+
+    def data_parallel_rank(self, world_rank: int) -> int:
+        """Which samples ``world_rank`` reads: its index over replicate x shard."""
+        return world_rank // self.model_parallel_size
+
+    def writes_records(self, world_rank: int) -> bool:
+        """Whether ``world_rank`` is the one rank of its data-parallel rank's group that reports for it."""
+        return world_rank % self.model_parallel_size == 0
 
 
 def _divisors(n: int) -> str:
@@ -47,57 +92,77 @@ def resolve_mesh_shape(
     workers_per_node: int,
     strategy: StrategyName,
     shard: int | Literal["auto"],
+    context: int = 1,
+    tensor: int = 1,
 ) -> MeshPlan:
-    """Mesh shape for ``strategy`` on ``world_size`` workers, ``workers_per_node`` to a node."""
+    """Mesh shape for ``strategy`` on ``world_size`` workers, ``workers_per_node`` to a node, with
+    ``tensor`` x ``context`` workers to each data-parallel rank."""
+    inner = context * tensor
+    if inner > 1:
+        degrees = f"parallel.tensor x parallel.context = {tensor} x {context} = {inner}"
+        if world_size % inner:
+            raise ConfigError(f"{degrees} does not divide the {world_size} workers; use a multiple of {inner} workers")
+        if workers_per_node % inner:
+            raise ConfigError(f"{degrees} does not divide the {workers_per_node} workers per node: tensor- and "
+                              "context-parallel groups must lie within one node; lower the degrees")
     reshard = strategy not in _KEEPS_PARAMS_AFTER_FORWARD
+    ranks, per_node = world_size // inner, max(1, workers_per_node // inner)  # data-parallel ranks
+
+    def plan(replicate: int, shard_size: int) -> MeshPlan:
+        return MeshPlan(replicate, shard_size, reshard, context, tensor)
+
     if strategy in ("full_shard", "shard_grad_op"):
-        if shard not in ("auto", world_size):
+        if shard not in ("auto", ranks):
             raise ConfigError(
                 f"parallel.shard={shard} conflicts with parallel.strategy={strategy}, which shards over all "
-                f"{world_size} workers; use strategy hybrid_shard for a smaller shard group or drop parallel.shard"
+                f"{ranks} {'workers' if inner == 1 else 'data-parallel ranks'}; use strategy hybrid_shard for a smaller shard group or drop parallel.shard"
             )
-        return MeshPlan(1, world_size, reshard)
+        return plan(1, ranks)
     if strategy == "no_shard":
         if shard not in ("auto", 1):
             raise ConfigError(
                 f"parallel.shard={shard} conflicts with parallel.strategy=no_shard, which replicates "
                 "parameters on every worker; use strategy hybrid_shard or drop parallel.shard"
             )
-        return MeshPlan(world_size, 1, reshard)
+        return plan(ranks, 1)
     if shard == "auto":
-        if world_size % workers_per_node:
+        if ranks % per_node:
             raise ConfigError(
                 f"parallel.shard=auto: {workers_per_node} workers per node do not divide "
-                f"scaling.num_workers={world_size}; set parallel.shard to one of {_divisors(world_size)}"
+                f"scaling.num_workers={world_size}; set parallel.shard to one of {_divisors(ranks)}"
             )
-        shard = workers_per_node
-    if world_size % shard:
-        raise ConfigError(
-            f"parallel.shard={shard} does not divide scaling.num_workers={world_size}; "
-            f"choose one of {_divisors(world_size)}"
-        )
-    return MeshPlan(world_size // shard, shard, reshard)
+        shard = per_node
+    if ranks % shard:
+        where = f"scaling.num_workers={world_size}" if inner == 1 else f"the {ranks} data-parallel ranks"
+        raise ConfigError(f"parallel.shard={shard} does not divide {where}; choose one of {_divisors(ranks)}")
+    return plan(ranks // shard, shard)
 
 
-def shard_groups_off_node(plan: MeshPlan, node_of_rank: Sequence[int]) -> dict[int, list[int]]:
-    """Shard groups whose ranks sit on more than one node: group index -> its nodes, sorted.
-
-    ``node_of_rank[i]`` is the node of world rank ``i``. Shard group ``r`` is world ranks
-    ``r*shard .. r*shard+shard-1`` (the consecutive ranks of one mesh row, see ``build_mesh``).
-    """
-    if len(node_of_rank) != plan.world_size:
-        raise ValueError(f"{len(node_of_rank)} placements for a {plan.replicate}x{plan.shard} mesh")
+def groups_off_node(node_of_rank: Sequence[int], group_size: int) -> dict[int, list[int]]:
+    """Groups of ``group_size`` consecutive ranks that sit on more than one node: group index -> its
+    nodes, sorted. ``node_of_rank[i]`` is the node of world rank ``i``."""
     split: dict[int, list[int]] = {}
-    for group in range(plan.replicate):
-        nodes = sorted(set(node_of_rank[group * plan.shard : (group + 1) * plan.shard]))
+    for group in range(len(node_of_rank) // group_size):
+        nodes = sorted(set(node_of_rank[group * group_size : (group + 1) * group_size]))
         if len(nodes) > 1:
             split[group] = nodes
     return split
 
 
-def _describe(plan: MeshPlan, split: dict[int, list[int]], limit: int = 4) -> str:
+def shard_groups_off_node(plan: MeshPlan, node_of_rank: Sequence[int]) -> dict[int, list[int]]:
+    """Shard groups whose ranks sit on more than one node: group index -> its nodes, sorted.
+
+    ``node_of_rank[i]`` is the node of world rank ``i``. Shard group ``r`` is the consecutive world
+    ranks of one replicate index (its shard x context x tensor ranks, see ``build_mesh``).
+    """
+    if len(node_of_rank) != plan.world_size:
+        raise ValueError(f"{len(node_of_rank)} placements for a {'x'.join(map(str, plan.shape))} mesh")
+    return groups_off_node(node_of_rank, plan.world_size // plan.replicate)
+
+
+def _describe(split: dict[int, list[int]], group_size: int, limit: int = 4) -> str:
     parts = [
-        f"group {group} (ranks {group * plan.shard}-{(group + 1) * plan.shard - 1}) on nodes {','.join(map(str, nodes))}"
+        f"group {group} (ranks {group * group_size}-{(group + 1) * group_size - 1}) on nodes {','.join(map(str, nodes))}"
         for group, nodes in list(split.items())[:limit]
     ]
     more = f" and {len(split) - limit} more" if len(split) > limit else ""
@@ -105,19 +170,33 @@ def _describe(plan: MeshPlan, split: dict[int, list[int]], limit: int = 4) -> st
 
 
 def check_shard_placement(plan: MeshPlan, node_of_rank: Sequence[int], shard: int | Literal["auto"]) -> str | None:
-    """Check that every HSDP shard group is on one node, so its all-gathers never cross the network.
+    """Check that every tensor- and context-parallel group and every HSDP shard group is on one node,
+    so their collectives never cross the network.
 
     Returns one line for rank 0 to print: the check passed, or (explicit ``parallel.shard``) a
-    warning. Raises ConfigError when ``parallel.shard=auto`` chose the shard size and Ray placed a
+    warning. Raises ConfigError when a TP/CP group spans nodes (always wrong: they exchange
+    activations every layer), or when ``parallel.shard=auto`` chose the shard size and Ray placed a
     shard group across nodes. None when there is nothing to check: a single shard group over every
     worker (plain FSDP) spans nodes by design, and groups of one rank cannot.
     """
+    inner = plan.model_parallel_size
+    if inner > 1:
+        if len(node_of_rank) != plan.world_size:
+            raise ValueError(f"{len(node_of_rank)} placements for a {'x'.join(map(str, plan.shape))} mesh")
+        split = groups_off_node(node_of_rank, inner)
+        if split:
+            raise ConfigError(
+                f"parallel.tensor x parallel.context: Ray placed groups of {inner} ranks across nodes "
+                f"({_describe(split, inner)}); keep scaling.placement_strategy=PACK (or STRICT_PACK) with whole "
+                "nodes of workers"
+            )
     if plan.replicate == 1 or plan.shard == 1:
         return None
+    group_size = plan.world_size // plan.replicate
     split = shard_groups_off_node(plan, node_of_rank)
     if not split:
-        return f"[meshtrain] placement: each of the {plan.replicate} shard groups of {plan.shard} ranks is on one node"
-    where = _describe(plan, split)
+        return f"[meshtrain] placement: each of the {plan.replicate} shard groups of {group_size} ranks is on one node"
+    where = _describe(split, group_size)
     if shard == "auto":
         raise ConfigError(
             f"parallel.shard=auto: Ray placed shard groups across nodes ({where}), so their all-gathers would go "

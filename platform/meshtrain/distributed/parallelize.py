@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -10,17 +11,72 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from meshtrain.config import ParallelConfig
 from meshtrain.distributed.float8 import gather_float8_as_bytes
-from meshtrain.distributed.mesh import MESH_DIM_NAMES, MeshPlan
+from meshtrain.distributed.mesh import MeshPlan
 from meshtrain.model.llama import Transformer
 
 
 def build_mesh(plan: MeshPlan, device_type: str) -> DeviceMesh:
-    """A 2D ("replicate", "shard") mesh; consecutive ranks form a shard group (one node under Ray)."""
-    return init_device_mesh(device_type, plan.shape, mesh_dim_names=MESH_DIM_NAMES)
+    """The ("replicate", "shard"[, "context"][, "tensor"]) mesh; consecutive ranks form a tensor group,
+    then a context group, then a shard group (each on one node under Ray)."""
+    return init_device_mesh(device_type, plan.shape, mesh_dim_names=plan.dim_names)
+
+
+def fsdp_mesh(mesh: DeviceMesh, plan: MeshPlan) -> DeviceMesh:
+    """The 2D (replicate, shard) mesh FSDP shards over: with context parallel, shard x context
+    flattened into one dimension (context peers hold different tokens, so they shard and average
+    gradients like data-parallel ranks do)."""
+    if plan.context > 1:
+        mesh["shard", "context"]._flatten("shard_context")
+        return mesh["replicate", "shard_context"]
+    return mesh["replicate", "shard"] if plan.tensor > 1 else mesh
+
+
+def loss_group(mesh: DeviceMesh, plan: MeshPlan) -> dist.ProcessGroup | None:
+    """The ranks whose loss sums add up to the global batch's (one of each tensor-parallel group, whose
+    members compute the same sum); None = every rank."""
+    if plan.tensor == 1:
+        return None
+    return mesh[tuple(name for name in plan.dim_names if name != "tensor")]._flatten("loss").get_group()
+
+
+def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh) -> None:
+    """Megatron-style TP on the 1D ``mesh``: q/k/v, gate and up projections split by columns (heads,
+    FFN units), the output projections by rows; the residual stream and the norms between them stay
+    split along the sequence (sequence parallel), so each norm's activations are 1/TP in size; the
+    embedding splits the vocabulary and the output head returns vocabulary-sharded logits for the
+    vocabulary-parallel loss (full logits never exist on one rank)."""
+    parallelize_module(model, mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    })
+    for block in model.layers:
+        parallelize_module(block, mesh, {
+            "attention_norm": SequenceParallel(),
+            # The attention gets the gathered sequence; RoPE tables and the mask pass through as they are.
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                            desired_input_layouts=(Replicate(), None, None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
 
 
 def param_dtype(setting: str, device_type: str) -> torch.dtype:
@@ -42,12 +98,29 @@ def set_matmul_precision(tf32: bool) -> None:
     torch.backends.cudnn.allow_tf32 = tf32
 
 
+def enable_async_tensor_parallel(mesh: DeviceMesh) -> None:
+    """Async TP (``parallel.async_tensor``; CUDA with compile, checked before Ray): inductor splits
+    each TP all-gather/reduce-scatter and its matmul into pipelined pieces over symmetric memory."""
+    from torch._inductor import config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(mesh.get_group().group_name)
+
+
 def parallelize(model: Transformer, mesh: DeviceMesh, plan: MeshPlan, cfg: ParallelConfig) -> Transformer:
-    """Apply, in this order: activation checkpointing, per-block compile, FSDP2, prefetch.
+    """Apply, in this order: tensor parallel, activation checkpointing, per-block compile, FSDP2, prefetch.
 
     Recomputation and compile go first so FSDP's all-gather/reduce-scatter hooks wrap the
     compiled, checkpointed block from the outside (the order torch.compile and FSDP2 expect).
+    TP goes before all of them: FSDP then shards the TP-sharded weights further along dim 0.
     """
+    if plan.tensor > 1:
+        apply_tensor_parallel(model, mesh["tensor"])
+        if cfg.async_tensor:
+            enable_async_tensor_parallel(mesh["tensor"])
+        model.loss_group = loss_group(mesh, plan)
+    data_mesh = fsdp_mesh(mesh, plan)
     # 1. Activation checkpointing: each block recomputes its activations in backward.
     for block in model.layers:
         block.recompute = cfg.activation_checkpointing
@@ -61,17 +134,17 @@ def parallelize(model: Transformer, mesh: DeviceMesh, plan: MeshPlan, cfg: Paral
     #    Units used first in backward (last block, norm+head) keep their parameters gathered
     #    after forward: resharding them would only be undone immediately.
     shard_kwargs = {
-        "mesh": mesh,
+        "mesh": data_mesh,
         # No input casting: it would turn the fp32 RoPE tables each block receives into bf16. Hidden
         # states still run in param_dtype, since they start as the output of the cast embedding.
         "mp_policy": MixedPrecisionPolicy(
-            param_dtype=param_dtype(cfg.mixed_precision, mesh.device_type),
+            param_dtype=param_dtype(cfg.mixed_precision, data_mesh.device_type),
             reduce_dtype=torch.float32,
             cast_forward_inputs=False,
         ),
         # Pinned host memory makes the host<->GPU copies asynchronous; it needs an accelerator.
         "offload_policy": (
-            CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cfg.cpu_offload else OffloadPolicy()
+            CPUOffloadPolicy(pin_memory=data_mesh.device_type == "cuda") if cfg.cpu_offload else OffloadPolicy()
         ),
     }
     reshard = plan.reshard_after_forward

@@ -13,7 +13,8 @@ from __future__ import annotations
 import hashlib
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshtrain.model.llama import Transformer
 
@@ -26,34 +27,28 @@ def block_seed(seed: int, name: str, block: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(this rank's tensor, index of its first row in the full parameter)."""
+def local_region(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """(this rank's tensor, the index in the full parameter of its first element along each dim).
+
+    A shard of a DTensor is one box of the full tensor under every placement meshtrain uses: FSDP's
+    row shards, tensor parallel's row or column shards, and FSDP over TP (strided row shards);
+    DTensor computes it as DCP does when it saves."""
     if not isinstance(param, DTensor):
-        return param.data, 0
+        return param.data, (0,) * param.dim()
     local = param.to_local()
-    offset = 0
-    coordinate = param.device_mesh.get_coordinate()
-    if coordinate is None:  # this rank is not in the mesh
-        return local, 0
-    rows = param.shape[0]
-    for mesh_dim, placement in enumerate(param.placements):
-        if isinstance(placement, Replicate):
-            continue
-        if not (isinstance(placement, Shard) and placement.dim == 0):
-            raise NotImplementedError(f"init supports Shard(0)/Replicate placements, got {placement}")
-        # torch.chunk semantics, as DTensor and FSDP2 use: ceil-sized pieces, the tail may be short.
-        size = param.device_mesh.size(mesh_dim)
-        piece = -(-rows // size)
-        offset += min(coordinate[mesh_dim] * piece, rows)
-        rows = min(piece, max(rows - coordinate[mesh_dim] * piece, 0))
-    if local.shape[0] != rows:
-        raise RuntimeError(f"unexpected local shard shape {tuple(local.shape)} for {rows} rows")
-    return local, offset
+    if param.device_mesh.get_coordinate() is None:  # this rank is not in the mesh
+        return local, (0,) * param.dim()
+    shape, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if tuple(local.shape) != tuple(shape):
+        raise RuntimeError(f"unexpected local shard shape {tuple(local.shape)}, expected {tuple(shape)}")
+    return local, tuple(offsets)
 
 
 @torch.no_grad()
-def fill_normal_rows(local: torch.Tensor, first_row: int, full_shape: torch.Size, name: str, seed: int, std: float) -> None:
-    """Fill ``local`` (rows ``first_row``.. of a ``full_shape`` parameter) from N(0, std).
+def fill_normal_rows(local: torch.Tensor, first_row: int, full_shape: torch.Size, name: str, seed: int, std: float,
+                     first_column: int = 0) -> None:
+    """Fill ``local`` (rows ``first_row``.. and, of a matrix, columns ``first_column``.. of a
+    ``full_shape`` parameter) from N(0, std).
 
     Blocks are drawn on the host, whatever ``local``'s device: a CUDA generator (Philox) and a CPU
     one (Mersenne Twister) give different numbers for one seed, so drawing on the parameter's device
@@ -72,7 +67,10 @@ def fill_normal_rows(local: torch.Tensor, first_row: int, full_shape: torch.Size
         values = torch.empty((rows, *full_shape[1:]), dtype=torch.float32)
         values.normal_(mean=0.0, std=std, generator=generator)
         start, stop = max(first_row, block_start), min(last_row, block_start + rows)
-        local[start - first_row : stop - first_row].copy_(values[start - block_start : stop - block_start])
+        rows_drawn = values[start - block_start : stop - block_start]
+        if local.dim() > 1:  # a column shard (tensor parallel's row-parallel weights) takes its columns
+            rows_drawn = rows_drawn[:, first_column : first_column + local.shape[1]]
+        local[start - first_row : stop - first_row].copy_(rows_drawn)
 
 
 def rows_per_block(full_shape: torch.Size) -> int:
@@ -87,9 +85,9 @@ def init_weights(model: Transformer, seed: int) -> None:
     stds = model.init_std_by_param()
     for name, param in model.named_parameters():
         std = stds[name]
-        local, first_row = local_rows(param)
+        local, offsets = local_region(param)
         if std is None:
             local.fill_(1.0)
         else:
-            fill_normal_rows(local, first_row, param.shape, name, seed, std)
+            fill_normal_rows(local, offsets[0], param.shape, name, seed, std, *offsets[1:2])
     model.reset_rope()

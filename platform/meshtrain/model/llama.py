@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
 from meshtrain.config import ModelArgs
@@ -68,16 +69,17 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
-        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        # Heads counted from the projections: under tensor parallel each rank holds 1/TP of them.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        grouped = self.n_kv_heads != self.n_heads
+        grouped = k.shape[1] != q.shape[1]
         if grouped and not self.native_gqa(q):
             # Query head h reads key/value head h // group (Hugging Face's repeat_kv order);
             # enable_gqa below uses the same mapping without the copy.
-            group = self.n_heads // self.n_kv_heads
+            group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             grouped = False
         if mask is None:
@@ -162,6 +164,9 @@ class Transformer(nn.Module):
         # The end-of-document token id when attention is masked per document (model.document_mask);
         # set by whoever knows the tokenizer, with :meth:`mask_documents`.
         self.document_eos: int | None = None
+        # Set by meshtrain.distributed.parallelize under tensor parallel: the ranks whose loss sums
+        # add up to the global batch's (one per TP group); None = every rank.
+        self.loss_group: ProcessGroup | None = None
 
     def mask_documents(self, eos_id: int | None) -> None:
         """Attend within packed documents split at ``eos_id`` from now on (None: across the window)."""

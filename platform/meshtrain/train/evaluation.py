@@ -13,7 +13,8 @@ from torch.distributed.fsdp import FSDPModule
 from meshtrain.config import OVERALL_LABEL
 from meshtrain.data import IGNORE_INDEX, ValidationSet, ValidationWindow
 from meshtrain.distributed.layout import WorkerLayout
-from meshtrain.model.loss import token_cross_entropy_sum
+from meshtrain.distributed.mesh import MeshPlan
+from meshtrain.train.step import loss_sum
 from meshtrain.train.records import LoopOutputs
 
 
@@ -44,10 +45,10 @@ def evaluate(
             for part in batch.sources.unique().tolist():
                 rows = batch.sources == part
                 targets = batch.targets[rows]
-                totals[0, part] += token_cross_entropy_sum(logits[rows], targets).double()
+                totals[0, part] += loss_sum(logits, targets, rows).double()
                 totals[1, part] += (targets != IGNORE_INDEX).sum()
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(totals)
+        dist.all_reduce(totals, group=getattr(model, "loss_group", None))  # TP peers hold the same sums
     # Units that keep their parameters gathered after forward (for backward) are resharded here:
     # no backward follows an evaluation.
     for module in model.modules():
@@ -75,13 +76,14 @@ class Evaluation:
         global_batch_size: int,
         micro_batch_size: int,
         layout: WorkerLayout,
+        plan: MeshPlan,
         device: torch.device,
         outputs: LoopOutputs,
         beat: Callable[[str], None],
     ) -> None:
         self.model, self.validation, self.interval = model, validation, interval
-        self.micro_batch_size, self.layout, self.device, self.outputs, self.beat = (
-            micro_batch_size, layout, device, outputs, beat
+        self.micro_batch_size, self.layout, self.plan, self.device, self.outputs, self.beat = (
+            micro_batch_size, layout, plan, device, outputs, beat
         )
         self.batches, self.global_batch_size = batches, global_batch_size
         self._chosen: list[ValidationWindow] | None = None  # chosen at the first evaluation (it reads the data)
@@ -117,7 +119,7 @@ class Evaluation:
         self.model.eval()
         losses = evaluate(
             self.model, self.validation, self.chosen, self.micro_batch_size,
-            self.layout.world_rank, self.layout.world_size, self.device,
+            self.plan.data_parallel_rank(self.layout.world_rank), self.plan.data_parallel_size, self.device,
         )
         self.model.train()
         loss, tokens = losses.pop(OVERALL_LABEL)

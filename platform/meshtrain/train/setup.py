@@ -29,7 +29,8 @@ def build_sharded_model(
     plan = MeshPlan(1, 1, True)
     if dist.is_initialized():
         per_node, node_of_rank = workers_per_node(layout, cfg.scaling.workers_per_node)
-        plan = resolve_mesh_shape(layout.world_size, per_node, cfg.parallel.strategy, cfg.parallel.shard)
+        plan = resolve_mesh_shape(layout.world_size, per_node, cfg.parallel.strategy, cfg.parallel.shard,
+                                  cfg.parallel.context, cfg.parallel.tensor)
         placement = check_shard_placement(plan, node_of_rank, cfg.parallel.shard)
         if placement is not None and layout.world_rank == 0:
             print(placement, flush=True)
@@ -40,7 +41,9 @@ def build_sharded_model(
 
 def sharded_meta_model(cfg: MeshtrainConfig, vocab_size: int, plan: MeshPlan, device: torch.device) -> Transformer:
     """The model on meta, sharded on ``plan``'s mesh of ``device`` when distributed: no storage yet."""
-    model = build_model(model_args(cfg, vocab_size), "meta")
+    args = model_args(cfg, vocab_size)
+    cfg.check_model_parallel(args)
+    model = build_model(args, "meta")
     if cfg.parallel.float8:
         check_float8_device(device)
         convert_to_float8(model, emulate=device.type != "cuda", fsdp_all_gather=dist.is_initialized())

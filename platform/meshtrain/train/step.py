@@ -11,14 +11,28 @@ from torch.distributed.tensor import DTensor
 
 from meshtrain.distributed.parallelize import clip_grad_norm_
 from meshtrain.model.llama import Transformer
-from meshtrain.model.loss import token_cross_entropy_sum
+from meshtrain.model.loss import token_cross_entropy_sum, vocab_parallel_cross_entropy_sum
 from meshtrain.train.guard import StepGuard
 
 
-def _sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
+def _sum_over_ranks(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Summed fp32 cross entropy of ``logits`` (of the windows ``rows`` selects, when given): plain
+    ones, or the vocabulary-sharded DTensor that a tensor-parallel output head returns (then computed
+    on each rank's columns, see ``vocab_parallel_cross_entropy_sum``; the same sum on every rank of
+    the TP group)."""
+    if not isinstance(logits, DTensor):
+        return token_cross_entropy_sum(logits if rows is None else logits[rows], targets)
+    mesh = logits.device_mesh
+    local = logits.to_local()
+    vocab_start = local.shape[-1] * mesh.get_local_rank()
+    return vocab_parallel_cross_entropy_sum(local if rows is None else local[rows], targets, vocab_start,
+                                            mesh.get_group())
 
 
 @dataclass
@@ -46,6 +60,9 @@ def _deferrable_hsdp(model: Transformer, micro_batches: int, device: torch.devic
     if not isinstance(param, DTensor) or param.device != device:
         return None
     mesh = param.device_mesh
+    names = mesh.mesh_dim_names or ()
+    if "replicate" in names:  # meshtrain's meshes: with TP the parameters' mesh has a tensor dim too
+        return model if mesh.size(names.index("replicate")) > 1 else None
     return model if mesh.ndim == 2 and mesh.size(0) > 1 else None
 
 
@@ -75,26 +92,30 @@ def train_step(
 
     With HSDP and ``defer_all_reduce``, gradients are all-reduced over the replicate dim once, in the
     last micro-batch's backward, instead of after every micro-batch (see ``_deferrable_hsdp``).
+
+    With tensor or context parallel, ``dp_size`` is the ranks FSDP averages over (replicate x shard x
+    context: context peers hold different tokens of the same samples); the loss sums are added over
+    ``model.loss_group`` (not over TP peers, which hold the same sum).
     """
     device = micro_batches[0][1].device
     global_tokens = sum(targets.numel() for _, targets in micro_batches) * dp_size
     scale = dp_size / global_tokens
-    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    total = torch.zeros((), dtype=torch.float32, device=device)
     hsdp = _deferrable_hsdp(model, len(micro_batches), device) if defer_all_reduce else None
     last = len(micro_batches) - 1
     try:
         for index, (inputs, targets) in enumerate(micro_batches):
             if hsdp is not None:
                 hsdp.set_requires_all_reduce(index == last)
-            summed = token_cross_entropy_sum(model(inputs), targets)
+            summed = loss_sum(model(inputs), targets)
             (summed * scale).backward()
-            loss_sum += summed.detach()
+            total += summed.detach()
     except BaseException:
         if hsdp is not None:
             _abandon_deferred_reduction(hsdp)
         raise
-    loss_sum = _sum_over_ranks(loss_sum)
+    total = _sum_over_ranks(total, model.loss_group)
     grad_norm = clip_grad_norm_(list(model.parameters()), grad_clip)
-    guard.step(guard.check(loss_sum / global_tokens, grad_norm))
+    guard.step(guard.check(total / global_tokens, grad_norm))
     guard.optimizer.zero_grad(set_to_none=True)
-    return StepOutput(loss_sum, grad_norm, global_tokens)
+    return StepOutput(total, grad_norm, global_tokens)

@@ -152,10 +152,12 @@ class Trainer:
             if restored is not None:
                 check_sampling(restored.manifest, data.sampling, restored.step)
         self.guard.skipped_before = self.progress.skipped_steps
-        micro_batch, _ = cfg.batch_layout(layout.world_size)
+        self.plan = plan
+        micro_batch, _ = cfg.batch_layout(plan.data_parallel_size)
+        # Tensor- and context-parallel peers read the same samples: the data-parallel rank decides.
         self.batches = DataParallelBatches(
-            data.train, cfg.train.global_batch_size, micro_batch, dp_rank=layout.world_rank,
-            dp_size=layout.world_size, device=device, position=self.progress.data_position,
+            data.train, cfg.train.global_batch_size, micro_batch, dp_rank=plan.data_parallel_rank(layout.world_rank),
+            dp_size=plan.data_parallel_size, device=device, position=self.progress.data_position,
             read_ahead_steps=cfg.data.read_ahead_steps, read_threads=cfg.data.read_threads,
         )
         self.result = TrainResult(
@@ -178,7 +180,7 @@ class Trainer:
         )
         self.evaluation = Evaluation(
             self.model, data.validation, cfg.eval.interval, cfg.eval.batches, cfg.train.global_batch_size,
-            micro_batch, layout, device, self.outputs, self._beat,
+            micro_batch, layout, plan, device, self.outputs, self._beat,
         )
         self.log = StepLog(
             cfg.train.log_every, cfg.train.global_batch_size, layout.world_size, self.progress, self.bad_steps,
@@ -224,7 +226,7 @@ class Trainer:
                 waiting_since = time.perf_counter()
                 micro_batches = list(self.batches.next_step())
                 data_wait = time.perf_counter() - waiting_since
-                output = train_step(self.model, self.guard, micro_batches, self.layout.world_size, cfg.optim.grad_clip)
+                output = train_step(self.model, self.guard, micro_batches, self.plan.gradient_ranks, cfg.optim.grad_clip)
                 self.scheduler.step()
                 progress.step, progress.tokens = step, progress.tokens + output.tokens
                 progress.data_position = self.batches.position
