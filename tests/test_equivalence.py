@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from corpora import stdlib_plan
+from corpora import short_documents_plan, stdlib_plan
 from meshtrain.config import MeshtrainConfig, load_config
 from meshtrain.data import DataPlan
 from meshtrain.distributed.layout import WorkerLayout
@@ -97,6 +98,23 @@ def test_tensor_parallel_equals_single_process(corpus: DataPlan, world: int, ove
     for result in results:
         assert result["mesh"] == mesh
     assert_same_curves(results[0], reference, "x".join(map(str, mesh)), rtol=1e-4)
+
+
+def test_context_parallel_with_the_document_mask_equals_single_process(tmp_path: Path) -> None:
+    """Each window split over 2 ranks (load-balanced chunks), attention over the whole window under
+    the document mask on packed short documents (most windows hold a boundary), and with TP=2 on
+    top: the same curves as one process."""
+    packed = short_documents_plan(tmp_path)
+    masked = ["model.document_mask=true"]  # the default, named for the reader
+    reference = single_process(config(*masked), packed)
+    unmasked = single_process(config("model.document_mask=false"), packed)
+    assert largest_relative_difference(unmasked["loss"], reference["loss"]) > 1e-3, "the mask should matter here"
+    for world, overrides, mesh in ((2, ["parallel.context=2"], (1, 1, 2)),
+                                   (4, ["parallel.context=2", "parallel.tensor=2"], (1, 1, 2, 2))):
+        results = run_on_ranks(_train_rank, world, config(*masked, f"scaling.num_workers={world}", *overrides),
+                               packed, world)
+        assert all(result["mesh"] == mesh for result in results)
+        assert_same_curves(results[0], reference, " ".join(overrides), rtol=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,15 @@ from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
 from meshtrain.config import ModelArgs
-from meshtrain.model.documents import AttentionMask, Documents, find_documents, masked_attention
+from meshtrain.model.context_parallel import ContextParallel, WindowShare
+from meshtrain.model.documents import (
+    AttentionMask,
+    Documents,
+    document_ids,
+    document_positions,
+    find_documents,
+    masked_attention,
+)
 
 Recompute = Literal["none", "full", "selective"]
 
@@ -67,7 +75,7 @@ class Attention(nn.Module):
         """
         return q.device.type == "cpu" or q.dtype in (torch.float16, torch.bfloat16)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | WindowShare = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # Heads counted from the projections: under tensor parallel each rank holds 1/TP of them.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
@@ -76,6 +84,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         grouped = k.shape[1] != q.shape[1]
+        if isinstance(mask, WindowShare):  # context parallel: gathers the fewer K/V heads, never repeated
+            out = mask.attend(q, k, v, grouped)
+            return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
         if grouped and not self.native_gqa(q):
             # Query head h reads key/value head h // group (Hugging Face's repeat_kv order);
             # enable_gqa below uses the same mapping without the copy.
@@ -136,11 +147,11 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
         self.recompute: Recompute = "none"
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | WindowShare) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | WindowShare = None) -> torch.Tensor:
         """``mask``: None for causal attention over the window, else a document mask (see documents.py)."""
         if self.recompute == "none" or not torch.is_grad_enabled():
             return self._forward(x, cos, sin, mask)
@@ -167,6 +178,8 @@ class Transformer(nn.Module):
         # Set by meshtrain.distributed.parallelize under tensor parallel: the ranks whose loss sums
         # add up to the global batch's (one per TP group); None = every rank.
         self.loss_group: ProcessGroup | None = None
+        # Set under context parallel: this rank computes its load-balanced share of every window.
+        self.context_parallel: ContextParallel | None = None
 
     def mask_documents(self, eos_id: int | None) -> None:
         """Attend within packed documents split at ``eos_id`` from now on (None: across the window)."""
@@ -181,6 +194,8 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         """Logits of shape (batch, seq, vocab) for token ids of shape (batch, seq). ``documents``
         overrides the layout found from :attr:`document_eos` (tests pick the kernel this way)."""
+        if self.context_parallel is not None:
+            return self._forward_share(tokens, self.context_parallel)
         h = self.tok_embeddings(tokens)
         if documents is None and self.document_eos is not None and self._may_span_documents(tokens):
             documents = find_documents(tokens, self.document_eos, dtype=h.dtype)
@@ -192,6 +207,27 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin, mask)
         return self.output(self.norm(h))
+
+    def _forward_share(self, tokens: torch.Tensor, context: ContextParallel) -> torch.Tensor:
+        """Logits of this rank's share of each window (``context.shard`` of the positions): documents
+        and RoPE positions are found on the whole window, which every rank of the group holds."""
+        seq = tokens.shape[1]
+        h = self.tok_embeddings(context.shard(tokens))
+        if self.document_eos is None:
+            ids, positions = None, context.positions(seq, tokens.device)
+        else:
+            ids = document_ids(tokens, self.document_eos)
+            positions = context.shard(document_positions(tokens, self.document_eos))
+        share = WindowShare(context, context.mask(ids, seq, h.dtype, tokens.device))
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        for layer in self.layers:
+            h = layer(h, cos, sin, share)
+        return self.output(self.norm(h))
+
+    def local_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        """The targets of the positions :meth:`forward` returns logits for (this rank's share of each
+        window under context parallel)."""
+        return targets if self.context_parallel is None else self.context_parallel.shard(targets)
 
     def reset_rope(self) -> None:
         """Recompute the RoPE tables in place (after ``to_empty`` left them uninitialized)."""

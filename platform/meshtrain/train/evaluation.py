@@ -14,6 +14,7 @@ from meshtrain.config import OVERALL_LABEL
 from meshtrain.data import IGNORE_INDEX, ValidationSet, ValidationWindow
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.distributed.mesh import MeshPlan
+from meshtrain.model.llama import Transformer
 from meshtrain.train.step import loss_sum
 from meshtrain.train.records import LoopOutputs
 
@@ -27,7 +28,7 @@ def validation_samples(available: int, batches: int, global_batch_size: int) -> 
 
 
 def evaluate(
-    model: torch.nn.Module,
+    model: Transformer,
     validation: ValidationSet,
     chosen: Sequence[ValidationWindow],
     micro_batch_size: int,
@@ -42,13 +43,14 @@ def evaluate(
     with torch.no_grad():
         for batch in validation.batches(chosen, micro_batch_size, dp_rank, dp_size, device):
             logits = model(batch.inputs)
+            local_targets = model.local_targets(batch.targets)  # this rank's share under context parallel
             for part in batch.sources.unique().tolist():
                 rows = batch.sources == part
-                targets = batch.targets[rows]
+                targets = local_targets[rows]
                 totals[0, part] += loss_sum(logits, targets, rows).double()
                 totals[1, part] += (targets != IGNORE_INDEX).sum()
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(totals, group=getattr(model, "loss_group", None))  # TP peers hold the same sums
+        dist.all_reduce(totals, group=model.loss_group)  # TP peers hold the same sums
     # Units that keep their parameters gathered after forward (for backward) are resharded here:
     # no backward follows an evaluation.
     for module in model.modules():
@@ -69,7 +71,7 @@ class Evaluation:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Transformer,
         validation: ValidationSet | None,
         interval: int | None,
         batches: int,

@@ -98,7 +98,7 @@ def train_step(
     ``model.loss_group`` (not over TP peers, which hold the same sum).
     """
     device = micro_batches[0][1].device
-    global_tokens = sum(targets.numel() for _, targets in micro_batches) * dp_size
+    global_tokens = sum(model.local_targets(targets).numel() for _, targets in micro_batches) * dp_size
     scale = dp_size / global_tokens
     total = torch.zeros((), dtype=torch.float32, device=device)
     hsdp = _deferrable_hsdp(model, len(micro_batches), device) if defer_all_reduce else None
@@ -107,7 +107,7 @@ def train_step(
         for index, (inputs, targets) in enumerate(micro_batches):
             if hsdp is not None:
                 hsdp.set_requires_all_reduce(index == last)
-            summed = loss_sum(model(inputs), targets)
+            summed = loss_sum(model(inputs), model.local_targets(targets))
             (summed * scale).backward()
             total += summed.detach()
     except BaseException:
