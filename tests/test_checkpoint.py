@@ -177,6 +177,53 @@ def test_resharding_2x2_to_1x2_to_1x4_restores_state_and_continues_the_data(
         assert loss == pytest.approx(reference[step], rel=1e-5), step
 
 
+def hf_logits_difference(checkpoint: Path, tmp_path: Path) -> float:
+    """Export ``checkpoint`` to a Hugging Face folder; the largest logit difference between transformers
+    loading it and meshtrain's model holding the checkpoint's weights in one process."""
+    from transformers import LlamaForCausalLM
+
+    from meshtrain.checkpoint.export import export_checkpoint, load_model_state
+    from meshtrain.model.llama import build_model
+
+    out = tmp_path / f"hf-{checkpoint.parent.parent.name}"
+    export_checkpoint(str(checkpoint), "hf", out)
+    state, args, _ = load_model_state(str(checkpoint))
+    model = build_model(args, "cpu")
+    model.load_state_dict(state)
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return (LlamaForCausalLM.from_pretrained(out).eval()(tokens).logits - model.eval()(tokens)).abs().max().item()
+
+
+def test_checkpoints_move_between_tensor_context_and_data_parallel_layouts(corpus: DataPlan, tmp_path: Path) -> None:
+    """DCP reshards across layouts: a TP=2 run's step 4 continues on 2-way FSDP, whose step 8 continues
+    with CP=2, whose step 10 continues on one worker; every step's loss is the unbroken TP run's, and
+    the TP and CP checkpoints export to Hugging Face with the model's logits."""
+    storage, horizon = tmp_path, "optim.schedule_steps=12"
+    unbroken = run(config(storage, "tp", 2, horizon, "parallel.tensor=2"), corpus, 2)
+    assert unbroken["mesh"] == (1, 1, 2)
+    chain = [
+        ("fsdp", "tp", 4, 2, ["train.steps=8"], (1, 2)),
+        ("cp", "fsdp", 8, 2, ["train.steps=10", "checkpoint.interval=2", "parallel.context=2"], (1, 1, 2)),
+        ("single", "cp", 10, 1, [], (1, 1)),
+    ]
+    continued: dict[int, float] = {}
+    for name, source, step, world, overrides, mesh in chain:
+        seed_run_with(storage, name, ckpt_dir(storage, source, step))
+        outcome = run(config(storage, name, world, horizon, *overrides), corpus, world)
+        assert outcome["mesh"] == mesh and [e["step"] for e in outcome["events"] if e["event"] == "checkpoint_load"] == [step]
+        continued.update(losses(outcome))
+    reference = losses(unbroken)
+    assert sorted(continued) == list(range(5, 13))
+    worst = max(abs(loss - reference[step]) / reference[step] for step, loss in continued.items())
+    print(f"\n[layouts] largest relative loss difference, resumed across layouts vs unbroken TP=2: {worst:.2e}")
+    assert worst <= 1e-4
+    for checkpoint in (ckpt_dir(storage, "tp", 12), ckpt_dir(storage, "cp", 10)):
+        difference = hf_logits_difference(checkpoint, tmp_path)
+        print(f"[layouts] {checkpoint.parent.parent.name} checkpoint exported: max |logit difference| = {difference:.2e}")
+        assert difference <= 1e-4
+
+
 def corrupt_run(storage: Path, unbroken_storage: Path, name: str) -> Path:
     for step in (4, 8):
         seed_run_with(storage, name, ckpt_dir(unbroken_storage, "unbroken", step))
