@@ -163,6 +163,18 @@ IN_PROCESS_CASES = [
     (["scaling.num_workers=6", "scaling.workers_per_node=4", "train.global_batch_size=48"], "parallel.shard"),
     (["parallel.strategy=full_shard", "parallel.shard=1"], "parallel.shard"),
     (["parallel.strategy=no_shard", "parallel.shard=2"], "parallel.shard"),
+    # tensor and context parallel
+    (["parallel.tensor=3"], "parallel.tensor"),  # does not divide the 4 heads
+    (["parallel.tensor=4", "scaling.num_workers=4"], "parallel.tensor"),  # nor the 2 KV heads
+    (["parallel.tensor=2", "model.vocab_size=2049"], "parallel.tensor"),
+    (["parallel.tensor=2", "scaling.num_workers=3", "train.global_batch_size=24"], "parallel.tensor"),
+    (["parallel.tensor=2", "scaling.num_workers=6", "scaling.workers_per_node=3", "train.global_batch_size=24"],
+     "parallel.tensor"),
+    (["parallel.context=2", "data.seq_len=30"], "data.seq_len"),
+    (["parallel.async_tensor=true", "parallel.tensor=2"], "parallel.async_tensor"),
+    (["parallel.async_tensor=true"], "parallel.async_tensor"),
+    (["parallel.tensor=2", "model.tie_embeddings=true"], "parallel.tensor"),
+    (["parallel.tensor=2", "parallel.float8=true"], "parallel.float8"),
     # model
     (["model.preset=llama9"], "model.preset"),
     (["model.vocab_size=100"], "model.vocab_size"),
