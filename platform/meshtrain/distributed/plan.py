@@ -104,7 +104,8 @@ def planned_mesh(cfg: MeshtrainConfig) -> tuple[MeshPlan, str]:
         else:
             per_node = cfg.scaling.num_workers
             note = "assuming all workers on one node; set scaling.workers_per_node to be sure"
-    plan = resolve_mesh_shape(cfg.scaling.num_workers, per_node, cfg.parallel.strategy, cfg.parallel.shard)
+    plan = resolve_mesh_shape(cfg.scaling.num_workers, per_node, cfg.parallel.strategy, cfg.parallel.shard,
+                              cfg.parallel.context, cfg.parallel.tensor)
     if cfg.parallel.shard != "auto" or cfg.parallel.strategy not in ("hybrid_shard", "hybrid_shard_zero2"):
         note = ""
     return plan, note
@@ -171,12 +172,16 @@ def logits_bytes(args: ModelArgs, tokens: int, element_bytes: int) -> int:
     return tokens * args.vocab_size * element_bytes + chunk * args.vocab_size * 4 + tokens * 4
 
 
-def activation_bytes(args: ModelArgs, recompute: str, tokens: int, element_bytes: int) -> int:
-    """Activations every block keeps for backward. Computing in bf16 without recompute, each of the
-    two RMSNorms also keeps its input upcast to fp32 (seen in the traced step)."""
+def activation_bytes(args: ModelArgs, recompute: str, tokens: int, element_bytes: int, tensor: int = 1) -> int:
+    """Activations every block keeps for backward, for ``tokens`` on this rank. Computing in bf16
+    without recompute, each of the two RMSNorms also keeps its input upcast to fp32 (seen in the
+    traced step). Under tensor parallel with sequence-parallel norms each rank keeps 1/TP of them,
+    but for the two gathered norm outputs the column-parallel matmuls keep whole."""
     per_layer = _activation_elements_per_token_per_layer(args, recompute) * element_bytes
     if recompute == "none" and element_bytes < 4:
         per_layer += 2 * args.dim * 4
+    gathered = 2 * args.dim * element_bytes if recompute != "full" else 0
+    per_layer = per_layer // tensor + gathered - gathered // tensor
     return tokens * per_layer * args.n_layers
 
 
@@ -199,21 +204,25 @@ def memory_plan(cfg: MeshtrainConfig, args: ModelArgs, plan: MeshPlan, use_gpu: 
     model = build_model(args, "meta")
     element_bytes = compute_bytes(cfg.parallel.mixed_precision, use_gpu)
     micro, _ = cfg.batch_layout(plan.data_parallel_size)
-    tokens = micro * cfg.data.seq_len
-    sharded = -(-count_parameters(model) // plan.shard)
+    tokens = micro * cfg.data.seq_len // plan.context  # this rank's share of its windows
+    tensor = plan.tensor
+    # FSDP shards over shard x context, tensor parallel splits each block, head and embedding further.
+    sharded = -(-count_parameters(model) // (plan.shard * plan.context * tensor))
     on_device = 0 if cfg.parallel.cpu_offload else 1
     return MemoryPlan(
         parameters=4 * sharded * on_device,
         gradients=4 * sharded * on_device,
         optimizer=8 * sharded * on_device,
-        gathered_blocks=gathered_blocks_bytes(model, plan, cfg.parallel.prefetch, element_bytes),
-        head_unit=head_unit_bytes(model, element_bytes),
-        activations=activation_bytes(args, cfg.parallel.activation_checkpointing, tokens, element_bytes)
-        + document_mask_bytes(cfg, micro, use_gpu, element_bytes),
-        logits=logits_bytes(args, tokens, element_bytes),
-        recompute_block=recompute_block_bytes(args, cfg.parallel.activation_checkpointing, tokens, element_bytes),
-        head_reduce=4 * head_elements(model),
-        gathered_block_weights=gathered_block_weights_bytes(model, plan, cfg.parallel.prefetch, element_bytes),
+        gathered_blocks=gathered_blocks_bytes(model, plan, cfg.parallel.prefetch, element_bytes) // tensor,
+        head_unit=head_unit_bytes(model, element_bytes) // tensor,
+        activations=activation_bytes(args, cfg.parallel.activation_checkpointing, tokens, element_bytes, tensor)
+        + document_mask_bytes(cfg, micro, use_gpu, element_bytes) // plan.context,
+        logits=logits_bytes(args, tokens, element_bytes) // tensor,
+        recompute_block=recompute_block_bytes(args, cfg.parallel.activation_checkpointing, tokens, element_bytes)
+        // tensor,
+        head_reduce=4 * head_elements(model) // tensor,
+        gathered_block_weights=gathered_block_weights_bytes(model, plan, cfg.parallel.prefetch, element_bytes)
+        // tensor,
     )
 
 
@@ -273,11 +282,13 @@ def describe_plan(cfg: MeshtrainConfig, args: ModelArgs) -> str:
         f"parameters: {total:,} ({total / 1e6:.1f}M)",
         f"model: dim={args.dim} layers={args.n_layers} heads={args.n_heads} kv_heads={args.n_kv_heads} "
         f"ffn={args.ffn_dim} vocab={args.vocab_size} tied={args.tie_embeddings}",
-        f"mesh: (replicate={plan.replicate}, shard={plan.shard}) on {plan.world_size} workers, "
+        f"mesh: ({', '.join(f'{name}={size}' for name, size in zip(plan.dim_names, plan.shape))}) on "
+        f"{plan.world_size} workers, "
         f"strategy={cfg.parallel.strategy}, reshard_after_forward={plan.reshard_after_forward}"
         + (f" ({note})" if note else ""),
         f"batch: {cfg.train.global_batch_size} sequences x {cfg.data.seq_len} tokens per step = "
-        f"micro-batch {micro} x {plan.data_parallel_size} workers x {accumulation} accumulation steps",
+        f"micro-batch {micro} x {plan.data_parallel_size} "
+        f"{'workers' if plan.model_parallel_size == 1 else 'data-parallel ranks'} x {accumulation} accumulation steps",
         *_elastic_lines(cfg),
         # Above the table, which readers (and tests) parse as "label value" lines to the end.
         *([fit_verdict(memory, planned_device(cfg.scaling))] if cfg.scaling.use_gpu else []),
