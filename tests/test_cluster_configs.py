@@ -44,10 +44,12 @@ RAY_METRICS_PORT = 8080
 GPUS_PER_NODE = 8
 
 # config file -> (replicate, shard, strategy, workers)
+# name -> (the mesh line's dimensions, strategy, workers, data-parallel ranks)
 GPU_CONFIGS = {
-    "llama3_8b_1node.yaml": (1, 8, "hybrid_shard", 8),
-    "llama3_8b_4nodes.yaml": (4, 8, "hybrid_shard", 32),
-    "llama3_70b_16nodes.yaml": (1, 128, "full_shard", 128),
+    "llama3_8b_1node.yaml": ("replicate=1, shard=8", "hybrid_shard", 8, 8),
+    "llama3_8b_4nodes.yaml": ("replicate=4, shard=8", "hybrid_shard", 32, 32),
+    "llama3_70b_16nodes.yaml": ("replicate=4, shard=4, tensor=8", "hybrid_shard", 128, 16),
+    "llama3_8b_128k_context.yaml": ("replicate=4, shard=1, context=8", "hybrid_shard", 32, 4),
 }
 H100_GIB = 80e9 / 2**30  # "80 GB" is 74.5 GiB
 # What the plan leaves out (CUDA context, NCCL buffers, allocator fragmentation, the output head
@@ -359,7 +361,7 @@ def test_every_referenced_repository_file_exists() -> None:
 
 @pytest.mark.parametrize("name", list(GPU_CONFIGS))
 def test_gpu_config_dry_run_fits_an_h100(name: str) -> None:
-    replicate, shard, strategy, workers = GPU_CONFIGS[name]
+    dims, strategy, workers, ranks = GPU_CONFIGS[name]
     result = run_pretrain("--config", f"jobs/configs/{name}", "--dry-run")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
@@ -372,11 +374,8 @@ def test_gpu_config_dry_run_fits_an_h100(name: str) -> None:
     assert config["run"]["storage_path"] == f"{SHARED_MOUNT}/meshtrain-runs"
     assert config["checkpoint"]["enabled"] is True
     # The mesh, with no "assuming ..." note: workers_per_node is set.
-    assert lines["mesh"] == (
-        f"mesh: (replicate={replicate}, shard={shard}) on {workers} workers, "
-        f"strategy={strategy}, reshard_after_forward=True"
-    )
-    assert f"x {workers} workers x " in lines["batch"]
+    assert lines["mesh"] == f"mesh: ({dims}) on {workers} workers, strategy={strategy}, reshard_after_forward=True"
+    assert f"x {ranks} {'workers' if ranks == workers else 'data-parallel ranks'} x " in lines["batch"]
     assert memory[TOTAL] < PLANNED_LIMIT_GIB < H100_GIB, memory
 
 

@@ -614,7 +614,7 @@ JOB_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "jobs" / "configs").
 def test_shipped_job_config_validates(path: Path) -> None:
     cfg = load_config(path)
     assert cfg.model.preset in MODEL_PRESETS
-    assert cfg.batch_layout(cfg.scaling.num_workers)[1] >= 1
+    assert cfg.batch_layout(cfg.scaling.num_workers // cfg.parallel_group_size)[1] >= 1
 
 
 def test_debug_job_config_is_the_default() -> None:

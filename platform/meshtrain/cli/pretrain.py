@@ -75,7 +75,9 @@ def traced_report(cfg: MeshtrainConfig, args: ModelArgs) -> str:
     return "\n".join([
         f"traced step (rank 0 of {plan.world_size}, fake tensors, {peak.seconds:.1f}s): peak per rank (GiB): "
         f"{traced / GIB:.3f}; plan {planned / GIB:.3f} = {planned / traced:.3f}x the traced peak",
-        f"  at the peak: {kinds}",
+        f"  at the peak: {kinds}"
+        + (f"; less {peak.cpu_kernel_bytes / GIB:.3f} of CPU attention mask that a GPU's flex attention does not "
+           "allocate" if peak.cpu_kernel_bytes else ""),
     ])
 
 

@@ -193,6 +193,12 @@ def check_shard_placement(plan: MeshPlan, node_of_rank: Sequence[int], shard: in
     if plan.replicate == 1 or plan.shard == 1:
         return None
     group_size = plan.world_size // plan.replicate
+    per_node = node_of_rank.count(node_of_rank[0])
+    if inner > 1 and group_size > per_node:
+        # TP x CP fill most of a node, so a shard group of this size cannot fit in one: by design.
+        return (f"[meshtrain] placement: tensor/context groups of {inner} ranks each on one node; the shard groups "
+                f"of {group_size} ranks span {group_size // per_node} nodes (FSDP gathers 1/{plan.tensor} of each "
+                "weight across them)")
     split = shard_groups_off_node(plan, node_of_rank)
     if not split:
         return f"[meshtrain] placement: each of the {plan.replicate} shard groups of {group_size} ranks is on one node"

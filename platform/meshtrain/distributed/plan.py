@@ -192,6 +192,15 @@ def recompute_block_bytes(args: ModelArgs, recompute: str, tokens: int, element_
     return tokens * _activation_elements_per_token_per_layer(args, "none") * element_bytes
 
 
+def gathered_kv_bytes(args: ModelArgs, recompute: str, tokens: int, element_bytes: int, context: int) -> int:
+    """Under context parallel, the keys and values every block gathers from its peers (the rest of the
+    window) and keeps for attention's backward: in every block, or (full recompute) the one recomputed."""
+    if context == 1:
+        return 0
+    per_block = tokens * (context - 1) * 2 * args.n_kv_heads * args.head_dim * element_bytes
+    return per_block * (1 if recompute == "full" else args.n_layers)
+
+
 def document_mask_bytes(cfg: MeshtrainConfig, micro_batch: int, use_gpu: bool, element_bytes: int) -> int:
     """The CPU kernel's additive (seq, seq) mask per sample, shared by every block; flex attention's
     block mask on GPU is negligible (a few bytes per 128x128 block)."""
@@ -216,7 +225,8 @@ def memory_plan(cfg: MeshtrainConfig, args: ModelArgs, plan: MeshPlan, use_gpu: 
         gathered_blocks=gathered_blocks_bytes(model, plan, cfg.parallel.prefetch, element_bytes) // tensor,
         head_unit=head_unit_bytes(model, element_bytes) // tensor,
         activations=activation_bytes(args, cfg.parallel.activation_checkpointing, tokens, element_bytes, tensor)
-        + document_mask_bytes(cfg, micro, use_gpu, element_bytes) // plan.context,
+        + document_mask_bytes(cfg, micro, use_gpu, element_bytes) // plan.context
+        + gathered_kv_bytes(args, cfg.parallel.activation_checkpointing, tokens, element_bytes, plan.context),
         logits=logits_bytes(args, tokens, element_bytes) // tensor,
         recompute_block=recompute_block_bytes(args, cfg.parallel.activation_checkpointing, tokens, element_bytes)
         // tensor,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -38,7 +39,10 @@ def local_region(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     local = param.to_local()
     if param.device_mesh.get_coordinate() is None:  # this rank is not in the mesh
         return local, (0,) * param.dim()
-    shape, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    # Plain integer arithmetic, which for strided shards DTensor does on small tensors: outside fake
+    # mode (the traced dry run initializes fake parameters), so they have values.
+    with unset_fake_temporarily():
+        shape, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     if tuple(local.shape) != tuple(shape):
         raise RuntimeError(f"unexpected local shard shape {tuple(local.shape)}, expected {tuple(shape)}")
     return local, tuple(offsets)

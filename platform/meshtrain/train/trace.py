@@ -43,13 +43,27 @@ class TracedPeak:
     total: int
     by_kind: dict[str, int]
     seconds: float
+    cpu_kernel_bytes: int = 0  # alive at the peak only because the trace runs CPU kernels
 
     def on_device(self, offloaded: bool) -> int:
-        """Bytes on the accelerator: under CPU offload the sharded state stays in host memory."""
+        """Bytes on the accelerator: under CPU offload the sharded state stays in host memory; less
+        what only the trace's CPU kernels allocate."""
+        device = self.total - self.cpu_kernel_bytes
         if not offloaded:
-            return self.total
+            return device
         host = ("Sharded Param", "Sharded Grad", "OptState")
-        return self.total - sum(self.by_kind.get(kind, 0) for kind in host)
+        return device - sum(self.by_kind.get(kind, 0) for kind in host)
+
+
+def cpu_kernel_bytes(cfg: MeshtrainConfig, plan: MeshPlan, micro_batch: int) -> int:
+    """What the traced step holds for a GPU run that the GPU does not: under context parallel, CPU
+    attention takes this rank's rows of the window's mask as an additive (seq/CP, seq) tensor per
+    sample, kept for the whole step, where flex attention on a GPU keeps a block mask of a few bytes
+    per 128x128 block."""
+    if not cfg.scaling.use_gpu or plan.context == 1:
+        return 0
+    element = 2 if param_dtype(cfg.parallel.mixed_precision, "cuda") == torch.bfloat16 else 4
+    return micro_batch * (cfg.data.seq_len // plan.context) * cfg.data.seq_len * element
 
 
 def traced_config(cfg: MeshtrainConfig) -> MeshtrainConfig:
@@ -88,17 +102,18 @@ def trace_step(cfg: MeshtrainConfig, args: ModelArgs, plan: MeshPlan) -> TracedP
                 micro_batches.append((tokens[:, :-1], tokens[:, 1:]))
             # The first step creates the optimizer state. Traced, DTensor's sharding propagation of
             # that creation would count global-sized temporaries that a real run never allocates.
-            train_step(model, guard, micro_batches, plan.data_parallel_size, cfg.optim.grad_clip)
+            train_step(model, guard, micro_batches, plan.gradient_ranks, cfg.optim.grad_clip)
             tracker = FSDPMemTracker(model, optimizer)
             tracker.track_inputs(tuple(micro_batches))
             with tracker:
-                train_step(model, guard, micro_batches, plan.data_parallel_size, cfg.optim.grad_clip)
+                train_step(model, guard, micro_batches, plan.gradient_ranks, cfg.optim.grad_clip)
             peak = tracker.get_tracker_snapshot("peak")[cpu]
     finally:
         dist.destroy_process_group()
     by_kind = {getattr(kind, "value", str(kind)): int(value) for kind, value in peak.items()}
     total = by_kind.pop("Total")
-    return TracedPeak(total, by_kind, time.perf_counter() - started)
+    micro, _ = cfg.batch_layout(plan.data_parallel_size)
+    return TracedPeak(total, by_kind, time.perf_counter() - started, cpu_kernel_bytes(cfg, plan, micro))
 
 
-__all__ = ["TracedPeak", "trace_step", "traced_config"]
+__all__ = ["TracedPeak", "cpu_kernel_bytes", "trace_step", "traced_config"]
