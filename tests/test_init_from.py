@@ -244,11 +244,14 @@ def test_a_2x2_mesh_loads_the_same_weights_each_rank_reading_its_shards(trained:
     configs = [
         (init_from_config(trained.hf, *mesh), trained.corpus.vocab_size),
         (init_from_config(trained.tied, tokenizer, *mesh), trained.corpus.vocab_size),
+        # Replicated twice x tensor parallel 2: column and row shards of every block, the vocabulary split.
+        (init_from_config(trained.hf, *mesh, "parallel.tensor=2", "parallel.shard=1"), trained.corpus.vocab_size),
     ]
+    meshes = [(2, 2), (2, 2), (2, 1, 2)]  # two workers per node: one TP group each
     expected = [dict(load_in_one_process(cfg, vocab).named_parameters()) for cfg, vocab in configs]
     for rank_results in run_on_ranks(_load_on_rank, 4, configs):
-        for result, reference in zip(rank_results, expected):
-            assert result["mesh"] == (2, 2)
+        for result, reference, mesh_shape in zip(rank_results, expected, meshes):
+            assert result["mesh"] == mesh_shape
             assert result["full"].keys() == reference.keys()
             for name, tensor in result["full"].items():
                 assert torch.equal(tensor, reference[name]), name
