@@ -15,7 +15,8 @@ def stdlib_plan(cache: Path, documents: int = 24, vocab_size: int = 512, seq_len
     return prepare_data(data, str(cache), seq_len, use_ray=False, log=lambda _: None)
 
 
-def short_documents_plan(cache: Path, documents: int = 1500, vocab_size: int = 512, seq_len: int = 32) -> DataPlan:
+def short_documents_plan(cache: Path, documents: int = 1500, vocab_size: int = 512, seq_len: int = 32,
+                         **settings) -> DataPlan:
     """Documents of a few standard-library source lines each (tens of tokens), so most packed windows of
     ``seq_len`` hold a document boundary: where the document mask changes what a token sees."""
     import argparse
@@ -27,5 +28,5 @@ def short_documents_plan(cache: Path, documents: int = 1500, vocab_size: int = 5
         for index in range(documents):
             start = (index * 7) % (len(lines) - 6)
             handle.write(json.dumps({"text": "\n".join(lines[start : start + 2 + index % 4])}) + "\n")
-    data = DataConfig(source=str(corpus), vocab_size=vocab_size, seq_len=seq_len)
+    data = DataConfig(source=str(corpus), vocab_size=vocab_size, seq_len=seq_len, **settings)
     return prepare_data(data, str(cache), seq_len, use_ray=False, log=lambda _: None)

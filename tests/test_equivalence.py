@@ -26,6 +26,12 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> DataPlan:
     return stdlib_plan(tmp_path_factory.mktemp("token_stores"), validation={"fraction": 0.0})
 
 
+@pytest.fixture(scope="module")
+def reference(corpus: DataPlan) -> dict[str, list[float]]:
+    """The single-process run most tests compare with (computed once: the curves are deterministic)."""
+    return single_process(config(), corpus)
+
+
 def config(*overrides: str) -> MeshtrainConfig:
     return load_config(
         None,
@@ -47,8 +53,19 @@ def single_process(cfg: MeshtrainConfig, corpus: DataPlan) -> dict[str, list[flo
 
 def _train_rank(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan, per_node: int) -> dict[str, Any]:
     layout = WorkerLayout(rank, world, rank % per_node, per_node, rank // per_node)
-    result = train(cfg, corpus, layout, torch.device("cpu"))
-    return {"mesh": result.mesh_shape, **curves(result.records)}
+    events: list[dict[str, Any]] = []
+    result = train(cfg, corpus, layout, torch.device("cpu"), events.append)
+    return {"mesh": result.mesh_shape, **curves(result.records), "eval": evaluations(events)}
+
+
+def evaluations(events: list[dict[str, Any]]) -> list[float]:
+    return [event["loss"] for event in events if event["event"] == "eval"]
+
+
+def single_process_with_eval(cfg: MeshtrainConfig, corpus: DataPlan) -> dict[str, Any]:
+    events: list[dict[str, Any]] = []
+    result = train(cfg, corpus, WorkerLayout(), torch.device("cpu"), events.append)
+    return {**curves(result.records), "eval": evaluations(events)}
 
 
 def largest_relative_difference(a: list[float], b: list[float]) -> float:
@@ -68,13 +85,13 @@ def assert_same_curves(
 @pytest.mark.parametrize(
     "world,overrides,mesh",
     [
-        (4, ["parallel.shard=2"], (2, 2)),
-        (2, ["parallel.shard=2"], (1, 2)),
+        (4, ["parallel.shard=2"], (2, 2)),  # (1, 2) is full_shard's mesh, in the strategies' test
     ],
-    ids=["2x2", "1x2"],
+    ids=["2x2"],
 )
-def test_sharded_losses_equal_single_process(corpus: DataPlan, world: int, overrides: list[str], mesh: tuple) -> None:
-    reference = single_process(config(), corpus)
+def test_sharded_losses_equal_single_process(
+    corpus: DataPlan, reference: dict[str, list[float]], world: int, overrides: list[str], mesh: tuple
+) -> None:
     assert reference["loss"][-1] < reference["loss"][0], "the reference run should learn"
     results = run_on_ranks(_train_rank, world, config(f"scaling.num_workers={world}", *overrides), corpus, world)
     for result in results:
@@ -90,10 +107,11 @@ def test_sharded_losses_equal_single_process(corpus: DataPlan, world: int, overr
     ],
     ids=["tp2", "shard2xtp2"],
 )
-def test_tensor_parallel_equals_single_process(corpus: DataPlan, world: int, overrides: list[str], mesh: tuple) -> None:
+def test_tensor_parallel_equals_single_process(
+    corpus: DataPlan, reference: dict[str, list[float]], world: int, overrides: list[str], mesh: tuple
+) -> None:
     """Heads, FFN columns and the vocabulary split over 2 ranks (sequence-parallel norms, the
     vocabulary-parallel loss), alone and under 2-way FSDP: the same curves as one process."""
-    reference = single_process(config(), corpus)
     results = run_on_ranks(_train_rank, world, config(f"scaling.num_workers={world}", *overrides), corpus, world)
     for result in results:
         assert result["mesh"] == mesh
@@ -117,12 +135,33 @@ def test_context_parallel_with_the_document_mask_equals_single_process(tmp_path:
         assert_same_curves(results[0], reference, " ".join(overrides), rtol=1e-4)
 
 
+def test_tensor_parallel_composes_with_compile_recompute_offload_and_evaluation(tmp_path: Path) -> None:
+    """TP=2 with compiled blocks, selective recompute and CPU offload, and CP=2 x TP=2 with full
+    recompute, both evaluating on held-out windows: the curves and the validation losses of one process."""
+    data = stdlib_plan(tmp_path, validation={"fraction": 0.1})
+    evaluated = ["eval.interval=5", "eval.batches=1"]
+    reference = single_process_with_eval(config(*evaluated), data)
+    cases = [
+        (2, ["parallel.tensor=2", "parallel.compile=true", "parallel.activation_checkpointing=selective",
+             "parallel.cpu_offload=true"]),
+        (4, ["parallel.context=2", "parallel.tensor=2", "parallel.activation_checkpointing=full"]),
+    ]
+    for world, overrides in cases:
+        result = run_on_ranks(_train_rank, world, config(*evaluated, f"scaling.num_workers={world}", *overrides),
+                              data, world)[0]
+        assert_same_curves(result, reference, " ".join(overrides), rtol=1e-4)
+        assert len(result["eval"]) == len(reference["eval"]) == 2, (result["eval"], reference["eval"])
+        for got, expected in zip(result["eval"], reference["eval"]):
+            assert got == pytest.approx(expected, rel=1e-5)
+
+
 @pytest.mark.parametrize(
     "strategy,mesh",
     [("full_shard", (1, 2)), ("shard_grad_op", (1, 2)), ("no_shard", (2, 1)), ("hybrid_shard_zero2", (1, 2))],
 )
-def test_every_strategy_equals_single_process(corpus: DataPlan, strategy: str, mesh: tuple) -> None:
-    reference = single_process(config(), corpus)
+def test_every_strategy_equals_single_process(
+    corpus: DataPlan, reference: dict[str, list[float]], strategy: str, mesh: tuple
+) -> None:
     cfg = config("scaling.num_workers=2", f"parallel.strategy={strategy}")
     result = run_on_ranks(_train_rank, 2, cfg, corpus, 2)[0]
     assert result["mesh"] == mesh
@@ -144,27 +183,24 @@ def test_two_micro_batches_equal_one_batch_of_twice_the_size(corpus: DataPlan) -
     assert_same_curves(accumulated, whole, "2 micro-batches vs 1 batch")
 
 
-def test_compiled_blocks_equal_single_process(corpus: DataPlan) -> None:
+def test_compiled_blocks_equal_single_process(corpus: DataPlan, reference: dict[str, list[float]]) -> None:
     """torch.compile per block (inductor's CPU backend here) inside FSDP2 units.
 
     Inductor fuses and reorders fp32 arithmetic, so the bound is 1e-4 here (measured: losses about
     1e-6, gradient norms up to 3e-5) rather than the 1e-5 that eager sharding meets.
     """
-    reference = single_process(config(), corpus)
     result = run_on_ranks(_train_rank, 2, config("scaling.num_workers=2", "parallel.compile=true"), corpus, 2)[0]
     assert_same_curves(result, reference, "compiled blocks", rtol=1e-4)
 
 
-def test_cpu_offload_and_full_recompute_equal_single_process(corpus: DataPlan) -> None:
-    reference = single_process(config(), corpus)
+def test_cpu_offload_and_full_recompute_equal_single_process(corpus: DataPlan, reference: dict[str, list[float]]) -> None:
     cfg = config("scaling.num_workers=2", "parallel.cpu_offload=true", "parallel.activation_checkpointing=full")
     result = run_on_ranks(_train_rank, 2, cfg, corpus, 2)[0]
     assert_same_curves(result, reference, "cpu_offload+full recompute")
 
 
-def test_bf16_mixed_precision_tracks_fp32(corpus: DataPlan) -> None:
+def test_bf16_mixed_precision_tracks_fp32(corpus: DataPlan, reference: dict[str, list[float]]) -> None:
     """The GPU default (bf16 compute, fp32 shards and reduction), run on CPU: close, not equal."""
-    reference = single_process(config(), corpus)
     result = run_on_ranks(_train_rank, 2, config("scaling.num_workers=2", "parallel.mixed_precision=bf16"), corpus, 2)[0]
     assert result["loss"] != reference["loss"]
     assert largest_relative_difference(result["loss"], reference["loss"]) < 1e-3

@@ -196,7 +196,7 @@ class Transformer(nn.Module):
         overrides the layout found from :attr:`document_eos` (tests pick the kernel this way)."""
         if self.context_parallel is not None:
             return self._forward_share(tokens, self.context_parallel)
-        h = self.tok_embeddings(tokens)
+        h = self._embed(tokens)
         if documents is None and self.document_eos is not None and self._may_span_documents(tokens):
             documents = find_documents(tokens, self.document_eos, dtype=h.dtype)
         if documents is None:
@@ -208,11 +208,18 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, mask)
         return self.output(self.norm(h))
 
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        # Under tensor parallel the embedding's sequence-sharded output is a view (of its reduce-scatter);
+        # a compiled first block receiving a view loses the gradient to the embedding (measured: zero),
+        # and FSDP's pre-backward hook may be dropped from it. A copy of 1/TP of the activations fixes both.
+        return h.clone() if h._is_view() else h
+
     def _forward_share(self, tokens: torch.Tensor, context: ContextParallel) -> torch.Tensor:
         """Logits of this rank's share of each window (``context.shard`` of the positions): documents
         and RoPE positions are found on the whole window, which every rank of the group holds."""
         seq = tokens.shape[1]
-        h = self.tok_embeddings(context.shard(tokens))
+        h = self._embed(context.shard(tokens))
         if self.document_eos is None:
             ids, positions = None, context.positions(seq, tokens.device)
         else:
