@@ -169,12 +169,15 @@ def test_every_strategy_equals_single_process(
 
 
 def test_recompute_prefetch_and_tied_embeddings_equal_single_process(corpus: DataPlan) -> None:
-    """Selective recomputation, deeper prefetch and a tied embedding in the root unit, sharded."""
+    """Selective recomputation, deeper prefetch and a tied embedding in the root unit, sharded; and the
+    tied weight split by vocabulary rows under TP=2 (embedding and head share one parameter)."""
     tied = ["model.tie_embeddings=true"]
     reference = single_process(config(*tied), corpus)
     cfg = config(*tied, "scaling.num_workers=2", "parallel.activation_checkpointing=selective", "parallel.prefetch=2")
     result = run_on_ranks(_train_rank, 2, cfg, corpus, 2)[0]
     assert_same_curves(result, reference, "selective+prefetch2+tied")
+    result = run_on_ranks(_train_rank, 2, config(*tied, "scaling.num_workers=2", "parallel.tensor=2"), corpus, 2)[0]
+    assert_same_curves(result, reference, "tied under TP=2", rtol=1e-4)
 
 
 def test_two_micro_batches_equal_one_batch_of_twice_the_size(corpus: DataPlan) -> None:

@@ -105,7 +105,8 @@ def test_a_tensor_parallel_group_across_nodes_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"^parallel.tensor x parallel.context: Ray placed groups of 2 ranks across "
                                           r"nodes \(group 1 \(ranks 2-3\) on nodes 0,1\)"):
         check_shard_placement(plan, [0, 0, 0, 1], "auto")
-    assert check_shard_placement(MeshPlan(2, 1, True, tensor=2), [0, 0, 1, 1], "auto") is None
+    assert check_shard_placement(MeshPlan(2, 1, True, tensor=2), [0, 0, 1, 1], "auto") == (
+        "[meshtrain] placement: each of the 2 tensor/context groups of 2 ranks is on one node")
 
 
 # (world_size, workers_per_node, strategy, shard) -> the exact one-line message

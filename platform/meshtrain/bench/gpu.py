@@ -226,7 +226,9 @@ def run_settings(config: BenchConfig, window: Window, run_name: str, storage: st
     if "train.global_batch_size" not in settings:
         micro = settings.get("train.micro_batch_size", _field_default(TrainConfig, "micro_batch_size"))
         workers = settings.get("scaling.num_workers", _field_default(ScalingConfig, "num_workers"))
-        settings["train.global_batch_size"] = int(micro) * int(workers)
+        # Tensor- and context-parallel peers share their samples: one micro-batch per data-parallel rank.
+        peers = int(settings.get("parallel.tensor", 1)) * int(settings.get("parallel.context", 1))
+        settings["train.global_batch_size"] = int(micro) * (int(workers) // peers)
     return {**settings, **owned_settings(window, run_name, storage)}
 
 
@@ -269,7 +271,7 @@ def dry_run(configs: list[BenchConfig], window: Window, device_type: str, trace:
     status = 0
     owned = owned_settings(window, "<config>-<time>", "<--storage>")
     print("set by the benchmark over every configuration: " + " ".join(to_overrides(owned)))
-    print("and train.global_batch_size = micro-batch x workers unless a configuration sets it\n")
+    print("and train.global_batch_size = micro-batch x data-parallel ranks unless a configuration sets it\n")
     for config in configs:
         print(f"== {config.name} ==")
         print("settings: " + " ".join(to_overrides(config.settings)))
@@ -338,9 +340,10 @@ def actual_mesh(cfg: MeshtrainConfig, summary: dict[str, Any]) -> MeshPlan:
     """The mesh the run trained on (summary.json's shape), resharding as its strategy does."""
     workers = summary["workers"]
     per_node = sum(w["node_rank"] == workers[0]["node_rank"] for w in workers)
-    plan = resolve_mesh_shape(summary["world_size"], per_node, cfg.parallel.strategy, cfg.parallel.shard)
-    replicate, shard = summary["mesh_shape"]
-    return MeshPlan(replicate, shard, plan.reshard_after_forward)
+    plan = resolve_mesh_shape(summary["world_size"], per_node, cfg.parallel.strategy, cfg.parallel.shard,
+                              cfg.parallel.context, cfg.parallel.tensor)
+    replicate, shard = summary["mesh_shape"][:2]
+    return MeshPlan(replicate, shard, plan.reshard_after_forward, plan.context, plan.tensor)
 
 
 def device_peak(cfg: MeshtrainConfig, device: str) -> tuple[float | None, str]:

@@ -580,9 +580,6 @@ class MeshtrainConfig(Section):
                 raise ConfigError(f"parallel.tensor={tensor} does not divide {name}={value}; choose a degree that "
                                   f"divides {model.n_heads} heads, {model.n_kv_heads} KV heads, FFN {model.ffn_dim} "
                                   f"and vocabulary {model.vocab_size}")
-        if model.tie_embeddings:
-            raise ConfigError(f"parallel.tensor={tensor} with model.tie_embeddings=true is not supported yet (the "
-                              "embedding and the output head split the shared weight differently); drop one of them")
 
     def _check_eviction_can_happen(self, sizes: list[int]) -> None:
         """scaling.evict_stragglers with settings under which no straggler could ever be evicted

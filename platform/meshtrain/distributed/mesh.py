@@ -190,6 +190,9 @@ def check_shard_placement(plan: MeshPlan, node_of_rank: Sequence[int], shard: in
                 f"({_describe(split, inner)}); keep scaling.placement_strategy=PACK (or STRICT_PACK) with whole "
                 "nodes of workers"
             )
+        if plan.replicate == 1 or plan.shard == 1:
+            return (f"[meshtrain] placement: each of the {plan.world_size // inner} tensor/context groups of {inner} "
+                    "ranks is on one node")
     if plan.replicate == 1 or plan.shard == 1:
         return None
     group_size = plan.world_size // plan.replicate

@@ -78,6 +78,10 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh) -> None:
             "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         })
+    if model.args.tie_embeddings:
+        # Both plans split the shared weight by vocabulary rows (Shard(0)), so the head's plan kept the
+        # embedding's DTensor but wrapped it in a Parameter of its own: one Parameter again, one gradient.
+        model.output.weight = model.tok_embeddings.weight
 
 
 def param_dtype(setting: str, device_type: str) -> torch.dtype:

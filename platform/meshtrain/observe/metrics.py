@@ -167,6 +167,8 @@ class TrainingMetrics:
         )
         self.replicate = gauge("meshtrain_mesh_replicate_degree", "Size of the mesh's replicate dimension (HSDP replicas).")
         self.shard = gauge("meshtrain_mesh_shard_degree", "Size of the mesh's shard dimension (FSDP shard group).")
+        self.context = gauge("meshtrain_mesh_context_degree", "Context-parallel degree (ranks sharing each window).")
+        self.tensor = gauge("meshtrain_mesh_tensor_degree", "Tensor-parallel degree (ranks sharing each layer).")
         self._clock = StepClock(device)
         self._scrapes = _ScrapeCounter()
         self._server: _MetricsServer | None = None
@@ -184,10 +186,13 @@ class TrainingMetrics:
         self.rank_slowdown.set(slowdown)
         self.straggler.set(1 if straggler else 0)
 
-    def set_mesh(self, world_size: int, mesh_shape: tuple[int, int]) -> None:
+    def set_mesh(self, world_size: int, sizes: tuple[int, ...]) -> None:
+        """``sizes``: (replicate, shard[, context, tensor]) degrees."""
+        replicate, shard, context, tensor = (*sizes, 1, 1)[:4]
         self.workers.set(world_size)
-        self.replicate.set(mesh_shape[0])
-        self.shard.set(mesh_shape[1])
+        for gauge_, degree in ((self.replicate, replicate), (self.shard, shard), (self.context, context),
+                               (self.tensor, tensor)):
+            gauge_.set(degree)
 
     def start_steps(self, step: int, run_tokens: int, skipped_steps: int = 0) -> None:
         """Called once before the first step (after any resume)."""

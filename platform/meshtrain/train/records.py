@@ -28,9 +28,9 @@ class LoopOutputs:
         if self.on_record is not None:
             self.on_record(record)
 
-    def started(self, world_size: int, mesh_shape: tuple[int, int], progress: Progress) -> None:
+    def started(self, world_size: int, mesh_sizes: tuple[int, ...], progress: Progress) -> None:
         if self.metrics is not None:
-            self.metrics.set_mesh(world_size, mesh_shape)
+            self.metrics.set_mesh(world_size, mesh_sizes)
             self.metrics.start_steps(progress.step, progress.tokens, progress.skipped_steps)
 
     def step_done(self, step: int, worker_tokens: int, data_wait_s: float) -> None:

@@ -211,7 +211,7 @@ class Trainer:
 
     def run(self) -> TrainResult:
         cfg, progress = self.cfg, self.progress
-        self.outputs.started(self.layout.world_size, self.result.mesh_shape, progress)
+        self.outputs.started(self.layout.world_size, self.plan.sizes, progress)
         self.model.train()
         self.log.start(time.perf_counter())
         first_step = progress.step + 1
