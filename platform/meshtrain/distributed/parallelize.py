@@ -38,8 +38,7 @@ def fsdp_mesh(mesh: DeviceMesh, plan: MeshPlan) -> DeviceMesh:
     flattened into one dimension (context peers hold different tokens, so they shard and average
     gradients like data-parallel ranks do)."""
     if plan.context > 1:
-        mesh["shard", "context"]._flatten("shard_context")
-        return mesh["replicate", "shard_context"]
+        return DeviceMesh._concatenate([mesh["replicate"], mesh["shard", "context"]._flatten("shard_context")])
     return mesh["replicate", "shard"] if plan.tensor > 1 else mesh
 
 
@@ -178,13 +177,33 @@ def parallelize(model: Transformer, mesh: DeviceMesh, plan: MeshPlan, cfg: Paral
 def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Global L2 norm of all gradients (sharded or not), clipped to ``max_norm`` when > 0.
 
-    On DTensor gradients the per-shard norms are combined over the shard dim only (replicas hold
-    the same gradient), then the clip factor applies to every local shard.
+    On DTensor gradients the per-shard norms are combined over the dims that split them only
+    (replicas hold the same gradient), then the clip factor applies to every local shard.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    # Gradients grouped by how they are sharded (with TP the norms' weights are replicated over the
+    # tensor dim where the linears' are split): each group's squared norm is summed over the mesh dims
+    # that split it, in one all-reduce. DTensor's own norm would redistribute per mesh dim, and warn.
+    kinds: dict[object, list[torch.Tensor]] = {}
+    for grad in (p.grad for p in parameters if p.grad is not None):
+        kinds.setdefault((grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None, []).append(grad)
+    squares = [_squared_norm(grads) for grads in kinds.values()] or [torch.zeros(())]
+    total = squares[0].sqrt() if len(squares) == 1 else torch.stack(squares).sum().sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
     return total
+
+
+def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The squared global L2 norm of gradients that share one sharding (plain tensors, or DTensors on
+    one mesh with the same placements)."""
+    if not isinstance(grads[0], DTensor):
+        return torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).pow(2)
+    mesh, placements = grads[0].device_mesh, grads[0].placements
+    if any(placement.is_partial() for placement in placements) or mesh.mesh_dim_names is None:
+        return torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).full_tensor().pow(2)
+    local = torch.nn.utils.get_total_norm([grad.to_local() for grad in grads], norm_type=2.0, foreach=True).pow(2)
+    split = [name for name, placement in zip(mesh.mesh_dim_names, placements) if not placement.is_replicate()]
+    if split:
+        group = mesh.get_group(split[0]) if len(split) == 1 else mesh[tuple(split)]._flatten().get_group()
+        dist.all_reduce(local, group=group)
+    return local
