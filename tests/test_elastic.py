@@ -21,6 +21,9 @@ BATCH = ["scaling.num_workers=8", "train.global_batch_size=32", "train.micro_bat
         (["scaling.min_workers=2", "parallel.shard=2"], [2, 4, 8]),
         (["scaling.min_workers=4", "scaling.workers_per_node=4"], [4, 8]),
         (["scaling.min_workers=1", "parallel.strategy=full_shard"], [1, 2, 4, 8]),
+        # Whole tensor-parallel groups, whose data-parallel ranks' micro-batches divide the batch.
+        (["scaling.min_workers=1", "parallel.tensor=2"], [2, 4, 8]),  # 6: 3 ranks x 2 do not divide 32
+        (["scaling.min_workers=4", "parallel.tensor=2", "parallel.shard=2"], [4, 8]),
     ],
 )
 def test_allowed_sizes(settings: list[str], sizes: list[int]) -> None:

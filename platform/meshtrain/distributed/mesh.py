@@ -78,10 +78,6 @@ class MeshPlan:
         """Which samples ``world_rank`` reads: its index over replicate x shard."""
         return world_rank // self.model_parallel_size
 
-    def writes_records(self, world_rank: int) -> bool:
-        """Whether ``world_rank`` is the one rank of its data-parallel rank's group that reports for it."""
-        return world_rank % self.model_parallel_size == 0
-
 
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

@@ -275,7 +275,7 @@ def _elastic_lines(cfg: MeshtrainConfig) -> list[str]:
     if not cfg.scaling.elastic:
         return []
     sizes = cfg.elastic_sizes()
-    each = ", ".join(f"{size} (accumulation {cfg.batch_layout(size)[1]})" for size in sizes)
+    each = ", ".join(f"{size} (accumulation {cfg.batch_layout(size // cfg.parallel_group_size)[1]})" for size in sizes)
     return [
         f"elastic: scaling.min_workers={cfg.scaling.min_workers} to scaling.num_workers={cfg.scaling.num_workers}; "
         f"trains on {each} workers, same global batch; Ray offering another size fails that start"
