@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -204,6 +205,9 @@ def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     local = torch.nn.utils.get_total_norm([grad.to_local() for grad in grads], norm_type=2.0, foreach=True).pow(2)
     split = [name for name, placement in zip(mesh.mesh_dim_names, placements) if not placement.is_replicate()]
     if split:
-        group = mesh.get_group(split[0]) if len(split) == 1 else mesh[tuple(split)]._flatten().get_group()
+        # Mesh bookkeeping (the flattened group is made once, then looked up) runs on real tensors,
+        # also when the traced dry run steps under fake mode.
+        with unset_fake_temporarily():
+            group = mesh.get_group(split[0]) if len(split) == 1 else mesh[tuple(split)]._flatten().get_group()
         dist.all_reduce(local, group=group)
     return local
