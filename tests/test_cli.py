@@ -173,7 +173,6 @@ IN_PROCESS_CASES = [
     (["parallel.context=2", "data.seq_len=30"], "data.seq_len"),
     (["parallel.async_tensor=true", "parallel.tensor=2"], "parallel.async_tensor"),
     (["parallel.async_tensor=true"], "parallel.async_tensor"),
-    (["parallel.tensor=2", "parallel.float8=true"], "parallel.float8"),
     # model
     (["model.preset=llama9"], "model.preset"),
     (["model.vocab_size=100"], "model.vocab_size"),

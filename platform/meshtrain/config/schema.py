@@ -566,8 +566,6 @@ class MeshtrainConfig(Section):
         if parallel.async_tensor and (parallel.tensor == 1 or not scaling.use_gpu or not parallel.compile):
             raise ValueError("parallel.async_tensor needs parallel.tensor > 1, scaling.use_gpu=true and "
                              "parallel.compile=true (inductor pipelines the collectives on CUDA); drop it or set those")
-        if parallel.float8 and parallel.tensor > 1:
-            raise ValueError("parallel.float8 is not composed with parallel.tensor > 1 yet; drop one of them")
 
     def check_model_parallel(self, model: ModelArgs) -> None:
         """ConfigError when ``parallel.tensor`` does not divide what it splits of ``model``."""

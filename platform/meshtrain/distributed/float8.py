@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,22 +69,31 @@ def _import_torchao_float8() -> Any:
     return float8
 
 
-def _converts(module: nn.Module, name: str) -> bool:
-    """Linears inside the transformer blocks whose shapes ``_scaled_mm`` accepts."""
-    return (
-        isinstance(module, nn.Linear)
-        and name.startswith("layers.")
-        and module.in_features % _ALIGNMENT == 0
-        and module.out_features % _ALIGNMENT == 0
-    )
+def _converts(tensor: int) -> Callable[[nn.Module, str], bool]:
+    """Linears inside the transformer blocks whose shapes ``_scaled_mm`` accepts on every rank: with
+    tensor parallel each rank multiplies a 1/``tensor`` slice of one of the two dimensions."""
+    alignment = _ALIGNMENT * tensor
+
+    def converts(module: nn.Module, name: str) -> bool:
+        return (
+            isinstance(module, nn.Linear)
+            and name.startswith("layers.")
+            and module.in_features % alignment == 0
+            and module.out_features % alignment == 0
+        )
+
+    return converts
 
 
-def convert_to_float8(model: nn.Module, *, emulate: bool, fsdp_all_gather: bool) -> int:
-    """Swap the blocks' linears for torchao's ``Float8Linear`` (before FSDP and compile) and return
-    how many were converted. ``fsdp_all_gather`` all-gathers their weights in float8."""
+def convert_to_float8(model: nn.Module, *, emulate: bool, fsdp_all_gather: bool, tensor: int = 1) -> int:
+    """Swap the blocks' linears for torchao's ``Float8Linear`` (before tensor parallel, FSDP and
+    compile) and return how many were converted. ``fsdp_all_gather`` all-gathers their weights in
+    float8. Under tensor parallel the plain column/row-wise plans apply: activations travel between
+    TP ranks in high precision and each linear casts its DTensor operands with scales over the
+    whole tensor (torchao reduces their amaxes across the TP group)."""
     float8 = _import_torchao_float8()
     config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_all_gather, emulate=emulate)
-    float8.convert_to_float8_training(model, module_filter_fn=_converts, config=config)
+    float8.convert_to_float8_training(model, module_filter_fn=_converts(tensor), config=config)
     return sum(isinstance(m, float8.float8_linear.Float8Linear) for m in model.modules())
 
 
@@ -99,14 +109,19 @@ def _float8_gathered(model: nn.Module) -> bool:
     )
 
 
-def precompute_scales_after_each_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+def keep_float8_scales_precomputed(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
     """When ``model`` all-gathers float8 weights: the scales of all of them at once (one all-reduce
-    of their amaxes), which the next all-gathers use, after every optimizer step and every load of
-    the model's state. The load matters: DCP's optimizer-state load takes a zero step first (the
-    hook runs on the weights still there), then the model's weights are replaced."""
+    of their amaxes over the whole mesh), which the next all-gathers use, now, after every optimizer
+    step and after every load of the model's state.
+
+    Now: without a precomputed scale FSDP's pre-all-gather reduces the amax over its own mesh only,
+    so under tensor parallel each TP rank would cast its slice of the weight with a scale of its own
+    in the first step. The load: DCP's optimizer-state load takes a zero step first (the hook runs
+    on the weights still there), then the model's weights are replaced."""
     if not _float8_gathered(model):
         return
     precompute = _import_torchao_float8().precompute_float8_dynamic_scale_for_fsdp
+    precompute(model)
     optimizer.register_step_post_hook(lambda *_: precompute(model))
     model.register_load_state_dict_post_hook(lambda *_: precompute(model))
 

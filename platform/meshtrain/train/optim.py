@@ -8,7 +8,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from meshtrain.config import OptimConfig
-from meshtrain.distributed.float8 import precompute_scales_after_each_step
+from meshtrain.distributed.float8 import keep_float8_scales_precomputed
 
 # Devices with a fused AdamW kernel (one kernel per parameter group instead of one per op).
 _FUSED_ADAMW_DEVICES = {"cuda", "cpu"}
@@ -34,7 +34,7 @@ def build_optimizer(
         [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel
     )
     if precompute_float8_scales:
-        precompute_scales_after_each_step(optimizer, model)
+        keep_float8_scales_precomputed(optimizer, model)
     return optimizer
 
 

@@ -46,7 +46,8 @@ def sharded_meta_model(cfg: MeshtrainConfig, vocab_size: int, plan: MeshPlan, de
     model = build_model(args, "meta")
     if cfg.parallel.float8:
         check_float8_device(device)
-        convert_to_float8(model, emulate=device.type != "cuda", fsdp_all_gather=dist.is_initialized())
+        convert_to_float8(model, emulate=device.type != "cuda", fsdp_all_gather=dist.is_initialized(),
+                          tensor=cfg.parallel.tensor)
     if dist.is_initialized():
         parallelize(model, build_mesh(plan, device.type), plan, cfg.parallel)
     return model
