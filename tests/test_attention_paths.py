@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import meshtrain.model.llama as model_module
 from meshtrain.config import ModelArgs, ParallelConfig
-from meshtrain.distributed.mesh import MeshPlan
+from meshtrain.distributed.layout import MeshPlan
 from meshtrain.distributed.parallelize import build_mesh, parallelize
 from meshtrain.model.init import init_weights
 from meshtrain.model.llama import (

@@ -101,7 +101,7 @@ def fake_gpu_run(run_dir: Path, window: Any, step_s: float, global_tokens: int) 
 
 def test_a_gpu_run_is_measured_against_the_h100_peak_and_its_memory_plan(tmp_path: Path) -> None:
     from meshtrain.config import load_config
-    from meshtrain.distributed.mesh import MeshPlan
+    from meshtrain.distributed.layout import MeshPlan
     from meshtrain.distributed.plan import memory_plan
     from meshtrain.model.args import model_args
     from meshtrain.model.flops import flops_per_token

@@ -97,9 +97,9 @@ def _packed_and_alone_on_a_mesh(rank: int, world: int, shard: int) -> tuple[torc
     cfg = load_config(None, ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
                              "model.ffn_dim=160", "model.max_seq_len=64", "data.seq_len=48", f"scaling.num_workers={world}",
                              f"parallel.shard={shard}", "train.global_batch_size=8", "train.micro_batch_size=2"])
-    model, plan = build_sharded_model(cfg, 97, WorkerLayout(rank, world, rank % shard, shard, rank // shard),
+    model, layout = build_sharded_model(cfg, 97, WorkerLayout(rank, world, rank % shard, shard, rank // shard),
                                       torch.device("cpu"))
-    assert plan.shape == (world // shard, shard)
+    assert layout.plan.shape == (world // shard, shard)
     model.mask_documents(EOS)
     return packed_and_alone(model, seq=48)
 

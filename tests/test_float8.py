@@ -29,7 +29,7 @@ from meshtrain.distributed.float8 import (
     convert_to_float8,
 )
 from meshtrain.distributed.layout import WorkerLayout
-from meshtrain.distributed.mesh import MeshPlan
+from meshtrain.distributed.layout import MeshPlan
 from meshtrain.model.llama import build_model
 from meshtrain.train.optim import build_optimizer
 from meshtrain.train.setup import fill_model, sharded_meta_model
@@ -144,7 +144,7 @@ def _scales_after_steps(rank: int, world: int, cfg: MeshtrainConfig) -> tuple[in
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     torch.manual_seed(0)
-    model = sharded_meta_model(cfg, 512, MeshPlan(1, world, True), torch.device("cpu"))
+    model, _ = sharded_meta_model(cfg, 512, MeshPlan(1, world, True), torch.device("cpu"))
     fill_model(model, cfg, torch.device("cpu"))
     optimizer = build_optimizer(model, cfg.optim)
     tokens = torch.randint(0, 512, (2, 33))

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshtrain.config import ModelArgs, ParallelConfig
-from meshtrain.distributed.mesh import MeshPlan
+from meshtrain.distributed.layout import MeshPlan, RankLayout, WorkerLayout
 from meshtrain.distributed.parallelize import build_mesh, parallelize
 from meshtrain.model.init import init_weights
 from meshtrain.model.llama import build_model, materialize
@@ -85,7 +85,8 @@ def run_step(model: torch.nn.Module, mesh: DeviceMesh, batches: list[Batch], def
         recorder.all_reduces = 0
         with mock.patch.object(dist, "all_reduce", recorder.all_reduce):
             try:
-                output = train_step(model, guard, batch, WORLD, grad_clip=0.0, defer_all_reduce=defer)
+                output = train_step(model, guard, batch, RankLayout(WorkerLayout(dist.get_rank(), WORLD), MeshPlan(*MESH, True)),
+                                    grad_clip=0.0, defer_all_reduce=defer)
             except (RuntimeError, ValueError):
                 continue
     return {

@@ -115,8 +115,8 @@ def init_from_config(directory: Path, *overrides: str) -> MeshtrainConfig:
 
 
 def load_in_one_process(cfg: MeshtrainConfig, vocab: int) -> Transformer:
-    model, plan = build_sharded_model(cfg, vocab, WorkerLayout(), torch.device("cpu"))
-    assert plan.shape == (1, 1)
+    model, layout = build_sharded_model(cfg, vocab, WorkerLayout(), torch.device("cpu"))
+    assert layout.plan.shape == (1, 1)
     return model.eval()
 
 
@@ -225,9 +225,9 @@ def _load_on_rank(rank: int, world: int, configs: list[tuple[MeshtrainConfig, in
     for cfg, vocab in configs:
         elements_read[0] = 0
         layout = WorkerLayout(rank, world, rank % 2, 2, rank // 2)
-        model, plan = build_sharded_model(cfg, vocab, layout, torch.device("cpu"))
+        model, layout = build_sharded_model(cfg, vocab, layout, torch.device("cpu"))
         results.append({
-            "mesh": plan.shape,
+            "mesh": layout.plan.shape,
             "read": elements_read[0],
             "local": sum(p.to_local().numel() for p in model.parameters()),
             "full": {name: p.full_tensor() for name, p in model.named_parameters()},

@@ -7,7 +7,7 @@ import pytest
 import meshtrain.cluster.launcher
 from meshtrain.cli.pretrain import main
 from meshtrain.config import MeshtrainConfig, load_config
-from meshtrain.distributed.mesh import MeshPlan
+from meshtrain.distributed.layout import MeshPlan
 from meshtrain.distributed.plan import (
     CONTEXT_RESERVE_GIB,
     DEVICE_MEMORY_GIB,

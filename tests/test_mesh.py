@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from meshtrain.config import ConfigError
-from meshtrain.distributed.mesh import MESH_DIM_NAMES, MeshPlan, check_shard_placement, resolve_mesh_shape
+from meshtrain.distributed.layout import MESH_DIM_NAMES, MeshPlan, RankLayout, WorkerLayout
+from meshtrain.distributed.mesh import check_shard_placement, resolve_mesh_shape
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
 
@@ -88,6 +91,18 @@ def test_ranks_lie_tensor_fastest_and_tp_cp_peers_share_a_data_parallel_rank() -
         (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 1), (1, 1, 1, 1)]
     assert [plan.data_parallel_rank(rank) for rank in range(16)] == [r // 4 for r in range(16)]
     assert (plan.data_parallel_size, plan.gradient_ranks, plan.world_size) == (4, 8, 16)
+
+
+def test_a_rank_layout_answers_each_part_of_the_loop_from_its_worker_and_plan() -> None:
+    plan = MeshPlan(2, 2, True, context=2, tensor=2)
+    layouts = [RankLayout(WorkerLayout(rank, 16, rank % 8, 8, rank // 8, f"10.0.0.{rank // 8}"), plan) for rank in range(16)]
+    assert [layout.data_rank for layout in layouts] == [rank // 4 for rank in range(16)]  # the samples it reads
+    assert {(layout.data_ranks, layout.gradient_ranks) for layout in layouts} == {(4, 8)}
+    assert [layout.rank for layout in layouts if layout.writes_records] == [0]
+    assert layouts[9].node == "10.0.0.1"
+    single = RankLayout.single_process()
+    assert (single.rank, single.world_size, single.data_rank, single.data_ranks, single.gradient_ranks) == (0, 1, 0, 1, 1)
+    assert single.node == socket.gethostname() and single.with_control_group() is single  # no process group
 
 
 def test_tensor_and_context_degrees_shape_the_mesh() -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from meshtrain.config import ConfigError
-from meshtrain.distributed.mesh import MeshPlan, check_shard_placement, shard_groups_off_node
+from meshtrain.distributed.layout import MeshPlan
+from meshtrain.distributed.mesh import check_shard_placement, shard_groups_off_node
 
 HSDP_2X2 = MeshPlan(2, 2, True)
 

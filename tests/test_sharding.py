@@ -37,7 +37,7 @@ def _shard_and_gather(rank: int, world: int, shard: int) -> dict[str, Any]:
     for tied in (False, True):
         cfg = tiny_config(world, shard, tied)
         layout = WorkerLayout(rank, world, rank % shard, shard, rank // shard)
-        model, plan = build_sharded_model(cfg, VOCAB, layout, torch.device("cpu"))
+        model, layout = build_sharded_model(cfg, VOCAB, layout, torch.device("cpu"))
         params = {}
         for name, param in model.named_parameters():
             assert isinstance(param, DTensor), name
@@ -50,7 +50,7 @@ def _shard_and_gather(rank: int, world: int, shard: int) -> dict[str, Any]:
                 "row_bytes": param[0].numel() * param.element_size() if param.ndim > 1 else param.element_size(),
                 "full": param.full_tensor(),  # collective: every rank takes part
             }
-        out["tied" if tied else "untied"] = {"plan": plan.shape, "params": params}
+        out["tied" if tied else "untied"] = {"plan": layout.plan.shape, "params": params}
     return out
 
 

@@ -4,7 +4,6 @@ gauges; the streak logic, and that the timer leaves collective waits out."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest

@@ -297,7 +297,7 @@ def test_a_store_read_with_another_tokenizer_is_refused(plan, tmp_path) -> None:
     other = tmp_path / "other-tokenizer.json"
     other.write_text(train_tokenizer(iter(["a different sample of text"] * 50), 300).to_str())
     store = plan.stores[0].url
-    with pytest.raises(ConfigError, match=rf"data.tokenizer: .*other-tokenizer.json' is not the tokenizer the token store was encoded with; prepare the store again with it .*model.init_from is unset, leave data.tokenizer=train") as info:
+    with pytest.raises(ConfigError, match=r"data.tokenizer: .*other-tokenizer.json' is not the tokenizer the token store was encoded with; prepare the store again with it .*model.init_from is unset, leave data.tokenizer=train") as info:
         prepare_data(DataConfig(source=store, tokenizer=str(other)), str(tmp_path / "c"), SEQ, use_ray=False, log=print)
     assert "\n" not in str(info.value)
 

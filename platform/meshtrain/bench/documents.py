@@ -19,6 +19,7 @@ import torch
 
 from meshtrain.bench.single_process import alternating_medians, single_process_run
 from meshtrain.config import load_config
+from meshtrain.distributed.layout import RankLayout
 from meshtrain.train.step import train_step
 
 
@@ -36,7 +37,8 @@ def measure(overrides: list[str], steps: int, workdir: str, device: torch.device
         def run_steps(count: int) -> None:
             run.model.mask_documents(mask)
             for index in range(count):
-                train_step(run.model, run.guard, run.steps[index % len(run.steps)], 1, run.cfg.optim.grad_clip)
+                train_step(run.model, run.guard, run.steps[index % len(run.steps)], RankLayout.single_process(),
+                           run.cfg.optim.grad_clip)
         return run_steps
 
     # Warm-up 3 (on GPU, compiling the block mask and flex attention), blocks of 5.

@@ -65,7 +65,8 @@ from meshtrain.config import (
     load_config,
 )
 from meshtrain.data import tokenizer_vocab_size
-from meshtrain.distributed.mesh import MeshPlan, resolve_mesh_shape
+from meshtrain.distributed.layout import MeshPlan
+from meshtrain.distributed.mesh import resolve_mesh_shape
 from meshtrain.distributed.parallelize import param_dtype, use_tf32
 from meshtrain.distributed.plan import (
     GIB,

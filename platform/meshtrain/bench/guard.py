@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[3]  # the checkout: benchmarks run its j
 
 from meshtrain.bench.single_process import alternating_medians, single_process_run
 from meshtrain.config import load_config
+from meshtrain.distributed.layout import RankLayout
 from meshtrain.distributed.parallelize import clip_grad_norm_
 from meshtrain.model.loss import token_cross_entropy_sum
 from meshtrain.train.evaluation import evaluate, validation_samples
@@ -52,7 +53,7 @@ def main() -> None:
 
     def guarded_steps(count: int) -> None:
         for index in range(count):
-            train_step(model, guard, steps[index % len(steps)], 1, cfg.optim.grad_clip)
+            train_step(model, guard, steps[index % len(steps)], RankLayout.single_process(), cfg.optim.grad_clip)
 
     def plain_steps(count: int) -> None:
         for index in range(count):
@@ -70,7 +71,7 @@ def main() -> None:
     runs = []
     for _ in range(5):
         started = time.perf_counter()
-        evaluate(model, data.validation, chosen, micro, 0, 1, device)
+        evaluate(model, data.validation, chosen, micro, RankLayout.single_process(), device)
         runs.append(time.perf_counter() - started)
     e = statistics.median(runs)
     print(f"evaluation of {samples} sequences {e * 1000:.1f} ms = {e / p:.2f} training steps; at eval.interval="

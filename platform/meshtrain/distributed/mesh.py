@@ -1,7 +1,7 @@
 """Resolve the device-mesh shape ("replicate", "shard"[, "context"][, "tensor"]) from a strategy name,
 the tensor- and context-parallel degrees and the cluster layout.
 
-Pure functions, no torch.distributed: the driver uses them for --dry-run and config validation, the
+Pure functions, no process groups: the driver uses them for --dry-run and config validation, the
 workers with the layout Ray reports. Ranks are laid out row-major over the mesh, tensor fastest:
 a tensor-parallel group is consecutive ranks, then a context-parallel group, then a shard group, so
 each lies within one node when the node holds a whole number of them. The data-parallel ranks are
@@ -11,72 +11,14 @@ replicate x shard; TP and CP peers read the same samples. FSDP shards over shard
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 from meshtrain.config import ConfigError, StrategyName
+from meshtrain.distributed.layout import MeshPlan
 
-MESH_DIM_NAMES = ("replicate", "shard", "context", "tensor")
 
 # Strategies whose parameters stay gathered between forward and backward (ZeRO-2 style).
 _KEEPS_PARAMS_AFTER_FORWARD = {"shard_grad_op", "hybrid_shard_zero2"}
-
-
-@dataclass(frozen=True)
-class MeshPlan:
-    """The mesh and what each part of training needs of it (which samples a rank reads, which ranks
-    average gradients, which ranks split a window or a layer): meshtrain's one answer to "where does
-    this rank sit", as torchtitan's ParallelDims is."""
-
-    replicate: int
-    shard: int
-    reshard_after_forward: bool
-    context: int = 1
-    tensor: int = 1
-
-    @property
-    def dim_names(self) -> tuple[str, ...]:
-        """The mesh's dimensions: replicate and shard always, context and tensor when used."""
-        return tuple(name for name, size in zip(MESH_DIM_NAMES, self.sizes) if name in ("replicate", "shard") or size > 1)
-
-    @property
-    def sizes(self) -> tuple[int, int, int, int]:
-        return (self.replicate, self.shard, self.context, self.tensor)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(size for name, size in zip(MESH_DIM_NAMES, self.sizes) if name in self.dim_names)
-
-    @property
-    def world_size(self) -> int:
-        return self.replicate * self.shard * self.context * self.tensor
-
-    @property
-    def data_parallel_size(self) -> int:
-        """Ranks reading distinct samples (replicate x shard)."""
-        return self.replicate * self.shard
-
-    @property
-    def gradient_ranks(self) -> int:
-        """Ranks FSDP averages gradients over (replicate x shard x context): each holds a distinct part
-        of the global batch's tokens."""
-        return self.replicate * self.shard * self.context
-
-    @property
-    def model_parallel_size(self) -> int:
-        """Ranks that work on the same samples: one context x tensor group."""
-        return self.context * self.tensor
-
-    def coordinates(self, world_rank: int) -> tuple[int, int, int, int]:
-        """(replicate, shard, context, tensor) index of ``world_rank``."""
-        rest, tensor = divmod(world_rank, self.tensor)
-        rest, context = divmod(rest, self.context)
-        replicate, shard = divmod(rest, self.shard)
-        return replicate, shard, context, tensor
-
-    def data_parallel_rank(self, world_rank: int) -> int:
-        """Which samples ``world_rank`` reads: its index over replicate x shard."""
-        return world_rank // self.model_parallel_size
 
 
 def _divisors(n: int) -> str:

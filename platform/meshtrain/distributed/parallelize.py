@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import (
 
 from meshtrain.config import ParallelConfig
 from meshtrain.distributed.float8 import gather_float8_as_bytes
-from meshtrain.distributed.mesh import MeshPlan
+from meshtrain.distributed.layout import MeshPlan
 from meshtrain.model.context_parallel import ContextParallel
 from meshtrain.model.llama import Transformer
 
@@ -124,7 +124,6 @@ def parallelize(model: Transformer, mesh: DeviceMesh, plan: MeshPlan, cfg: Paral
         apply_tensor_parallel(model, mesh["tensor"])
         if cfg.async_tensor:
             enable_async_tensor_parallel(mesh["tensor"])
-        model.loss_group = loss_group(mesh, plan)
     if plan.context > 1:
         model.context_parallel = ContextParallel.of(mesh["context"].get_group())
     data_mesh = fsdp_mesh(mesh, plan)

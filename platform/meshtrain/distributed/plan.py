@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtrain.config import MeshtrainConfig, ModelArgs, ScalingConfig
-from meshtrain.distributed.mesh import MeshPlan, resolve_mesh_shape
+from meshtrain.distributed.layout import MeshPlan
+from meshtrain.distributed.mesh import resolve_mesh_shape
 from meshtrain.model.llama import Transformer, build_model, count_parameters
 from meshtrain.model.loss import loss_chunk_tokens
 

@@ -18,7 +18,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
 from meshtrain.config import ModelArgs
@@ -175,10 +174,7 @@ class Transformer(nn.Module):
         # The end-of-document token id when attention is masked per document (model.document_mask);
         # set by whoever knows the tokenizer, with :meth:`mask_documents`.
         self.document_eos: int | None = None
-        # Set by meshtrain.distributed.parallelize under tensor parallel: the ranks whose loss sums
-        # add up to the global batch's (one per TP group); None = every rank.
-        self.loss_group: ProcessGroup | None = None
-        # Set under context parallel: this rank computes its load-balanced share of every window.
+        # Set by meshtrain.distributed.parallelize under context parallel: this rank computes its load-balanced share of every window.
         self.context_parallel: ContextParallel | None = None
 
     def mask_documents(self, eos_id: int | None) -> None:

@@ -12,8 +12,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from meshtrain.config import OVERALL_LABEL
 from meshtrain.data import IGNORE_INDEX, ValidationSet, ValidationWindow
-from meshtrain.distributed.layout import WorkerLayout
-from meshtrain.distributed.mesh import MeshPlan
+from meshtrain.distributed.layout import RankLayout
 from meshtrain.model.llama import Transformer
 from meshtrain.train.step import loss_sum
 from meshtrain.train.records import LoopOutputs
@@ -32,16 +31,16 @@ def evaluate(
     validation: ValidationSet,
     chosen: Sequence[ValidationWindow],
     micro_batch_size: int,
-    dp_rank: int,
-    dp_size: int,
+    layout: RankLayout,
     device: torch.device,
 ) -> dict[str, tuple[float, int]]:
     """Mean token loss and scored tokens over the ``chosen`` held-out windows, split over the
-    data-parallel ranks: per source, and overall under ``OVERALL_LABEL`` (every scored token alike)."""
+    data-parallel ranks of ``layout``: per source, and overall under ``OVERALL_LABEL`` (every scored
+    token alike)."""
     parts = len(validation.names)
     totals = torch.zeros(2, parts, dtype=torch.float64, device=device)  # per source: loss sum, scored tokens
     with torch.no_grad():
-        for batch in validation.batches(chosen, micro_batch_size, dp_rank, dp_size, device):
+        for batch in validation.batches(chosen, micro_batch_size, layout.data_rank, layout.data_ranks, device):
             logits = model(batch.inputs)
             local_targets = model.local_targets(batch.targets)  # this rank's share under context parallel
             for part in batch.sources.unique().tolist():
@@ -50,7 +49,7 @@ def evaluate(
                 totals[0, part] += loss_sum(logits, targets, rows).double()
                 totals[1, part] += (targets != IGNORE_INDEX).sum()
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(totals, group=model.loss_group)  # TP peers hold the same sums
+        dist.all_reduce(totals, group=layout.loss_group)  # TP peers hold the same sums
     # Units that keep their parameters gathered after forward (for backward) are resharded here:
     # no backward follows an evaluation.
     for module in model.modules():
@@ -77,15 +76,14 @@ class Evaluation:
         batches: int,
         global_batch_size: int,
         micro_batch_size: int,
-        layout: WorkerLayout,
-        plan: MeshPlan,
+        layout: RankLayout,
         device: torch.device,
         outputs: LoopOutputs,
         beat: Callable[[str], None],
     ) -> None:
         self.model, self.validation, self.interval = model, validation, interval
-        self.micro_batch_size, self.layout, self.plan, self.device, self.outputs, self.beat = (
-            micro_batch_size, layout, plan, device, outputs, beat
+        self.micro_batch_size, self.layout, self.device, self.outputs, self.beat = (
+            micro_batch_size, layout, device, outputs, beat
         )
         self.batches, self.global_batch_size = batches, global_batch_size
         self._chosen: list[ValidationWindow] | None = None  # chosen at the first evaluation (it reads the data)
@@ -99,7 +97,7 @@ class Evaluation:
             wanted = self.batches * self.global_batch_size
             selected = self.validation.select(wanted)
             self._chosen = selected[: validation_samples(len(selected), self.batches, self.global_batch_size)]
-            if not self._chosen and self.layout.world_rank == 0:
+            if not self._chosen and self.layout.writes_records:
                 print(
                     f"[meshtrain] warning: no evaluation: the held-out data has {len(selected)} windows with whole "
                     f"documents, fewer than one global batch ({self.global_batch_size}); raise data.validation.fraction "
@@ -119,10 +117,7 @@ class Evaluation:
         self.beat(f"evaluating at step {step}")
         started = time.perf_counter()
         self.model.eval()
-        losses = evaluate(
-            self.model, self.validation, self.chosen, self.micro_batch_size,
-            self.plan.data_parallel_rank(self.layout.world_rank), self.plan.data_parallel_size, self.device,
-        )
+        losses = evaluate(self.model, self.validation, self.chosen, self.micro_batch_size, self.layout, self.device)
         self.model.train()
         loss, tokens = losses.pop(OVERALL_LABEL)
         self.last_by_source = {name: None if math.isnan(value) else value for name, (value, _) in losses.items()}

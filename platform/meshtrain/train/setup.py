@@ -8,9 +8,9 @@ import torch.distributed as dist
 from meshtrain.checkpoint.hf_weights import load_hf_weights
 from meshtrain.config import MeshtrainConfig
 from meshtrain.distributed.float8 import check_float8_device, convert_to_float8
-from meshtrain.distributed.layout import WorkerLayout, workers_per_node
-from meshtrain.distributed.mesh import MeshPlan, check_shard_placement, resolve_mesh_shape
-from meshtrain.distributed.parallelize import build_mesh, parallelize
+from meshtrain.distributed.layout import MeshPlan, RankLayout, WorkerLayout, workers_per_node
+from meshtrain.distributed.mesh import check_shard_placement, resolve_mesh_shape
+from meshtrain.distributed.parallelize import build_mesh, loss_group, parallelize
 from meshtrain.model.args import model_args
 from meshtrain.model.init import init_weights
 from meshtrain.model.llama import Transformer, build_model, materialize
@@ -19,28 +19,32 @@ from meshtrain.model.llama import Transformer, build_model, materialize
 def build_sharded_model(
     cfg: MeshtrainConfig,
     vocab_size: int,
-    layout: WorkerLayout,
+    worker: WorkerLayout,
     device: torch.device,
     read_init_from: bool = True,
-) -> tuple[Transformer, MeshPlan]:
+) -> tuple[Transformer, RankLayout]:
     """Model built on meta, sharded (when distributed), materialized on ``device`` and initialized,
-    or filled from ``model.init_from`` (each rank reading only its own shards). A run that resumes
-    passes ``read_init_from=False``: its checkpoint replaces every weight, so reading them is waste."""
+    or filled from ``model.init_from`` (each rank reading only its own shards), with this rank's
+    layout on the mesh. A run that resumes passes ``read_init_from=False``: its checkpoint replaces
+    every weight, so reading them is waste."""
     plan = MeshPlan(1, 1, True)
     if dist.is_initialized():
-        per_node, node_of_rank = workers_per_node(layout, cfg.scaling.workers_per_node)
-        plan = resolve_mesh_shape(layout.world_size, per_node, cfg.parallel.strategy, cfg.parallel.shard,
+        per_node, node_of_rank = workers_per_node(worker, cfg.scaling.workers_per_node)
+        plan = resolve_mesh_shape(worker.world_size, per_node, cfg.parallel.strategy, cfg.parallel.shard,
                                   cfg.parallel.context, cfg.parallel.tensor)
         placement = check_shard_placement(plan, node_of_rank, cfg.parallel.shard)
-        if placement is not None and layout.world_rank == 0:
+        if placement is not None and worker.world_rank == 0:
             print(placement, flush=True)
-    model = sharded_meta_model(cfg, vocab_size, plan, device)
+    model, layout = sharded_meta_model(cfg, vocab_size, plan, device, worker)
     fill_model(model, cfg, device, read_init_from)
-    return model, plan
+    return model, layout
 
 
-def sharded_meta_model(cfg: MeshtrainConfig, vocab_size: int, plan: MeshPlan, device: torch.device) -> Transformer:
-    """The model on meta, sharded on ``plan``'s mesh of ``device`` when distributed: no storage yet."""
+def sharded_meta_model(
+    cfg: MeshtrainConfig, vocab_size: int, plan: MeshPlan, device: torch.device, worker: WorkerLayout | None = None
+) -> tuple[Transformer, RankLayout]:
+    """The model on meta, sharded on ``plan``'s mesh of ``device`` when distributed (no storage yet),
+    and the layout of ``worker`` (rank 0 when not given) on that mesh."""
     args = model_args(cfg, vocab_size)
     cfg.check_model_parallel(args)
     model = build_model(args, "meta")
@@ -48,9 +52,12 @@ def sharded_meta_model(cfg: MeshtrainConfig, vocab_size: int, plan: MeshPlan, de
         check_float8_device(device)
         convert_to_float8(model, emulate=device.type != "cuda", fsdp_all_gather=dist.is_initialized(),
                           tensor=cfg.parallel.tensor)
+    layout = RankLayout(worker or WorkerLayout(0, plan.world_size), plan)
     if dist.is_initialized():
-        parallelize(model, build_mesh(plan, device.type), plan, cfg.parallel)
-    return model
+        mesh = build_mesh(plan, device.type)
+        parallelize(model, mesh, plan, cfg.parallel)
+        layout = RankLayout(layout.worker, plan, loss_group=loss_group(mesh, plan))
+    return model, layout
 
 
 def fill_model(model: Transformer, cfg: MeshtrainConfig, device: torch.device, read_init_from: bool = True) -> None:

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from meshtrain.distributed.layout import RankLayout
 from meshtrain.distributed.parallelize import clip_grad_norm_
 from meshtrain.model.llama import Transformer
 from meshtrain.model.loss import token_cross_entropy_sum, vocab_parallel_cross_entropy_sum
@@ -77,15 +78,15 @@ def train_step(
     model: Transformer,
     guard: StepGuard,
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-    dp_size: int,
+    layout: RankLayout,
     grad_clip: float,
     defer_all_reduce: bool = True,
 ) -> StepOutput:
     """One optimizer step over this rank's micro-batches, skipped by ``guard`` when it goes bad.
 
     The loss is the mean over every target token of the global batch. Each micro-batch contributes
-    its token-summed loss scaled by ``dp_size / global_tokens``: FSDP averages gradients over the
-    ``dp_size`` ranks, so the result is the gradient of the global mean. Packed windows have no
+    its token-summed loss scaled by ``gradient_ranks / global_tokens``: FSDP averages gradients over
+    ``layout.gradient_ranks`` ranks, so the result is the gradient of the global mean. Packed windows have no
     ignored targets and every rank holds the same shapes, so the global token count follows from the
     shapes, with no collective or device sync. The loss sum is reduced over the ranks every step
     (one scalar all-reduce, no host sync), so every rank's guard sees the same global loss.
@@ -93,13 +94,14 @@ def train_step(
     With HSDP and ``defer_all_reduce``, gradients are all-reduced over the replicate dim once, in the
     last micro-batch's backward, instead of after every micro-batch (see ``_deferrable_hsdp``).
 
-    With tensor or context parallel, ``dp_size`` is the ranks FSDP averages over (replicate x shard x
-    context: context peers hold different tokens of the same samples); the loss sums are added over
-    ``model.loss_group`` (not over TP peers, which hold the same sum).
+    With tensor or context parallel, the gradient ranks are replicate x shard x context (context peers
+    hold different tokens of the same samples); the loss sums are added over ``layout.loss_group``
+    (not over TP peers, which hold the same sum).
     """
     device = micro_batches[0][1].device
-    global_tokens = sum(model.local_targets(targets).numel() for _, targets in micro_batches) * dp_size
-    scale = dp_size / global_tokens
+    gradient_ranks = layout.gradient_ranks
+    global_tokens = sum(model.local_targets(targets).numel() for _, targets in micro_batches) * gradient_ranks
+    scale = gradient_ranks / global_tokens
     total = torch.zeros((), dtype=torch.float32, device=device)
     hsdp = _deferrable_hsdp(model, len(micro_batches), device) if defer_all_reduce else None
     last = len(micro_batches) - 1
@@ -114,7 +116,7 @@ def train_step(
         if hsdp is not None:
             _abandon_deferred_reduction(hsdp)
         raise
-    total = _sum_over_ranks(total, model.loss_group)
+    total = _sum_over_ranks(total, layout.loss_group)
     grad_norm = clip_grad_norm_(list(model.parameters()), grad_clip)
     guard.step(guard.check(total / global_tokens, grad_norm))
     guard.optimizer.zero_grad(set_to_none=True)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.config import ConfigError, MeshtrainConfig, ModelArgs
-from meshtrain.distributed.mesh import MeshPlan
+from meshtrain.distributed.layout import MeshPlan
 from meshtrain.distributed.parallelize import param_dtype
 from meshtrain.train.guard import StepGuard
 from meshtrain.train.optim import build_optimizer
@@ -88,7 +88,7 @@ def trace_step(cfg: MeshtrainConfig, args: ModelArgs, plan: MeshPlan) -> TracedP
     started = time.perf_counter()
     dist.init_process_group("fake", rank=0, world_size=plan.world_size, store=dist.HashStore())
     try:
-        model = sharded_meta_model(cfg, args.vocab_size, plan, cpu)  # the mesh is built outside fake mode
+        model, layout = sharded_meta_model(cfg, args.vocab_size, plan, cpu)  # the mesh is built outside fake mode
         with FakeTensorMode(allow_non_fake_inputs=True):
             fill_model(model, cfg, cpu, read_init_from=False)
             # torchao's float8 weights take the truth value of a precomputed scale when the tracker
@@ -102,11 +102,11 @@ def trace_step(cfg: MeshtrainConfig, args: ModelArgs, plan: MeshPlan) -> TracedP
                 micro_batches.append((tokens[:, :-1], tokens[:, 1:]))
             # The first step creates the optimizer state. Traced, DTensor's sharding propagation of
             # that creation would count global-sized temporaries that a real run never allocates.
-            train_step(model, guard, micro_batches, plan.gradient_ranks, cfg.optim.grad_clip)
+            train_step(model, guard, micro_batches, layout, cfg.optim.grad_clip)
             tracker = FSDPMemTracker(model, optimizer)
             tracker.track_inputs(tuple(micro_batches))
             with tracker:
-                train_step(model, guard, micro_batches, plan.gradient_ranks, cfg.optim.grad_clip)
+                train_step(model, guard, micro_batches, layout, cfg.optim.grad_clip)
             peak = tracker.get_tracker_snapshot("peak")[cpu]
     finally:
         dist.destroy_process_group()

@@ -7,7 +7,6 @@ named parts of the loop: checkpointing, evaluation and the step log.
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,13 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from meshtrain.checkpoint.state import Progress, TrainState
 from meshtrain.checkpoint.write_progress import bytes_written
 from meshtrain.config import ConfigError, MeshtrainConfig
 from meshtrain.data import LEGACY_SAMPLING, DataParallelBatches, DataPlan, TrainingData, open_data
-from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.distributed.layout import RankLayout, WorkerLayout
 from meshtrain.model.args import model_args
 from meshtrain.model.llama import count_parameters
 from meshtrain.observe.metrics import TrainingMetrics
@@ -95,7 +93,7 @@ def check_sampling(manifest: dict[str, Any], reading: str, step: int) -> None:
 def train(
     cfg: MeshtrainConfig,
     data: DataPlan | TrainingData,
-    layout: WorkerLayout,
+    worker: WorkerLayout,
     device: torch.device,
     on_record: Callable[[dict[str, Any]], None] | None = None,
     metrics: TrainingMetrics | None = None,
@@ -111,7 +109,7 @@ def train(
     """
     if isinstance(data, DataPlan):
         data = open_data(data, cfg.data.seq_len, cfg.train.seed)
-    trainer = Trainer(cfg, data, layout, device, on_record, metrics, reporter, on_straggler, stop_request)
+    trainer = Trainer(cfg, data, worker, device, on_record, metrics, reporter, on_straggler, stop_request)
     try:
         return trainer.run()
     finally:
@@ -125,7 +123,7 @@ class Trainer:
         self,
         cfg: MeshtrainConfig,
         data: TrainingData,
-        layout: WorkerLayout,
+        worker: WorkerLayout,
         device: torch.device,
         on_record: Callable[[dict[str, Any]], None] | None,
         metrics: TrainingMetrics | None,
@@ -133,31 +131,32 @@ class Trainer:
         on_straggler: Callable[[dict[str, Any]], None] | None = None,
         stop_request: StopRequest | None = None,
     ) -> None:
-        self.cfg, self.layout = cfg, layout
+        self.cfg = cfg
         self.outputs = LoopOutputs(on_record, metrics, reporter)
         torch.manual_seed(cfg.train.seed)
-        checkpoints = checkpoint_manager(cfg, layout, self.outputs.checkpoint_event)
+        checkpoints = checkpoint_manager(cfg, worker, self.outputs.checkpoint_event)
         resuming = checkpoints is not None and cfg.checkpoint.resume and checkpoints.any_committed()
-        self.model, plan = build_sharded_model(cfg, data.vocab_size, layout, device, read_init_from=not resuming)
+        self.model, layout = build_sharded_model(cfg, data.vocab_size, worker, device, read_init_from=not resuming)
+        # Every part of the loop asks this one layout which ranks it works with.
+        self.layout: RankLayout = layout.with_control_group()
+        layout, plan = self.layout, self.layout.plan
         if cfg.model.document_mask:
             self.model.mask_documents(data.eos_id)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, cfg.optim.schedule_steps or cfg.train.steps)
         self.guard = StepGuard(self.optimizer, device, cfg.train.loss_spike_factor, cfg.train.loss_spike_window)
         self.progress = Progress()
-        state = TrainState(self.model, self.optimizer, self.scheduler, self.progress, layout.world_rank)
+        state = TrainState(self.model, self.optimizer, self.scheduler, self.progress, layout.rank)
         if resuming:
             assert checkpoints is not None
             restored = checkpoints.restore(state)
             if restored is not None:
                 check_sampling(restored.manifest, data.sampling, restored.step)
         self.guard.skipped_before = self.progress.skipped_steps
-        self.plan = plan
-        micro_batch, _ = cfg.batch_layout(plan.data_parallel_size)
-        # Tensor- and context-parallel peers read the same samples: the data-parallel rank decides.
+        micro_batch, _ = cfg.batch_layout(layout.data_ranks)
         self.batches = DataParallelBatches(
-            data.train, cfg.train.global_batch_size, micro_batch, dp_rank=plan.data_parallel_rank(layout.world_rank),
-            dp_size=plan.data_parallel_size, device=device, position=self.progress.data_position,
+            data.train, cfg.train.global_batch_size, micro_batch, dp_rank=layout.data_rank,
+            dp_size=layout.data_ranks, device=device, position=self.progress.data_position,
             read_ahead_steps=cfg.data.read_ahead_steps, read_threads=cfg.data.read_threads,
         )
         self.result = TrainResult(
@@ -172,7 +171,7 @@ class Trainer:
             "config": cfg.model_dump(mode="json"),
         }
         run_dir = Path(cfg.run.storage_path) / (cfg.run.name or "")
-        self.faults = FaultInjection(cfg.fault, layout.world_rank, run_dir / "faults", layout.node)
+        self.faults = FaultInjection(cfg.fault, layout.rank, run_dir / "faults", worker.node)
         self.bad_steps = BadStepLimit(self.guard, cfg.train.max_bad_steps, self.progress, self.outputs)
         self.checkpointing = Checkpointing(
             checkpoints, state, self.progress, manifest, cfg.train.steps, self.bad_steps, self.outputs,
@@ -180,28 +179,26 @@ class Trainer:
         )
         self.evaluation = Evaluation(
             self.model, data.validation, cfg.eval.interval, cfg.eval.batches, cfg.train.global_batch_size,
-            micro_batch, layout, plan, device, self.outputs, self._beat,
+            micro_batch, layout, device, self.outputs, self._beat,
         )
         self.log = StepLog(
             cfg.train.log_every, cfg.train.global_batch_size, layout.world_size, self.progress, self.bad_steps,
             self.outputs, self.result.records,
         )
-        # The loop's own small collectives (notice votes, straggler times) go on a gloo group apart from
-        # the step's and the background checkpoint writes'; every rank issues them in the same order.
-        distributed = dist.is_initialized() and dist.get_world_size() > 1
-        self.control_group = dist.new_group(backend="gloo") if distributed else None
+        # The loop's own small collectives (notice votes, straggler times) go on the layout's control
+        # group; every rank issues them in the same order.
         budget = cfg.fault.preemption_save_s
-        self.notice = PreemptionNotice(budget, layout.world_rank) if budget is not None else None
-        self.stop_vote = StopVote(self.notice, self.control_group) if self.notice is not None else None
+        self.notice = PreemptionNotice(budget, layout.rank) if budget is not None else None
+        self.stop_vote = StopVote(self.notice, layout.control_group) if self.notice is not None else None
         self._budget_checked = False
         self.stragglers = StragglerWatch(
             ComputeTimer(self.model.layers, device), cfg.metrics.straggler_factor, cfg.metrics.straggler_patience,
-            layout.world_rank, layout.node or socket.gethostname(), self.outputs, self.control_group,
+            layout.rank, layout.node, self.outputs, layout.control_group,
             metrics.set_rank_speed if metrics is not None else None, on_straggler,
         )
         # Last, so a setup that fails leaves neither a thread, a signal route nor the collector switched off.
         self.watchdog = (
-            HangWatchdog(cfg.run.hang_timeout_s, layout.world_rank, progress=bytes_written) if cfg.run.hang_timeout_s else None
+            HangWatchdog(cfg.run.hang_timeout_s, layout.rank, progress=bytes_written) if cfg.run.hang_timeout_s else None
         )
         self.collection = ScheduledCollection(cfg.train.gc_every)
         self._restore_sigterm = defer_sigterm(self.notice) if self.notice is not None else None
@@ -211,7 +208,7 @@ class Trainer:
 
     def run(self) -> TrainResult:
         cfg, progress = self.cfg, self.progress
-        self.outputs.started(self.layout.world_size, self.plan.sizes, progress)
+        self.outputs.started(self.layout.world_size, self.layout.plan.sizes, progress)
         self.model.train()
         self.log.start(time.perf_counter())
         first_step = progress.step + 1
@@ -226,7 +223,7 @@ class Trainer:
                 waiting_since = time.perf_counter()
                 micro_batches = list(self.batches.next_step())
                 data_wait = time.perf_counter() - waiting_since
-                output = train_step(self.model, self.guard, micro_batches, self.plan.gradient_ranks, cfg.optim.grad_clip)
+                output = train_step(self.model, self.guard, micro_batches, self.layout, cfg.optim.grad_clip)
                 self.scheduler.step()
                 progress.step, progress.tokens = step, progress.tokens + output.tokens
                 progress.data_position = self.batches.position
@@ -278,7 +275,7 @@ class Trainer:
         self.outputs.emit(record)
         self.notice.done()
         kept = f"checkpoint of step {step} committed" if saved else "no checkpoint saved (checkpoints off, or a skipped step)"
-        raise Preempted(f"rank {self.layout.world_rank}: stopped at step {step} on a preemption notice ({reason}); {kept}")
+        raise Preempted(f"rank {self.layout.rank}: stopped at step {step} on a preemption notice ({reason}); {kept}")
 
     def _stop_on_interrupt(self, step: int) -> None:
         """The driver was interrupted (Ctrl-C, ``ray job stop``): save this step and finish normally,
@@ -327,9 +324,7 @@ class Trainer:
         if self.stop_vote is not None:
             self.stop_vote.close()
         self.stragglers.close()
-        if self.control_group is not None:
-            dist.destroy_process_group(self.control_group)
-            self.control_group = None
+        self.layout.close()
         if self.watchdog is not None:
             self.watchdog.close()
         self.collection.close()
