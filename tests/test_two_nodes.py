@@ -304,12 +304,14 @@ def test_a_straggler_node_is_evicted_and_the_run_goes_on_without_it(cluster: Clu
     """The second node's ranks compute 3x slower from step 3: they are named stragglers, and the node
     is drained through Ray (scaling.evict_stragglers: the call behind `ray drain-node`, as an autoscaler
     makes on a spot reclaim). Ray Train's PreemptionWatcher marks every worker, the ranks save the step
-    they are at, and the elastic group restarts on the head from exactly that step and completes."""
+    they are at, and the elastic group restarts on the head from exactly that step and completes.
+    Under tensor parallel (a TP group on each node): the stop vote, the straggler times and the
+    preemption save run on every rank, and the smaller group is one whole TP group."""
     if cluster.worker is None:
         cluster.start_worker()
         wait_until(lambda: cluster.alive_nodes() == 2, 180, "two live Ray nodes", interval=2)
     run_dir = cluster.storage / "evicted"
-    job = cluster.job("evicted", *ELASTIC, "scaling.evict_stragglers=true", "fault.kind=slow",
+    job = cluster.job("evicted", *ELASTIC, "parallel.tensor=2", "scaling.evict_stragglers=true", "fault.kind=slow",
                       f"fault.node={cluster.worker_ip}", "fault.at_step=3", "fault.slow_factor=3", "metrics.straggler_factor=2", "metrics.straggler_patience=3")
     try:
         output = finish(job)
@@ -335,6 +337,7 @@ def test_a_straggler_node_is_evicted_and_the_run_goes_on_without_it(cluster: Clu
     assert [r["step"] for r in records if r["event"] == "train"] == list(range(1, 31)), output[-3000:]
     steps = train_records(run_dir)
     assert {r["world_size"] for s, r in steps.items() if s > preempted["step"]} == {2}
+    assert json.loads((run_dir / "summary.json").read_text())["mesh_shape"] == [1, 1, 2]
     evicted_at = next(r["time"] for r in records if r["event"] == "train" and r["step"] == straggler["step"])
     resumed = min(r["time"] for r in steps.values() if r["world_size"] == 2)
     print(f"straggler named at step {straggler['step']} ({straggler['slowdown']:.2f}x); node drained; step "
