@@ -164,15 +164,15 @@ def _state_to_load(
 
 
 @dataclass(frozen=True)
-class _Checkpoint:
-    """A committed checkpoint opened for reading its model tensors."""
+class CommittedModel:
+    """A committed checkpoint opened for reading its model tensors (into any tensors of their shapes)."""
 
     storage: CheckpointStorage
     committed: CommittedCheckpoint
     args: ModelArgs
 
     @classmethod
-    def open(cls, checkpoint: str, storage_options: dict[str, Any] | None) -> "_Checkpoint":
+    def open(cls, checkpoint: str, storage_options: dict[str, Any] | None) -> "CommittedModel":
         storage = CheckpointStorage(checkpoint, storage_options)
         committed = _read_committed(storage)
         try:
@@ -224,14 +224,14 @@ def load_model_state(
     ``checkpoint`` is a committed ``step-XXXXXXXX`` directory (local path or fsspec URL). With tied
     embeddings, ``output.weight`` and ``tok_embeddings.weight`` are the same tensor.
     """
-    source = _Checkpoint.open(checkpoint, storage_options)
+    source = CommittedModel.open(checkpoint, storage_options)
     return source.full_state(), source.args, source.manifest
 
 
 # --- Hugging Face layout ------------------------------------------------------------------------
 
 
-def _run_tokenizer(
+def run_tokenizer(
     checkpoint: str, manifest: dict[str, Any], storage_options: dict[str, Any] | None
 ) -> str | None:
     """The run's ``tokenizer.json`` text, if the run directory has one."""
@@ -253,7 +253,7 @@ def _run_tokenizer(
     return None
 
 
-def _tokenizer_files(tokenizer_json: str, max_length: int) -> tuple[dict[str, str], int | None]:
+def tokenizer_files(tokenizer_json: str, max_length: int) -> tuple[dict[str, str], int | None]:
     """Files for the HF directory and the end-of-document token id (None if it has none)."""
     from tokenizers import Tokenizer
 
@@ -321,7 +321,7 @@ def _publish(staged: Path, out: Path, fmt: str) -> None:
 class _Export:
     """What the writers need: the checkpoint, the run's tokenizer and the hf options."""
 
-    source: _Checkpoint
+    source: CommittedModel
     tokenizer_json: str | None
     max_shard_bytes: int
     dtype: str
@@ -352,7 +352,7 @@ def _save_hf(target: Path, export: _Export) -> None:
     target.mkdir()
     eos_id = None
     if export.tokenizer_json is not None:
-        files, eos_id = _tokenizer_files(export.tokenizer_json, args.max_seq_len)
+        files, eos_id = tokenizer_files(export.tokenizer_json, args.max_seq_len)
         for name, text in files.items():
             (target / name).write_text(text, encoding="utf-8")
     config = json.dumps(hf_config(args, eos_id, export.dtype), indent=2) + "\n"
@@ -428,8 +428,8 @@ def export_checkpoint(
         raise ExportError(f"max_shard_bytes={max_shard_bytes}: give a positive size, e.g. 5GB")
     out = Path(out).expanduser()
     _check_output_free(out, fmt)  # before the (possibly long) load
-    source = _Checkpoint.open(checkpoint, storage_options)
-    tokenizer = _run_tokenizer(checkpoint, source.manifest, storage_options) if fmt == "hf" else None
+    source = CommittedModel.open(checkpoint, storage_options)
+    tokenizer = run_tokenizer(checkpoint, source.manifest, storage_options) if fmt == "hf" else None
     out.parent.mkdir(parents=True, exist_ok=True)
     staged = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
@@ -449,9 +449,12 @@ __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "FORMATS",
     "HF_DTYPES",
+    "CommittedModel",
     "ExportError",
     "ExportResult",
     "export_checkpoint",
     "load_model_state",
     "resolve_checkpoint",
+    "run_tokenizer",
+    "tokenizer_files",
 ]

@@ -1,0 +1,88 @@
+"""Evaluate a committed meshtrain checkpoint on lm-evaluation-harness tasks.
+
+Run with ``python jobs/evaluate.py`` (its docstring shows examples; ``--help`` lists the options).
+The checkpoint becomes a ``transformers`` Llama in this process (only model tensors are read, each
+checked against the checkpoint's checksums) and the harness scores it through its ``HFLM``: the
+numbers are those ``lm_eval --model hf`` gives on the same checkpoint exported with
+``jobs/export.py --format hf``. The harness's results JSON and per-example samples go to
+``{run}/downstream/step-XXXXXXXX/`` (or ``--out``). Exit code 2 with one line on stderr for unknown
+tasks, a folder without task YAMLs, or a missing, uncommitted or damaged checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from meshtrain.cli.common import EXIT_CONFIG_ERROR, OneLineParser
+from meshtrain.cli.export import parse_storage_options
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = OneLineParser(
+        error_prefix="evaluate: error",
+        prog="evaluate.py",
+        description="Score a committed meshtrain checkpoint with lm-evaluation-harness tasks.",
+    )
+    parser.add_argument(
+        "checkpoint",
+        help="a committed step-XXXXXXXX directory, a checkpoint root or a run folder (then its newest committed step)",
+    )
+    parser.add_argument("--tasks", required=True, help="comma-separated harness task names (or task YAML names in --include-path)")
+    parser.add_argument("--include-path", help="a folder of lm-eval task YAMLs for local data (data_files relative to it)")
+    parser.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (default: each task's own)")
+    parser.add_argument("--limit", type=int, help="at most this many examples per task (default: all)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
+    parser.add_argument("--out", help="folder for the results JSON and samples (default: {run}/downstream/step-N)")
+    parser.add_argument(
+        "--storage-option", action="append", default=[], metavar="KEY=VALUE",
+        help="fsspec option for a remote checkpoint (repeatable; dotted keys nest)",
+    )
+    args = parser.parse_args(argv)
+    for name in ("num_fewshot", "limit", "batch_size"):
+        value = getattr(args, name)
+        if value is not None and (value < 0 or (value == 0 and name != "num_fewshot")):
+            parser.error(f"--{name.replace('_', '-')}={value}: give a {'non-negative' if name == 'num_fewshot' else 'positive'} number")
+    return args
+
+
+def _checkpoint_root(path: str) -> str:
+    """A run folder's checkpoint root; any other path as it is."""
+    if "://" not in path and (Path(path) / "checkpoints").is_dir():
+        return str(Path(path) / "checkpoints")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        options = parse_storage_options(args.storage_option)
+    except ValueError as exc:
+        print(f"evaluate: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    from meshtrain.checkpoint.export import resolve_checkpoint
+    from meshtrain.checkpoint.storage import CheckpointError
+    from meshtrain.config import ConfigError
+    from meshtrain.evaluate.checkpoint_eval import default_run_dir, evaluate_checkpoint, results_folder
+    from meshtrain.evaluate.harness import HarnessRun
+
+    run = HarnessRun(tuple(task.strip() for task in args.tasks.split(",") if task.strip()), args.include_path,
+                     args.num_fewshot, args.limit, args.batch_size, settings=("--tasks", "--include-path"))
+    try:
+        checkpoint = resolve_checkpoint(_checkpoint_root(args.checkpoint), options)
+        run_dir = default_run_dir(checkpoint) or Path.cwd()
+        evaluation = evaluate_checkpoint(
+            checkpoint, run, (lambda _: Path(args.out)) if args.out else (lambda step: results_folder(run_dir, step)),
+            options,
+        )
+    except (CheckpointError, ConfigError) as exc:
+        message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        print(f"evaluate: error: {message}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    for record in evaluation.records:
+        values = ", ".join(f"{key} {value:.4g}" for key, value in record.items()
+                           if key not in ("event", "step", "task", "samples", "seconds"))
+        print(f"[meshtrain] step {evaluation.step} {record['task']} ({record['samples']} examples): {values}")
+    print(f"[meshtrain] evaluated {checkpoint} in {evaluation.seconds:.1f}s -> {evaluation.results_path}", flush=True)
+    return 0

@@ -1,0 +1,1 @@
+"""Downstream evaluation of committed checkpoints with lm-evaluation-harness (``lm-eval``)."""

@@ -1,0 +1,129 @@
+"""Downstream evaluation: a committed checkpoint scored by lm-evaluation-harness, offline.
+
+The tasks are harness YAMLs over local JSONL in tests/data/downstream (a multiple-choice task and a
+perplexity task). meshtrain hands the harness the checkpoint as an in-memory ``transformers`` Llama;
+its numbers must be those the harness gives on the same checkpoint exported with the hf format.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshtrain.checkpoint.export import export_checkpoint
+from meshtrain.checkpoint.storage import checkpoint_root
+from meshtrain.cli.evaluate import main as evaluate_main
+from meshtrain.config import ConfigError, load_config
+from meshtrain.data import prepare_data
+from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.evaluate.checkpoint_eval import results_folder
+from meshtrain.evaluate.harness import HarnessRun, metrics_of, run_harness, task_manager
+from meshtrain.evaluate.hf_model import load_checkpoint_model
+from meshtrain.train.trainer import train
+
+REPO = Path(__file__).resolve().parents[1]
+TASKS = REPO / "tests" / "data" / "downstream"
+HARNESS = HarnessRun(("meshtrain_mc", "meshtrain_ppl"), str(TASKS), num_fewshot=2, limit=12, batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A trained run (tied embeddings, GQA) with committed checkpoints at steps 2 and 4 and its tokenizer."""
+    storage = tmp_path_factory.mktemp("runs")
+    cfg = load_config(None, [
+        "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+        "model.tie_embeddings=true", "data.max_documents=8", "data.vocab_size=300", "data.seq_len=64",
+        "train.steps=4", "train.global_batch_size=4", "train.micro_batch_size=2", "optim.warmup_steps=2",
+        "scaling.num_workers=1", "checkpoint.interval=2", "checkpoint.mode=sync", "eval.interval=null",
+        f"run.storage_path={storage}", "run.name=scored",
+    ])
+    corpus = prepare_data(cfg.data, str(tmp_path_factory.mktemp("stores")), cfg.data.seq_len, use_ray=False,
+                          log=lambda _: None)
+    train(cfg, corpus, WorkerLayout(), torch.device("cpu"))
+    root = Path(checkpoint_root(cfg))
+    (root.parent / "tokenizer.json").write_text(corpus.tokenizer_json)  # as the launcher does
+    return root.parent
+
+
+def test_meshtrain_scores_equal_the_harness_on_the_hf_export(
+    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    checkpoint = str(run_dir / "checkpoints" / "step-00000004")
+    loaded = load_checkpoint_model(checkpoint)
+    assert loaded.step == 4 and loaded.model.config.tie_word_embeddings
+    ours = metrics_of(run_harness(loaded, HARNESS))
+
+    # What a user runs without meshtrain: the hf export, loaded by the harness's own HF wrapper.
+    export_checkpoint(checkpoint, "hf", tmp_path / "hf")
+    exported = HFLM(pretrained=str(tmp_path / "hf"), dtype="float32", batch_size=4, device="cpu")
+    manager = task_manager(HARNESS)
+    monkeypatch.chdir(TASKS)  # the harness reads data_files relative to the working directory
+    theirs = metrics_of(simple_evaluate(model=exported, tasks=list(HARNESS.tasks), task_manager=manager,
+                                        num_fewshot=2, limit=12))
+    print(f"meshtrain: {ours}\nharness on the hf export: {theirs}")
+    assert set(ours) == {"meshtrain_mc", "meshtrain_ppl"}
+    assert set(ours["meshtrain_mc"]) == {"acc", "acc_norm"}
+    assert set(ours["meshtrain_ppl"]) == {"word_perplexity", "byte_perplexity", "bits_per_byte"}
+    for task, values in theirs.items():
+        assert ours[task] == pytest.approx(values, rel=1e-6), task
+
+
+def test_jobs_evaluate_writes_the_harness_results_into_the_run(run_dir: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "evaluate.py"), str(run_dir), "--tasks", "meshtrain_mc,meshtrain_ppl",
+         "--include-path", str(TASKS), "--num-fewshot", "2", "--limit", "12", "--batch-size", "4"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[meshtrain] step 4 meshtrain_mc (12 examples): acc " in result.stdout, result.stdout
+    folder = results_folder(run_dir, 4)  # the newest committed step of the run
+    saved = json.loads((folder / "results.json").read_text())
+    assert set(saved["results"]) == {"meshtrain_mc", "meshtrain_ppl"} and saved["n-shot"]["meshtrain_mc"] == 2
+    samples = (folder / "samples_meshtrain_mc.jsonl").read_text().splitlines()
+    assert len(samples) == 12 and "filtered_resps" in json.loads(samples[0])
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--tasks", "meshtrain_nosuch", "--include-path", str(TASKS)], "--tasks: meshtrain_nosuch not found"),
+        (["--tasks", "meshtrain_mc", "--include-path", str(REPO / "jobs" / "configs" / "nowhere")],
+         "--include-path="),
+        (["--tasks", " , "], "--tasks is empty"),
+        (["--tasks", "meshtrain_mc", "--limit", "0"], "--limit=0"),
+    ],
+)
+def test_bad_evaluation_input_is_one_line(
+    run_dir: Path, arguments: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) if "--limit" in arguments else _returns_two():
+        code = evaluate_main([str(run_dir), *arguments])
+        assert code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("evaluate: error: ") and message in error[0], error
+
+
+class _returns_two:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *_: object) -> bool:
+        return False
+
+
+def test_a_checkpoint_without_its_run_tokenizer_is_refused(run_dir: Path, tmp_path: Path) -> None:
+    tokenizer = run_dir / "tokenizer.json"
+    tokenizer.rename(tmp_path / "tokenizer.json")
+    try:
+        with pytest.raises(ConfigError, match=r"its run folder has no tokenizer.json"):
+            load_checkpoint_model(str(run_dir / "checkpoints" / "step-00000002"))
+    finally:
+        (tmp_path / "tokenizer.json").rename(tokenizer)
