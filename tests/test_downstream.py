@@ -8,6 +8,7 @@ its numbers must be those the harness gives on the same checkpoint exported with
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,7 +84,7 @@ def test_jobs_evaluate_writes_the_harness_results_into_the_run(run_dir: Path) ->
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "[meshtrain] step 4 meshtrain_mc (12 examples): acc " in result.stdout, result.stdout
+    assert "[meshtrain] downstream step 4 meshtrain_mc (12 examples, " in result.stdout, result.stdout
     folder = results_folder(run_dir, 4)  # the newest committed step of the run
     saved = json.loads((folder / "results.json").read_text())
     assert set(saved["results"]) == {"meshtrain_mc", "meshtrain_ppl"} and saved["n-shot"]["meshtrain_mc"] == 2
@@ -127,3 +128,34 @@ def test_a_checkpoint_without_its_run_tokenizer_is_refused(run_dir: Path, tmp_pa
             load_checkpoint_model(str(run_dir / "checkpoints" / "step-00000002"))
     finally:
         (tmp_path / "tokenizer.json").rename(tokenizer)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["eval.downstream.include_path=/nonexistent/tasks"], "eval.downstream.include_path='/nonexistent/tasks' is not a folder of task YAMLs"),
+        (["eval.downstream.memory_gb=0.0001"], "eval.downstream.memory_gb=0.0001 cannot hold the model's weights"),
+        (["checkpoint.enabled=false"], "eval.downstream.tasks scores committed checkpoints"),
+        (["eval.downstream.every=0"], "eval.downstream.every"),
+    ],
+)
+def test_bad_downstream_settings_are_refused_before_ray(tmp_path: Path, overrides: list[str], message: str) -> None:
+    from meshtrain.cluster.preflight import preflight
+
+    base = ["eval.downstream.tasks=[meshtrain_mc]", f"eval.downstream.include_path={TASKS}",
+            f"run.storage_path={tmp_path}", "run.name=refused"]
+    with pytest.raises((ConfigError, ValueError), match=re.escape(message)):
+        preflight(load_config(None, [*base, *overrides]))
+
+
+def test_without_the_harness_installed_downstream_evaluation_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    from meshtrain.cluster.preflight import preflight
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"^eval.downstream.tasks needs lm-evaluation-harness: pip install -e '.\[eval\]'"):
+        preflight(load_config(None, ["eval.downstream.tasks=[meshtrain_mc]", f"run.storage_path={tmp_path}", "run.name=x"]))

@@ -147,6 +147,9 @@ def test_dashboard_queries_return_data_from_a_real_run(prometheus: tuple[Prometh
     job = run_job(
         "train.steps=60", "train.log_every=5", "checkpoint.interval=20",
         "fault.kill_rank=1", "fault.at_step=30",
+        # Downstream evaluation of every checkpoint (20, 40, 60) in Ray tasks beside the workers.
+        "eval.downstream.tasks=[meshtrain_mc,meshtrain_ppl]", "eval.downstream.include_path=tests/data/downstream",
+        "eval.downstream.limit=8", "eval.downstream.num_cpus=0.01",
         f"run.storage_path={storage}", f"run.name={RUN}",
         f"metrics.port={base_port}", "metrics.bind_address=127.0.0.1", "metrics.final_scrape_timeout_s=5",
         timeout=400,
@@ -190,6 +193,22 @@ def test_dashboard_queries_return_data_from_a_real_run(prometheus: tuple[Prometh
     per_rank_step = logged[-1]["tokens"] / 60 / 2
     assert last("meshtrain_tokens_total") == {"0": 40 * per_rank_step, "1": 40 * per_rank_step}
     assert last("meshtrain_step_duration_seconds_count") == {"0": 40.0, "1": 40.0}
+
+    # The driver's evaluations landed in metrics.jsonl and the run folder, and rank 0 exported those
+    # that finished while it trained (step 60's finishes after training: metrics.jsonl and the summary).
+    scored = [r for r in records if r["event"] == "downstream_eval"]
+    assert sorted((r["step"], r["task"]) for r in scored) == [
+        (step, task) for step in (20, 40, 60) for task in ("meshtrain_mc", "meshtrain_ppl")], scored
+    assert all((storage / RUN / "downstream" / f"step-{step:08d}" / "results.json").is_file() for step in (20, 40, 60))
+    summary = json.loads((storage / RUN / "summary.json").read_text())
+    assert {task: r["step"] for task, r in summary["downstream"].items()} == {"meshtrain_mc": 60, "meshtrain_ppl": 60}
+    exported = server.instant(
+        f'last_over_time(meshtrain_downstream_score{{run="{RUN}", task="meshtrain_mc", metric="acc"}}[{int(window) + 60}s])',
+        ended)
+    exported_step = server.instant(
+        f'last_over_time(meshtrain_downstream_step{{run="{RUN}", task="meshtrain_mc"}}[{int(window) + 60}s])', ended)["0"]
+    [record] = [r for r in scored if r["step"] == exported_step and r["task"] == "meshtrain_mc"]
+    assert exported["0"] == pytest.approx(record["acc"], rel=1e-12)
 
     # Ray's own metrics flow through Ray's service discovery file in the same Prometheus.
     ray_up = server.instant(f'max_over_time(up{{job="ray"}}[{int(window) + 60}s])', ended)

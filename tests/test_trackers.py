@@ -14,6 +14,7 @@ from jobs import REPO
 from meshtrain.cluster.preflight import preflight
 from meshtrain.config import ConfigError, MeshtrainConfig, load_config
 from meshtrain.observe.outputs import RunPaths
+from meshtrain.observe.progress import RecordFollower, StepRecorder, append_records
 from meshtrain.observe.trackers import TrackerSink, logged_records, tracker_run_id, tracker_values
 
 
@@ -82,6 +83,31 @@ def test_each_step_is_logged_once_across_restarts_and_a_failing_tracker_never_ra
         "records that fail are dropped",
         "[meshtrain] fake: 1 records not logged",
     ]
+
+
+def test_each_downstream_task_of_a_step_is_logged_once_and_rank_0_finds_the_drivers_records(tmp_path: Path) -> None:
+    """The driver appends downstream evaluations to metrics.jsonl (one record per task); rank 0 reads
+    them from there and logs each (task, step) once, also after a restart."""
+    metrics = tmp_path / "metrics.jsonl"
+    StepRecorder(metrics).record({**TRAIN, "step": 1})
+    scored = [{"event": "downstream_eval", "step": 20, "task": "mc/x", "acc": 0.25, "acc_norm": 0.5, "samples": 8},
+              {"event": "downstream_eval", "step": 20, "task": "ppl", "bits_per_byte": 2.5, "samples": 8}]
+    append_records(metrics, scored)
+    with metrics.open("ab") as file:
+        file.write(b'{"event": "downstream_eval", "st')  # a line being written
+    follower = RecordFollower(metrics, {"downstream_eval"})
+    assert follower.new_records() == scored and follower.new_records() == []
+    assert tracker_values(scored[0]) == {"downstream/mc_x/acc": 0.25, "downstream/mc_x/acc_norm": 0.5}
+    backend = Recording()
+    sink = TrackerSink(backend, set(), restarts=0)
+    for record in scored + scored:
+        sink.record(record)
+    assert backend.rows == [(20, {"run/restarts": 0.0, "downstream/mc_x/acc": 0.25, "downstream/mc_x/acc_norm": 0.5}),
+                            (20, {"downstream/ppl/bits_per_byte": 2.5})]
+    restarted = TrackerSink(Recording(), logged_records(metrics), restarts=1)
+    for record in scored:
+        restarted.record(record)
+    assert restarted.backend.rows == []  # type: ignore[attr-defined]
 
 
 def test_the_tracker_run_id_is_stable_per_run_directory(tmp_path: Path) -> None:

@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     from meshtrain.config import ConfigError
     from meshtrain.evaluate.checkpoint_eval import default_run_dir, evaluate_checkpoint, results_folder
     from meshtrain.evaluate.harness import HarnessRun
+    from meshtrain.observe.progress import progress_line
 
     run = HarnessRun(tuple(task.strip() for task in args.tasks.split(",") if task.strip()), args.include_path,
                      args.num_fewshot, args.limit, args.batch_size, settings=("--tasks", "--include-path"))
@@ -81,8 +82,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"evaluate: error: {message}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     for record in evaluation.records:
-        values = ", ".join(f"{key} {value:.4g}" for key, value in record.items()
-                           if key not in ("event", "step", "task", "samples", "seconds"))
-        print(f"[meshtrain] step {evaluation.step} {record['task']} ({record['samples']} examples): {values}")
+        print(progress_line(record, 0))
     print(f"[meshtrain] evaluated {checkpoint} in {evaluation.seconds:.1f}s -> {evaluation.results_path}", flush=True)
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -15,6 +16,7 @@ import yaml
 
 from meshtrain.checkpoint.storage import checkpoint_root, newest_committed, run_checkpoints
 from meshtrain.cluster.capacity import START_TIMEOUT_ENV, check_capacity, worker_resources
+from meshtrain.cluster.downstream import DownstreamEvaluations
 from meshtrain.cluster.failures import Failure, root_failure
 from meshtrain.cluster.interrupts import DriverInterrupts
 from meshtrain.cluster.preflight import preflight
@@ -361,10 +363,14 @@ def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
     )
     launch_id = f"{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"
     trainer = build_trainer(cfg, paths, data, launch_id=launch_id)
+    downstream = DownstreamEvaluations(cfg, paths) if cfg.eval.downstream.enabled else None
     try:
         with DriverInterrupts(StopRequest(str(paths.stop_request), launch_id), cfg.fault.preemption_save_s), \
-                ProgressMonitor(paths.metrics, cfg.train.steps, cfg.metrics.progress_interval_s):
+                ProgressMonitor(paths.metrics, cfg.train.steps, cfg.metrics.progress_interval_s), \
+                downstream if downstream is not None else contextlib.nullcontext():
             trainer.fit()
+            if downstream is not None:  # the job log shows the results as they land
+                downstream.finish(cfg.eval.downstream.final_wait_s)
     except KeyboardInterrupt:
         raise Interrupted(_interrupted_message(cfg, None)) from None
     except Exception as exc:
@@ -380,6 +386,8 @@ def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
     # The workers wrote the run outputs; the driver adds the job's wall time.
     summary = read_summary(paths)
     summary["wall_time_s"] = time.perf_counter() - started
+    if downstream is not None:
+        summary["downstream"] = downstream.latest
     write_summary(paths, summary)
     if summary.get("stopped"):
         raise TrainingFailed(_stopped_message(cfg, summary["stopped"]))

@@ -10,6 +10,7 @@ is connected, the launcher also asks whether the cluster can hold the workers (`
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 import uuid
@@ -24,9 +25,11 @@ from meshtrain.data import expand_local_source, tokenizer_vocab_size
 from meshtrain.data.store import is_token_store, with_timeouts
 from meshtrain.distributed.float8 import Float8Unavailable, accelerator_lacks_float8, check_float8_device
 from meshtrain.distributed.mesh import resolve_mesh_shape
+from meshtrain.evaluate.harness import HarnessRun, task_manager
 from meshtrain.model.args import model_args
 from meshtrain.model.flops import flops_per_token, highest_peak_flops
 from meshtrain.model.hf_llama import CONFIG_KEYS, init_from_tokenizer, llama_shape
+from meshtrain.model.llama import build_model, count_parameters
 from meshtrain.observe.mlflow_tracker import check_mlflow
 from meshtrain.observe.wandb_tracker import check_wandb
 
@@ -62,6 +65,7 @@ def preflight(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> Meshtrain
         cfg.check_model_parallel(model_args(cfg, tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size)))
     _check_preemption_budget(cfg)
     _check_float8(cfg)
+    _check_downstream(cfg)
     check_wandb(cfg)
     check_mlflow(cfg)
     return cfg
@@ -88,6 +92,29 @@ def _check_float8(cfg: MeshtrainConfig) -> None:
                 check_float8_device(torch.device("cuda", index), holder="this machine")
             except Float8Unavailable as exc:
                 raise ConfigError(str(exc)) from None
+
+
+def _check_downstream(cfg: MeshtrainConfig) -> None:
+    """eval.downstream: the harness installed, every task known, and a memory reservation that can
+    hold the model's weights (fp32 on CPU, bf16 on a GPU)."""
+    downstream = cfg.eval.downstream
+    if not downstream.enabled:
+        return
+    if importlib.util.find_spec("lm_eval") is None or importlib.util.find_spec("accelerate") is None:
+        raise ConfigError("eval.downstream.tasks needs lm-evaluation-harness: pip install -e '.[eval]', or set "
+                          "eval.downstream.tasks=[]")
+    task_manager(HarnessRun.of(downstream))
+    if downstream.memory_gb is not None:
+        on_gpu = (downstream.num_gpus if downstream.num_gpus is not None else float(cfg.scaling.use_gpu)) > 0
+        vocab = cfg.model.vocab_size or cfg.data.vocab_size
+        weights = count_parameters(build_model(model_args(cfg, None if cfg.model.init_from else vocab), "meta"))
+        weights *= 2 if on_gpu else 4
+        if weights > downstream.memory_gb * 2**30:
+            raise ConfigError(
+                f"eval.downstream.memory_gb={downstream.memory_gb:g} cannot hold the model's weights "
+                f"({weights / 2**30:.1f} GiB in {'bf16' if on_gpu else 'fp32'}) and the harness's batches; raise it "
+                f"above {weights / 2**30:.1f} or leave it unset"
+            )
 
 
 def _check_preemption_budget(cfg: MeshtrainConfig) -> None:

@@ -33,7 +33,7 @@ from meshtrain.observe.metrics import (
     write_targets,
 )
 from meshtrain.observe.outputs import RunPaths, write_summary
-from meshtrain.observe.progress import StepRecorder
+from meshtrain.observe.progress import RecordFollower, StepRecorder
 from meshtrain.observe.reporting import RayTrainReporter, TensorBoardWriter
 from meshtrain.observe.trackers import TrackerBackend, TrackerSink, logged_records
 from meshtrain.train.preemption import StopRequest
@@ -251,9 +251,21 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
         if cfg.metrics.tensorboard:
             sinks.append(TensorBoardWriter(paths.run_dir / "tensorboard"))
 
+    # The driver appends its downstream evaluations to metrics.jsonl; at each logged step rank 0 hands
+    # those it has not seen to TensorBoard, the trackers and Prometheus (the file has them already).
+    downstream = (RecordFollower(paths.metrics, {"downstream_eval"})
+                  if layout.world_rank == 0 and cfg.eval.downstream.enabled else None)
+
     def on_record(record: dict[str, Any]) -> None:
         for sink in (*sinks, *trackers):
             sink.record(record)
+        if downstream is not None and record["event"] == "train":
+            for scored in downstream.new_records():
+                for sink in (*sinks, *trackers):
+                    if not isinstance(sink, StepRecorder):
+                        sink.record(scored)
+                if metrics is not None:
+                    metrics.downstream_scored(scored)
 
     if resize is not None:
         on_record(resize)

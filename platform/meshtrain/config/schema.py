@@ -125,7 +125,44 @@ class TrainConfig(Section):
     )
 
 
+class DownstreamEvalConfig(Section):
+    tasks: list[str] = Field(
+        default_factory=list,
+        description="lm-evaluation-harness tasks to score committed checkpoints on while training goes on (harness "
+        "task names, or task YAML names in include_path); empty = no downstream evaluation. pip install -e '.[eval]'.",
+    )
+    include_path: str | None = Field(
+        None, description="A folder of lm-eval task YAMLs for local data (relative data_files resolve there)."
+    )
+    every: int = Field(
+        1, gt=0, description="Score every N-th periodic checkpoint (steps that are multiples of N x "
+        "checkpoint.interval), and the last step's."
+    )
+    num_fewshot: int | None = Field(None, ge=0, description="Few-shot examples per prompt; null = each task's own.")
+    limit: int | None = Field(None, gt=0, description="At most this many examples per task; null = all.")
+    batch_size: int = Field(8, gt=0, description="Sequences per forward in the harness.")
+    num_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each evaluation task.")
+    num_gpus: float | None = Field(
+        None, ge=0, description="GPUs Ray reserves for each evaluation task; null = 1 with scaling.use_gpu, else 0."
+    )
+    memory_gb: float | None = Field(
+        None, gt=0, description="Memory Ray reserves for each evaluation task (GiB); it must hold the model's fp32 "
+        "weights (bf16 on a GPU) and the harness's batches. null = no reservation."
+    )
+    final_wait_s: float = Field(
+        1800.0, ge=0, description="After training, how long the job waits for evaluations still running "
+        "(the last checkpoint's); those not done by then keep running and write their results later."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tasks)
+
+
 class EvalConfig(Section):
+    downstream: DownstreamEvalConfig = Field(
+        default_factory=DownstreamEvalConfig, description="Downstream tasks (lm-evaluation-harness) on checkpoints."
+    )
     interval: int | None = Field(
         50,
         gt=0,
@@ -515,6 +552,9 @@ class MeshtrainConfig(Section):
             self._check_eviction_can_happen(sizes)
         # A re-run may resolve another horizon (the launcher keeps the first launch's); it checks again.
         self.optim.check_horizon(self.optim.schedule_steps or self.train.steps)
+        if self.eval.downstream.enabled and not self.checkpoint.enabled:
+            raise ValueError("eval.downstream.tasks scores committed checkpoints; set checkpoint.enabled=true or "
+                             "eval.downstream.tasks=[]")
         if self.eval.interval is not None and self.data.validation.fraction == 0 and self.data.validation.source is None:
             raise ValueError(
                 f"eval.interval={self.eval.interval} needs validation data; set data.validation.fraction (e.g. 0.01) "

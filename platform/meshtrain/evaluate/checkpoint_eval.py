@@ -10,10 +10,19 @@ from typing import Any
 
 import torch
 
-from meshtrain.evaluate.harness import HarnessRun, downstream_records, run_harness, save_results, task_manager
+from meshtrain.evaluate.harness import (
+    RESULTS_FILE,
+    HarnessRun,
+    downstream_records,
+    run_harness,
+    save_results,
+    task_manager,
+)
 from meshtrain.evaluate.hf_model import load_checkpoint_model
 
 DOWNSTREAM_DIR = "downstream"
+__all__ = ["DOWNSTREAM_DIR", "RESULTS_FILE", "CheckpointEvaluation", "default_run_dir", "evaluate_checkpoint",
+           "results_folder"]
 
 
 @dataclass(frozen=True)
@@ -43,12 +52,14 @@ def evaluate_checkpoint(
     results_in: Callable[[int], Path],
     storage_options: dict[str, Any] | None = None,
     dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
 ) -> CheckpointEvaluation:
     """The harness on ``checkpoint``'s model; its results JSON and samples go to ``results_in(step)``
     (a run's: ``results_folder``). Task names are checked before the model is read (ConfigError, one line)."""
     started = time.perf_counter()
     manager = task_manager(run)
     loaded = load_checkpoint_model(checkpoint, storage_options, dtype)
+    loaded.model.to(device)  # the harness runs the model where it lies
     results = run_harness(loaded, run, manager)
     seconds = time.perf_counter() - started
     path = save_results(results, results_in(loaded.step))

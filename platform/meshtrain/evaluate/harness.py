@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.config import ConfigError
+from meshtrain.config.schema import DownstreamEvalConfig
 from meshtrain.evaluate.hf_model import CheckpointModel
 
 RESULTS_FILE = "results.json"
@@ -36,6 +37,13 @@ class HarnessRun:
     batch_size: int = 8
     # What errors call the task list and the folder: the config's settings, or a command line's flags.
     settings: tuple[str, str] = ("eval.downstream.tasks", "eval.downstream.include_path")
+
+    @classmethod
+    def of(cls, config: DownstreamEvalConfig) -> HarnessRun:
+        """The run ``eval.downstream`` asks for; a relative task folder taken from here (a Ray task's
+        working directory may be another)."""
+        folder = None if config.include_path is None else str(Path(config.include_path).resolve())
+        return cls(tuple(config.tasks), folder, config.num_fewshot, config.limit, config.batch_size)
 
 
 def _quiet_hub() -> None:
@@ -159,5 +167,5 @@ def _write(path: Path, text: str) -> None:
     partial.replace(path)
 
 
-__all__ = ["HarnessRun", "RESULTS_FILE", "downstream_records", "metrics_of", "run_harness", "save_results",
-           "task_manager"]
+__all__ = ["HarnessRun", "RESULTS_FILE", "downstream_records", "metrics_of", "run_harness",
+           "save_results", "task_manager"]

@@ -144,6 +144,17 @@ class TrainingMetrics:
             registry=self.registry,
         )
         self.eval_step = gauge("meshtrain_eval_step", "Step of the last evaluation.")
+        self.downstream_score = Gauge(
+            "meshtrain_downstream_score",
+            "The last downstream evaluation's result per lm-evaluation-harness task and metric (acc, acc_norm, "
+            "bits_per_byte, ...), exported by rank 0.",
+            (*LABELS, "task", "metric"),
+            registry=self.registry,
+        )
+        self.downstream_step = Gauge(
+            "meshtrain_downstream_step", "Checkpoint step of the last downstream evaluation per task.", (*LABELS, "task"),
+            registry=self.registry,
+        )
         self.skipped_steps = counter(
             "meshtrain_skipped_steps", "Optimizer steps the guard skipped (non-finite or spiking loss or gradient norm)."
         )
@@ -227,6 +238,14 @@ class TrainingMetrics:
             if scores["loss"] is not None:
                 self.eval_loss.labels(**self._label_values, source=name).set(scores["loss"])
         self.eval_step.set(record["step"])
+
+    def downstream_scored(self, record: dict[str, Any]) -> None:
+        """A ``downstream_eval`` record (newer than the one shown for its task)."""
+        task = record["task"]
+        for metric, value in record.items():
+            if metric not in ("step", "samples", "seconds", "time") and isinstance(value, float):
+                self.downstream_score.labels(**self._label_values, task=task, metric=metric).set(value)
+        self.downstream_step.labels(**self._label_values, task=task).set(record["step"])
 
     def skipped(self, skipped_total: int) -> None:
         """The run's skipped steps so far (counted in this process from what it started with)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -56,6 +57,13 @@ def progress_line(record: dict[str, Any], total_steps: int) -> str:
         return f"[meshtrain] growing the group: step {record['step']} saved in {record['save_s']:.1f}s, waiting for Ray to restart it"
     if record["event"] == "warning":
         return f"[meshtrain] warning: {record['message']}"
+    if record["event"] == "downstream_eval":
+        values = ", ".join(f"{key} {value:.4g}" for key, value in record.items()
+                           if key not in ("step", "samples", "seconds", "time") and isinstance(value, float))
+        return (f"[meshtrain] downstream step {record['step']} {record['task']} ({record.get('samples')} examples, "
+                f"{record.get('seconds', 0):.1f}s): {values}")
+    if record["event"] == "downstream_eval_failed":
+        return f"[meshtrain] downstream evaluation of step {record['step']} failed ({record['error']}); training goes on"
     if record["event"] != "train":  # a record this driver does not know (a newer worker): shown as it is
         details = ", ".join(f"{key}={value}" for key, value in record.items() if key not in ("event", "step"))
         return f"[meshtrain] {record['event']} at step {record.get('step', '?')}: {details}"
@@ -86,6 +94,47 @@ class StepRecorder:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def append_records(metrics_path: Path, records: list[dict[str, Any]]) -> None:
+    """Append ``records`` to a run's ``metrics.jsonl`` from a process other than rank 0 (the driver):
+    each line in one ``write`` on an append-only descriptor, so it never interleaves with rank 0's."""
+    metrics_path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        for record in records:
+            os.write(descriptor, (json.dumps(record) + "\n").encode())
+    finally:
+        os.close(descriptor)
+
+
+class RecordFollower:
+    """New records of some kinds in a run's ``metrics.jsonl`` (those another process appended), read
+    from where the last call stopped: rank 0 passes the driver's downstream evaluations on this way."""
+
+    def __init__(self, metrics_path: Path, events: set[str]) -> None:
+        self.path, self.events = metrics_path, events
+        self._offset = 0
+        self._partial = b""
+
+    def new_records(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as file:
+                file.seek(self._offset)
+                chunk = file.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(chunk)
+        *lines, self._partial = (self._partial + chunk).split(b"\n")
+        found = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a torn line of a killed writer
+                continue
+            if isinstance(record, dict) and record.get("event") in self.events:
+                found.append(record)
+        return found
 
 
 class ProgressMonitor:

@@ -93,6 +93,10 @@ class TensorBoardWriter:
         elif event == "eval":
             self._writer.add_scalar("eval/loss", record["loss"], step)
             self._writer.add_scalar("eval/perplexity", record["perplexity"], step)
+        elif event == "downstream_eval":
+            for key, value in record.items():
+                if key not in ("step", "samples", "seconds", "time") and isinstance(value, float):
+                    self._writer.add_scalar(f"downstream/{record['task']}/{key}", value, step)
         elif event == "checkpoint_save":
             self._writer.add_scalar("checkpoint/blocking_s", record["blocking_s"], step)
             self._writer.add_scalar("checkpoint/total_s", record["total_s"], step)

@@ -46,7 +46,19 @@ def tracker_values(record: dict[str, Any]) -> dict[str, float]:
         return {"run/resumed_from_step": float(record["step"])}
     if event == "resize":
         return {"run/workers": float(record["to_workers"])}
+    if event == "downstream_eval":
+        task = _metric_name(record["task"])
+        return {f"downstream/{task}/{_metric_name(key)}": value for key, value in record.items()
+                if key not in ("step", "samples", "seconds", "time") and isinstance(value, float)}
     return {}
+
+
+def record_key(record: dict[str, Any]) -> tuple[str, int]:
+    """What a tracker logs once per run: (event, step); a downstream evaluation per task too."""
+    event = record["event"]
+    if event == "downstream_eval":
+        event = f"{event}/{record.get('task')}"
+    return event, record["step"]
 
 
 def _pick(record: dict[str, Any], names: list[tuple[str, str]]) -> dict[str, float]:
@@ -78,7 +90,7 @@ def logged_records(metrics_path: Path) -> set[tuple[str, int]]:
             except json.JSONDecodeError:
                 continue
             if isinstance(record, dict) and isinstance(record.get("step"), int):
-                seen.add((record["event"], record["step"]))
+                seen.add(record_key(record))
     return seen
 
 
@@ -132,9 +144,10 @@ class TrackerSink:
         if not isinstance(step, int):
             self.pending.update(values)
             return
-        if (record["event"], step) in self.logged:
+        key = record_key(record)
+        if key in self.logged:
             return
-        self.logged.add((record["event"], step))
+        self.logged.add(key)
         row = {**self.pending, **values}
         self.pending = {}
         try:

@@ -1,0 +1,165 @@
+"""Downstream evaluation while training goes on: the driver scores chosen committed checkpoints, each in
+a Ray task with resources of its own (``eval.downstream``), and training never waits for one.
+
+A thread of the driver lists the run's committed checkpoints every few seconds. A checkpoint whose
+step is a multiple of ``every`` x ``checkpoint.interval``, or the run's last step, gets one task,
+which loads it as a ``transformers`` Llama, runs lm-evaluation-harness on it and writes the
+harness's results JSON into ``{run}/downstream/step-N/``. The driver appends each task's
+``downstream_eval`` records to ``metrics.jsonl`` (one line per task, from which rank 0 passes them to
+the trackers and Prometheus) and prints them in the job log. A task that fails is one line in the
+job log and a ``downstream_eval_failed`` record; training goes on and the next checkpoint is scored.
+Steps whose results JSON exists are not scored again, so a relaunch picks up where the run was.
+
+After training the job waits up to ``final_wait_s`` for the evaluations still running (the last
+checkpoint's above all): during training they may not find free resources, since the workers hold them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from meshtrain.checkpoint.storage import run_checkpoints
+from meshtrain.config import MeshtrainConfig
+from meshtrain.evaluate.checkpoint_eval import RESULTS_FILE, evaluate_checkpoint, results_folder
+from meshtrain.evaluate.harness import HarnessRun
+from meshtrain.observe.outputs import RunPaths
+from meshtrain.observe.progress import append_records
+
+POLL_S = 5.0
+
+
+def chosen_step(step: int, cfg: MeshtrainConfig) -> bool:
+    """Whether the committed checkpoint of ``step`` is one to score."""
+    interval = cfg.checkpoint.interval
+    return step == cfg.train.steps or (step % (interval * cfg.eval.downstream.every) == 0)
+
+
+def task_resources(cfg: MeshtrainConfig) -> dict[str, Any]:
+    """What Ray reserves for one evaluation task."""
+    downstream = cfg.eval.downstream
+    gpus = downstream.num_gpus if downstream.num_gpus is not None else (1.0 if cfg.scaling.use_gpu else 0.0)
+    resources: dict[str, Any] = {"num_cpus": downstream.num_cpus, "num_gpus": gpus}
+    if downstream.memory_gb is not None:
+        resources["memory"] = int(downstream.memory_gb * 2**30)
+    return resources
+
+
+def _score(checkpoint: str, harness: HarnessRun, run_dir: str, storage_options: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Ray task: one checkpoint scored, its results JSON written; its ``downstream_eval`` records."""
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    evaluation = evaluate_checkpoint(
+        checkpoint, harness, lambda step: results_folder(Path(run_dir), step), storage_options,
+        dtype=torch.bfloat16 if on_gpu else torch.float32, device="cuda" if on_gpu else "cpu",
+    )
+    return evaluation.records
+
+
+class DownstreamEvaluations:
+    """The driver's evaluations of a run's checkpoints (see the module's docstring)."""
+
+    def __init__(self, cfg: MeshtrainConfig, paths: RunPaths, print_line: Callable[[str], None] = print,
+                 poll_s: float = POLL_S) -> None:
+        import ray
+
+        self.cfg, self.paths, self.print_line, self.poll_s = cfg, paths, print_line, poll_s
+        self.harness = HarnessRun.of(cfg.eval.downstream)
+        self.storage = run_checkpoints(cfg)
+        self.task = ray.remote(max_retries=0, **task_resources(cfg))(_score)
+        self.pending: dict[Any, int] = {}  # task -> step
+        self.latest: dict[str, dict[str, Any]] = {}  # task -> its newest downstream_eval record
+        self.started: set[int] = {step for step in self._scored_steps()}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="meshtrain-downstream", daemon=True)
+
+    def _scored_steps(self) -> set[int]:
+        folder = self.paths.run_dir / "downstream"
+        steps = set()
+        for results in folder.glob(f"step-*/{RESULTS_FILE}"):
+            try:
+                steps.add(int(results.parent.name.removeprefix("step-")))
+            except ValueError:
+                continue
+        return steps
+
+    def __enter__(self) -> DownstreamEvaluations:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.poll_s + 5)
+
+    def _follow(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.poll()
+
+    def poll(self) -> None:
+        """Start tasks for newly committed chosen checkpoints, and record those that finished."""
+        with self._lock:
+            try:
+                self._submit_new()
+            except Exception as exc:  # storage unreachable for a moment: the next poll lists again
+                self.print_line(f"[meshtrain] downstream evaluation: could not list checkpoints ({type(exc).__name__}: "
+                                f"{exc}); trying again")
+            self._collect(timeout_s=0)
+
+    def _submit_new(self) -> None:
+        for checkpoint in sorted(self.storage.committed(), key=lambda c: c.step):
+            if checkpoint.step in self.started or not chosen_step(checkpoint.step, self.cfg):
+                continue
+            self.started.add(checkpoint.step)
+            url = self.storage.display(checkpoint.path)
+            ref = self.task.remote(url, self.harness, str(self.paths.run_dir), self.cfg.checkpoint.storage_options)
+            self.pending[ref] = checkpoint.step
+
+    def _collect(self, timeout_s: float) -> None:
+        import ray
+
+        if not self.pending:
+            return
+        done, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=timeout_s)
+        for ref in done:
+            step = self.pending.pop(ref)
+            try:
+                records = ray.get(ref)
+            except Exception as exc:
+                self._failed(step, exc)
+                continue
+            append_records(self.paths.metrics, [{**record, "time": time.time()} for record in records])
+            for record in records:
+                if record["step"] >= self.latest.get(record["task"], {}).get("step", -1):
+                    self.latest[record["task"]] = record
+
+    def _failed(self, step: int, exc: BaseException) -> None:
+        cause = getattr(exc, "cause", None) or exc
+        message = (str(cause).strip().splitlines() or [type(cause).__name__])[-1]
+        line = f"{type(cause).__name__}: {message}"
+        append_records(self.paths.metrics, [{"event": "downstream_eval_failed", "step": step, "error": line,
+                                             "time": time.time()}])
+
+    def finish(self, timeout_s: float) -> None:
+        """After training: score the checkpoints committed since the last poll, and wait up to
+        ``timeout_s`` for every evaluation still running."""
+        self._stop.set()
+        self._thread.join(timeout=self.poll_s + 5)
+        with self._lock:
+            self._submit_new()
+            if self.pending:
+                steps = ", ".join(str(step) for step in sorted(self.pending.values()))
+                self.print_line(f"[meshtrain] waiting up to {timeout_s:g}s for the downstream evaluation of step(s) {steps}")
+            deadline = time.monotonic() + timeout_s
+            while self.pending and time.monotonic() < deadline:
+                self._collect(timeout_s=min(self.poll_s, max(0.0, deadline - time.monotonic())))
+            if self.pending:
+                steps = ", ".join(str(step) for step in sorted(self.pending.values()))
+                self.print_line(f"[meshtrain] downstream evaluation of step(s) {steps} still running after "
+                                f"eval.downstream.final_wait_s={timeout_s:g}; their results will land in "
+                                f"{self.paths.run_dir / 'downstream'}")
+
