@@ -179,6 +179,11 @@ IN_PROCESS_CASES = [
     (["model.n_kv_heads=3"], "model.n_kv_heads"),
     (["data.seq_len=2048"], "data.seq_len"),
     (["model.preset=125m", "data.seq_len=4096"], "data.seq_len"),
+    (["model.rope_scaling.factor=0"], "model.rope_scaling.factor"),
+    (["model.rope_scaling.factor=8"], "model.rope_scaling.low_freq_factor"),  # debug has no scaling
+    (["model.preset=llama3.2_1b", "model.rope_scaling.low_freq_factor=4"],
+     "model.rope_scaling.low_freq_factor"),
+    (["model.rope_scaling.rope_type=yarn"], "model.rope_scaling.rope_type"),
     # batch
     (["train.global_batch_size=12"], "train.global_batch_size"),
     (["scaling.num_workers=3"], "train.global_batch_size"),

@@ -480,7 +480,7 @@ def test_every_field_has_a_description() -> None:
     rows = _walk(MeshtrainConfig)
     assert {name for name, _, is_section in rows if is_section} == {
         "model", "data", "optim", "train", "parallel", "scaling", "run", "checkpoint", "metrics", "fault", "eval",
-        "data.validation",
+        "data.validation", "eval.downstream",
     }
     assert len(rows) > 50
     missing = [name for name, description, _ in rows if not (description and description.strip())]
@@ -511,6 +511,9 @@ PRESETS = {
     "llama3_1b": ((1_200_000_000, 1_300_000_000), True),
     "llama3_8b": ((7_900_000_000, 8_100_000_000), False),
     "llama3_70b": ((69_500_000_000, 71_000_000_000), False),
+    "llama3.2_1b": ((1_200_000_000, 1_300_000_000), True),
+    "llama3.2_3b": ((3_150_000_000, 3_300_000_000), True),
+    "llama3.1_8b": ((7_900_000_000, 8_100_000_000), False),
 }
 
 

@@ -2,7 +2,9 @@
 
 A tiny run is trained here, exported to a sharded Hugging Face directory, and loaded back through
 ``model.init_from`` in one process and on a 2x2 gloo mesh. Logits are compared with the original
-model's and with ``transformers.LlamaForCausalLM`` on the exported directory.
+model's and with ``transformers.LlamaForCausalLM`` on the exported directory. Tiny Llama 3.1- and
+3.2-style checkpoints written by ``transformers`` itself (RoPE scaling, tied or not, bf16) are trained
+on the mesh, exported, and compared with their originals in ``transformers``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -32,7 +35,7 @@ from meshtrain.checkpoint.export import export_checkpoint, load_model_state
 from meshtrain.checkpoint.storage import checkpoint_root
 from meshtrain.cli.pretrain import main
 from meshtrain.cluster.preflight import preflight
-from meshtrain.config import MeshtrainConfig, ModelArgs, load_config
+from meshtrain.config import MeshtrainConfig, ModelArgs, ModelConfig, RopeScaling, load_config
 from meshtrain.data import (
     DataParallelBatches,
     DataPlan,
@@ -42,7 +45,7 @@ from meshtrain.data import (
 )
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.model.args import model_args
-from meshtrain.model.hf_llama import hf_config, hf_name
+from meshtrain.model.hf_llama import hf_config, hf_name, llama_shape
 from meshtrain.model.init import init_weights
 from meshtrain.model.llama import Transformer, build_model
 from meshtrain.model.loss import token_cross_entropy_sum
@@ -65,6 +68,12 @@ SHAPE = [
 ]
 SHARD_BYTES = 100_000  # the tiny model is ~450 kB in fp32: several files
 TIED_VOCAB = 321  # odd: the 2x2 mesh shards the embedding unevenly
+# Llama 3.x-style checkpoints: RoPE scaled past 48 original positions, read over windows of 128. Head
+# size 16 at base 500000 has a frequency in each band of the scaling (kept, blended, stretched).
+ORIGINAL_CONTEXT = 48
+LONG = 128
+LLAMA3_STYLES = {"llama3.2": (32.0, True), "llama3.1": (8.0, False)}  # rope scaling factor, tied embeddings
+LLAMA3_TOLERANCE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,32 @@ def write_tied_dir(path: Path) -> None:
     save_file({hf_name(name): p.detach() for name, p in model.named_parameters()}, path / "model.safetensors")
 
 
+def llama3_rope(factor: float) -> dict[str, Any]:
+    return {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": factor, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": ORIGINAL_CONTEXT,
+    }
+
+
+def write_transformers_llama3(
+    path: Path, vocab_size: int, factor: float, tied: bool, tokenizer: Path
+) -> None:
+    """A Llama 3.x-style directory as ``transformers`` writes it: bf16 weights in several files."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=LONG, rms_norm_eps=1e-5,
+        tie_word_embeddings=tied, rope_parameters=llama3_rope(factor),
+        initializer_range=0.1,  # logits that move by ~1 where RoPE is wrong (at 0.02: by ~4e-3)
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(int(factor))
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path, max_shard_size="40KB")
+    shutil.copy(tokenizer, path / "tokenizer.json")
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     storage = tmp_path_factory.mktemp("runs")
@@ -107,6 +142,28 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     tied = tmp_path_factory.mktemp("tied") / "hf"
     write_tied_dir(tied)
     return Trained(corpus, step, args, state, hf, tied)
+
+
+@pytest.fixture(scope="module")
+def llama3_dirs(trained: Trained, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("llama3")
+    for style, (factor, tied) in LLAMA3_STYLES.items():
+        tokenizer = trained.hf / "tokenizer.json"
+        write_transformers_llama3(root / style, trained.args.vocab_size, factor, tied, tokenizer)
+    return {style: root / style for style in LLAMA3_STYLES}
+
+
+def transformers_llama(directory: Path) -> Any:
+    """``LlamaForCausalLM`` from ``directory`` in fp32, checked to have loaded every tensor."""
+    from transformers import LlamaForCausalLM
+
+    model, info = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32, output_loading_info=True)
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return model.eval()
+
+
+def long_tokens(vocab_size: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (2, LONG), generator=torch.Generator().manual_seed(seed))
 
 
 def init_from_config(directory: Path, *overrides: str) -> MeshtrainConfig:
@@ -178,6 +235,91 @@ def test_tied_weights_load_without_lm_head(trained: Trained) -> None:
             assert torch.equal(param, handle.get_tensor(hf_name(name))), name
 
 
+@pytest.mark.parametrize("style", list(LLAMA3_STYLES))
+def test_transformers_llama3_checkpoints_load_with_their_rope_scaling(
+    trained: Trained, llama3_dirs: dict[str, Path], style: str
+) -> None:
+    """One process: meshtrain's logits are transformers' on a Llama 3.x-style checkpoint past the
+    original context, across whole windows (document mask off) and per packed document (on)."""
+    directory = llama3_dirs[style]
+    factor, tied = LLAMA3_STYLES[style]
+    assert len(list(directory.glob("*.safetensors"))) >= 3
+    cfg = init_from_config(directory)
+    vocab = trained.corpus.vocab_size
+    args = model_args(cfg, vocab)
+    assert args.rope_scaling == RopeScaling(
+        factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=ORIGINAL_CONTEXT,
+    )
+    assert args.tie_embeddings is tied and args.max_seq_len == LONG and args.rope_theta == 500000.0
+    model = load_in_one_process(cfg, vocab)
+    original = transformers_llama(directory)
+    eos = trained.corpus.eos_id
+    tokens = long_tokens(vocab)
+    tokens[tokens == eos] = (eos + 1) % vocab  # no document boundary but the one placed below
+    packed = tokens.clone()
+    packed[:, 20] = eos  # a short document, then one of 108 tokens: past the original context
+    plain = build_model(args.model_copy(update={"rope_scaling": None}), "cpu").eval()
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        expected = original(tokens).logits
+        whole = (model(tokens) - expected).abs()
+        unscaled = (plain(tokens) - expected).abs()
+        model.mask_documents(eos)
+        per_document = torch.cat([original(packed[:, :20]).logits, original(packed[:, 20:]).logits], dim=1)
+        documents = (model(packed) - per_document).abs()
+    print(
+        f"\n[{style}] max |logit difference| to transformers past position {ORIGINAL_CONTEXT}: "
+        f"{whole[:, ORIGINAL_CONTEXT:].max():.2e} (all {whole.max():.2e}), document-masked "
+        f"{documents[:, 20 + ORIGINAL_CONTEXT:].max():.2e} (all {documents.max():.2e}); without the rope "
+        f"scaling {unscaled[:, ORIGINAL_CONTEXT:].max():.2e}"
+    )
+    assert whole.max() <= 1e-4 and documents.max() <= 1e-4
+    assert unscaled[:, ORIGINAL_CONTEXT:].max() > 100 * LLAMA3_TOLERANCE  # the comparison can tell
+
+
+# The shape keys of Meta's config.json files on the Hugging Face Hub (meta-llama/Llama-3.2-1B,
+# Llama-3.2-3B, Llama-3.1-8B).
+_META_COMMON = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+    "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "hidden_act": "silu",
+    "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1, "torch_dtype": "bfloat16",
+}
+_META_ROPE = {
+    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"
+}
+PUBLISHED = {
+    "llama3.2_1b": {
+        **_META_COMMON, "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "head_dim": 64, "num_key_value_heads": 8, "intermediate_size": 8192, "tie_word_embeddings": True,
+        "rope_scaling": {**_META_ROPE, "factor": 32.0},
+    },
+    "llama3.2_3b": {
+        **_META_COMMON, "hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 24,
+        "head_dim": 128, "num_key_value_heads": 8, "intermediate_size": 8192, "tie_word_embeddings": True,
+        "rope_scaling": {**_META_ROPE, "factor": 32.0},
+    },
+    "llama3.1_8b": {
+        **_META_COMMON, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "intermediate_size": 14336, "tie_word_embeddings": False,
+        "rope_scaling": {**_META_ROPE, "factor": 8.0},
+    },
+}
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED))
+def test_llama3_presets_are_the_published_configs(preset: str, tmp_path: Path) -> None:
+    """A preset has the shape model.init_from reads from Meta's config.json, and exports back to it."""
+    (tmp_path / "config.json").write_text(json.dumps(PUBLISHED[preset]))
+    (tmp_path / "model.safetensors").touch()  # only the names of weight files are checked here
+    args = ModelConfig(preset=preset).resolved(None)
+    assert ModelArgs(**llama_shape(str(tmp_path)), init_std=args.init_std) == args
+    exported = hf_config(args)
+    for key, value in PUBLISHED[preset].items():
+        if key not in ("torch_dtype", "pretraining_tp"):
+            assert exported[key] == value, key
+
+
 def test_continued_training_starts_from_the_weights(trained: Trained, tmp_path: Path) -> None:
     """The first step's loss is the exported model's loss on that step's batch (same seed, same data)."""
     cfg = init_from_config(
@@ -235,22 +377,67 @@ def _load_on_rank(rank: int, world: int, configs: list[tuple[MeshtrainConfig, in
     return results
 
 
-@pytest.mark.distributed
-def test_a_2x2_mesh_loads_the_same_weights_each_rank_reading_its_shards(trained: Trained) -> None:
-    mesh = [
-        "scaling.num_workers=4", "parallel.shard=2", "train.global_batch_size=8", "train.micro_batch_size=2"
-    ]
+def _on_rank(
+    rank: int,
+    world: int,
+    loads: list[tuple[MeshtrainConfig, int]],
+    runs: dict[str, MeshtrainConfig],
+    corpus: DataPlan,
+) -> dict[str, Any]:
+    trained = {}
+    for style, cfg in runs.items():
+        result = train(cfg, corpus, WorkerLayout(rank, world, rank % 2, 2, rank // 2), torch.device("cpu"))
+        trained[style] = {"mesh": result.mesh_shape, "losses": {r["step"]: r["loss"] for r in result.records}}
+    return {"loaded": _load_on_rank(rank, world, loads), "trained": trained}
+
+
+MESH = ["scaling.num_workers=4", "parallel.shard=2", "train.global_batch_size=8", "train.micro_batch_size=2"]
+
+
+@dataclass(frozen=True)
+class MeshRun:
+    """What each of 4 gloo ranks (a 2x2 HSDP mesh) did in one run: models loaded, and short trainings."""
+
+    loads: list[tuple[MeshtrainConfig, int]]
+    meshes: list[tuple[int, ...]]
+    runs: dict[str, MeshtrainConfig]  # a Llama 3.x style → its 2-step run from that checkpoint
+    ranks: list[dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def on_a_2x2_mesh(
+    trained: Trained, llama3_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> MeshRun:
     tokenizer = f"data.tokenizer={trained.hf / 'tokenizer.json'}"
-    configs = [
-        (init_from_config(trained.hf, *mesh), trained.corpus.vocab_size),
-        (init_from_config(trained.tied, tokenizer, *mesh), trained.corpus.vocab_size),
+    vocab = trained.corpus.vocab_size
+    loads = [
+        (init_from_config(trained.hf, *MESH), vocab),
+        (init_from_config(trained.tied, tokenizer, *MESH), vocab),
+        (init_from_config(llama3_dirs["llama3.2"], *MESH), vocab),  # bf16, tied, as transformers wrote it
         # Replicated twice x tensor parallel 2: column and row shards of every block, the vocabulary split.
-        (init_from_config(trained.hf, *mesh, "parallel.tensor=2", "parallel.shard=1"), trained.corpus.vocab_size),
+        (init_from_config(trained.hf, *MESH, "parallel.tensor=2", "parallel.shard=1"), vocab),
     ]
-    meshes = [(2, 2), (2, 2), (2, 1, 2)]  # two workers per node: one TP group each
-    expected = [dict(load_in_one_process(cfg, vocab).named_parameters()) for cfg, vocab in configs]
-    for rank_results in run_on_ranks(_load_on_rank, 4, configs):
-        for result, reference, mesh_shape in zip(rank_results, expected, meshes):
+    meshes = [(2, 2), (2, 2), (2, 2), (2, 1, 2)]  # two workers per node: one TP group each
+    storage = tmp_path_factory.mktemp("llama3-runs")
+    runs = {
+        # Windows of 128 tokens, past the original 48; the document mask on for one style, off for the other.
+        style: init_from_config(
+            directory, *RUN, *MESH, f"data.seq_len={LONG}", "train.steps=2", "optim.lr=1e-9",
+            "optim.warmup_steps=0", "checkpoint.interval=2", "eval.interval=null",
+            f"model.document_mask={str(style == 'llama3.2').lower()}", f"run.storage_path={storage}",
+            f"run.name={style}",
+        )
+        for style, directory in llama3_dirs.items()
+    }
+    return MeshRun(loads, meshes, runs, run_on_ranks(_on_rank, 4, loads, runs, trained.corpus))
+
+
+@pytest.mark.distributed
+def test_a_2x2_mesh_loads_the_same_weights_each_rank_reading_its_shards(on_a_2x2_mesh: MeshRun) -> None:
+    loads = on_a_2x2_mesh.loads
+    expected = [dict(load_in_one_process(cfg, vocab).named_parameters()) for cfg, vocab in loads]
+    for rank in on_a_2x2_mesh.ranks:
+        for result, reference, mesh_shape in zip(rank["loaded"], expected, on_a_2x2_mesh.meshes, strict=True):
             assert result["mesh"] == mesh_shape
             assert result["full"].keys() == reference.keys()
             for name, tensor in result["full"].items():
@@ -258,6 +445,36 @@ def test_a_2x2_mesh_loads_the_same_weights_each_rank_reading_its_shards(trained:
             # Every element of this rank's shards was read once, and nothing else: about half the model.
             total = sum(t.numel() for t in reference.values())
             assert result["read"] == result["local"] < 0.6 * total
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("style", list(LLAMA3_STYLES))
+def test_transformers_llama3_checkpoints_train_on_a_2x2_mesh_and_export_the_same_logits(
+    on_a_2x2_mesh: MeshRun, llama3_dirs: dict[str, Path], style: str, tmp_path: Path
+) -> None:
+    """The issue's proof: loaded with model.init_from on a 2x2 HSDP mesh, trained 2 steps at lr 1e-9,
+    exported, and read back by transformers: the original's logits past the original context."""
+    factor, tied = LLAMA3_STYLES[style]
+    for rank in on_a_2x2_mesh.ranks:
+        run = rank["trained"][style]
+        assert run["mesh"] == (2, 2) and list(run["losses"]) == [1, 2]
+        assert all(math.isfinite(loss) for loss in run["losses"].values())
+    step = Path(checkpoint_root(on_a_2x2_mesh.runs[style])) / "step-00000002"
+    dtype = "bfloat16" if tied else "float32"  # either export dtype
+    export_checkpoint(str(step), "hf", tmp_path / "hf", max_shard_bytes=SHARD_BYTES, dtype=dtype)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["rope_parameters"] == llama3_rope(factor) and config["tie_word_embeddings"] is tied
+    exported, original = transformers_llama(tmp_path / "hf"), transformers_llama(llama3_dirs[style])
+    assert exported.config.rope_parameters == original.config.rope_parameters
+    tokens = long_tokens(exported.config.vocab_size, seed=1)
+    with torch.no_grad():
+        difference = (exported(tokens).logits - original(tokens).logits).abs()
+    beyond = difference[:, ORIGINAL_CONTEXT:].max().item()
+    print(
+        f"\n[{style}] 2x2 mesh, 2 steps, {dtype} export: max |logit difference| to the original "
+        f"{difference.max():.2e}, past position {ORIGINAL_CONTEXT}: {beyond:.2e}"
+    )
+    assert difference.max() <= LLAMA3_TOLERANCE
 
 
 # --- one-line errors ----------------------------------------------------------------------------
@@ -296,13 +513,23 @@ def _no_weights(trained: Trained, tmp_path: Path) -> list[str]:
     return [f"model.init_from={tmp_path / 'config-only'}"]
 
 
-def _rope_scaling(trained: Trained, tmp_path: Path) -> list[str]:
-    copy = tmp_path / "llama31"
-    shutil.copytree(trained.hf, copy)
-    config = json.loads((copy / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
-    (copy / "config.json").write_text(json.dumps(config))
-    return [f"model.init_from={copy}"]
+def _with_rope(key: str, rope: dict[str, Any]) -> Callable[[Trained, Path], list[str]]:
+    """A copy of the export whose config.json has ``key`` (rope_parameters or rope_scaling) = ``rope``."""
+
+    def overrides(trained: Trained, tmp_path: Path) -> list[str]:
+        copy = tmp_path / "rope"
+        shutil.copytree(trained.hf, copy)
+        config = json.loads((copy / "config.json").read_text())
+        config[key] = rope
+        (copy / "config.json").write_text(json.dumps(config))
+        return [f"model.init_from={copy}"]
+
+    return overrides
+
+
+def _rope_override(trained: Trained, tmp_path: Path) -> list[str]:
+    llama31 = _with_rope("rope_parameters", llama3_rope(8.0))
+    return [*llama31(trained, tmp_path), "model.rope_scaling.factor=4"]
 
 
 def _larger_tokenizer(trained: Trained, tmp_path: Path) -> list[str]:
@@ -328,7 +555,38 @@ ERRORS = {
         lambda trained, tmp_path: [f"model.init_from={trained.tied}"],
         ["data.tokenizer:", "has no tokenizer.json", "set data.tokenizer"],
     ),
-    "rope-scaling": (_rope_scaling, ["model.init_from:", "rope scaling 'llama3'"]),
+    "rope-yarn": (
+        _with_rope("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0}),
+        ["model.init_from:", "config.json rope_parameters.rope_type='yarn'", "does not implement"],
+    ),
+    "rope-dynamic": (  # transformers 4.x's spelling
+        _with_rope("rope_scaling", {"type": "dynamic", "factor": 2.0}),
+        ["model.init_from:", "config.json rope_scaling.type='dynamic'"],
+    ),
+    "rope-linear": (
+        _with_rope("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
+        ["model.init_from:", "config.json rope_scaling.rope_type='linear'"],
+    ),
+    "rope-factor": (
+        _with_rope("rope_parameters", {**llama3_rope(8.0), "factor": 0}),
+        ["model.init_from:", "config.json rope_parameters.factor=0.0 must be a positive finite number"],
+    ),
+    "rope-bands": (
+        _with_rope("rope_scaling", {**llama3_rope(8.0), "low_freq_factor": 4.0, "high_freq_factor": 1.0}),
+        ["model.init_from:", "config.json rope_scaling.low_freq_factor=4.0 must be below"],
+    ),
+    "rope-incomplete": (
+        _with_rope("rope_parameters", {"rope_type": "llama3", "factor": 8.0}),
+        ["model.init_from:", "config.json rope_parameters.low_freq_factor is missing"],
+    ),
+    "rope-unmodelled": (
+        _with_rope("rope_parameters", {**llama3_rope(8.0), "partial_rotary_factor": 0.5}),
+        ["model.init_from:", "rope_parameters.partial_rotary_factor=0.5 is set"],
+    ),
+    "rope-override": (
+        _rope_override, ["model.rope_scaling.factor: 4.0 conflicts with rope_scaling.factor=8.0",
+                         "drop model.rope_scaling.factor"]
+    ),
 }
 
 

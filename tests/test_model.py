@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshtrain.config import ModelArgs
+from meshtrain.config import ModelArgs, RopeScaling
 from meshtrain.model.init import init_weights
 from meshtrain.model.llama import (
     Attention,
@@ -16,6 +16,7 @@ from meshtrain.model.llama import (
     build_model,
     count_parameters,
     materialize,
+    rope_frequencies,
     rope_tables,
 )
 
@@ -127,6 +128,41 @@ def test_rope_scores_depend_only_on_relative_position() -> None:
         return qi @ kj
 
     torch.testing.assert_close(score(5, 2), score(20, 17), rtol=1e-4, atol=1e-5)
+
+
+LLAMA31_SCALING = RopeScaling(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+
+
+def test_llama3_rope_scaling_equals_transformers_tables() -> None:
+    """Llama 3.1's scaled RoPE (head_dim 128, base 500000, 8192 original positions) against transformers'
+    LlamaRotaryEmbedding over 3x the original context, in a model's tables as built and as rebuilt."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    head_dim, theta, positions = 128, 500000.0, 3 * 8192
+    original = LLAMA31_SCALING.original_max_position_embeddings
+    wavelengths = 2 * math.pi / rope_frequencies(head_dim, theta)
+    kept, stretched = wavelengths < original / 4, wavelengths > original
+    assert kept.any() and stretched.any() and not (kept | stretched).all()  # and some are blended  # kept, blended and stretched frequencies are all compared
+    config = LlamaConfig(
+        hidden_size=2 * head_dim, num_attention_heads=2, max_position_embeddings=positions,
+        rope_parameters={"rope_type": "llama3", "rope_theta": theta, **LLAMA31_SCALING.model_dump()},
+    )
+    expected_cos, expected_sin = LlamaRotaryEmbedding(config)(torch.zeros(1), torch.arange(positions)[None])
+    args = tiny_args(
+        dim=2 * head_dim, n_heads=2, n_kv_heads=2, max_seq_len=positions, rope_theta=theta,
+        rope_scaling=LLAMA31_SCALING,
+    )
+    built = build_model(args, "cpu")
+    rebuilt = initialized_model(args)  # materialized from meta: reset_rope fills the tables
+    for cos, sin in [rope_tables(head_dim, positions, theta, scaling=LLAMA31_SCALING),
+                     (built.rope_cos, built.rope_sin), (rebuilt.rope_cos, rebuilt.rope_sin)]:
+        torch.testing.assert_close(cos, expected_cos[0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(sin, expected_sin[0], rtol=0, atol=1e-6)
+    plain_cos, _ = rope_tables(head_dim, positions, theta)
+    assert (plain_cos - expected_cos[0]).abs().max() > 0.5  # the scaling changes the tables
 
 
 def test_tied_embeddings_share_one_parameter() -> None:

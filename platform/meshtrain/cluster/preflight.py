@@ -145,10 +145,23 @@ def _check_init_from_shape(model: ModelConfig) -> None:
         return
     for name, value in llama_shape(model.init_from).items():
         explicit = getattr(model, name)
+        if name == "rope_scaling" and explicit is not None:
+            _check_rope_scaling(explicit.model_dump(exclude_none=True), value or {})
+            continue
         if explicit is not None and explicit != value:
             raise ConfigError(
                 f"model.{name}: {explicit!r} conflicts with {CONFIG_KEYS[name]}={value!r} in "
                 f"model.init_from's config.json; drop model.{name} (the weights fix the shape)"
+            )
+
+
+def _check_rope_scaling(explicit: dict[str, Any], loaded: dict[str, Any]) -> None:
+    """The model.rope_scaling fields a config sets must be those of the weights' config.json."""
+    for key, value in explicit.items():
+        if loaded.get(key) != value:
+            raise ConfigError(
+                f"model.rope_scaling.{key}: {value!r} conflicts with rope_scaling.{key}={loaded.get(key)!r} in "
+                f"model.init_from's config.json; drop model.rope_scaling.{key} (the weights fix the shape)"
             )
 
 

@@ -14,7 +14,7 @@ from meshtrain.config.data import (
 )
 from meshtrain.config.errors import ConfigError, PermanentError, config_error_in, require_extra
 from meshtrain.config.loading import describe_fields, load_config
-from meshtrain.config.model import ModelArgs, ModelConfig
+from meshtrain.config.model import ModelArgs, ModelConfig, RopeScaling
 from meshtrain.config.presets import MODEL_PRESETS
 from meshtrain.config.redaction import REDACTED, redact_options, redact_url
 from meshtrain.config.schema import (
@@ -50,6 +50,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",
+    "RopeScaling",
     "RunConfig",
     "ScalingConfig",
     "SourceConfig",

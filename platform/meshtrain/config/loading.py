@@ -95,6 +95,8 @@ def _field_names(section: str) -> list[str]:
     model: type[BaseModel] = MeshtrainConfig
     for part in filter(None, section.split(".")):
         annotation = model.model_fields[part].annotation
+        if get_origin(annotation) in (Union, UnionType):  # an optional section (model.rope_scaling)
+            annotation = next(member for member in get_args(annotation) if member is not type(None))
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return []
         model = annotation

@@ -1,7 +1,9 @@
 """Model shape presets.
 
 ``debug`` trains in minutes on two CPU cores; ``125m`` is a GPT-2-small-sized Llama; the
-``llama3_*`` entries are the published Llama 3 / 3.2 shapes (vocabulary 128256, RoPE base 500000).
+``llama3_*`` entries are the published Llama 3 / 3.2 shapes (vocabulary 128256, RoPE base 500000) with
+plain RoPE over 8192 positions. ``llama3.2_1b``, ``llama3.2_3b`` and ``llama3.1_8b`` are Meta's Llama
+3.2 / 3.1 configs in full: 131072 positions with the Llama 3 RoPE scaling their weights were trained with.
 """
 
 from __future__ import annotations
@@ -15,6 +17,18 @@ _LLAMA3_COMMON: dict[str, Any] = {
     "max_seq_len": 8192,
     "init_std": 0.02,
 }
+
+
+def _llama3_long_context(factor: float) -> dict[str, Any]:
+    """Llama 3.1 / 3.2's context: 131072 positions, rope_scaling {rope_type: llama3, factor: ...}."""
+    scaling = {
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    return {**_LLAMA3_COMMON, "max_seq_len": 131072, "rope_scaling": scaling}
+
 
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "debug": {
@@ -68,6 +82,33 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         "n_heads": 64,
         "n_kv_heads": 8,
         "ffn_dim": 28672,
+        "tie_embeddings": False,
+    },
+    "llama3.2_1b": {
+        **_llama3_long_context(factor=32.0),
+        "dim": 2048,
+        "n_layers": 16,
+        "n_heads": 32,
+        "n_kv_heads": 8,
+        "ffn_dim": 8192,
+        "tie_embeddings": True,
+    },
+    "llama3.2_3b": {
+        **_llama3_long_context(factor=32.0),
+        "dim": 3072,
+        "n_layers": 28,
+        "n_heads": 24,
+        "n_kv_heads": 8,
+        "ffn_dim": 8192,
+        "tie_embeddings": True,
+    },
+    "llama3.1_8b": {
+        **_llama3_long_context(factor=8.0),
+        "dim": 4096,
+        "n_layers": 32,
+        "n_heads": 32,
+        "n_kv_heads": 8,
+        "ffn_dim": 14336,
         "tie_embeddings": False,
     },
 }

@@ -292,7 +292,10 @@ def describe_plan(cfg: MeshtrainConfig, args: ModelArgs) -> str:
     lines = [
         f"parameters: {total:,} ({total / 1e6:.1f}M)",
         f"model: dim={args.dim} layers={args.n_layers} heads={args.n_heads} kv_heads={args.n_kv_heads} "
-        f"ffn={args.ffn_dim} vocab={args.vocab_size} tied={args.tie_embeddings}",
+        f"ffn={args.ffn_dim} vocab={args.vocab_size} tied={args.tie_embeddings} rope_theta={args.rope_theta:g}"
+        + ("" if args.rope_scaling is None else
+           f" rope_scaling=llama3(factor={args.rope_scaling.factor:g}, low={args.rope_scaling.low_freq_factor:g}, "
+           f"high={args.rope_scaling.high_freq_factor:g}, original={args.rope_scaling.original_max_position_embeddings})"),
         f"mesh: ({', '.join(f'{name}={size}' for name, size in zip(plan.dim_names, plan.shape))}) on "
         f"{plan.world_size} workers, "
         f"strategy={cfg.parallel.strategy}, reshard_after_forward={plan.reshard_after_forward}"

@@ -12,7 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from meshtrain.config import ConfigError, ModelArgs
+from pydantic import ValidationError
+
+from meshtrain.config import ConfigError, ModelArgs, RopeScaling
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -37,7 +39,8 @@ _TOP_NAMES = {
     "output.weight": "lm_head.weight",
 }
 
-# ModelArgs field → config.json key (init_std, meshtrain's own, is not part of the shape).
+# ModelArgs field → config.json key (init_std, meshtrain's own, is not part of the shape). rope_scaling
+# is a mapping, read and written by the functions below (transformers 5 spells it rope_parameters).
 CONFIG_KEYS = {
     "dim": "hidden_size",
     "n_layers": "num_hidden_layers",
@@ -49,7 +52,10 @@ CONFIG_KEYS = {
     "rope_theta": "rope_theta",
     "norm_eps": "rms_norm_eps",
     "tie_embeddings": "tie_word_embeddings",
+    "rope_scaling": "rope_parameters",
 }
+_VALUE_KEYS = {field: key for field, key in CONFIG_KEYS.items() if field != "rope_scaling"}
+_LLAMA3_ROPE = "llama3"
 _REQUIRED_KEYS = (
     "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"
 )
@@ -74,14 +80,19 @@ def hf_name(name: str) -> str:
 
 def hf_config(args: ModelArgs, eos_token_id: int | None = None, dtype: str = "float32") -> dict[str, Any]:
     """``config.json`` of a ``LlamaForCausalLM`` with this shape (plain JSON, no transformers needed)."""
-    shape = {key: getattr(args, field) for field, key in CONFIG_KEYS.items()}
+    shape = {key: getattr(args, field) for field, key in _VALUE_KEYS.items()}
+    # transformers < 5 reads rope_theta and rope_scaling; 5.x reads rope_parameters (and would fold
+    # rope_theta in), or rope_scaling first where a config has it.
+    rope: dict[str, Any] = {"rope_type": "default"}
+    if args.rope_scaling is not None:
+        rope = {"rope_type": _LLAMA3_ROPE, **args.rope_scaling.model_dump()}
+        shape["rope_scaling"] = rope
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         **shape,
         "head_dim": args.head_dim,
-        # transformers < 5 reads rope_theta; 5.x reads rope_parameters (and would fold rope_theta in).
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        "rope_parameters": {**rope, "rope_theta": args.rope_theta},
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -111,13 +122,10 @@ def llama_shape(directory: str) -> dict[str, Any]:
             f"architectures={config.get('architectures')!r}, not LlamaForCausalLM; give Llama weights"
         )
     _check_weight_files(root, where)
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(
-            f"{where}: {CONFIG_FILE} asks for rope scaling {rope_type!r}, which meshtrain's model does not "
-            "implement (plain RoPE only); give weights without rope scaling"
-        )
+    rope_key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"  # as transformers 5 picks
+    rope = config.get(rope_key) or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{where}: {CONFIG_FILE} has {rope_key}={rope!r}, not a mapping; fix or replace it")
     for key, supported in _SUPPORTED_VALUES.items():
         if config.get(key, supported) != supported:
             raise ConfigError(
@@ -130,7 +138,8 @@ def llama_shape(directory: str) -> dict[str, Any]:
     values = {**_LLAMA_DEFAULTS, **config}
     values["rope_theta"] = rope.get("rope_theta", values["rope_theta"])
     values.setdefault("num_key_value_heads", values["num_attention_heads"])
-    shape = {field: values[key] for field, key in CONFIG_KEYS.items()}
+    shape = {field: values[key] for field, key in _VALUE_KEYS.items()}
+    shape["rope_scaling"] = _rope_scaling(rope, where, rope_key)
     head_dim = config.get("head_dim")
     if head_dim is not None and head_dim * shape["n_heads"] != shape["dim"]:
         raise ConfigError(
@@ -138,6 +147,43 @@ def llama_shape(directory: str) -> dict[str, Any]:
             f"num_attention_heads = {shape['dim'] / shape['n_heads']:g}; give weights where they agree"
         )
     return shape
+
+
+def _rope_scaling(rope: dict[str, Any], where: str, key: str) -> dict[str, Any] | None:
+    """The ``ModelArgs.rope_scaling`` of config.json's ``key`` (its rope mapping); ConfigError where the
+    model lacks what it asks for."""
+    name = f"{CONFIG_FILE} {key}"
+    type_key = "rope_type" if "rope_type" in rope else "type"  # transformers < 4.43 wrote "type"
+    rope_type = rope.get(type_key, "default")
+    if rope_type == "default":
+        return None
+    if rope_type != _LLAMA3_ROPE:
+        raise ConfigError(
+            f"{where}: {name}.{type_key}={rope_type!r} is a RoPE variant meshtrain's model does not "
+            f"implement ('default' and {_LLAMA3_ROPE!r} only); give Llama weights with one of those"
+        )
+    fields = {
+        field: value for field, value in rope.items() if field not in ("rope_type", "type", "rope_theta")
+    }
+    try:
+        return RopeScaling.model_validate(fields, context={"name": name}).model_dump()
+    except ValidationError as exc:
+        raise ConfigError(f"{where}: {_rope_scaling_problem(exc.errors()[0], name)}") from None
+
+
+def _rope_scaling_problem(error: Any, name: str) -> str:
+    if error["type"] == "value_error":  # RopeScaling's own message, which names the field and value
+        return error["msg"].removeprefix("Value error, ")
+    field = f"{name}.{'.'.join(str(part) for part in error['loc'])}"
+    if error["type"] == "missing":
+        needed = ", ".join(RopeScaling.model_fields)
+        return f"{field} is missing; rope_type {_LLAMA3_ROPE!r} needs {needed}"
+    if error["type"] == "extra_forbidden":
+        return (
+            f"{field}={error['input']!r} is set, which meshtrain's {_LLAMA3_ROPE} RoPE does not model; "
+            "give weights without it"
+        )
+    return f"{field}={error['input']!r}: {error['msg']}; fix {CONFIG_FILE}"
 
 
 def _read_json(path: Path, where: str) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from meshtrain.config import ModelArgs
+from meshtrain.config import ModelArgs, RopeScaling
 from meshtrain.model.context_parallel import ContextParallel, WindowShare
 from meshtrain.model.documents import (
     AttentionMask,
@@ -34,9 +34,40 @@ from meshtrain.model.documents import (
 Recompute = Literal["none", "full", "selective"]
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (max_seq_len, head_dim), each frequency repeated for both halves."""
+def rope_frequencies(
+    head_dim: int,
+    theta: float,
+    scaling: RopeScaling | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """The angle per position of each of the head_dim / 2 rotated pairs (fp32).
+
+    With Llama 3 scaling (Hugging Face's "llama3"), a pair whose wavelength is longer than the
+    original context / low_freq_factor turns ``factor`` times slower, one shorter than original
+    context / high_freq_factor is unchanged, and those between are blended linearly in original
+    context / wavelength.
+    """
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    if scaling is None:
+        return inv_freq
+    wavelength = 2 * math.pi / inv_freq
+    # 0 at or beyond the low-frequency band's edge, 1 at or beyond the high-frequency band's.
+    kept = (scaling.original_max_position_embeddings / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    kept = kept.clamp(0.0, 1.0)
+    return (1 - kept) * inv_freq / scaling.factor + kept * inv_freq
+
+
+def rope_tables(
+    head_dim: int,
+    max_seq_len: int,
+    theta: float,
+    device: torch.device | None = None,
+    scaling: RopeScaling | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (max_seq_len, head_dim), each frequency repeated for both halves."""
+    inv_freq = rope_frequencies(head_dim, theta, scaling, device)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=device), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
@@ -168,7 +199,9 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        cos, sin = rope_tables(
+            args.head_dim, args.max_seq_len, args.rope_theta, scaling=args.rope_scaling
+        )
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         # The end-of-document token id when attention is masked per document (model.document_mask);
@@ -234,7 +267,10 @@ class Transformer(nn.Module):
 
     def reset_rope(self) -> None:
         """Recompute the RoPE tables in place (after ``to_empty`` left them uninitialized)."""
-        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope_cos.device)
+        args = self.args
+        cos, sin = rope_tables(
+            args.head_dim, args.max_seq_len, args.rope_theta, self.rope_cos.device, args.rope_scaling
+        )
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
@@ -303,5 +339,6 @@ __all__ = [
     "build_model",
     "materialize",
     "count_parameters",
+    "rope_frequencies",
     "rope_tables",
 ]
