@@ -159,3 +159,37 @@ def test_without_the_harness_installed_downstream_evaluation_is_refused(
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else find_spec(name, *a))
     with pytest.raises(ConfigError, match=r"^eval.downstream.tasks needs lm-evaluation-harness: pip install -e '.\[eval\]'"):
         preflight(load_config(None, ["eval.downstream.tasks=[meshtrain_mc]", f"run.storage_path={tmp_path}", "run.name=x"]))
+
+
+def test_a_leased_checkpoint_outlives_pruning_until_released_or_expired(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A downstream evaluation that queues behind training leases its checkpoint: checkpoint.keep
+    prunes around it, and the checksummed file list never includes the lease."""
+    import time
+
+    from meshtrain.checkpoint import storage as storage_module
+    from meshtrain.checkpoint.manager import CheckpointManager
+    from meshtrain.checkpoint.storage import COMMIT_MARKER, CheckpointStorage
+
+    storage = CheckpointStorage(str(tmp_path))
+    for step in (10, 20, 30, 40):
+        path = Path(storage.step_dir(step))
+        path.mkdir()
+        (path / "__0_0.distcp").write_bytes(b"x")
+        (path / COMMIT_MARKER).write_text("{}")
+    manager = CheckpointManager(storage, rank=0, world_size=1, interval=10, keep=2, asynchronous=False)
+    storage.lease(storage.step_dir(10), holder="test")
+    assert storage.files(storage.step_dir(10)) == {"__0_0.distcp": 1}
+    manager._prune(40)
+    assert [c.step for c in storage.committed()] == [40, 30, 10]  # 20 pruned, 10 leased
+    storage.release(storage.step_dir(10))
+    manager._prune(40)
+    assert [c.step for c in storage.committed()] == [40, 30]
+    storage.lease(storage.step_dir(30), holder="a driver that died")
+    (Path(storage.step_dir(50))).mkdir()
+    (Path(storage.step_dir(50)) / COMMIT_MARKER).write_text("{}")
+    later = time.time() + storage_module.LEASE_TTL_S + 1
+    monkeypatch.setattr(storage_module.time, "time", lambda: later)
+    manager._prune(50)
+    assert [c.step for c in storage.committed()] == [50, 40]

@@ -31,6 +31,8 @@ SETTINGS = (
     "train.steps=40", "train.log_every=1", "checkpoint.interval=10", "data.max_documents=40", "run.max_failures=2",
 )
 TRACKERS = ("metrics.wandb=true", "metrics.mlflow=true", "metrics.wandb_tags=[ci,resume]")
+DOWNSTREAM = ("eval.downstream.tasks=[meshtrain_mc,meshtrain_ppl]", "eval.downstream.include_path=tests/data/downstream",
+              "eval.downstream.limit=4", "eval.downstream.num_cpus=0.01")
 
 
 def final_checkpoint(run_dir: Path) -> Path:
@@ -175,9 +177,10 @@ def test_an_elastic_run_offered_a_size_it_cannot_train_on_trains_on_the_largest_
 @pytest.fixture(scope="module")
 def midsave(storage: Path) -> Path:
     """A run whose rank 1 is killed while step 20's checkpoint is being written, with both experiment
-    trackers on (W&B offline, MLflow's local store): checked by the checkpoint and tracker tests."""
+    trackers on (W&B offline, MLflow's local store) and every checkpoint scored by downstream
+    evaluation beside the workers: checked by the checkpoint and tracker tests."""
     job = run_job(
-        f"run.storage_path={storage}", "run.name=midsave", *SETTINGS, *TRACKERS,
+        f"run.storage_path={storage}", "run.name=midsave", *SETTINGS, *TRACKERS, *DOWNSTREAM,
         "fault.kill_rank=1", "fault.at_step=20", "fault.during_checkpoint=true", WANDB_MODE="offline",
     )
     assert job.returncode == 0, job.stderr[-3000:]
@@ -208,7 +211,19 @@ def first_values(records: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
     return series
 
 
-TRACKED_SERIES = ("train/loss", "train/lr", "train/grad_norm", "eval/loss", "checkpoint/save_s")
+TRACKED_SERIES = ("train/loss", "train/lr", "train/grad_norm", "eval/loss", "checkpoint/save_s",
+                  "downstream/meshtrain_mc/acc", "downstream/meshtrain_ppl/bits_per_byte")
+
+
+def test_every_checkpoint_is_scored_downstream_once(midsave: Path) -> None:
+    """Rank 1 died while step 20 was being saved: the steps scored are the committed ones, each once,
+    the first group's and the resumed group's, and step 40's after training."""
+    records = read_metrics(midsave)
+    scored = sorted((r["step"], r["task"]) for r in records if r["event"] == "downstream_eval")
+    assert scored == [(step, task) for step in (10, 20, 30, 40) for task in ("meshtrain_mc", "meshtrain_ppl")]
+    # Each was handed to the trackers once: by rank 0 of the group that was training, or by the driver.
+    marked = sorted((r["step"], r["task"]) for r in records if r["event"] == "downstream_logged")
+    assert marked == scored
 
 
 def test_mlflow_holds_one_run_with_every_logged_step_once(midsave: Path) -> None:
@@ -237,7 +252,9 @@ def test_wandb_offline_holds_one_run_with_every_logged_step_once(midsave: Path) 
 
     paths = RunPaths("midsave", midsave.parent)
     files = sorted((midsave / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(files) == 2  # one per worker-group start: before the kill and after the resume
+    # One per worker-group start (before the kill and after the resume), and the driver's for the
+    # downstream results that landed after training.
+    assert len(files) == 3
     runs = [read_run(path) for path in files]
     assert {run["id"] for run in runs} == {tracker_run_id(paths)}  # one W&B run, resumed
     assert all(run["config"]["train"]["steps"] == 40 and run["config"]["fault"]["at_step"] == 20 for run in runs)

@@ -15,7 +15,7 @@ from meshtrain.cluster.preflight import preflight
 from meshtrain.config import ConfigError, MeshtrainConfig, load_config
 from meshtrain.observe.outputs import RunPaths
 from meshtrain.observe.progress import RecordFollower, StepRecorder, append_records
-from meshtrain.observe.trackers import TrackerSink, logged_records, tracker_run_id, tracker_values
+from meshtrain.observe.trackers import TrackerSink, logged_marker, logged_records, tracker_run_id, tracker_values
 
 
 class Recording:
@@ -104,10 +104,22 @@ def test_each_downstream_task_of_a_step_is_logged_once_and_rank_0_finds_the_driv
         sink.record(record)
     assert backend.rows == [(20, {"run/restarts": 0.0, "downstream/mc_x/acc": 0.25, "downstream/mc_x/acc_norm": 0.5}),
                             (20, {"downstream/ppl/bits_per_byte": 2.5})]
-    restarted = TrackerSink(Recording(), logged_records(metrics), restarts=1)
+    # The driver wrote them: without their markers, a restarted group's trackers still log them...
+    restarted = Recording()
+    sink = TrackerSink(restarted, logged_records(metrics), restarts=1)
     for record in scored:
-        restarted.record(record)
-    assert restarted.backend.rows == []  # type: ignore[attr-defined]
+        sink.record(record)
+    assert [step for step, _ in restarted.rows] == [20, 20]
+    # ... and once marked logged, never again.
+    with metrics.open("ab") as file:
+        file.write(b"\n")  # the torn line ends
+    append_records(metrics, [logged_marker(record) for record in scored])
+    assert {("downstream_eval/mc/x", 20), ("downstream_eval/ppl", 20)} <= logged_records(metrics)
+    again = Recording()
+    sink = TrackerSink(again, logged_records(metrics), restarts=2)
+    for record in scored:
+        sink.record(record)
+    assert again.rows == []
 
 
 def test_the_tracker_run_id_is_stable_per_run_directory(tmp_path: Path) -> None:

@@ -189,9 +189,11 @@ class CheckpointManager:
 
     def _prune(self, newest: int) -> None:
         """Keep the ``keep`` newest checkpoints not marked bad (the newest loadable one always among
-        them); checkpoints marked bad stay for inspection and do not count."""
+        them); checkpoints marked bad stay for inspection and do not count, and older ones under a
+        lease (a downstream evaluation that has yet to read them) stay until it is released."""
         for checkpoint in self.storage.committed()[self.keep :]:
-            self.storage.remove(checkpoint.path)
+            if not self.storage.leased(checkpoint.path):
+                self.storage.remove(checkpoint.path)
         for step, path in self.storage.uncommitted():
             if step < newest:
                 self.storage.remove(path)

@@ -51,7 +51,11 @@ from meshtrain.config import MeshtrainConfig
 
 COMMIT_MARKER = "COMMITTED"
 BAD_MARKER = "BAD"
-_MARKERS = (COMMIT_MARKER, BAD_MARKER)
+# A reader that will take a while to get to a checkpoint (a queued downstream evaluation) leases it:
+# pruning keeps it until the lease is released, or expires (a reader that died releases nothing).
+LEASE_MARKER = "LEASED"
+LEASE_TTL_S = 24 * 3600.0
+_MARKERS = (COMMIT_MARKER, BAD_MARKER, LEASE_MARKER)
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -178,6 +182,27 @@ class CheckpointStorage:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         self._write_json(checkpoint.path, BAD_MARKER, {"step": checkpoint.step, "reason": reason, "marked_at": stamp})
         return self.display(f"{checkpoint.path}/{BAD_MARKER}")
+
+    def lease(self, path: str, holder: str) -> None:
+        """Keep the checkpoint at ``path`` from being pruned until :meth:`release` (or LEASE_TTL_S)."""
+        self._write_json(path, LEASE_MARKER, {"holder": holder, "since": time.time()})
+
+    def release(self, path: str) -> None:
+        marker = f"{path}/{LEASE_MARKER}"
+        if self.fs.exists(marker):
+            self.fs.rm(marker)
+
+    def leased(self, path: str) -> bool:
+        """Whether a live lease keeps the checkpoint at ``path`` (an unreadable one counts as live)."""
+        marker = f"{path}/{LEASE_MARKER}"
+        if not self.fs.exists(marker):
+            return False
+        try:
+            with self.fs.open(marker, "r", encoding="utf-8") as handle:
+                since = float(json.load(handle)["since"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return True
+        return time.time() - since < LEASE_TTL_S
 
     def set_aside(self, path: str) -> str:
         """Move a checkpoint directory out of the step sequence (kept under a new name); the new path."""

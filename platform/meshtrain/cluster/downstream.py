@@ -9,6 +9,8 @@ harness's results JSON into ``{run}/downstream/step-N/``. The driver appends eac
 the trackers and Prometheus) and prints them in the job log. A task that fails is one line in the
 job log and a ``downstream_eval_failed`` record; training goes on and the next checkpoint is scored.
 Steps whose results JSON exists are not scored again, so a relaunch picks up where the run was.
+Each chosen checkpoint is leased until its task has scored it, so ``checkpoint.keep`` does not prune
+it while the task waits for resources.
 
 After training the job waits up to ``final_wait_s`` for the evaluations still running (the last
 checkpoint's above all): during training they may not find free resources, since the workers hold them.
@@ -22,12 +24,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from meshtrain.checkpoint.storage import run_checkpoints
+from meshtrain.checkpoint.storage import CheckpointStorage, CommittedCheckpoint, run_checkpoints
 from meshtrain.config import MeshtrainConfig
 from meshtrain.evaluate.checkpoint_eval import RESULTS_FILE, evaluate_checkpoint, results_folder
 from meshtrain.evaluate.harness import HarnessRun
 from meshtrain.observe.outputs import RunPaths
-from meshtrain.observe.progress import append_records
+from meshtrain.observe.progress import RecordFollower, append_records
+from meshtrain.observe.trackers import logged_marker, logged_records, record_key
 
 POLL_S = 5.0
 
@@ -49,14 +52,19 @@ def task_resources(cfg: MeshtrainConfig) -> dict[str, Any]:
 
 
 def _score(checkpoint: str, harness: HarnessRun, run_dir: str, storage_options: dict[str, Any]) -> list[dict[str, Any]]:
-    """The Ray task: one checkpoint scored, its results JSON written; its ``downstream_eval`` records."""
+    """The Ray task: one checkpoint scored, its results JSON written, its lease released; its
+    ``downstream_eval`` records."""
     import torch
 
     on_gpu = torch.cuda.is_available()
-    evaluation = evaluate_checkpoint(
-        checkpoint, harness, lambda step: results_folder(Path(run_dir), step), storage_options,
-        dtype=torch.bfloat16 if on_gpu else torch.float32, device="cuda" if on_gpu else "cpu",
-    )
+    storage = CheckpointStorage(checkpoint, storage_options)
+    try:
+        evaluation = evaluate_checkpoint(
+            checkpoint, harness, lambda step: results_folder(Path(run_dir), step), storage_options,
+            dtype=torch.bfloat16 if on_gpu else torch.float32, device="cuda" if on_gpu else "cpu",
+        )
+    finally:
+        storage.release(storage.root)
     return evaluation.records
 
 
@@ -71,7 +79,7 @@ class DownstreamEvaluations:
         self.harness = HarnessRun.of(cfg.eval.downstream)
         self.storage = run_checkpoints(cfg)
         self.task = ray.remote(max_retries=0, **task_resources(cfg))(_score)
-        self.pending: dict[Any, int] = {}  # task -> step
+        self.pending: dict[Any, CommittedCheckpoint] = {}  # task -> the checkpoint it scores
         self.latest: dict[str, dict[str, Any]] = {}  # task -> its newest downstream_eval record
         self.started: set[int] = {step for step in self._scored_steps()}
         self._lock = threading.Lock()
@@ -115,9 +123,11 @@ class DownstreamEvaluations:
             if checkpoint.step in self.started or not chosen_step(checkpoint.step, self.cfg):
                 continue
             self.started.add(checkpoint.step)
+            # Evaluations may queue behind training for resources: pruning must leave this one alone.
+            self.storage.lease(checkpoint.path, holder=f"downstream evaluation of run {self.paths.name}")
             url = self.storage.display(checkpoint.path)
             ref = self.task.remote(url, self.harness, str(self.paths.run_dir), self.cfg.checkpoint.storage_options)
-            self.pending[ref] = checkpoint.step
+            self.pending[ref] = checkpoint
 
     def _collect(self, timeout_s: float) -> None:
         import ray
@@ -126,11 +136,12 @@ class DownstreamEvaluations:
             return
         done, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=timeout_s)
         for ref in done:
-            step = self.pending.pop(ref)
+            checkpoint = self.pending.pop(ref)
             try:
                 records = ray.get(ref)
             except Exception as exc:
-                self._failed(step, exc)
+                self.storage.release(checkpoint.path)  # the task may have died before it could
+                self._failed(checkpoint.step, exc)
                 continue
             append_records(self.paths.metrics, [{**record, "time": time.time()} for record in records])
             for record in records:
@@ -152,14 +163,31 @@ class DownstreamEvaluations:
         with self._lock:
             self._submit_new()
             if self.pending:
-                steps = ", ".join(str(step) for step in sorted(self.pending.values()))
+                steps = ", ".join(str(c.step) for c in sorted(self.pending.values(), key=lambda c: c.step))
                 self.print_line(f"[meshtrain] waiting up to {timeout_s:g}s for the downstream evaluation of step(s) {steps}")
             deadline = time.monotonic() + timeout_s
             while self.pending and time.monotonic() < deadline:
                 self._collect(timeout_s=min(self.poll_s, max(0.0, deadline - time.monotonic())))
             if self.pending:
-                steps = ", ".join(str(step) for step in sorted(self.pending.values()))
+                steps = ", ".join(str(c.step) for c in sorted(self.pending.values(), key=lambda c: c.step))
                 self.print_line(f"[meshtrain] downstream evaluation of step(s) {steps} still running after "
                                 f"eval.downstream.final_wait_s={timeout_s:g}; their results will land in "
                                 f"{self.paths.run_dir / 'downstream'}")
 
+    def log_to_trackers(self) -> None:
+        """After training: hand the trackers (W&B, MLflow) the downstream results that rank 0 did not,
+        those that landed after it stopped, and mark them logged in metrics.jsonl."""
+        if not (self.cfg.metrics.wandb or self.cfg.metrics.mlflow):
+            return
+        from meshtrain.cluster.worker import open_trackers
+
+        already = logged_records(self.paths.metrics)
+        missing = [record for record in RecordFollower(self.paths.metrics, {"downstream_eval"}).new_records()
+                   if record_key(record) not in already]
+        if not missing:
+            return
+        for sink in open_trackers(self.cfg, self.paths, restarts=None):
+            for record in missing:
+                sink.record(record)
+            sink.close(finished=True)
+        append_records(self.paths.metrics, [logged_marker(record) for record in missing])

@@ -371,6 +371,7 @@ def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
             trainer.fit()
             if downstream is not None:  # the job log shows the results as they land
                 downstream.finish(cfg.eval.downstream.final_wait_s)
+                downstream.log_to_trackers()
     except KeyboardInterrupt:
         raise Interrupted(_interrupted_message(cfg, None)) from None
     except Exception as exc:

@@ -35,7 +35,7 @@ from meshtrain.observe.metrics import (
 from meshtrain.observe.outputs import RunPaths, write_summary
 from meshtrain.observe.progress import RecordFollower, StepRecorder
 from meshtrain.observe.reporting import RayTrainReporter, TensorBoardWriter
-from meshtrain.observe.trackers import TrackerBackend, TrackerSink, logged_records
+from meshtrain.observe.trackers import TrackerBackend, TrackerSink, logged_marker, logged_records, record_key
 from meshtrain.train.preemption import StopRequest
 from meshtrain.train.trainer import train
 
@@ -187,7 +187,7 @@ def result_pointer(cfg: MeshtrainConfig, paths: RunPaths) -> dict[str, Any]:
     }
 
 
-def open_trackers(cfg: MeshtrainConfig, paths: RunPaths, restarts: int) -> list[TrackerSink]:
+def open_trackers(cfg: MeshtrainConfig, paths: RunPaths, restarts: int | None) -> list[TrackerSink]:
     """Rank 0's W&B and MLflow sinks, as configured. One that cannot open its run is reported in one
     line and left out: a tracker never stops training (the launch checked them before Ray started)."""
     makers: list[tuple[str, Callable[[], TrackerBackend]]] = []
@@ -245,9 +245,11 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
     metrics = start_metrics(cfg, layout, device, data.vocab_size, restarts) if cfg.metrics.port else None
     sinks: list[Any] = []
     trackers: list[TrackerSink] = []
+    recorder = None
     if layout.world_rank == 0:
         trackers = open_trackers(cfg, paths, restarts)  # before this group appends to metrics.jsonl
-        sinks.append(StepRecorder(paths.metrics))
+        recorder = StepRecorder(paths.metrics)
+        sinks.append(recorder)
         if cfg.metrics.tensorboard:
             sinks.append(TensorBoardWriter(paths.run_dir / "tensorboard"))
 
@@ -261,9 +263,12 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
             sink.record(record)
         if downstream is not None and record["event"] == "train":
             for scored in downstream.new_records():
+                unlogged = any(record_key(scored) not in tracker.logged for tracker in trackers)
                 for sink in (*sinks, *trackers):
-                    if not isinstance(sink, StepRecorder):
+                    if sink is not recorder:
                         sink.record(scored)
+                if unlogged and recorder is not None:
+                    recorder.record(logged_marker(scored))  # metrics.jsonl: the trackers have it
                 if metrics is not None:
                     metrics.downstream_scored(scored)
 

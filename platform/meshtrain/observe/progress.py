@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from meshtrain.observe.trackers import DOWNSTREAM_LOGGED
+
 
 def format_duration(seconds: float) -> str:
     seconds = max(0, int(round(seconds)))
@@ -193,6 +195,8 @@ class ProgressMonitor:
                 self.show(json.loads(line))
 
     def show(self, record: dict[str, Any]) -> None:
+        if record["event"] == DOWNSTREAM_LOGGED:  # bookkeeping of the trackers, nothing to show
+            return
         line = progress_line(record, self.total_steps)
         if record["event"] != "train":
             self._print(line)

@@ -53,12 +53,22 @@ def tracker_values(record: dict[str, Any]) -> dict[str, float]:
     return {}
 
 
+# The driver appends downstream evaluations to metrics.jsonl, so a record there does not mean that a
+# tracker logged it: whoever hands one to the trackers appends this marker of it.
+DOWNSTREAM_LOGGED = "downstream_logged"
+
+
 def record_key(record: dict[str, Any]) -> tuple[str, int]:
     """What a tracker logs once per run: (event, step); a downstream evaluation per task too."""
     event = record["event"]
-    if event == "downstream_eval":
-        event = f"{event}/{record.get('task')}"
+    if event in ("downstream_eval", DOWNSTREAM_LOGGED):
+        event = f"downstream_eval/{record.get('task')}"
     return event, record["step"]
+
+
+def logged_marker(record: dict[str, Any]) -> dict[str, Any]:
+    """The metrics.jsonl line saying that the trackers logged the downstream record ``record``."""
+    return {"event": DOWNSTREAM_LOGGED, "step": record["step"], "task": record["task"]}
 
 
 def _pick(record: dict[str, Any], names: list[tuple[str, str]]) -> dict[str, float]:
@@ -78,8 +88,9 @@ def tracker_run_id(paths: RunPaths) -> str:
 
 
 def logged_records(metrics_path: Path) -> set[tuple[str, int]]:
-    """(event, step) of every record the run's ``metrics.jsonl`` already holds (a torn last line from
-    a killed writer is ignored)."""
+    """(event, step) of every record the run's ``metrics.jsonl`` already holds, which rank 0 logged to
+    its trackers when it wrote it (a downstream evaluation: when its marker is there). A torn last
+    line from a killed writer is ignored."""
     seen: set[tuple[str, int]] = set()
     if not metrics_path.exists():
         return seen
@@ -89,7 +100,7 @@ def logged_records(metrics_path: Path) -> set[tuple[str, int]]:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(record, dict) and isinstance(record.get("step"), int):
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["event"] != "downstream_eval":
                 seen.add(record_key(record))
     return seen
 
@@ -130,10 +141,11 @@ class TrackerSink:
     times Ray restarted this launch's worker group (``restarts``).
     """
 
-    def __init__(self, backend: TrackerBackend, already_logged: set[tuple[str, int]], restarts: int) -> None:
+    def __init__(self, backend: TrackerBackend, already_logged: set[tuple[str, int]], restarts: int | None) -> None:
         self.backend = backend
         self.logged = set(already_logged)
-        self.pending: dict[str, float] = {"run/restarts": float(restarts)}
+        # None: not a worker group's sink (the driver's, after training), which has no restart to count.
+        self.pending: dict[str, float] = {} if restarts is None else {"run/restarts": float(restarts)}
         self.failures = 0
 
     def record(self, record: dict[str, Any]) -> None:
