@@ -193,3 +193,26 @@ def test_a_leased_checkpoint_outlives_pruning_until_released_or_expired(
     monkeypatch.setattr(storage_module.time, "time", lambda: later)
     manager._prune(50)
     assert [c.step for c in storage.committed()] == [50, 40]
+
+
+def test_a_checkpoint_on_s3_is_scored_as_the_local_one(
+    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import s3fs
+
+    from s3server import moto_s3
+
+    local = metrics_of(run_harness(load_checkpoint_model(str(run_dir / "checkpoints" / "step-00000004")), HARNESS))
+    with moto_s3(monkeypatch, "evals") as options:
+        fs = s3fs.S3FileSystem(**options)
+        fs.put(str(run_dir / "checkpoints"), "evals/scored/checkpoints", recursive=True)
+        fs.put(str(run_dir / "tokenizer.json"), "evals/scored/tokenizer.json")
+        fs.invalidate_cache()
+        endpoint = f"client_kwargs.endpoint_url={options['client_kwargs']['endpoint_url']}"
+        code = evaluate_main(["s3://evals/scored/checkpoints", "--tasks", ",".join(HARNESS.tasks), "--include-path",
+                              str(TASKS), "--num-fewshot", "2", "--limit", "12", "--batch-size", "4",
+                              f"--storage-option={endpoint}", "--out", str(tmp_path / "out")])
+    assert code == 0, capsys.readouterr().err
+    assert "evaluated s3://evals/scored/checkpoints/step-00000004" in capsys.readouterr().out
+    remote = metrics_of(json.loads((tmp_path / "out" / "results.json").read_text()))
+    assert remote == local
