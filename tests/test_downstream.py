@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshtrain.checkpoint.export import export_checkpoint
+from meshtrain.checkpoint.export import export_checkpoint, load_model_state
 from meshtrain.checkpoint.storage import checkpoint_root
 from meshtrain.cli.evaluate import main as evaluate_main
 from meshtrain.config import ConfigError, load_config
@@ -25,6 +25,7 @@ from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.evaluate.checkpoint_eval import results_folder
 from meshtrain.evaluate.harness import HarnessRun, metrics_of, run_harness, task_manager
 from meshtrain.evaluate.hf_model import load_checkpoint_model
+from meshtrain.model.llama import build_model
 from meshtrain.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,6 +61,14 @@ def test_meshtrain_scores_equal_the_harness_on_the_hf_export(
     checkpoint = str(run_dir / "checkpoints" / "step-00000004")
     loaded = load_checkpoint_model(checkpoint)
     assert loaded.step == 4 and loaded.model.config.tie_word_embeddings
+    # The in-memory Llama is meshtrain's model, logit for logit (the harness's wrapper ties the head
+    # itself, so this is checked before it sees the model).
+    state, args, _ = load_model_state(checkpoint)
+    own = build_model(args, "cpu")
+    own.load_state_dict(state)
+    tokens = torch.randint(0, args.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(loaded.model(tokens).logits, own.eval()(tokens), rtol=1e-5, atol=1e-5)
     ours = metrics_of(run_harness(loaded, HARNESS))
 
     # What a user runs without meshtrain: the hf export, loaded by the harness's own HF wrapper.

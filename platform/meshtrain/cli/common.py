@@ -20,3 +20,12 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_CONFIG_ERROR, f"{self.error_prefix}: {message}; see --help\n")
+
+
+def run_checkpoint_root(path: str) -> str:
+    """A local run folder's checkpoint root (``{run}/checkpoints``); any other path as it is."""
+    from pathlib import Path
+
+    if "://" not in path and (Path(path) / "checkpoints").is_dir():
+        return str(Path(path) / "checkpoints")
+    return path

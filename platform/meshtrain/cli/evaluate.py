@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from meshtrain.cli.common import EXIT_CONFIG_ERROR, OneLineParser
+from meshtrain.cli.common import EXIT_CONFIG_ERROR, OneLineParser, run_checkpoint_root
 from meshtrain.cli.export import parse_storage_options
 
 
@@ -47,13 +47,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _checkpoint_root(path: str) -> str:
-    """A run folder's checkpoint root; any other path as it is."""
-    if "://" not in path and (Path(path) / "checkpoints").is_dir():
-        return str(Path(path) / "checkpoints")
-    return path
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -71,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     run = HarnessRun(tuple(task.strip() for task in args.tasks.split(",") if task.strip()), args.include_path,
                      args.num_fewshot, args.limit, args.batch_size, settings=("--tasks", "--include-path"))
     try:
-        checkpoint = resolve_checkpoint(_checkpoint_root(args.checkpoint), options)
+        checkpoint = resolve_checkpoint(run_checkpoint_root(args.checkpoint), options)
         run_dir = default_run_dir(checkpoint) or Path.cwd()
         evaluation = evaluate_checkpoint(
             checkpoint, run, (lambda _: Path(args.out)) if args.out else (lambda step: results_folder(run_dir, step)),

@@ -58,6 +58,7 @@ def load_checkpoint_model(
         )
     with no_init_weights():
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config(args, eos_id)))
+    model.tie_weights()  # built without initialization, a tied head is a tensor of its own until tied
     # The parameters themselves (a tied head is the embedding's tensor under both names): DCP fills them in place.
     params = {name: param.data for name, param in model.named_parameters(remove_duplicate=False)}
     source.load(source.to_load({name: params[hf_name(name)] for name in build_model(args, "meta").state_dict()}))

@@ -1,0 +1,88 @@
+"""Continue prompts with a committed meshtrain checkpoint's model and print the text.
+
+Run with ``python jobs/generate.py`` (its docstring shows examples; ``--help`` lists the options).
+The checkpoint becomes a ``transformers`` Llama in this process (only model tensors are read, each
+checked against the checkpoint's checksums) and ``transformers``' ``generate`` continues each prompt
+with a KV cache: greedy by default, sampling with ``--temperature``/``--top-p`` (reproducible with
+``--seed``), stopping at the run's end-of-document token (see meshtrain.evaluate.generation). Exit
+code 2 with one line on stderr for bad settings, a missing, uncommitted or damaged checkpoint, a run
+without its tokenizer, or a prompt that does not fit the model's context with the new tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from meshtrain.cli.common import EXIT_CONFIG_ERROR, OneLineParser, run_checkpoint_root
+from meshtrain.cli.export import parse_storage_options
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = OneLineParser(
+        error_prefix="generate: error",
+        prog="generate.py",
+        description="Print continuations of prompts by a committed meshtrain checkpoint's model.",
+    )
+    parser.add_argument(
+        "checkpoint",
+        help="a committed step-XXXXXXXX directory, a checkpoint root or a run folder (then its newest committed step)",
+    )
+    parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="text to continue (each on its own)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt at most (default 128)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 = greedy (the default); above 0 samples at this temperature")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="when sampling, draw from the smallest set of tokens holding this probability (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling, per prompt (default 0)")
+    parser.add_argument(
+        "--storage-option", action="append", default=[], metavar="KEY=VALUE",
+        help="fsspec option for a remote checkpoint (repeatable; dotted keys nest)",
+    )
+    args = parser.parse_args(argv)
+    if args.max_new_tokens <= 0:
+        parser.error(f"--max-new-tokens={args.max_new_tokens}: give a positive number")
+    if args.temperature < 0:
+        parser.error(f"--temperature={args.temperature}: give 0 (greedy) or a positive temperature")
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top-p={args.top_p}: give a probability mass in (0, 1]")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        options = parse_storage_options(args.storage_option)
+    except ValueError as exc:
+        print(f"generate: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    from meshtrain.checkpoint.export import resolve_checkpoint
+    from meshtrain.checkpoint.storage import CheckpointError
+    from meshtrain.config import ConfigError
+    from meshtrain.evaluate.generation import continue_prompts
+    from meshtrain.evaluate.hf_model import load_checkpoint_model
+
+    try:
+        checkpoint = resolve_checkpoint(run_checkpoint_root(args.checkpoint), options)
+        loaded = load_checkpoint_model(checkpoint, options)
+        started = time.perf_counter()
+        results = continue_prompts(loaded, args.prompts, args.max_new_tokens, temperature=args.temperature,
+                                   top_p=args.top_p, seed=args.seed)
+        seconds = time.perf_counter() - started
+    except (CheckpointError, ConfigError) as exc:
+        message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        print(f"generate: error: {message}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    mode = ("greedy" if args.temperature == 0
+            else f"sampling at temperature {args.temperature}, top-p {args.top_p}, seed {args.seed}")
+    print(f"[meshtrain] step {loaded.step} of {checkpoint}: {mode}, at most {args.max_new_tokens} new tokens")
+    for number, result in enumerate(results, 1):
+        end = "stopped at the end-of-document token" if result["stopped_at_eos"] else "no end-of-document token"
+        print(f"===== prompt {number} =====")
+        print(result["prompt"])
+        print(f"===== continuation {number}: {result['new_tokens']} new tokens, {end} =====")
+        print(result["continuation"])
+    tokens = sum(result["new_tokens"] for result in results)
+    print(f"===== {tokens} new tokens in {seconds:.2f}s ({tokens / seconds:.1f} tokens/s) =====", flush=True)
+    return 0
