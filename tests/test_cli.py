@@ -203,6 +203,12 @@ IN_PROCESS_CASES = [
     (["optim.schedule=wsd"], "optim.decay_fraction"),
     (["optim.schedule=wsd", "optim.decay_fraction=1"], "optim.decay_fraction"),
     (["train.steps=10"], "optim.warmup_steps"),
+    # profiler windows outside the run, or too close to warm up between; ranks that are not workers
+    (["profile.start_step=500"], "profile.start_step=500 is beyond train.steps=200"),
+    (["profile.start_step=199", "profile.active_steps=5"], "profile.active_steps"),
+    (["profile.start_step=5", "profile.every=2"], "profile.every"),
+    (["profile.every=10"], "profile.every"),
+    (["profile.start_step=5", "profile.ranks=[0, 2]"], "profile.ranks"),
     # non-finite numbers
     (["optim.lr=inf"], "optim.lr"),
     (["model.norm_eps=nan"], "model.norm_eps"),

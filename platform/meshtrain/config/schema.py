@@ -518,6 +518,61 @@ class MetricsConfig(Section):
         return value
 
 
+class ProfileConfig(Section):
+    start_step: int | None = Field(
+        None,
+        gt=0,
+        description="First training step that torch.profiler traces (the step before it warms the profiler up); "
+        "null = no profiling. Each rank writes <run dir>/profile/rank<R>.<step>.pt.trace.json (Perfetto, "
+        "chrome://tracing, TensorBoard's profiler plugin) and one summary line to the job log per window.",
+    )
+    active_steps: int = Field(2, gt=0, description="Steps traced in each window, from its first step on.")
+    every: int | None = Field(
+        None, gt=0, description="Repeat the window every N steps (windows start at profile.start_step + k x N); "
+        "null = one window."
+    )
+    ranks: list[int] | None = Field(None, description="Worker ranks that trace, e.g. [0]; null = every rank.")
+    record_shapes: bool = Field(False, description="Record each op's input shapes (more overhead, larger traces).")
+    profile_memory: bool = Field(
+        False, description="Record tensor allocations and frees (TensorBoard's memory view; more overhead)."
+    )
+    with_stack: bool = Field(False, description="Record the Python stack of each op (source lines; much larger traces).")
+    top: int = Field(
+        8, gt=0, description="Ops named in each window's summary line, by self time (device time on GPU, CPU time on CPU)."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.start_step is not None
+
+    @model_validator(mode="after")
+    def _windows_apart(self) -> "ProfileConfig":
+        if self.every is not None and self.start_step is None:
+            raise ValueError(f"profile.every={self.every} repeats the window that profile.start_step starts; set "
+                             "profile.start_step or unset profile.every")
+        if self.every is not None and self.every <= self.active_steps:
+            raise ValueError(f"profile.every={self.every} must exceed profile.active_steps={self.active_steps}: the "
+                             "step before each window warms the profiler up; raise profile.every or lower "
+                             "profile.active_steps")
+        return self
+
+    def check_within(self, steps: int, workers: int) -> None:
+        """ConfigError unless the first window lies within ``steps`` and every rank named is a worker."""
+        if self.start_step is not None:
+            if self.start_step > steps:
+                raise ConfigError(f"profile.start_step={self.start_step} is beyond train.steps={steps}; profile a "
+                                  "step of the run or set profile.start_step=null")
+            end = self.start_step + self.active_steps - 1
+            if end > steps:
+                raise ConfigError(f"profile.active_steps={self.active_steps} from profile.start_step="
+                                  f"{self.start_step} ends at step {end}, beyond train.steps={steps}; start "
+                                  "earlier or trace fewer steps")
+        outside = [rank for rank in self.ranks or [] if not 0 <= rank < workers]
+        if outside:
+            raise ConfigError(f"profile.ranks={self.ranks}: no worker has rank {', '.join(map(str, outside))}; use "
+                              f"ranks in 0..{workers - 1} (scaling.num_workers={workers}) or null for every rank")
+
+
 class MeshtrainConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="Model shape.")
     data: DataConfig = Field(default_factory=DataConfig, description="Corpus, tokenizer and packing.")
@@ -530,6 +585,9 @@ class MeshtrainConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Sharded checkpoints and resume.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus metrics and progress output.")
     fault: FaultConfig = Field(default_factory=FaultConfig, description="Fault injection for tests and demos.")
+    profile: ProfileConfig = Field(
+        default_factory=ProfileConfig, description="torch.profiler traces of chosen training steps, per rank."
+    )
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "MeshtrainConfig":
@@ -552,6 +610,7 @@ class MeshtrainConfig(Section):
             self._check_eviction_can_happen(sizes)
         # A re-run may resolve another horizon (the launcher keeps the first launch's); it checks again.
         self.optim.check_horizon(self.optim.schedule_steps or self.train.steps)
+        self.profile.check_within(self.train.steps, self.scaling.num_workers)
         if self.eval.downstream.enabled and not self.checkpoint.enabled:
             raise ValueError("eval.downstream.tasks scores committed checkpoints; set checkpoint.enabled=true or "
                              "eval.downstream.tasks=[]")

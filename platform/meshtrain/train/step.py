@@ -14,6 +14,7 @@ from meshtrain.distributed.parallelize import clip_grad_norm_
 from meshtrain.model.llama import Transformer
 from meshtrain.model.loss import token_cross_entropy_sum, vocab_parallel_cross_entropy_sum
 from meshtrain.train.guard import StepGuard
+from meshtrain.train.profiling import region
 
 
 def _sum_over_ranks(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -109,15 +110,22 @@ def train_step(
         for index, (inputs, targets) in enumerate(micro_batches):
             if hsdp is not None:
                 hsdp.set_requires_all_reduce(index == last)
-            summed = loss_sum(model(inputs), model.local_targets(targets))
-            (summed * scale).backward()
+            with region("forward"):
+                logits = model(inputs)
+            with region("loss"):
+                summed = loss_sum(logits, model.local_targets(targets))
+            del logits  # the loss keeps what its backward needs
+            with region("backward"):
+                (summed * scale).backward()
             total += summed.detach()
     except BaseException:
         if hsdp is not None:
             _abandon_deferred_reduction(hsdp)
         raise
     total = _sum_over_ranks(total, layout.loss_group)
-    grad_norm = clip_grad_norm_(list(model.parameters()), grad_clip)
-    guard.step(guard.check(total / global_tokens, grad_norm))
-    guard.optimizer.zero_grad(set_to_none=True)
+    with region("grad clip"):
+        grad_norm = clip_grad_norm_(list(model.parameters()), grad_clip)
+    with region("optimizer step"):
+        guard.step(guard.check(total / global_tokens, grad_norm))
+        guard.optimizer.zero_grad(set_to_none=True)
     return StepOutput(total, grad_norm, global_tokens)

@@ -41,6 +41,7 @@ from meshtrain.train.preemption import (
     StopVote,
     defer_sigterm,
 )
+from meshtrain.train.profiling import StepProfiler, region
 from meshtrain.train.records import LoopOutputs
 from meshtrain.train.setup import build_sharded_model
 from meshtrain.train.step import train_step
@@ -196,6 +197,10 @@ class Trainer:
             layout.rank, layout.node, self.outputs, layout.control_group,
             metrics.set_rank_speed if metrics is not None else None, on_straggler,
         )
+        self.profiler = StepProfiler.of(
+            cfg.profile, run_dir / "profile", layout.rank, cfg.train.steps, self.model.layers, cfg.parallel.compile,
+            device,
+        )
         # Last, so a setup that fails leaves neither a thread, a signal route nor the collector switched off.
         self.watchdog = (
             HangWatchdog(cfg.run.hang_timeout_s, layout.rank, progress=bytes_written) if cfg.run.hang_timeout_s else None
@@ -215,13 +220,16 @@ class Trainer:
         try:
             for step in range(first_step, cfg.train.steps + 1):
                 self._beat(f"training step {step}", arm=step > first_step)
+                if self.profiler is not None:
+                    self.profiler.step(step)
                 if self.stop_vote is not None:
                     self.stop_vote.cast()
                 self.faults.before_step(step, self.model)
                 self.collection.step(step)
                 lr = self.scheduler.get_last_lr()[0]
                 waiting_since = time.perf_counter()
-                micro_batches = list(self.batches.next_step())
+                with region("data wait"):
+                    micro_batches = list(self.batches.next_step())
                 data_wait = time.perf_counter() - waiting_since
                 output = train_step(self.model, self.guard, micro_batches, self.layout, cfg.optim.grad_clip)
                 self.scheduler.step()
@@ -250,6 +258,8 @@ class Trainer:
                     self._save_for_resize(step)
         finally:
             self.batches.close()
+            if self.profiler is not None:
+                self.profiler.close()
         self.checkpointing.close()
         self.result.tokens = progress.tokens
         self.result.skipped_steps = self.guard.read().skipped_total
