@@ -209,6 +209,10 @@ IN_PROCESS_CASES = [
     (["profile.start_step=5", "profile.every=2"], "profile.every"),
     (["profile.every=10"], "profile.every"),
     (["profile.start_step=5", "profile.ranks=[0, 2]"], "profile.ranks"),
+    # memory: a CUDA allocator history asked of CPU workers; allocator options that are not name:value
+    (["memory.history_entries=100000"], "memory.history_entries=100000 records CUDA allocations"),
+    (["--dry-run", "memory.history_entries=100000"], "memory.history_entries"),
+    (["memory.cuda_alloc_conf=expandable segments"], "memory.cuda_alloc_conf"),
     # non-finite numbers
     (["optim.lr=inf"], "optim.lr"),
     (["model.norm_eps=nan"], "model.norm_eps"),
@@ -258,6 +262,43 @@ def test_bad_input(
     argv = [arg.format(**bad_files) for arg in argv]
     code, out, err = run_main(argv, capsys, monkeypatch)
     assert_one_line_config_error(code, out, err, names)
+
+
+@pytest.mark.parametrize("name", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_an_allocator_setting_that_conflicts_with_the_environments_is_one_line(
+    name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(name, "max_split_size_mb:512")
+    code, out, err = run_main(["scaling.use_gpu=true", "memory.cuda_alloc_conf=expandable_segments:True"], capsys,
+                              monkeypatch)
+    assert_one_line_config_error(
+        code, out, err, f"memory.cuda_alloc_conf='expandable_segments:True' conflicts with {name}='max_split_size_mb:512'"
+    )
+
+
+def test_workers_get_the_flight_recorder_and_the_allocator_setting_through_rays_runtime_env(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from meshtrain.cluster.launcher import build_trainer
+    from meshtrain.observe.outputs import RunPaths
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+
+    def env_vars(*overrides: str) -> dict[str, str]:
+        cfg = load_config(None, [f"run.storage_path={tmp_path}", "run.name=env", *overrides])
+        return build_trainer(cfg, RunPaths("env", tmp_path), None, launch_id="x").run_config.worker_runtime_env["env_vars"]
+
+    assert env_vars() == {"TORCH_FR_BUFFER_SIZE": "2000"}  # CPU workers: no allocator setting
+    assert env_vars("scaling.use_gpu=true") == {"TORCH_FR_BUFFER_SIZE": "2000",
+                                                "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert env_vars("scaling.use_gpu=true", "memory.cuda_alloc_conf=''", "run.hang_timeout_s=null") == {
+        "PYTORCH_CUDA_ALLOC_CONF": ""}  # torch's default allocator; no watchdog, no recorder
+    assert env_vars("run.flight_recorder_entries=0") == {}
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert env_vars("scaling.use_gpu=true") == {"TORCH_FR_BUFFER_SIZE": "2000"}  # the environment's is kept
+    assert env_vars("scaling.use_gpu=true", "memory.cuda_alloc_conf=max_split_size_mb:512")[
+        "PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
 
 
 def test_unwritable_run_storage_is_one_line(

@@ -480,7 +480,7 @@ def test_every_field_has_a_description() -> None:
     rows = _walk(MeshtrainConfig)
     assert {name for name, _, is_section in rows if is_section} == {
         "model", "data", "optim", "train", "parallel", "scaling", "run", "checkpoint", "metrics", "fault", "eval",
-        "data.validation", "eval.downstream", "profile",
+        "data.validation", "eval.downstream", "eval.samples", "profile", "memory",
     }
     assert len(rows) > 50
     missing = [name for name, description, _ in rows if not (description and description.strip())]

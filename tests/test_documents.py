@@ -136,3 +136,62 @@ def test_flex_attention_inside_compiled_blocks_gives_the_same_logits() -> None:
             block.compile(fullgraph=True)
         flex = model(tokens, find_documents(tokens, EOS, "flex"))
     torch.testing.assert_close(flex, sdpa, rtol=0, atol=1e-5)
+
+
+def test_training_forwards_count_the_query_key_pairs_their_mask_allows() -> None:
+    """MFU's attention FLOPs: each query attends its position within its document + 1 keys, exactly the
+    pairs the document mask allows; without the mask, the causal triangle; evaluation forwards are not
+    training work."""
+    model = initialized_model(tiny_args())
+    generator = torch.Generator().manual_seed(4)
+    tokens = torch.stack([torch.cat(documents(generator, lengths, 97))[:40] for lengths in ([7, 20, 13], [25, 15])])
+    layout = find_documents(tokens, EOS, "sdpa")
+    model(tokens, layout)
+    keys_per_query, window = model.attention_work.take()
+    allowed = int((layout.mask == 0).sum())
+    assert (keys_per_query, window) == (allowed / tokens.numel(), 40)
+    assert allowed == sum(n * (n + 1) // 2 for n in (7, 20, 13, 25, 15))
+    assert model.attention_work.take() is None  # taking starts afresh
+    model(tokens)  # no document mask: causal over the window
+    assert model.attention_work.take() == (41 / 2, 40)
+    with torch.no_grad():
+        model(tokens, layout)
+    assert model.attention_work.take() is None
+
+
+def test_logged_steps_report_mfu_from_the_flops_computed_and_over_the_whole_window() -> None:
+    from meshtrain.checkpoint.state import Progress
+    from meshtrain.model.flops import ModelFlops, flops_per_token
+    from meshtrain.observe.metrics import TrainingMetrics
+    from meshtrain.train.guard import BadStepLimit, StepGuard
+    from meshtrain.train.records import LoopOutputs
+    from meshtrain.train.step import StepOutput
+    from meshtrain.train.step_log import StepLog
+
+    args = tiny_args()
+    model = initialized_model(args)
+    model.mask_documents(EOS)
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.stack([torch.cat(documents(generator, [10, 22, 16], 97))[:48] for _ in range(2)])
+    peak = 1e9
+    metrics = TrainingMetrics(run="r", rank=0, node="n", device=torch.device("cpu"),
+                              flops_per_token=flops_per_token(args, 48), peak_flops_per_s=peak)
+    outputs = LoopOutputs(None, metrics, None)
+    progress, records = Progress(), []
+    guard = StepGuard(torch.optim.SGD(model.parameters(), lr=0.0), torch.device("cpu"), None, 4)
+    log = StepLog(1, 2, 1, progress, BadStepLimit(guard, 3, progress, outputs), outputs, records, model)
+    log.start(0.0)
+    model(tokens).sum().backward()
+    log.after_step(1, 0.1, StepOutput(torch.tensor(1.0), torch.tensor(1.0), tokens.numel()), 0.0, last=True)
+
+    record = records[-1]
+    pairs = 2 * sum(n * (n + 1) // 2 for n in (10, 22, 16))
+    assert record["flops_per_token"] == ModelFlops.of(args).per_token(pairs / tokens.numel())
+    assert record["flops_per_token_full_attention"] == flops_per_token(args, 48) > record["flops_per_token"]
+
+    def gauge(name: str) -> float:
+        return metrics.registry.get_sample_value(name, {"run": "r", "rank": "0", "node": "n"})
+
+    assert gauge("meshtrain_mfu_ratio") == pytest.approx(record["tokens_per_s"] * record["flops_per_token"] / peak)
+    assert gauge("meshtrain_mfu_full_attention_ratio") == pytest.approx(
+        record["tokens_per_s"] * record["flops_per_token_full_attention"] / peak)

@@ -144,7 +144,7 @@ def test_a_checkpoint_without_its_run_tokenizer_is_refused(run_dir: Path, tmp_pa
     [
         (["eval.downstream.include_path=/nonexistent/tasks"], "eval.downstream.include_path='/nonexistent/tasks' is not a folder of task YAMLs"),
         (["eval.downstream.memory_gb=0.0001"], "eval.downstream.memory_gb=0.0001 cannot hold the model's weights"),
-        (["checkpoint.enabled=false"], "eval.downstream.tasks scores committed checkpoints"),
+        (["checkpoint.enabled=false"], "eval.downstream.tasks and eval.samples.prompts work on committed checkpoints"),
         (["eval.downstream.every=0"], "eval.downstream.every"),
     ],
 )

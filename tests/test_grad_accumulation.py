@@ -1,9 +1,12 @@
-"""HSDP gradient accumulation: the replicate-dim all-reduce runs once per step, not per micro-batch.
+"""HSDP gradient accumulation: the replicate-dim all-reduce runs once per step, not per micro-batch;
+with a single replica (full_shard) it never runs.
 
 On a 2x2 gloo mesh, ``train_step`` with the deferral gives the same loss and gradients as with an
 all-reduce after every micro-batch, while issuing ``units`` replicate-dim all-reduces instead of
 ``units x micro-batches``. The gradients agree to fp32 rounding, not bitwise: deferring changes the
 order of the sums, (a1 + a2) + (b1 + b2) over replicas a, b instead of (a1 + b1) + (a2 + b2).
+On a 1x4 mesh FSDP shards over the shard dimension alone: no all-reduce over the one-rank replicate
+group, and the same step as the 2x2 mesh's.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ pytestmark = pytest.mark.distributed
 
 WORLD = 4
 MESH = (2, 2)  # (replicate, shard)
+FULL_SHARD = (1, 4)
 MICRO_BATCHES = 3
 N_LAYERS = 2
 UNITS = N_LAYERS + 2  # one per block, the embedding, norm+output (the untied root holds no parameters)
@@ -45,8 +49,8 @@ def micro_batches(rank: int, seed: int) -> Batch:
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-def sharded_model(mesh: DeviceMesh, reshard_after_forward: bool) -> torch.nn.Module:
-    plan = MeshPlan(*MESH, reshard_after_forward)
+def sharded_model(mesh: DeviceMesh, reshard_after_forward: bool, shape: tuple[int, int] = MESH) -> torch.nn.Module:
+    plan = MeshPlan(*shape, reshard_after_forward)
     model = build_model(ARGS, "meta")
     parallelize(model, mesh, plan, ParallelConfig())
     materialize(model, "cpu")
@@ -74,7 +78,8 @@ class Recorder:
         self.grads = [p.grad.to_local().clone() for group in optimizer.param_groups for p in group["params"]]
 
 
-def run_step(model: torch.nn.Module, mesh: DeviceMesh, batches: list[Batch], defer: bool) -> dict[str, Any]:
+def run_step(model: torch.nn.Module, mesh: DeviceMesh, batches: list[Batch], defer: bool,
+             shape: tuple[int, int] = MESH) -> dict[str, Any]:
     """``train_step`` on each of ``batches`` in turn (one that raises is swallowed); the last step's
     loss, gradient norm, gradients and replicate all-reduce count."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -85,7 +90,7 @@ def run_step(model: torch.nn.Module, mesh: DeviceMesh, batches: list[Batch], def
         recorder.all_reduces = 0
         with mock.patch.object(dist, "all_reduce", recorder.all_reduce):
             try:
-                output = train_step(model, guard, batch, RankLayout(WorkerLayout(dist.get_rank(), WORLD), MeshPlan(*MESH, True)),
+                output = train_step(model, guard, batch, RankLayout(WorkerLayout(dist.get_rank(), WORLD), MeshPlan(*shape, True)),
                                     grad_clip=0.0, defer_all_reduce=defer)
             except (RuntimeError, ValueError):
                 continue
@@ -114,6 +119,10 @@ def _rank(rank: int, world: int) -> dict[str, Any]:
     # nothing behind for the next step.
     steps = [broken(micro_batches(rank, seed=2)), micro_batches(rank, seed=1)]
     results["after_failure"] = run_step(sharded_model(mesh, True), mesh, steps, defer=True)
+    full_mesh = build_mesh(MeshPlan(*FULL_SHARD, True), "cpu")
+    full = sharded_model(full_mesh, True, FULL_SHARD)
+    results["full_shard_mesh_dims"] = next(full.parameters()).device_mesh.mesh_dim_names
+    results["full_shard"] = run_step(full, full_mesh, [micro_batches(rank, seed=1)], defer=False, shape=FULL_SHARD)
     return results
 
 
@@ -148,3 +157,14 @@ def test_a_step_that_raised_leaves_no_partial_gradient(ranks: list[dict[str, Any
     for result in ranks:
         assert result["after_failure"]["all_reduces"] == UNITS
         assert_same_step(result["after_failure"], result["deferred/True"])
+
+
+def test_full_shard_shards_over_one_dimension_and_never_all_reduces(ranks: list[dict[str, Any]]) -> None:
+    """FSDP2 takes any 2D mesh as HSDP: on (1, 4) it would all-reduce each unit's gradient over the
+    one-rank replicate group after every micro-batch (UNITS x MICRO_BATCHES calls). The same batches
+    and weights give the 2x2 mesh's loss and gradient norm."""
+    for result in ranks:
+        assert result["full_shard_mesh_dims"] == ("shard",)
+        assert result["full_shard"]["all_reduces"] == 0
+        assert result["full_shard"]["loss"] == pytest.approx(result["deferred/True"]["loss"], rel=1e-6)
+        assert result["full_shard"]["grad_norm"] == pytest.approx(result["deferred/True"]["grad_norm"], rel=1e-5)

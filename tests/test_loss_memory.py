@@ -1,4 +1,5 @@
-"""The chunked token cross entropy: same loss and gradient as the plain fp32 formula, less memory."""
+"""The chunked token cross entropy: same loss and gradient as the plain fp32 formula, less memory; its
+compiled chunk functions (the CUDA default) give the eager ones' values."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshtrain.model.loss import token_cross_entropy_sum
+from meshtrain.model.loss import token_cross_entropy_sum, vocab_parallel_cross_entropy_sum
 
 
 def plain_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -99,6 +101,58 @@ def test_model_computed_logits_are_overwritten_by_their_gradient_not_copied(dtyp
     untouched = logits.detach().clone().requires_grad_()  # a caller's leaf keeps its values
     token_cross_entropy_sum(untouched, targets, 4).backward()
     assert torch.equal(untouched.detach(), logits)
+
+
+def computed_loss_and_grad(loss_fn, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``loss_and_grad`` of logits an operation computed, which the loss overwrites with their gradient."""
+    leaf = logits.detach().clone().requires_grad_()
+    loss = loss_fn(leaf * 1.0, targets)
+    loss.backward()
+    return loss.detach(), leaf.grad
+
+
+def test_compiled_chunks_give_the_eager_loss_and_gradient() -> None:
+    """Compiled on CPU here (inductor's C++ backend; CUDA compiles by default), as training calls it:
+    computed logits overwritten by their gradient, 21 tokens in chunks of 4 (the shorter last chunk
+    makes a second, dynamic graph), an ignored target. fp32 only: a bf16 gradient is the same fp32
+    value rounded once. jobs/bench_loss.py measures the speed."""
+    logits, targets = random_case(3, 7, vocab=50, dtype=torch.float32, seed=4)
+    targets[1, 2] = -100
+    eager_loss, eager_grad = computed_loss_and_grad(lambda x, t: token_cross_entropy_sum(x, t, 4, compiled=False),
+                                                    logits, targets)
+    loss, grad = computed_loss_and_grad(lambda x, t: token_cross_entropy_sum(x, t, 4, compiled=True), logits, targets)
+    # The same fp32 math, its sums in another order (inductor's vectorized reductions).
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(grad, eager_grad, rtol=0.0, atol=1e-6)  # entries lie in [-1, 1]
+    assert not grad[1, 2].any()
+    with torch.no_grad():
+        torch.testing.assert_close(token_cross_entropy_sum(logits, targets, 4, compiled=True), eager_loss, rtol=1e-6, atol=0.0)
+
+
+def test_chunk_functions_run_compiled_by_default_on_cuda_only() -> None:
+    from meshtrain.model.loss import _EAGER, _compiled_kernels, _kernels
+
+    assert _kernels(torch.device("cuda", 0), None) is _compiled_kernels() is not _EAGER
+    assert _kernels(torch.device("cpu"), None) is _EAGER
+    assert _kernels(torch.device("cpu"), True) is _compiled_kernels()
+    assert _kernels(torch.device("cuda", 0), False) is _EAGER
+
+
+def test_compiled_vocabulary_slice_chunks_give_the_eager_loss_and_gradient(single_rank_group: None) -> None:
+    """The loss-parallel chunk functions compiled, on one rank holding the first 50 columns of a larger
+    vocabulary: the targets from 50 up are another rank's, whose logit counts 0 here."""
+    logits, targets = random_case(3, 7, vocab=50, dtype=torch.float32, seed=5)
+    targets = targets + 10
+    targets[0, 0] = -100
+    assert (targets >= 50).any()
+
+    def sliced(compiled: bool):
+        return lambda x, t: vocab_parallel_cross_entropy_sum(x, t, 0, dist.group.WORLD, 4, compiled=compiled)
+
+    eager_loss, eager_grad = computed_loss_and_grad(sliced(False), logits, targets)
+    loss, grad = computed_loss_and_grad(sliced(True), logits, targets)
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(grad, eager_grad, rtol=0.0, atol=1e-6)
 
 
 # Runs in a fresh process. Each phase resets the kernel's peak-RSS mark (clear_refs 5), so VmHWM minus

@@ -149,7 +149,7 @@ def test_dashboard_queries_return_data_from_a_real_run(prometheus: tuple[Prometh
         "fault.kill_rank=1", "fault.at_step=30",
         # Downstream evaluation of every checkpoint (20, 40, 60) in Ray tasks beside the workers.
         "eval.downstream.tasks=[meshtrain_mc,meshtrain_ppl]", "eval.downstream.include_path=tests/data/downstream",
-        "eval.downstream.limit=8", "eval.downstream.num_cpus=0.01",
+        "eval.downstream.limit=8", "eval.downstream.num_cpus=0.01", "eval.samples.prompts=[import os]",
         f"run.storage_path={storage}", f"run.name={RUN}",
         f"metrics.port={base_port}", "metrics.bind_address=127.0.0.1", "metrics.final_scrape_timeout_s=5",
         timeout=400,
@@ -200,6 +200,8 @@ def test_dashboard_queries_return_data_from_a_real_run(prometheus: tuple[Prometh
     assert sorted((r["step"], r["task"]) for r in scored) == [
         (step, task) for step in (20, 40, 60) for task in ("meshtrain_mc", "meshtrain_ppl")], scored
     assert all((storage / RUN / "downstream" / f"step-{step:08d}" / "results.json").is_file() for step in (20, 40, 60))
+    assert sorted(r["step"] for r in records if r["event"] == "text_samples") == [20, 40, 60]
+    assert "[meshtrain] sample step 60: 'import os' -> " in job.stdout, job.stdout[-3000:]
     summary = json.loads((storage / RUN / "summary.json").read_text())
     assert {task: r["step"] for task, r in summary["downstream"].items()} == {"meshtrain_mc": 60, "meshtrain_ppl": 60}
     exported = server.instant(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -32,7 +33,8 @@ SETTINGS = (
 )
 TRACKERS = ("metrics.wandb=true", "metrics.mlflow=true", "metrics.wandb_tags=[ci,resume]")
 DOWNSTREAM = ("eval.downstream.tasks=[meshtrain_mc,meshtrain_ppl]", "eval.downstream.include_path=tests/data/downstream",
-              "eval.downstream.limit=4", "eval.downstream.num_cpus=0.01")
+              "eval.downstream.limit=4", "eval.downstream.num_cpus=0.01", "eval.samples.prompts=[def main]",
+              "eval.samples.max_new_tokens=8")
 
 
 def final_checkpoint(run_dir: Path) -> Path:
@@ -91,6 +93,15 @@ def test_a_hung_worker_is_detected_and_the_run_recovers_and_matches(storage: Pat
     assert "fault injection: rank 1 hangs at step 15" in output
     assert "no progress for" in output and "run.hang_timeout_s=5" in output
     run_dir = storage / "hung"
+    # Where it hung, from the flight recorders of both ranks (gloo's collectives are recorded too):
+    # rank 0 waits in one of FSDP's collectives of step 15, which the sleeping rank 1 never entered.
+    diagnosis = (run_dir / "hangs" / "diagnosis.txt").read_text().strip()
+    assert re.fullmatch(
+        r"\[meshtrain\] hang: gloo:\w+ #\d+ on process group \S+ \([\w, -]*ranks 0-1\) never completed: rank 0 waits "
+        rf"in it; rank 1 never entered it \(last there: #\d+, while training step 15\); dumps in {re.escape(str(run_dir / 'hangs'))}",
+        diagnosis,
+    ), diagnosis
+    assert diagnosis in output
     assert loads(run_dir) == [10]
     assert_same_weights(model_weights(final_checkpoint(run_dir), tmp_path), unbroken)
 
@@ -219,11 +230,16 @@ def test_every_checkpoint_is_scored_downstream_once(midsave: Path) -> None:
     """Rank 1 died while step 20 was being saved: the steps scored are the committed ones, each once,
     the first group's and the resumed group's, and step 40's after training."""
     records = read_metrics(midsave)
-    scored = sorted((r["step"], r["task"]) for r in records if r["event"] == "downstream_eval")
-    assert scored == [(step, task) for step in (10, 20, 30, 40) for task in ("meshtrain_mc", "meshtrain_ppl")]
+    scored = sorted((r["step"], f"downstream_eval/{r['task']}") for r in records if r["event"] == "downstream_eval")
+    assert scored == [(step, f"downstream_eval/{task}") for step in (10, 20, 30, 40)
+                      for task in ("meshtrain_mc", "meshtrain_ppl")]
+    sampled = [r for r in records if r["event"] == "text_samples"]
+    assert sorted(r["step"] for r in sampled) == [10, 20, 30, 40]
+    assert all(len(r["samples"]) == 1 and r["samples"][0]["prompt"] == "def main" for r in sampled)
+    assert (midsave / "downstream" / "step-00000040" / "text_samples.jsonl").is_file()
     # Each was handed to the trackers once: by rank 0 of the group that was training, or by the driver.
-    marked = sorted((r["step"], r["task"]) for r in records if r["event"] == "downstream_logged")
-    assert marked == scored
+    marked = sorted((r["step"], r["key"]) for r in records if r["event"] == "downstream_logged")
+    assert marked == sorted(scored + [(step, "text_samples") for step in (10, 20, 30, 40)])
 
 
 def test_mlflow_holds_one_run_with_every_logged_step_once(midsave: Path) -> None:
@@ -244,6 +260,8 @@ def test_mlflow_holds_one_run_with_every_logged_step_once(midsave: Path) -> None
         assert sorted(m.step for m in history) == sorted(expected[name]), name  # each step once
         assert {m.step: m.value for m in history} == expected[name], name
     assert [m.value for m in client.get_metric_history(run.info.run_id, "run/resumed_from_step")] == [10.0]
+    samples = sorted(artifact.path for artifact in client.list_artifacts(run.info.run_id, "samples"))
+    assert samples == [f"samples/step-{step:08d}.json" for step in (10, 20, 30, 40)]
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "run/restarts")] == [(1, 0.0), (10, 1.0)]
 
 
@@ -266,6 +284,9 @@ def test_wandb_offline_holds_one_run_with_every_logged_step_once(midsave: Path) 
         assert dict(logged) == expected[name], name
     assert [(row["step"], row["run/restarts"]) for row in rows if "run/restarts" in row] == [(1, 0), (10, 1)]
     assert [row["step"] for row in rows if "run/resumed_from_step" in row] == [10]
+    tables = [row for row in rows if row.get("samples._type") == "table-file"]
+    assert sorted(row["step"] for row in tables) == [10, 20, 30, 40]  # a text-samples table per step, once
+    assert {row["samples.nrows"] for row in tables} == {1}
 
 
 def test_damaged_newest_checkpoints_are_marked_bad_and_the_run_falls_back_to_the_unbroken_weights(

@@ -31,6 +31,9 @@ class Recording:
             raise ConnectionError("tracker down")
         self.rows.append((step, values))
 
+    def log_text(self, step: int, name: str, rows: list[dict[str, str]]) -> None:
+        self.rows.append((step, {name: rows}))  # type: ignore[dict-item]
+
     def close(self, finished: bool) -> None:
         self.closed = finished
 
@@ -120,6 +123,16 @@ def test_each_downstream_task_of_a_step_is_logged_once_and_rank_0_finds_the_driv
     for record in scored:
         sink.record(record)
     assert again.rows == []
+    # Text samples: a table per step, once, with the same markers.
+    samples = {"event": "text_samples", "step": 20, "samples": [
+        {"prompt": "def", "continuation": " f():", "new_tokens": 3, "stopped_at_eos": False}]}
+    texts = Recording()
+    sink = TrackerSink(texts, logged_records(metrics), restarts=None)
+    sink.record(samples)
+    sink.record(samples)
+    assert texts.rows == [(20, {"samples": [{"prompt": "def", "continuation": " f():"}]})]
+    append_records(metrics, [logged_marker(samples)])
+    assert ("text_samples", 20) in logged_records(metrics)
 
 
 def test_the_tracker_run_id_is_stable_per_run_directory(tmp_path: Path) -> None:

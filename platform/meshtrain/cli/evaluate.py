@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from meshtrain.checkpoint.export import resolve_checkpoint
     from meshtrain.checkpoint.storage import CheckpointError
     from meshtrain.config import ConfigError
-    from meshtrain.evaluate.checkpoint_eval import default_run_dir, evaluate_checkpoint, results_folder
+    from meshtrain.evaluate.checkpoint_eval import RESULTS_FILE, default_run_dir, evaluate_checkpoint, results_folder
     from meshtrain.evaluate.harness import HarnessRun
     from meshtrain.observe.progress import progress_line
 
@@ -76,5 +76,6 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG_ERROR
     for record in evaluation.records:
         print(progress_line(record, 0))
-    print(f"[meshtrain] evaluated {checkpoint} in {evaluation.seconds:.1f}s -> {evaluation.results_path}", flush=True)
+    print(f"[meshtrain] evaluated {checkpoint} in {evaluation.seconds:.1f}s -> {evaluation.folder / RESULTS_FILE}",
+          flush=True)
     return 0

@@ -26,11 +26,18 @@ from typing import Any
 
 from meshtrain.checkpoint.storage import CheckpointStorage, CommittedCheckpoint, run_checkpoints
 from meshtrain.config import MeshtrainConfig
-from meshtrain.evaluate.checkpoint_eval import RESULTS_FILE, evaluate_checkpoint, results_folder
+from meshtrain.evaluate.checkpoint_eval import (
+    DOWNSTREAM_DIR,
+    RESULTS_FILE,
+    SAMPLES_FILE,
+    SampleRun,
+    evaluate_checkpoint,
+    results_folder,
+)
 from meshtrain.evaluate.harness import HarnessRun
 from meshtrain.observe.outputs import RunPaths
 from meshtrain.observe.progress import RecordFollower, append_records
-from meshtrain.observe.trackers import logged_marker, logged_records, record_key
+from meshtrain.observe.trackers import DRIVER_EVENTS, logged_marker, logged_records, record_key
 
 POLL_S = 5.0
 
@@ -51,9 +58,10 @@ def task_resources(cfg: MeshtrainConfig) -> dict[str, Any]:
     return resources
 
 
-def _score(checkpoint: str, harness: HarnessRun, run_dir: str, storage_options: dict[str, Any]) -> list[dict[str, Any]]:
-    """The Ray task: one checkpoint scored, its results JSON written, its lease released; its
-    ``downstream_eval`` records."""
+def _score(checkpoint: str, harness: HarnessRun | None, samples: SampleRun | None, run_dir: str,
+           storage_options: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Ray task: one checkpoint scored and its prompts continued, the files written, its lease
+    released; its ``downstream_eval`` and ``text_samples`` records."""
     import torch
 
     on_gpu = torch.cuda.is_available()
@@ -61,7 +69,7 @@ def _score(checkpoint: str, harness: HarnessRun, run_dir: str, storage_options: 
     try:
         evaluation = evaluate_checkpoint(
             checkpoint, harness, lambda step: results_folder(Path(run_dir), step), storage_options,
-            dtype=torch.bfloat16 if on_gpu else torch.float32, device="cuda" if on_gpu else "cpu",
+            dtype=torch.bfloat16 if on_gpu else torch.float32, device="cuda" if on_gpu else "cpu", samples=samples,
         )
     finally:
         storage.release(storage.root)
@@ -76,7 +84,8 @@ class DownstreamEvaluations:
         import ray
 
         self.cfg, self.paths, self.print_line, self.poll_s = cfg, paths, print_line, poll_s
-        self.harness = HarnessRun.of(cfg.eval.downstream)
+        self.harness = HarnessRun.of(cfg.eval.downstream) if cfg.eval.downstream.enabled else None
+        self.samples = SampleRun.of(cfg.eval.samples)
         self.storage = run_checkpoints(cfg)
         self.task = ray.remote(max_retries=0, **task_resources(cfg))(_score)
         self.pending: dict[Any, CommittedCheckpoint] = {}  # task -> the checkpoint it scores
@@ -87,13 +96,15 @@ class DownstreamEvaluations:
         self._thread = threading.Thread(target=self._follow, name="meshtrain-downstream", daemon=True)
 
     def _scored_steps(self) -> set[int]:
-        folder = self.paths.run_dir / "downstream"
+        """Steps an earlier launch of the run evaluated already (their files are there)."""
+        wanted = [name for name, on in ((RESULTS_FILE, self.harness), (SAMPLES_FILE, self.samples)) if on is not None]
         steps = set()
-        for results in folder.glob(f"step-*/{RESULTS_FILE}"):
-            try:
-                steps.add(int(results.parent.name.removeprefix("step-")))
-            except ValueError:
-                continue
+        for folder in (self.paths.run_dir / DOWNSTREAM_DIR).glob("step-*"):
+            if all((folder / name).is_file() for name in wanted):
+                try:
+                    steps.add(int(folder.name.removeprefix("step-")))
+                except ValueError:
+                    continue
         return steps
 
     def __enter__(self) -> DownstreamEvaluations:
@@ -126,7 +137,8 @@ class DownstreamEvaluations:
             # Evaluations may queue behind training for resources: pruning must leave this one alone.
             self.storage.lease(checkpoint.path, holder=f"downstream evaluation of run {self.paths.name}")
             url = self.storage.display(checkpoint.path)
-            ref = self.task.remote(url, self.harness, str(self.paths.run_dir), self.cfg.checkpoint.storage_options)
+            ref = self.task.remote(url, self.harness, self.samples, str(self.paths.run_dir),
+                                   self.cfg.checkpoint.storage_options)
             self.pending[ref] = checkpoint
 
     def _collect(self, timeout_s: float) -> None:
@@ -145,7 +157,7 @@ class DownstreamEvaluations:
                 continue
             append_records(self.paths.metrics, [{**record, "time": time.time()} for record in records])
             for record in records:
-                if record["step"] >= self.latest.get(record["task"], {}).get("step", -1):
+                if record["event"] == "downstream_eval" and record["step"] >= self.latest.get(record["task"], {}).get("step", -1):
                     self.latest[record["task"]] = record
 
     def _failed(self, step: int, exc: BaseException) -> None:
@@ -182,7 +194,7 @@ class DownstreamEvaluations:
         from meshtrain.cluster.worker import open_trackers
 
         already = logged_records(self.paths.metrics)
-        missing = [record for record in RecordFollower(self.paths.metrics, {"downstream_eval"}).new_records()
+        missing = [record for record in RecordFollower(self.paths.metrics, set(DRIVER_EVENTS)).new_records()
                    if record_key(record) not in already]
         if not missing:
             return

@@ -20,6 +20,7 @@ from meshtrain.cluster.downstream import DownstreamEvaluations
 from meshtrain.cluster.failures import Failure, root_failure
 from meshtrain.cluster.interrupts import DriverInterrupts
 from meshtrain.cluster.preflight import preflight
+from meshtrain.cluster.worker_env import worker_env
 from meshtrain.config import ConfigError, MeshtrainConfig, config_error_in, redact_url
 from meshtrain.data import (
     LEGACY_SAMPLING,
@@ -72,7 +73,7 @@ RESUMABLE_CHANGES = (
     "train.steps", "train.log_every", "train.micro_batch_size", "parallel", "scaling", "run", "checkpoint",
     "metrics", "fault", "data.cache_dir", "data.storage_options", "data.allow_fingerprint_change",
     "optim.schedule_steps", "eval", "train.max_bad_steps", "train.loss_spike_factor", "train.loss_spike_window",
-    "train.gc_every",
+    "train.gc_every", "memory",
 )
 
 
@@ -320,6 +321,8 @@ def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, data: DataPlan, launch_
             storage_path=str(paths.storage_path),
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
             callbacks=load_ray_callbacks(cfg.metrics.ray_callbacks),
+            # Read by torch when the worker starts its process group and CUDA, before our code runs.
+            worker_runtime_env={"env_vars": worker_env(cfg, os.environ)},
         ),
     )
 
@@ -363,7 +366,7 @@ def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
     )
     launch_id = f"{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"
     trainer = build_trainer(cfg, paths, data, launch_id=launch_id)
-    downstream = DownstreamEvaluations(cfg, paths) if cfg.eval.downstream.enabled else None
+    downstream = DownstreamEvaluations(cfg, paths) if cfg.eval.downstream.enabled or cfg.eval.samples.prompts else None
     try:
         with DriverInterrupts(StopRequest(str(paths.stop_request), launch_id), cfg.fault.preemption_save_s), \
                 ProgressMonitor(paths.metrics, cfg.train.steps, cfg.metrics.progress_interval_s), \

@@ -20,6 +20,7 @@ from typing import Any
 import fsspec
 from fsspec.core import split_protocol
 
+from meshtrain.cluster.worker_env import worker_env
 from meshtrain.config import ConfigError, DataConfig, MeshtrainConfig, ModelConfig, redact_url, require_extra
 from meshtrain.data import expand_local_source, tokenizer_vocab_size
 from meshtrain.data.store import is_token_store, with_timeouts
@@ -66,6 +67,7 @@ def preflight(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> Meshtrain
     _check_preemption_budget(cfg)
     _check_float8(cfg)
     _check_downstream(cfg)
+    worker_env(cfg, os.environ)  # an allocator setting that conflicts with the environment's
     check_wandb(cfg)
     check_mlflow(cfg)
     return cfg

@@ -35,7 +35,14 @@ from meshtrain.observe.metrics import (
 from meshtrain.observe.outputs import RunPaths, write_summary
 from meshtrain.observe.progress import RecordFollower, StepRecorder
 from meshtrain.observe.reporting import RayTrainReporter, TensorBoardWriter
-from meshtrain.observe.trackers import TrackerBackend, TrackerSink, logged_marker, logged_records, record_key
+from meshtrain.observe.trackers import (
+    DRIVER_EVENTS,
+    TrackerBackend,
+    TrackerSink,
+    logged_marker,
+    logged_records,
+    record_key,
+)
 from meshtrain.train.preemption import StopRequest
 from meshtrain.train.trainer import train
 
@@ -255,8 +262,8 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
 
     # The driver appends its downstream evaluations to metrics.jsonl; at each logged step rank 0 hands
     # those it has not seen to TensorBoard, the trackers and Prometheus (the file has them already).
-    downstream = (RecordFollower(paths.metrics, {"downstream_eval"})
-                  if layout.world_rank == 0 and cfg.eval.downstream.enabled else None)
+    downstream = (RecordFollower(paths.metrics, set(DRIVER_EVENTS))
+                  if layout.world_rank == 0 and (cfg.eval.downstream.enabled or cfg.eval.samples.prompts) else None)
 
     def on_record(record: dict[str, Any]) -> None:
         for sink in (*sinks, *trackers):
@@ -269,7 +276,7 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
                         sink.record(scored)
                 if unlogged and recorder is not None:
                     recorder.record(logged_marker(scored))  # metrics.jsonl: the trackers have it
-                if metrics is not None:
+                if metrics is not None and scored["event"] == "downstream_eval":
                     metrics.downstream_scored(scored)
 
     if resize is not None:

@@ -136,7 +136,7 @@ class DownstreamEvalConfig(Section):
     )
     every: int = Field(
         1, gt=0, description="Score every N-th periodic checkpoint (steps that are multiples of N x "
-        "checkpoint.interval), and the last step's."
+        "checkpoint.interval), and the last step's; eval.samples follow the same checkpoints."
     )
     num_fewshot: int | None = Field(None, ge=0, description="Few-shot examples per prompt; null = each task's own.")
     limit: int | None = Field(None, gt=0, description="At most this many examples per task; null = all.")
@@ -159,7 +159,22 @@ class DownstreamEvalConfig(Section):
         return bool(self.tasks)
 
 
+class TextSamplesConfig(Section):
+    prompts: list[str] = Field(
+        default_factory=list,
+        description="Prompts whose continuations each scored checkpoint writes (downstream/step-N/text_samples.jsonl, "
+        "the trackers, the job log): the quickest human check that training works; empty = none.",
+    )
+    max_new_tokens: int = Field(64, gt=0, description="New tokens per continuation (it stops earlier at end of document).")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy; above 0 samples at this temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (with temperature > 0).")
+    seed: int = Field(0, description="Seed of the sampling, so a checkpoint's samples can be drawn again.")
+
+
 class EvalConfig(Section):
+    samples: TextSamplesConfig = Field(
+        default_factory=TextSamplesConfig, description="Text continuations of fixed prompts at each scored checkpoint."
+    )
     downstream: DownstreamEvalConfig = Field(
         default_factory=DownstreamEvalConfig, description="Downstream tasks (lm-evaluation-harness) on checkpoints."
     )
@@ -342,6 +357,13 @@ class RunConfig(Section):
         description="After the first step, a worker with no progress for this long (a hung collective, a stuck "
         "rank) exits so Ray restarts the group from the last checkpoint; bytes reaching checkpoint storage count as "
         "progress, so a long save that keeps writing is never cut; must exceed the slowest step and evaluation; null = off.",
+    )
+    flight_recorder_entries: int = Field(
+        2000,
+        ge=0,
+        description="Recent collectives each worker's torch flight recorder keeps (TORCH_FR_BUFFER_SIZE; gloo and "
+        "NCCL groups alike); when the hang watchdog fires, every rank writes them to <run dir>/hangs/rank<R>.json "
+        "and one line names the collective that never completed and the ranks that never entered it; 0 = off.",
     )
 
     @field_validator("name")
@@ -573,6 +595,48 @@ class ProfileConfig(Section):
                               f"ranks in 0..{workers - 1} (scaling.num_workers={workers}) or null for every rank")
 
 
+class MemoryConfig(Section):
+    cuda_alloc_conf: str | None = Field(
+        None,
+        description="PYTORCH_CUDA_ALLOC_CONF of the GPU workers, set through Ray's runtime env before CUDA starts; "
+        "null = expandable_segments:True (less fragmentation from FSDP's per-block buffers), unless the driver's "
+        "environment sets PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF (the workers then keep that); '' = torch's "
+        "default allocator. A value that differs from one the environment sets is refused.",
+    )
+    history_entries: int | None = Field(
+        None,
+        gt=0,
+        description="GPU: record this many CUDA allocator events with their stacks "
+        "(torch.cuda.memory._record_memory_history), so the snapshot a rank writes when it runs out of memory "
+        "(<run dir>/memory/rank<R>.step<S>.pickle, for pytorch.org/memory_viz) shows what allocated each block; "
+        "null = the snapshot shows the segments and blocks alone.",
+    )
+
+    @field_validator("cuda_alloc_conf")
+    @classmethod
+    def _options(cls, value: str | None) -> str | None:
+        if value and not all(re.fullmatch(r"[a-z0-9_]+:\S+", option) for option in _alloc_options(value)):
+            raise ValueError(f"expected comma-separated name:value options such as 'expandable_segments:True', "
+                             f"got {value!r}")
+        return value
+
+    def check_device(self, use_gpu: bool) -> None:
+        if self.history_entries is not None and not use_gpu:
+            raise ValueError(f"memory.history_entries={self.history_entries} records CUDA allocations; set "
+                             "scaling.use_gpu=true or memory.history_entries=null")
+
+
+def _alloc_options(value: str) -> list[str]:
+    """PYTORCH_CUDA_ALLOC_CONF's options: split at commas outside brackets (roundup_power2_divisions:[...])."""
+    options, depth, start = [], 0, 0
+    for at, char in enumerate(value):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            options.append(value[start:at])
+            start = at + 1
+    return [*options, value[start:]]
+
+
 class MeshtrainConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="Model shape.")
     data: DataConfig = Field(default_factory=DataConfig, description="Corpus, tokenizer and packing.")
@@ -587,6 +651,9 @@ class MeshtrainConfig(Section):
     fault: FaultConfig = Field(default_factory=FaultConfig, description="Fault injection for tests and demos.")
     profile: ProfileConfig = Field(
         default_factory=ProfileConfig, description="torch.profiler traces of chosen training steps, per rank."
+    )
+    memory: MemoryConfig = Field(
+        default_factory=MemoryConfig, description="The GPU workers' CUDA allocator and memory snapshots."
     )
 
     @model_validator(mode="after")
@@ -611,9 +678,10 @@ class MeshtrainConfig(Section):
         # A re-run may resolve another horizon (the launcher keeps the first launch's); it checks again.
         self.optim.check_horizon(self.optim.schedule_steps or self.train.steps)
         self.profile.check_within(self.train.steps, self.scaling.num_workers)
-        if self.eval.downstream.enabled and not self.checkpoint.enabled:
-            raise ValueError("eval.downstream.tasks scores committed checkpoints; set checkpoint.enabled=true or "
-                             "eval.downstream.tasks=[]")
+        self.memory.check_device(self.scaling.use_gpu)
+        if (self.eval.downstream.enabled or self.eval.samples.prompts) and not self.checkpoint.enabled:
+            raise ValueError("eval.downstream.tasks and eval.samples.prompts work on committed checkpoints; set "
+                             "checkpoint.enabled=true, or eval.downstream.tasks=[] and eval.samples.prompts=[]")
         if self.eval.interval is not None and self.data.validation.fraction == 0 and self.data.validation.source is None:
             raise ValueError(
                 f"eval.interval={self.eval.interval} needs validation data; set data.validation.fraction (e.g. 0.01) "

@@ -35,11 +35,18 @@ def build_mesh(plan: MeshPlan, device_type: str) -> DeviceMesh:
 
 
 def fsdp_mesh(mesh: DeviceMesh, plan: MeshPlan) -> DeviceMesh:
-    """The 2D (replicate, shard) mesh FSDP shards over: with context parallel, shard x context
+    """The mesh FSDP shards over: (replicate, shard) for HSDP, the shard dimension alone when there is
+    one replica (FSDP2 takes any 2D mesh as HSDP and all-reduces every unit's gradient over its
+    replicate dimension, even one of a single rank). With context parallel, shard x context is
     flattened into one dimension (context peers hold different tokens, so they shard and average
-    gradients like data-parallel ranks do)."""
+    gradients like data-parallel ranks do). Checkpoints do not depend on it: DCP stores each
+    parameter's global offsets, so the 1D (Shard(0),) and 2D (Replicate(), Shard(0)) layouts read
+    each other's."""
+    shard = mesh["shard", "context"]._flatten("shard_context") if plan.context > 1 else mesh["shard"]
+    if plan.replicate == 1:
+        return shard
     if plan.context > 1:
-        return DeviceMesh._concatenate([mesh["replicate"], mesh["shard", "context"]._flatten("shard_context")])
+        return DeviceMesh._concatenate([mesh["replicate"], shard])
     return mesh["replicate", "shard"] if plan.tensor > 1 else mesh
 
 

@@ -16,8 +16,8 @@ end-of-document token.
   gives alone (padding changes a batch's float sums, which can flip a near tie), and a sample depends
   only on its prompt, the settings and the seed, never on the prompts beside it.
 - ``generate`` samples from the global torch RNG (it takes no generator), so each prompt runs in
-  ``torch.random.fork_rng`` with the CPU generator seeded with ``seed``: the caller's RNG state is
-  left as it was.
+  ``torch.random.fork_rng`` with the generator of the model's device (CPU, or its GPU) seeded with
+  ``seed``: the caller's RNG state is left as it was.
 """
 
 from __future__ import annotations
@@ -82,11 +82,15 @@ def continue_ids(
         max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos, **sampling
     )
     device = loaded.model.device
+    # Sampling draws from the generator of the model's device: that one is forked and seeded.
+    on_gpu = device.type == "cuda"
     continuations: list[list[int]] = []
     for ids in prompts:
         tokens = torch.tensor([list(ids)], dtype=torch.long, device=device)
-        with torch.random.fork_rng(devices=[]), torch.inference_mode():
+        with torch.random.fork_rng(devices=[device.index or 0] if on_gpu else []), torch.inference_mode():
             torch.default_generator.manual_seed(seed)
+            if on_gpu:
+                torch.cuda.manual_seed(seed)
             # The mask is given: with pad = eos, transformers would otherwise guess one from the tokens.
             out = loaded.model.generate(tokens, attention_mask=torch.ones_like(tokens), generation_config=config)
         continuations.append(out[0, tokens.shape[1]:].tolist())

@@ -85,7 +85,9 @@ def find_documents(
 @cache
 def _compiled_flex_attention() -> object:
     # Flex attention is only fast compiled: outside a compiled block it runs through this wrapper.
-    return torch.compile(flex_attention, dynamic=False)
+    # Wrapped as one inductor_compiled_code op, so selective recompute can save its output
+    # (torch's checkpoint policy cannot see into a compiled region otherwise and reruns it).
+    return torch.compile(flex_attention, dynamic=False, options={"wrap_inductor_compiled_regions": True})
 
 
 def masked_attention(

@@ -3,27 +3,89 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 
 from meshtrain.config import ModelArgs
 
 
-def flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token, from the model shape alone.
+@dataclass(frozen=True)
+class ModelFlops:
+    """Training FLOPs (forward + backward) per token: the matrix multiplies, which every token pays
+    alike, plus attention, which costs ``per_key`` for each key a query attends to.
 
     Each weight of a matrix multiply costs 2 FLOPs per token forward and 4 backward, so 6 per
-    weight. Attention adds QK^T and AV: 2 * 2 * seq_len * dim per layer forward, 12 * layers *
-    seq_len * dim in all. This is the PaLM / torchtitan convention (no discount for the causal
-    mask), so meshtrain's MFU compares with theirs. The input embedding is a lookup and costs
-    nothing, unless it is tied to the output head, which is a matrix multiply.
+    weight. Attention's QK^T and AV cost 2 * 2 * dim FLOPs per (query, key) pair and layer forward,
+    so 12 * layers * dim with backward. The input embedding is a lookup and costs nothing, unless it
+    is tied to the output head, which is a matrix multiply.
     """
-    kv_dim = args.n_kv_heads * args.head_dim
-    attention = 2 * args.dim * args.dim + 2 * args.dim * kv_dim
-    feed_forward = 3 * args.dim * args.ffn_dim
-    head = args.vocab_size * args.dim
-    matmul_weights = args.n_layers * (attention + feed_forward) + head
-    return 6.0 * matmul_weights + 12.0 * args.n_layers * seq_len * args.dim
+
+    matmul: float
+    per_key: float
+
+    @classmethod
+    def of(cls, args: ModelArgs) -> ModelFlops:
+        kv_dim = args.n_kv_heads * args.head_dim
+        attention = 2 * args.dim * args.dim + 2 * args.dim * kv_dim
+        feed_forward = 3 * args.dim * args.ffn_dim
+        head = args.vocab_size * args.dim
+        matmul_weights = args.n_layers * (attention + feed_forward) + head
+        return cls(6.0 * matmul_weights, 12.0 * args.n_layers * args.dim)
+
+    def per_token(self, keys_per_query: float) -> float:
+        """FLOPs per token when each query attends to ``keys_per_query`` keys on average."""
+        return self.matmul + self.per_key * keys_per_query
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token with attention counted over the whole window: every query against all
+    ``seq_len`` keys, no discount for the causal mask nor the document mask. This is the PaLM /
+    torchtitan convention, so this figure compares with theirs; the FLOPs a step actually computes
+    (:class:`AttentionWork`) are fewer, near half of the attention term with the causal mask alone."""
+    return ModelFlops.of(args).per_token(seq_len)
+
+
+class AttentionWork:
+    """The (query, key) pairs that training forwards attended, summed until read: the attention FLOPs
+    a step actually needs under its mask. Pairs are counted exactly (each query attends its position
+    within its document + 1 keys), not by the kernel's blocks: flex attention on a GPU also computes
+    the masked-out parts of the 128 x 128 blocks a document boundary crosses, which are not model FLOPs.
+
+    Counting keeps a sum on the device (no sync per forward); :meth:`take` reads it.
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pairs: torch.Tensor | None = None  # from position tensors, on their device
+        self._causal_pairs = 0  # from windows without a document mask, known from shapes
+        self._queries = 0
+        self._window = 0
+
+    def count(self, positions: torch.Tensor, window: int) -> None:
+        """Queries at ``positions`` (batch, queries) within their documents, of windows of ``window`` tokens."""
+        pairs = positions.sum() + positions.numel()
+        self._pairs = pairs if self._pairs is None else self._pairs + pairs
+        self._queries += positions.numel()
+        self._window = window
+
+    def count_causal(self, batch: int, window: int) -> None:
+        """``batch`` whole windows of ``window`` tokens under the causal mask alone."""
+        self._causal_pairs += batch * window * (window + 1) // 2
+        self._queries += batch * window
+        self._window = window
+
+    def take(self) -> tuple[float, int] | None:
+        """(keys per query on average, window length) since the last take, or None if nothing was
+        counted; starts counting afresh. Reads the device sum (a sync)."""
+        if self._queries == 0:
+            return None
+        pairs = self._causal_pairs + (int(self._pairs.item()) if self._pairs is not None else 0)
+        result = (pairs / self._queries, self._window)
+        self._reset()
+        return result
 
 
 # Dense (no sparsity) peak FLOP/s from the vendors' data sheets: (bf16, tf32, fp32). The first

@@ -30,6 +30,7 @@ from meshtrain.model.documents import (
     find_documents,
     masked_attention,
 )
+from meshtrain.model.flops import AttentionWork
 
 Recompute = Literal["none", "full", "selective"]
 
@@ -142,7 +143,10 @@ class FeedForward(nn.Module):
 
 
 # Outputs worth keeping under selective recomputation: the matmuls and attention, which cost the
-# most to redo. Norms, RoPE and activations are cheap and get recomputed.
+# most to redo. Norms, RoPE and activations are cheap and get recomputed. Attention is one of three
+# ops: SDPA's kernel; flex attention's op inside a compiled block; and, in an eager block, the
+# separately compiled flex attention (documents.py), which reaches the policy as one
+# inductor_compiled_code op since it is compiled with wrap_inductor_compiled_regions.
 _SAVED_UNDER_SELECTIVE = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
@@ -153,6 +157,7 @@ _SAVED_UNDER_SELECTIVE = {
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.higher_order.flex_attention,
+    torch.ops.higher_order.inductor_compiled_code,
 }
 
 
@@ -209,6 +214,8 @@ class Transformer(nn.Module):
         self.document_eos: int | None = None
         # Set by meshtrain.distributed.parallelize under context parallel: this rank computes its load-balanced share of every window.
         self.context_parallel: ContextParallel | None = None
+        # The (query, key) pairs training forwards attend, for MFU from the FLOPs actually computed.
+        self.attention_work = AttentionWork()
 
     def mask_documents(self, eos_id: int | None) -> None:
         """Attend within packed documents split at ``eos_id`` from now on (None: across the window)."""
@@ -228,11 +235,16 @@ class Transformer(nn.Module):
         h = self._embed(tokens)
         if documents is None and self.document_eos is not None and self._may_span_documents(tokens):
             documents = find_documents(tokens, self.document_eos, dtype=h.dtype)
+        batch, seq = tokens.shape
         if documents is None:
-            seq = tokens.shape[1]
             cos, sin, mask = self.rope_cos[:seq], self.rope_sin[:seq], None
         else:
             cos, sin, mask = self.rope_cos[documents.positions], self.rope_sin[documents.positions], documents.mask
+        if torch.is_grad_enabled():
+            if documents is None:
+                self.attention_work.count_causal(batch, seq)
+            else:
+                self.attention_work.count(documents.positions, seq)
         for layer in self.layers:
             h = layer(h, cos, sin, mask)
         return self.output(self.norm(h))
@@ -255,6 +267,10 @@ class Transformer(nn.Module):
             ids = document_ids(tokens, self.document_eos)
             positions = context.shard(document_positions(tokens, self.document_eos))
         share = WindowShare(context, context.mask(ids, seq, h.dtype, tokens.device))
+        if torch.is_grad_enabled():
+            # Keys this rank's queries attend: their positions within their documents (the whole window's
+            # positions when documents are not masked), + 1.
+            self.attention_work.count(positions.expand(tokens.shape[0], -1), seq)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for layer in self.layers:
             h = layer(h, cos, sin, share)

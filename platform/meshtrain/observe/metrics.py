@@ -101,8 +101,22 @@ class TrainingMetrics:
         self.tokens = counter("meshtrain_tokens", "Tokens this worker has trained on since it started.")
         self.run_tokens = gauge("meshtrain_run_tokens", "Tokens the whole run has trained on (all workers, kept across restarts).")
         self.tokens_per_second = gauge("meshtrain_tokens_per_second", "This worker's tokens per second over the last logging interval.")
-        self.mfu = gauge("meshtrain_mfu_ratio", "Model FLOPs utilization of this worker's device over the last logging interval (0-1).")
-        gauge("meshtrain_model_flops_per_token", "Training FLOPs per token (forward and backward, attention included).").set(flops_per_token)
+        self.mfu = gauge(
+            "meshtrain_mfu_ratio",
+            "Model FLOPs utilization of this worker's device over the last logging interval (0-1), from the FLOPs "
+            "actually computed: attention over the (query, key) pairs its mask allows, counted exactly (causal, and "
+            "within each document under model.document_mask).",
+        )
+        self.mfu_full_attention = gauge(
+            "meshtrain_mfu_full_attention_ratio",
+            "Model FLOPs utilization over the last logging interval (0-1) with attention counted over the whole window "
+            "(every query against every key: the PaLM / torchtitan convention, meshtrain_model_flops_per_token).",
+        )
+        gauge(
+            "meshtrain_model_flops_per_token",
+            "Training FLOPs per token (forward and backward) with attention counted over the whole window, as "
+            "meshtrain_mfu_full_attention_ratio counts them.",
+        ).set(flops_per_token)
         if peak_flops_per_s is not None:
             gauge("meshtrain_device_peak_flops_per_second", "Peak FLOP/s of one device that MFU divides by.").set(peak_flops_per_s)
         self.step_duration = Histogram(
@@ -126,6 +140,11 @@ class TrainingMetrics:
                 gauge(f"meshtrain_cuda_memory_{name}_bytes", f"CUDA memory {name.replace('_', ' ')} by PyTorch.").set_function(
                     lambda read=read: read(device)
                 )
+            gauge(
+                "meshtrain_cuda_alloc_retries",
+                "Times the CUDA caching allocator freed its cached blocks and retried an allocation "
+                "(torch.cuda.memory_stats num_alloc_retries); a rising count means fragmentation near the memory limit.",
+            ).set_function(lambda: torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
         self.checkpoint_blocking = gauge(
             "meshtrain_checkpoint_save_blocking_seconds", "Time the last checkpoint save held up training on this worker."
         )
@@ -230,7 +249,11 @@ class TrainingMetrics:
         worker_tokens_per_s = record["tokens_per_s"] / world_size
         self.tokens_per_second.set(worker_tokens_per_s)
         if self.peak_flops_per_s:
-            self.mfu.set(worker_tokens_per_s * self.flops_per_token / self.peak_flops_per_s)
+            # A record without the interval's own counts (no model counted them) falls back to the whole window.
+            computed = record.get("flops_per_token", self.flops_per_token)
+            full = record.get("flops_per_token_full_attention", self.flops_per_token)
+            self.mfu.set(worker_tokens_per_s * computed / self.peak_flops_per_s)
+            self.mfu_full_attention.set(worker_tokens_per_s * full / self.peak_flops_per_s)
 
     def evaluated(self, record: dict[str, Any]) -> None:
         self.eval_loss.labels(**self._label_values, source=OVERALL_LABEL).set(record["loss"])

@@ -3,6 +3,7 @@ per meshtrain run, found again after a restart by its ``meshtrain.run_id`` tag."
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -28,6 +29,14 @@ def _client(uri: str, paths: RunPaths) -> Any:
         # and mlflow-skinny has no registry store for sqlite.
         registry = f"file://{paths.run_dir.resolve() / 'mlflow-registry'}"
     return MlflowClient(tracking_uri=uri, registry_uri=registry)
+
+
+def _artifact_location(cfg: MeshtrainConfig, paths: RunPaths) -> str | None:
+    """With the run's local store, artifacts (text samples) go into the run folder too; a tracking
+    server keeps its own artifact root."""
+    if cfg.metrics.mlflow_tracking_uri is not None:
+        return None
+    return (paths.run_dir.resolve() / "mlflow-artifacts").as_uri()
 
 
 def check_mlflow(cfg: MeshtrainConfig) -> None:
@@ -61,7 +70,8 @@ class MlflowTracker:
         self.client = _client(tracking_uri(cfg, paths), paths)
         experiment = self.client.get_experiment_by_name(cfg.metrics.mlflow_experiment)
         experiment_id = (
-            experiment.experiment_id if experiment is not None else self.client.create_experiment(cfg.metrics.mlflow_experiment)
+            experiment.experiment_id if experiment is not None else self.client.create_experiment(
+                cfg.metrics.mlflow_experiment, artifact_location=_artifact_location(cfg, paths))
         )
         run_id = tracker_run_id(paths)
         found = self.client.search_runs([experiment_id], filter_string=f"tags.`{RUN_ID_TAG}` = '{run_id}'", max_results=1)
@@ -82,6 +92,10 @@ class MlflowTracker:
 
         milliseconds = int((timestamp or time.time()) * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(key, value, milliseconds, step) for key, value in values.items()])
+
+    def log_text(self, step: int, name: str, rows: list[dict[str, str]]) -> None:
+        """A JSON artifact per step (MLflow keeps text as artifacts, in the run's artifact location)."""
+        self.client.log_text(self.run_id, json.dumps(rows, indent=1), f"{name}/step-{step:08d}.json")
 
     def close(self, finished: bool) -> None:
         self.client.set_terminated(self.run_id, "FINISHED" if finished else "FAILED")

@@ -64,6 +64,9 @@ def progress_line(record: dict[str, Any], total_steps: int) -> str:
                            if key not in ("step", "samples", "seconds", "time") and isinstance(value, float))
         return (f"[meshtrain] downstream step {record['step']} {record['task']} ({record.get('samples')} examples, "
                 f"{record.get('seconds', 0):.1f}s): {values}")
+    if record["event"] == "text_samples":
+        return "\n".join(f"[meshtrain] sample step {record['step']}: {sample['prompt']!r} -> {sample['continuation']!r}"
+                         for sample in record["samples"])
     if record["event"] == "downstream_eval_failed":
         return f"[meshtrain] downstream evaluation of step {record['step']} failed ({record['error']}); training goes on"
     if record["event"] != "train":  # a record this driver does not know (a newer worker): shown as it is

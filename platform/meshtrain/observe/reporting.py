@@ -93,6 +93,9 @@ class TensorBoardWriter:
         elif event == "eval":
             self._writer.add_scalar("eval/loss", record["loss"], step)
             self._writer.add_scalar("eval/perplexity", record["perplexity"], step)
+        elif event == "text_samples":
+            for index, sample in enumerate(record["samples"]):
+                self._writer.add_text(f"samples/{index}", f"{sample['prompt']} ⟶ {sample['continuation']}", step)
         elif event == "downstream_eval":
             for key, value in record.items():
                 if key not in ("step", "samples", "seconds", "time") and isinstance(value, float):

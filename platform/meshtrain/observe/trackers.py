@@ -53,22 +53,25 @@ def tracker_values(record: dict[str, Any]) -> dict[str, float]:
     return {}
 
 
-# The driver appends downstream evaluations to metrics.jsonl, so a record there does not mean that a
-# tracker logged it: whoever hands one to the trackers appends this marker of it.
+# The driver appends downstream evaluations and text samples to metrics.jsonl, so a record there
+# does not mean that a tracker logged it: whoever hands one to the trackers appends this marker of it.
+DRIVER_EVENTS = ("downstream_eval", "text_samples")
 DOWNSTREAM_LOGGED = "downstream_logged"
 
 
 def record_key(record: dict[str, Any]) -> tuple[str, int]:
     """What a tracker logs once per run: (event, step); a downstream evaluation per task too."""
     event = record["event"]
-    if event in ("downstream_eval", DOWNSTREAM_LOGGED):
+    if event == DOWNSTREAM_LOGGED:
+        return record["key"], record["step"]
+    if event == "downstream_eval":
         event = f"downstream_eval/{record.get('task')}"
     return event, record["step"]
 
 
 def logged_marker(record: dict[str, Any]) -> dict[str, Any]:
-    """The metrics.jsonl line saying that the trackers logged the downstream record ``record``."""
-    return {"event": DOWNSTREAM_LOGGED, "step": record["step"], "task": record["task"]}
+    """The metrics.jsonl line saying that the trackers logged the driver's record ``record``."""
+    return {"event": DOWNSTREAM_LOGGED, "step": record["step"], "key": record_key(record)[0]}
 
 
 def _pick(record: dict[str, Any], names: list[tuple[str, str]]) -> dict[str, float]:
@@ -100,7 +103,7 @@ def logged_records(metrics_path: Path) -> set[tuple[str, int]]:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["event"] != "downstream_eval":
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["event"] not in DRIVER_EVENTS:
                 seen.add(record_key(record))
     return seen
 
@@ -130,6 +133,8 @@ class TrackerBackend(Protocol):
 
     def log(self, step: int, values: dict[str, float], timestamp: float | None) -> None: ...
 
+    def log_text(self, step: int, name: str, rows: list[dict[str, str]]) -> None: ...
+
     def close(self, finished: bool) -> None: ...
 
 
@@ -149,6 +154,9 @@ class TrackerSink:
         self.failures = 0
 
     def record(self, record: dict[str, Any]) -> None:
+        if record["event"] == "text_samples":
+            self._text(record)
+            return
         values = tracker_values(record)
         step = record.get("step")
         if not values:
@@ -166,6 +174,18 @@ class TrackerSink:
             self.backend.log(step, row, record.get("time"))
         except Exception as exc:  # a tracker outage must not stop training
             self._failed(exc, f"step {step}")
+
+    def _text(self, record: dict[str, Any]) -> None:
+        """Text samples: a table of (prompt, continuation) per step."""
+        key = record_key(record)
+        if key in self.logged:
+            return
+        self.logged.add(key)
+        rows = [{"prompt": sample["prompt"], "continuation": sample["continuation"]} for sample in record["samples"]]
+        try:
+            self.backend.log_text(record["step"], "samples", rows)
+        except Exception as exc:  # a tracker outage must not stop training
+            self._failed(exc, f"step {record['step']}")
 
     def _failed(self, exc: Exception, where: str) -> None:
         self.failures += 1

@@ -91,6 +91,13 @@ class WandbTracker:
         # step (a resume's checkpoint load) still land where they belong.
         self.run.log({STEP_METRIC: step, **values})
 
+    def log_text(self, step: int, name: str, rows: list[dict[str, str]]) -> None:
+        import wandb
+
+        columns = list(rows[0]) if rows else ["prompt", "continuation"]
+        table = wandb.Table(columns=columns, data=[[row[column] for column in columns] for row in rows])
+        self.run.log({STEP_METRIC: step, name: table})
+
     def close(self, finished: bool) -> None:
         import wandb
 

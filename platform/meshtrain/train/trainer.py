@@ -20,6 +20,7 @@ from meshtrain.checkpoint.write_progress import bytes_written
 from meshtrain.config import ConfigError, MeshtrainConfig
 from meshtrain.data import LEGACY_SAMPLING, DataParallelBatches, DataPlan, TrainingData, open_data
 from meshtrain.distributed.layout import RankLayout, WorkerLayout
+from meshtrain.distributed.plan import memory_plan
 from meshtrain.model.args import model_args
 from meshtrain.model.llama import count_parameters
 from meshtrain.observe.metrics import TrainingMetrics
@@ -29,6 +30,8 @@ from meshtrain.train.evaluation import Evaluation
 from meshtrain.train.faults import FaultInjection
 from meshtrain.train.gc_schedule import ScheduledCollection
 from meshtrain.train.guard import BadStepLimit, StepGuard
+from meshtrain.train.hangs import HangReport
+from meshtrain.train.memory_snapshot import OutOfMemorySnapshots, cuda_allocator
 from meshtrain.train.optim import build_lr_scheduler, build_optimizer
 from meshtrain.train.preemption import (
     INTERRUPT,
@@ -135,6 +138,12 @@ class Trainer:
         self.cfg = cfg
         self.outputs = LoopOutputs(on_record, metrics, reporter)
         torch.manual_seed(cfg.train.seed)
+        run_dir = Path(cfg.run.storage_path) / (cfg.run.name or "")
+        # First, so that memory.history_entries records the model's and optimizer's allocations too.
+        self.memory = OutOfMemorySnapshots(
+            cuda_allocator(device), run_dir / "memory", worker.world_rank, cfg.memory.history_entries,
+            lambda: memory_plan(cfg, model_args(cfg, data.vocab_size), self.layout.plan, device.type == "cuda").total,
+        )
         checkpoints = checkpoint_manager(cfg, worker, self.outputs.checkpoint_event)
         resuming = checkpoints is not None and cfg.checkpoint.resume and checkpoints.any_committed()
         self.model, layout = build_sharded_model(cfg, data.vocab_size, worker, device, read_init_from=not resuming)
@@ -171,7 +180,6 @@ class Trainer:
             "sampling": data.sampling,
             "config": cfg.model_dump(mode="json"),
         }
-        run_dir = Path(cfg.run.storage_path) / (cfg.run.name or "")
         self.faults = FaultInjection(cfg.fault, layout.rank, run_dir / "faults", worker.node)
         self.bad_steps = BadStepLimit(self.guard, cfg.train.max_bad_steps, self.progress, self.outputs)
         self.checkpointing = Checkpointing(
@@ -184,7 +192,7 @@ class Trainer:
         )
         self.log = StepLog(
             cfg.train.log_every, cfg.train.global_batch_size, layout.world_size, self.progress, self.bad_steps,
-            self.outputs, self.result.records,
+            self.outputs, self.result.records, self.model,
         )
         # The loop's own small collectives (notice votes, straggler times) go on the layout's control
         # group; every rank issues them in the same order.
@@ -202,8 +210,11 @@ class Trainer:
             device,
         )
         # Last, so a setup that fails leaves neither a thread, a signal route nor the collector switched off.
+        timeout_s = cfg.run.hang_timeout_s
         self.watchdog = (
-            HangWatchdog(cfg.run.hang_timeout_s, layout.rank, progress=bytes_written) if cfg.run.hang_timeout_s else None
+            HangWatchdog(timeout_s, layout.rank, progress=bytes_written,
+                         report=HangReport.of(run_dir / "hangs", layout.rank, layout.world_size, timeout_s))
+            if timeout_s else None
         )
         self.collection = ScheduledCollection(cfg.train.gc_every)
         self._restore_sigterm = defer_sigterm(self.notice) if self.notice is not None else None
@@ -231,7 +242,8 @@ class Trainer:
                 with region("data wait"):
                     micro_batches = list(self.batches.next_step())
                 data_wait = time.perf_counter() - waiting_since
-                output = train_step(self.model, self.guard, micro_batches, self.layout, cfg.optim.grad_clip)
+                with self.memory.step(step):
+                    output = train_step(self.model, self.guard, micro_batches, self.layout, cfg.optim.grad_clip)
                 self.scheduler.step()
                 progress.step, progress.tokens = step, progress.tokens + output.tokens
                 progress.data_position = self.batches.position

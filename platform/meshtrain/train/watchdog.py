@@ -11,6 +11,10 @@ Bytes written into checkpoint storage count as progress too (``progress``, from
 :mod:`meshtrain.checkpoint.write_progress`): a save of hundreds of GB that keeps writing, in the
 foreground at the last step or in the background while the next save waits for it, is never taken
 for a hang, however long it takes; one whose writes stop is.
+
+Before the process exits, ``report`` (a :class:`~meshtrain.train.hangs.HangReport`, when the flight
+recorder is on) writes which collectives this rank was in and, on the lowest rank that reports,
+prints the line naming the collective the group is stuck in and the ranks that never entered it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+
+from meshtrain.train.hangs import HangReport, watch_period_s
 
 
 def _exit_worker(message: str) -> None:
@@ -36,10 +42,11 @@ class HangWatchdog:
         rank: int,
         on_hang: Callable[[str], None] | None = None,
         progress: Callable[[], int] | None = None,
+        report: HangReport | None = None,
     ) -> None:
         self.timeout_s, self.rank = timeout_s, rank
         self.on_hang = on_hang or _exit_worker
-        self.progress = progress
+        self.progress, self.report = progress, report
         self._progress_seen = progress() if progress is not None else 0
         self._last = time.monotonic()
         self._doing = "starting"
@@ -54,13 +61,18 @@ class HangWatchdog:
         self._armed = self._armed or arm
 
     def _watch(self) -> None:
-        while not self._stop.wait(min(5.0, self.timeout_s / 4)):
+        while not self._stop.wait(watch_period_s(self.timeout_s)):
             if self.progress is not None:
                 seen = self.progress()
                 if seen != self._progress_seen:  # a checkpoint write moved on
                     self._progress_seen, self._last = seen, time.monotonic()
             silent = time.monotonic() - self._last
             if self._armed and silent > self.timeout_s:
+                if self.report is not None:
+                    try:
+                        self.report(self._doing, silent)
+                    except Exception as exc:  # the diagnosis must never keep the worker from exiting
+                        sys.stderr.write(f"[meshtrain] rank {self.rank}: could not report the hang ({exc!r})\n")
                 self.on_hang(
                     f"[meshtrain] rank {self.rank}: no progress for {silent:.0f}s while {self._doing} "
                     f"(run.hang_timeout_s={self.timeout_s:g}); exiting so Ray restarts the worker group "
