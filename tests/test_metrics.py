@@ -149,6 +149,22 @@ def test_exposition_follows_prometheus_conventions_and_shows_only_known_values()
     assert value["meshtrain_checkpoint_load_duration_seconds"] == 0.125
 
 
+def test_downstream_scores_are_exported_per_task_and_metric() -> None:
+    metrics = new_metrics()
+    port = metrics.serve("127.0.0.1", 0)
+    try:
+        metrics.downstream_scored({"event": "downstream_eval", "step": 40, "task": "arc_easy", "acc": 0.5,
+                                   "acc_norm": 0.25, "samples": 8, "seconds": 3.0, "time": 1.0})
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            families = {family.name: family for family in text_string_to_metric_families(response.read().decode())}
+    finally:
+        metrics.close()
+    scores = {(s.labels["task"], s.labels["metric"]): s.value for s in families["meshtrain_downstream_score"].samples}
+    assert scores == {("arc_easy", "acc"): 0.5, ("arc_easy", "acc_norm"): 0.25}  # counts and times are not scores
+    [step] = families["meshtrain_downstream_step"].samples
+    assert step.labels["task"] == "arc_easy" and step.labels["run"] == "r1" and step.value == 40
+
+
 def test_a_taken_port_falls_back_to_a_free_one() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -20,7 +20,6 @@ from meshtrain.data import DataPlan
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.train.profiling import StepProfiler, summary_line, top_ops
 from meshtrain.train.trainer import train
-from ranks import run_on_ranks
 
 REGIONS = ("data wait", "forward", "block 0", "block 1", "attention", "loss", "backward", "grad clip", "optimizer step")
 
@@ -148,17 +147,3 @@ def test_compiled_blocks_keep_one_graph_when_a_window_adds_its_ranges(
     assert steps_in(names) == [2]
     assert names["block 0"] == names["block 1"] == 2 and names["attention"] == 0
     assert any(name.startswith("Torch-Compiled Region") for name in names)
-
-
-def _train_rank(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan) -> None:
-    train(cfg, corpus, WorkerLayout(rank, world, rank, world, 0), torch.device("cpu"))
-
-
-def test_each_chosen_rank_writes_its_own_trace(corpus: DataPlan, tmp_path: Path) -> None:
-    cfg = config(tmp_path, "train.steps=2", "scaling.num_workers=2", "profile.start_step=2", "profile.active_steps=1")
-    run_on_ranks(_train_rank, 2, cfg, corpus)
-    folder = tmp_path / "profiled" / "profile"
-    assert sorted(path.name for path in folder.iterdir()) == ["rank0.2.pt.trace.json", "rank1.2.pt.trace.json"]
-    for rank in (0, 1):
-        names = complete_events(folder / f"rank{rank}.2.pt.trace.json")
-        assert steps_in(names) == [2] and names["block 1"] == 1 and names["attention"] == 2
