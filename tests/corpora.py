@@ -30,3 +30,27 @@ def short_documents_plan(cache: Path, documents: int = 1500, vocab_size: int = 5
             handle.write(json.dumps({"text": "\n".join(lines[start : start + 2 + index % 4])}) + "\n")
     data = DataConfig(source=str(corpus), vocab_size=vocab_size, seq_len=seq_len, **settings)
     return prepare_data(data, str(cache), seq_len, use_ray=False, log=lambda _: None)
+
+
+def trained_tiny_run(storage: Path, stores: Path, name: str, checkpoint_interval: int) -> Path:
+    """The run folder of a tiny model (tied embeddings, GQA) trained 4 steps in this process, with
+    committed checkpoints every ``checkpoint_interval`` steps and its tokenizer, as the launcher leaves one."""
+    import torch
+
+    from meshtrain.checkpoint.storage import checkpoint_root
+    from meshtrain.config import load_config
+    from meshtrain.distributed.layout import WorkerLayout
+    from meshtrain.train.trainer import train
+
+    cfg = load_config(None, [
+        "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+        "model.tie_embeddings=true", "data.max_documents=8", "data.vocab_size=300", "data.seq_len=64",
+        "train.steps=4", "train.global_batch_size=4", "train.micro_batch_size=2", "optim.warmup_steps=2",
+        "scaling.num_workers=1", f"checkpoint.interval={checkpoint_interval}", "checkpoint.mode=sync",
+        "eval.interval=null", f"run.storage_path={storage}", f"run.name={name}",
+    ])
+    corpus = prepare_data(cfg.data, str(stores), cfg.data.seq_len, use_ray=False, log=lambda _: None)
+    train(cfg, corpus, WorkerLayout(), torch.device("cpu"))
+    run_dir = Path(checkpoint_root(cfg)).parent
+    (run_dir / "tokenizer.json").write_text(corpus.tokenizer_json)
+    return run_dir

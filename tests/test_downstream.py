@@ -16,17 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from corpora import trained_tiny_run
 from meshtrain.checkpoint.export import export_checkpoint, load_model_state
-from meshtrain.checkpoint.storage import checkpoint_root
 from meshtrain.cli.evaluate import main as evaluate_main
 from meshtrain.config import ConfigError, load_config
-from meshtrain.data import prepare_data
-from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.evaluate.checkpoint_eval import results_folder
 from meshtrain.evaluate.harness import HarnessRun, metrics_of, run_harness, task_manager
 from meshtrain.evaluate.hf_model import load_checkpoint_model
 from meshtrain.model.llama import build_model
-from meshtrain.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = REPO / "tests" / "data" / "downstream"
@@ -36,20 +33,7 @@ HARNESS = HarnessRun(("meshtrain_mc", "meshtrain_ppl"), str(TASKS), num_fewshot=
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A trained run (tied embeddings, GQA) with committed checkpoints at steps 2 and 4 and its tokenizer."""
-    storage = tmp_path_factory.mktemp("runs")
-    cfg = load_config(None, [
-        "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
-        "model.tie_embeddings=true", "data.max_documents=8", "data.vocab_size=300", "data.seq_len=64",
-        "train.steps=4", "train.global_batch_size=4", "train.micro_batch_size=2", "optim.warmup_steps=2",
-        "scaling.num_workers=1", "checkpoint.interval=2", "checkpoint.mode=sync", "eval.interval=null",
-        f"run.storage_path={storage}", "run.name=scored",
-    ])
-    corpus = prepare_data(cfg.data, str(tmp_path_factory.mktemp("stores")), cfg.data.seq_len, use_ray=False,
-                          log=lambda _: None)
-    train(cfg, corpus, WorkerLayout(), torch.device("cpu"))
-    root = Path(checkpoint_root(cfg))
-    (root.parent / "tokenizer.json").write_text(corpus.tokenizer_json)  # as the launcher does
-    return root.parent
+    return trained_tiny_run(tmp_path_factory.mktemp("runs"), tmp_path_factory.mktemp("stores"), "scored", 2)
 
 
 def test_meshtrain_scores_equal_the_harness_on_the_hf_export(

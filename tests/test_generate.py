@@ -14,16 +14,13 @@ from typing import Any
 import pytest
 import torch
 
+from corpora import trained_tiny_run
 from meshtrain.checkpoint.export import load_model_state
-from meshtrain.checkpoint.storage import checkpoint_root
 from meshtrain.cli.generate import main as generate_main
-from meshtrain.config import ConfigError, load_config
-from meshtrain.data import prepare_data
-from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.config import ConfigError
 from meshtrain.evaluate.generation import continue_ids, continue_prompts, prompt_ids
 from meshtrain.evaluate.hf_model import CheckpointModel, load_checkpoint_model
 from meshtrain.model.llama import Transformer, build_model
-from meshtrain.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["def main(", "import os\n", ""]
@@ -32,20 +29,7 @@ PROMPTS = ["def main(", "import os\n", ""]
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A trained run (tied embeddings, GQA, max_seq_len 1024): a committed checkpoint at step 4, its tokenizer."""
-    storage = tmp_path_factory.mktemp("runs")
-    cfg = load_config(None, [
-        "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
-        "model.tie_embeddings=true", "data.max_documents=8", "data.vocab_size=300", "data.seq_len=64",
-        "train.steps=4", "train.global_batch_size=4", "train.micro_batch_size=2", "optim.warmup_steps=2",
-        "scaling.num_workers=1", "checkpoint.interval=4", "checkpoint.mode=sync", "eval.interval=null",
-        f"run.storage_path={storage}", "run.name=sampled",
-    ])
-    corpus = prepare_data(cfg.data, str(tmp_path_factory.mktemp("stores")), cfg.data.seq_len, use_ray=False,
-                          log=lambda _: None)
-    train(cfg, corpus, WorkerLayout(), torch.device("cpu"))
-    root = Path(checkpoint_root(cfg))
-    (root.parent / "tokenizer.json").write_text(corpus.tokenizer_json)  # as the launcher does
-    return root.parent
+    return trained_tiny_run(tmp_path_factory.mktemp("runs"), tmp_path_factory.mktemp("stores"), "sampled", 4)
 
 
 @pytest.fixture(scope="module")

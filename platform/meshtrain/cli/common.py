@@ -22,6 +22,15 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_CONFIG_ERROR, f"{self.error_prefix}: {message}; see --help\n")
 
 
+def refuse(command: str, error: BaseException) -> int:
+    """Bad input: ``<command>: error: <the error's first line>`` on stderr; the exit code to return."""
+    import sys
+
+    message = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    print(f"{command}: error: {message}", file=sys.stderr)
+    return EXIT_CONFIG_ERROR
+
+
 def run_checkpoint_root(path: str) -> str:
     """A local run folder's checkpoint root (``{run}/checkpoints``); any other path as it is."""
     from pathlib import Path

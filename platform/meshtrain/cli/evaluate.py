@@ -12,10 +12,9 @@ tasks, a folder without task YAMLs, or a missing, uncommitted or damaged checkpo
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from meshtrain.cli.common import EXIT_CONFIG_ERROR, OneLineParser, run_checkpoint_root
+from meshtrain.cli.common import OneLineParser, refuse, run_checkpoint_root
 from meshtrain.cli.export import parse_storage_options
 
 
@@ -52,8 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = parse_storage_options(args.storage_option)
     except ValueError as exc:
-        print(f"evaluate: error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+        return refuse("evaluate", exc)
     from meshtrain.checkpoint.export import resolve_checkpoint
     from meshtrain.checkpoint.storage import CheckpointError
     from meshtrain.config import ConfigError
@@ -71,9 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             options,
         )
     except (CheckpointError, ConfigError) as exc:
-        message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        print(f"evaluate: error: {message}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+        return refuse("evaluate", exc)
     for record in evaluation.records:
         print(progress_line(record, 0))
     print(f"[meshtrain] evaluated {checkpoint} in {evaluation.seconds:.1f}s -> {evaluation.folder / RESULTS_FILE}",

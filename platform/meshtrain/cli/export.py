@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from typing import Any
 
 import yaml
 
-from meshtrain.cli.common import EXIT_CONFIG_ERROR, OneLineParser
+from meshtrain.cli.common import OneLineParser, refuse
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -102,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = parse_storage_options(args.storage_option)
     except ValueError as exc:
-        print(f"export: error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+        return refuse("export", exc)
     from meshtrain.checkpoint.export import (
         DEFAULT_MAX_SHARD_BYTES,
         ExportError,
@@ -123,9 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype or "float32",
         )
     except (CheckpointError, ExportError) as exc:
-        message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        print(f"export: error: {message}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+        return refuse("export", exc)
     written = ", ".join(result.files) if result.path.is_dir() else f"{result.path.stat().st_size:,} bytes"
     print(
         f"[meshtrain] exported step {result.step} of {checkpoint}: {result.parameters:,} parameters, "

@@ -12,10 +12,9 @@ without its tokenizer, or a prompt that does not fit the model's context with th
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
-from meshtrain.cli.common import EXIT_CONFIG_ERROR, OneLineParser, run_checkpoint_root
+from meshtrain.cli.common import OneLineParser, refuse, run_checkpoint_root
 from meshtrain.cli.export import parse_storage_options
 
 
@@ -55,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = parse_storage_options(args.storage_option)
     except ValueError as exc:
-        print(f"generate: error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+        return refuse("generate", exc)
     from meshtrain.checkpoint.export import resolve_checkpoint
     from meshtrain.checkpoint.storage import CheckpointError
     from meshtrain.config import ConfigError
@@ -71,9 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                                    top_p=args.top_p, seed=args.seed)
         seconds = time.perf_counter() - started
     except (CheckpointError, ConfigError) as exc:
-        message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        print(f"generate: error: {message}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+        return refuse("generate", exc)
     mode = ("greedy" if args.temperature == 0
             else f"sampling at temperature {args.temperature}, top-p {args.top_p}, seed {args.seed}")
     print(f"[meshtrain] step {loaded.step} of {checkpoint}: {mode}, at most {args.max_new_tokens} new tokens")

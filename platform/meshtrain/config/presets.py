@@ -19,6 +19,13 @@ _LLAMA3_COMMON: dict[str, Any] = {
 }
 
 
+# The shapes shared by the plain-RoPE and the long-context presets of one size.
+_LLAMA3_1B: dict[str, Any] = {"dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8, "ffn_dim": 8192,
+                              "tie_embeddings": True}
+_LLAMA3_8B: dict[str, Any] = {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "ffn_dim": 14336,
+                              "tie_embeddings": False}
+
+
 def _llama3_long_context(factor: float) -> dict[str, Any]:
     """Llama 3.1 / 3.2's context: 131072 positions, rope_scaling {rope_type: llama3, factor: ...}."""
     scaling = {
@@ -57,24 +64,8 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         "tie_embeddings": False,
         "init_std": 0.02,
     },
-    "llama3_1b": {
-        **_LLAMA3_COMMON,
-        "dim": 2048,
-        "n_layers": 16,
-        "n_heads": 32,
-        "n_kv_heads": 8,
-        "ffn_dim": 8192,
-        "tie_embeddings": True,
-    },
-    "llama3_8b": {
-        **_LLAMA3_COMMON,
-        "dim": 4096,
-        "n_layers": 32,
-        "n_heads": 32,
-        "n_kv_heads": 8,
-        "ffn_dim": 14336,
-        "tie_embeddings": False,
-    },
+    "llama3_1b": {**_LLAMA3_COMMON, **_LLAMA3_1B},
+    "llama3_8b": {**_LLAMA3_COMMON, **_LLAMA3_8B},
     "llama3_70b": {
         **_LLAMA3_COMMON,
         "dim": 8192,
@@ -84,15 +75,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         "ffn_dim": 28672,
         "tie_embeddings": False,
     },
-    "llama3.2_1b": {
-        **_llama3_long_context(factor=32.0),
-        "dim": 2048,
-        "n_layers": 16,
-        "n_heads": 32,
-        "n_kv_heads": 8,
-        "ffn_dim": 8192,
-        "tie_embeddings": True,
-    },
+    "llama3.2_1b": {**_llama3_long_context(factor=32.0), **_LLAMA3_1B},
     "llama3.2_3b": {
         **_llama3_long_context(factor=32.0),
         "dim": 3072,
@@ -102,13 +85,5 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         "ffn_dim": 8192,
         "tie_embeddings": True,
     },
-    "llama3.1_8b": {
-        **_llama3_long_context(factor=8.0),
-        "dim": 4096,
-        "n_layers": 32,
-        "n_heads": 32,
-        "n_kv_heads": 8,
-        "ffn_dim": 14336,
-        "tie_embeddings": False,
-    },
+    "llama3.1_8b": {**_llama3_long_context(factor=8.0), **_LLAMA3_8B},
 }

@@ -30,6 +30,7 @@ from prometheus_client import (
 )
 
 from meshtrain.config import OVERALL_LABEL
+from meshtrain.observe.trackers import downstream_scores
 
 # Counters and histograms would otherwise add a *_created series each; nothing here reads them.
 disable_created_metrics()
@@ -265,9 +266,8 @@ class TrainingMetrics:
     def downstream_scored(self, record: dict[str, Any]) -> None:
         """A ``downstream_eval`` record (newer than the one shown for its task)."""
         task = record["task"]
-        for metric, value in record.items():
-            if metric not in ("step", "samples", "seconds", "time") and isinstance(value, float):
-                self.downstream_score.labels(**self._label_values, task=task, metric=metric).set(value)
+        for metric, value in downstream_scores(record).items():
+            self.downstream_score.labels(**self._label_values, task=task, metric=metric).set(value)
         self.downstream_step.labels(**self._label_values, task=task).set(record["step"])
 
     def skipped(self, skipped_total: int) -> None:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from meshtrain.observe.trackers import DOWNSTREAM_LOGGED
+from meshtrain.observe.trackers import DOWNSTREAM_LOGGED, downstream_scores
 
 
 def format_duration(seconds: float) -> str:
@@ -60,8 +60,7 @@ def progress_line(record: dict[str, Any], total_steps: int) -> str:
     if record["event"] == "warning":
         return f"[meshtrain] warning: {record['message']}"
     if record["event"] == "downstream_eval":
-        values = ", ".join(f"{key} {value:.4g}" for key, value in record.items()
-                           if key not in ("step", "samples", "seconds", "time") and isinstance(value, float))
+        values = ", ".join(f"{key} {value:.4g}" for key, value in downstream_scores(record).items())
         return (f"[meshtrain] downstream step {record['step']} {record['task']} ({record.get('samples')} examples, "
                 f"{record.get('seconds', 0):.1f}s): {values}")
     if record["event"] == "text_samples":

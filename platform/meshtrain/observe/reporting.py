@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshtrain.observe.trackers import downstream_scores
+
 REPORTED_TRAIN_KEYS = ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "skipped_steps")
 RESULT_FILE = "meshtrain_result.json"
 
@@ -97,9 +99,8 @@ class TensorBoardWriter:
             for index, sample in enumerate(record["samples"]):
                 self._writer.add_text(f"samples/{index}", f"{sample['prompt']} ⟶ {sample['continuation']}", step)
         elif event == "downstream_eval":
-            for key, value in record.items():
-                if key not in ("step", "samples", "seconds", "time") and isinstance(value, float):
-                    self._writer.add_scalar(f"downstream/{record['task']}/{key}", value, step)
+            for key, value in downstream_scores(record).items():
+                self._writer.add_scalar(f"downstream/{record['task']}/{key}", value, step)
         elif event == "checkpoint_save":
             self._writer.add_scalar("checkpoint/blocking_s", record["blocking_s"], step)
             self._writer.add_scalar("checkpoint/total_s", record["total_s"], step)

@@ -48,9 +48,14 @@ def tracker_values(record: dict[str, Any]) -> dict[str, float]:
         return {"run/workers": float(record["to_workers"])}
     if event == "downstream_eval":
         task = _metric_name(record["task"])
-        return {f"downstream/{task}/{_metric_name(key)}": value for key, value in record.items()
-                if key not in ("step", "samples", "seconds", "time") and isinstance(value, float)}
+        return {f"downstream/{task}/{_metric_name(key)}": value for key, value in downstream_scores(record).items()}
     return {}
+
+
+def downstream_scores(record: dict[str, Any]) -> dict[str, float]:
+    """A ``downstream_eval`` record's metric values (acc, bits_per_byte, ...), without its bookkeeping."""
+    return {key: value for key, value in record.items()
+            if key not in ("step", "samples", "seconds", "time") and isinstance(value, float)}
 
 
 # The driver appends downstream evaluations and text samples to metrics.jsonl, so a record there
