@@ -25,6 +25,7 @@ from meshtrain.model.args import model_args
 from meshtrain.model.flops import device_peak_flops, flops_per_token, gpu_peak_flops, highest_peak_flops
 from meshtrain.model.loss import token_cross_entropy_sum
 from meshtrain.observe.metrics import (
+    DownstreamMetrics,
     Endpoint,
     StepClock,
     TrainingMetrics,
@@ -150,11 +151,11 @@ def test_exposition_follows_prometheus_conventions_and_shows_only_known_values()
 
 
 def test_downstream_scores_are_exported_per_task_and_metric() -> None:
-    metrics = new_metrics()
+    metrics = DownstreamMetrics("r1")
     port = metrics.serve("127.0.0.1", 0)
     try:
-        metrics.downstream_scored({"event": "downstream_eval", "step": 40, "task": "arc_easy", "acc": 0.5,
-                                   "acc_norm": 0.25, "samples": 8, "seconds": 3.0, "time": 1.0})
+        metrics.scored({"event": "downstream_eval", "step": 40, "task": "arc_easy", "acc": 0.5,
+                        "acc_norm": 0.25, "samples": 8, "seconds": 3.0, "time": 1.0})
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
             families = {family.name: family for family in text_string_to_metric_families(response.read().decode())}
     finally:

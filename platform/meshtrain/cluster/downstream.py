@@ -6,7 +6,9 @@ step is a multiple of ``every`` x ``checkpoint.interval``, or the run's last ste
 which loads it as a ``transformers`` Llama, runs lm-evaluation-harness on it and writes the
 harness's results JSON into ``{run}/downstream/step-N/``. The driver appends each task's
 ``downstream_eval`` records to ``metrics.jsonl`` (one line per task, from which rank 0 passes them to
-the trackers and Prometheus) and prints them in the job log. A task that fails is one line in the
+the trackers while it trains) and prints them in the job log. The driver serves the newest scores to
+Prometheus itself (``meshtrain_downstream_*``, through ``{targets}/downstream/{run}.json``), so the
+results that land after training, the last checkpoint's always, reach it too. A task that fails is one line in the
 job log and a ``downstream_eval_failed`` record; training goes on and the next checkpoint is scored.
 Steps whose results JSON exists are not scored again, so a relaunch picks up where the run was.
 Each chosen checkpoint is leased until its task has scored it, so ``checkpoint.keep`` does not prune
@@ -35,6 +37,13 @@ from meshtrain.evaluate.checkpoint_eval import (
     results_folder,
 )
 from meshtrain.evaluate.harness import HarnessRun
+from meshtrain.observe.metrics import (
+    DownstreamMetrics,
+    Endpoint,
+    advertised_host,
+    downstream_targets_path,
+    write_targets,
+)
 from meshtrain.observe.outputs import RunPaths
 from meshtrain.observe.progress import RecordFollower, append_records
 from meshtrain.observe.trackers import DRIVER_EVENTS, logged_marker, logged_records, record_key
@@ -91,6 +100,8 @@ class DownstreamEvaluations:
         self.pending: dict[Any, CommittedCheckpoint] = {}  # task -> the checkpoint it scores
         self.latest: dict[str, dict[str, Any]] = {}  # task -> its newest downstream_eval record
         self.started: set[int] = {step for step in self._scored_steps()}
+        self.exporter = DownstreamMetrics(paths.name) if self.harness is not None and cfg.metrics.port else None
+        self.targets = downstream_targets_path(cfg.metrics.targets_dir, cfg.run.storage_path, paths.name)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="meshtrain-downstream", daemon=True)
@@ -108,12 +119,21 @@ class DownstreamEvaluations:
         return steps
 
     def __enter__(self) -> DownstreamEvaluations:
+        if self.exporter is not None:
+            import ray
+
+            bind = self.cfg.metrics.bind_address
+            port = self.exporter.serve(bind, 0)  # the driver may share a node with workers on metrics.port + i
+            write_targets(self.targets, [Endpoint(advertised_host(bind, ray.util.get_node_ip_address()), port)])
         self._thread.start()
         return self
 
     def __exit__(self, *_: object) -> None:
         self._stop.set()
         self._thread.join(timeout=self.poll_s + 5)
+        if self.exporter is not None:
+            write_targets(self.targets, [])  # Prometheus stops scraping the driver
+            self.exporter.close()
 
     def _follow(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -159,6 +179,8 @@ class DownstreamEvaluations:
             for record in records:
                 if record["event"] == "downstream_eval" and record["step"] >= self.latest.get(record["task"], {}).get("step", -1):
                     self.latest[record["task"]] = record
+                    if self.exporter is not None:
+                        self.exporter.scored(record)
 
     def _failed(self, step: int, exc: BaseException) -> None:
         cause = getattr(exc, "cause", None) or exc
@@ -185,6 +207,8 @@ class DownstreamEvaluations:
                 self.print_line(f"[meshtrain] downstream evaluation of step(s) {steps} still running after "
                                 f"eval.downstream.final_wait_s={timeout_s:g}; their results will land in "
                                 f"{self.paths.run_dir / 'downstream'}")
+        if self.exporter is not None:
+            self.exporter.await_final_scrape(self.cfg.metrics.final_scrape_timeout_s)
 
     def log_to_trackers(self) -> None:
         """After training: hand the trackers (W&B, MLflow) the downstream results that rank 0 did not,

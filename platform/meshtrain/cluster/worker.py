@@ -261,7 +261,8 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
             sinks.append(TensorBoardWriter(paths.run_dir / "tensorboard"))
 
     # The driver appends its downstream evaluations to metrics.jsonl; at each logged step rank 0 hands
-    # those it has not seen to TensorBoard, the trackers and Prometheus (the file has them already).
+    # those it has not seen to TensorBoard and the trackers (the file has them already; the driver
+    # serves them to Prometheus).
     downstream = (RecordFollower(paths.metrics, set(DRIVER_EVENTS))
                   if layout.world_rank == 0 and (cfg.eval.downstream.enabled or cfg.eval.samples.prompts) else None)
 
@@ -276,8 +277,6 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
                         sink.record(scored)
                 if unlogged and recorder is not None:
                     recorder.record(logged_marker(scored))  # metrics.jsonl: the trackers have it
-                if metrics is not None and scored["event"] == "downstream_eval":
-                    metrics.downstream_scored(scored)
 
     if resize is not None:
         on_record(resize)

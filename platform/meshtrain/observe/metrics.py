@@ -1,8 +1,9 @@
-"""Prometheus metrics of one training worker, the endpoint that serves them, and the file_sd
-targets file through which Prometheus finds every live worker of a run.
+"""Prometheus metrics of one training worker and of the driver's downstream evaluations, the
+endpoints that serve them, and the file_sd targets files through which Prometheus finds them.
 
-Every series carries the labels ``run``, ``rank`` (world rank) and ``node`` (the node's IP).
-Names follow Prometheus conventions: base units in the name, ``_total`` on counters.
+Every worker series carries the labels ``run``, ``rank`` (world rank) and ``node`` (the node's IP);
+the driver's downstream series carry ``run`` and the task. Names follow Prometheus conventions:
+base units in the name, ``_total`` on counters.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from meshtrain.observe.trackers import downstream_scores
 disable_created_metrics()
 
 LABELS = ("run", "rank", "node")
+# The subfolder of the targets folder holding the drivers' targets files.
+DOWNSTREAM_TARGETS_DIR = "downstream"
 
 # Step times run from milliseconds (small models) to a minute (70B with deep accumulation).
 STEP_DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2.5, 4, 6, 10, 15, 25, 40, 60, 120)
@@ -70,7 +73,69 @@ class StepClock:
         return [end - start for start, end in zip(marks, marks[1:])]
 
 
-class TrainingMetrics:
+class _Exporter:
+    """A registry served on /metrics, which can wait for one more scrape before it closes."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._scrapes = _ScrapeCounter()
+        self._server: _MetricsServer | None = None
+
+    def serve(self, address: str, port: int) -> int:
+        """Serve /metrics on ``address:port`` (an ephemeral port if that one is taken); returns the port."""
+        app = make_wsgi_app(self.registry)
+        try:
+            self._server = _MetricsServer.start(address, port, app, self._scrapes)
+        except OSError as exc:
+            if port == 0:
+                raise
+            print(f"[meshtrain] metrics port {port} on {address} is unavailable ({exc.strerror}); using a free port")
+            self._server = _MetricsServer.start(address, 0, app, self._scrapes)
+        return self._server.server_port
+
+    def await_final_scrape(self, timeout_s: float) -> bool:
+        """Wait until a scrape that began after now has been answered, so Prometheus holds the final
+        values; only when something scraped this endpoint lately (nobody waits for no Prometheus)."""
+        recently = time.monotonic() - self._scrapes.last_served_at < 2 * timeout_s
+        if self._server is None or not recently or timeout_s <= 0:
+            return False
+        return self._scrapes.wait_beyond(self._scrapes.started, timeout_s)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class DownstreamMetrics(_Exporter):
+    """The driver's downstream evaluation results. The driver learns of every result, also those
+    that land after the workers have stopped (the last checkpoint's, always), so it exports them."""
+
+    def __init__(self, run: str) -> None:
+        super().__init__()
+        self._run = run
+        self.score = Gauge(
+            "meshtrain_downstream_score",
+            "The newest downstream evaluation's result per lm-evaluation-harness task and metric (acc, acc_norm, "
+            "bits_per_byte, ...), exported by the job's driver.",
+            ("run", "task", "metric"),
+            registry=self.registry,
+        )
+        self.step = Gauge(
+            "meshtrain_downstream_step", "Checkpoint step of the newest downstream evaluation per task.", ("run", "task"),
+            registry=self.registry,
+        )
+
+    def scored(self, record: dict[str, Any]) -> None:
+        """A ``downstream_eval`` record, the newest of its task."""
+        task = record["task"]
+        for metric, value in downstream_scores(record).items():
+            self.score.labels(run=self._run, task=task, metric=metric).set(value)
+        self.step.labels(run=self._run, task=task).set(record["step"])
+
+
+class TrainingMetrics(_Exporter):
     """The metrics one worker exposes; the training loop updates them, a scrape reads them."""
 
     def __init__(
@@ -83,7 +148,7 @@ class TrainingMetrics:
         flops_per_token: float,
         peak_flops_per_s: float | None,
     ) -> None:
-        self.registry = CollectorRegistry()
+        super().__init__()
         self.device, self.peak_flops_per_s = device, peak_flops_per_s
         self.flops_per_token = flops_per_token
         values = {"run": run, "rank": str(rank), "node": node}
@@ -164,17 +229,6 @@ class TrainingMetrics:
             registry=self.registry,
         )
         self.eval_step = gauge("meshtrain_eval_step", "Step of the last evaluation.")
-        self.downstream_score = Gauge(
-            "meshtrain_downstream_score",
-            "The last downstream evaluation's result per lm-evaluation-harness task and metric (acc, acc_norm, "
-            "bits_per_byte, ...), exported by rank 0.",
-            (*LABELS, "task", "metric"),
-            registry=self.registry,
-        )
-        self.downstream_step = Gauge(
-            "meshtrain_downstream_step", "Checkpoint step of the last downstream evaluation per task.", (*LABELS, "task"),
-            registry=self.registry,
-        )
         self.skipped_steps = counter(
             "meshtrain_skipped_steps", "Optimizer steps the guard skipped (non-finite or spiking loss or gradient norm)."
         )
@@ -201,8 +255,6 @@ class TrainingMetrics:
         self.context = gauge("meshtrain_mesh_context_degree", "Context-parallel degree (ranks sharing each window).")
         self.tensor = gauge("meshtrain_mesh_tensor_degree", "Tensor-parallel degree (ranks sharing each layer).")
         self._clock = StepClock(device)
-        self._scrapes = _ScrapeCounter()
-        self._server: _MetricsServer | None = None
 
     # --- updates from the training loop -------------------------------------------------------
 
@@ -263,13 +315,6 @@ class TrainingMetrics:
                 self.eval_loss.labels(**self._label_values, source=name).set(scores["loss"])
         self.eval_step.set(record["step"])
 
-    def downstream_scored(self, record: dict[str, Any]) -> None:
-        """A ``downstream_eval`` record (newer than the one shown for its task)."""
-        task = record["task"]
-        for metric, value in downstream_scores(record).items():
-            self.downstream_score.labels(**self._label_values, task=task, metric=metric).set(value)
-        self.downstream_step.labels(**self._label_values, task=task).set(record["step"])
-
     def skipped(self, skipped_total: int) -> None:
         """The run's skipped steps so far (counted in this process from what it started with)."""
         self.skipped_steps.inc(max(0, skipped_total - self._skipped_seen))
@@ -288,35 +333,6 @@ class TrainingMetrics:
 
     def checkpoint_blocked(self, seconds: float) -> None:
         self.checkpoint_blocking.set(seconds)
-
-    # --- serving ------------------------------------------------------------------------------
-
-    def serve(self, address: str, port: int) -> int:
-        """Serve /metrics on ``address:port`` (an ephemeral port if that one is taken); returns the port."""
-        app = make_wsgi_app(self.registry)
-        try:
-            self._server = _MetricsServer.start(address, port, app, self._scrapes)
-        except OSError as exc:
-            if port == 0:
-                raise
-            print(f"[meshtrain] metrics port {port} on {address} is unavailable ({exc.strerror}); using a free port")
-            self._server = _MetricsServer.start(address, 0, app, self._scrapes)
-        return self._server.server_port
-
-    def await_final_scrape(self, timeout_s: float) -> bool:
-        """Wait until a scrape that began after now has been answered, so Prometheus holds the final
-        values; only when something scraped this endpoint lately (nobody waits for no Prometheus)."""
-        recently = time.monotonic() - self._scrapes.last_served_at < 2 * timeout_s
-        if self._server is None or not recently or timeout_s <= 0:
-            return False
-        return self._scrapes.wait_beyond(self._scrapes.started, timeout_s)
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
 
 class _LazyGauge:
     """A gauge child that appears in the exposition only once it has a value (a loss or a
@@ -401,7 +417,13 @@ def advertised_host(bind_address: str, node_ip: str) -> str:
 
 
 def targets_path(targets_dir: str | None, storage_path: str, run: str) -> Path:
+    """The targets file of a run's workers."""
     return Path(targets_dir or Path(storage_path) / "prometheus") / f"{run}.json"
+
+
+def downstream_targets_path(targets_dir: str | None, storage_path: str, run: str) -> Path:
+    """The targets file of a run's driver (downstream scores): a subfolder, named after the run too."""
+    return targets_path(targets_dir, storage_path, run).parent / DOWNSTREAM_TARGETS_DIR / f"{run}.json"
 
 
 def write_targets(path: Path, endpoints: list[Endpoint]) -> None:
