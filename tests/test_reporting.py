@@ -19,12 +19,14 @@ import torch.distributed as dist
 
 import meshtrain.train.trainer as trainer_module
 from corpora import stdlib_plan
+from meshtrain.cluster.failures import root_failure
 from meshtrain.config import load_config
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.distributed.plan import GIB, memory_plan, planned_mesh
 from meshtrain.model.args import model_args
 from meshtrain.observe.reporting import RayTrainReporter, TensorBoardWriter
 from meshtrain.train.hangs import DIAGNOSIS, HangReport, RankDump, diagnose
+from meshtrain.train.memory_snapshot import DeviceOutOfMemory
 from meshtrain.train.trainer import train
 from meshtrain.train.watchdog import HangWatchdog
 from ranks import run_on_ranks
@@ -290,8 +292,8 @@ class FakeCudaAllocator:
         return 3 * GIB // 2
 
 
-def test_a_step_out_of_cuda_memory_writes_a_snapshot_and_names_it_beside_the_plan(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+def test_a_step_out_of_cuda_memory_writes_a_snapshot_and_fails_the_run_naming_it_beside_the_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     corpus = stdlib_plan(tmp_path / "stores")
     cfg = load_config(None, [
@@ -312,16 +314,21 @@ def test_a_step_out_of_cuda_memory_writes_a_snapshot_and_names_it_beside_the_pla
         return real_step(*args, **kwargs)
 
     monkeypatch.setattr(trainer_module, "train_step", step_that_runs_out)
-    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+    with pytest.raises(DeviceOutOfMemory) as failed:
         train(cfg, corpus, WorkerLayout(), torch.device("cpu"))
     assert allocator.history == [5000] and steps == [1, 2]
     snapshot = tmp_path / "oom" / "memory" / "rank0.step2.pickle"
     assert snapshot.read_bytes() == b"snapshot"
     planned = memory_plan(cfg, model_args(cfg, corpus.vocab_size), planned_mesh(cfg)[0], False).total
-    assert capsys.readouterr().err.splitlines()[-1] == (
-        f"[meshtrain] rank 0: out of CUDA memory at step 2; memory snapshot {snapshot} (open it at "
-        f"https://pytorch.org/memory_viz); plan estimate {planned / GIB:.2f} GiB per rank, real peak 1.50 GiB allocated"
+    assert str(failed.value) == (
+        f"rank 0 ran out of CUDA memory at step 2 (plan estimate {planned / GIB:.2f} GiB per rank, real peak 1.50 GiB "
+        f"allocated); memory snapshot {snapshot} (open it at https://pytorch.org/memory_viz); lower "
+        "train.micro_batch_size, set parallel.activation_checkpointing=selective or full, or shard over more workers "
+        "(python jobs/pretrain.py --dry-run prints the plan); a restart would run out at the same step"
     )
+    # The resumed group would replay step 2 on the same batch: Ray Train must not restart it.
+    assert isinstance(failed.value.__context__, torch.OutOfMemoryError)
+    assert root_failure(failed.value).permanent
 
 
 def test_the_cuda_alloc_retries_gauge_reads_the_allocator(monkeypatch: pytest.MonkeyPatch) -> None:

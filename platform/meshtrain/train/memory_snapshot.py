@@ -1,8 +1,12 @@
 """A CUDA memory snapshot when a rank runs out of memory in a step.
 
 On a GPU worker, a step that raises ``torch.OutOfMemoryError`` first writes the caching allocator's
-snapshot to ``<run dir>/memory/rank<R>.step<S>.pickle`` (drag it onto https://pytorch.org/memory_viz)
-and prints one line naming the file, the plan's per-rank estimate and the real peak, then re-raises.
+snapshot to ``<run dir>/memory/rank<R>.step<S>.pickle`` (drag it onto https://pytorch.org/memory_viz),
+then fails the run with one line naming the file, the plan's per-rank estimate and the real peak.
+The failure is permanent: a restarted group resumes from the last checkpoint and replays the same
+steps on the same batches with the same shapes, so it would run out at the same step again, each
+restart costing a reload. (Memory held by a process outside the run is the exception: a real peak
+well below the device's size says so.)
 With ``memory.history_entries`` the allocator also records its recent allocations with their stacks
 from the start of the run, so the snapshot says what allocated each block; without, it still shows
 the segments and the blocks in them (fragmentation). The CUDA calls sit in :class:`CudaAllocator`,
@@ -11,14 +15,23 @@ which a CPU test substitutes.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from meshtrain.config import PermanentError
+
 GIB = 1024**3
+
+# What the final line suggests: a restart would replay the step, so the shapes or the layout must change.
+_FIX = ("lower train.micro_batch_size, set parallel.activation_checkpointing=selective or full, or shard over more "
+        "workers (python jobs/pretrain.py --dry-run prints the plan); a restart would run out at the same step")
+
+
+class DeviceOutOfMemory(PermanentError):
+    """A step ran out of device memory: the same step would run out again after a restart."""
 
 
 class CudaAllocator:
@@ -42,11 +55,6 @@ def cuda_allocator(device: torch.device) -> CudaAllocator | None:
     return CudaAllocator(device) if device.type == "cuda" else None
 
 
-def _print_line(line: str) -> None:
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
-
-
 class OutOfMemorySnapshots:
     """Wraps each step (``with snapshots.step(n):``); on a CPU worker it only lets the error through."""
 
@@ -57,10 +65,9 @@ class OutOfMemorySnapshots:
         rank: int,
         history_entries: int | None,
         planned_bytes: Callable[[], int],
-        log: Callable[[str], None] = _print_line,
     ) -> None:
         self.allocator, self.folder, self.rank = allocator, folder, rank
-        self.planned_bytes, self.log = planned_bytes, log
+        self.planned_bytes = planned_bytes
         if allocator is not None and history_entries is not None:
             allocator.record_history(history_entries)
 
@@ -69,20 +76,20 @@ class OutOfMemorySnapshots:
         try:
             yield
         except torch.OutOfMemoryError:
-            if self.allocator is not None:
-                self._snapshot(self.allocator, step)
-            raise
+            # Not chained as the cause: the driver reports the innermost cause, and this line is the one to show.
+            raise DeviceOutOfMemory(self._describe(step)) from None
 
-    def _snapshot(self, allocator: CudaAllocator, step: int) -> None:
+    def _describe(self, step: int) -> str:
+        planned = f"plan estimate {self.planned_bytes() / GIB:.2f} GiB per rank"
+        if self.allocator is None:
+            return f"rank {self.rank} ran out of memory at step {step} ({planned}); {_FIX}"
         path = self.folder / f"rank{self.rank}.step{step}.pickle"
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            allocator.dump_snapshot(path)
+            self.allocator.dump_snapshot(path)
             written = f"memory snapshot {path} (open it at https://pytorch.org/memory_viz)"
-        except OSError as exc:  # the out-of-memory error stays the failure to report
+        except OSError as exc:  # running out of memory stays the failure to report
             written = f"no memory snapshot ({path}: {exc.strerror or exc})"
-        planned, peak = self.planned_bytes(), allocator.peak_allocated()
-        self.log(
-            f"[meshtrain] rank {self.rank}: out of CUDA memory at step {step}; {written}; plan estimate "
-            f"{planned / GIB:.2f} GiB per rank, real peak {peak / GIB:.2f} GiB allocated"
-        )
+        peak = self.allocator.peak_allocated()
+        return (f"rank {self.rank} ran out of CUDA memory at step {step} ({planned}, real peak {peak / GIB:.2f} GiB "
+                f"allocated); {written}; {_FIX}")
