@@ -166,7 +166,7 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r["event"] == "train"}
 
 
-def test_auto_mesh_on_two_nodes_is_2x2_and_matches_tensor_parallel_inside_each_node(cluster: Cluster) -> None:
+def test_auto_mesh_on_two_nodes_is_2x2_with_each_shard_group_on_one_node(cluster: Cluster) -> None:
     output = finish(cluster.job("hsdp"))
     summary = json.loads((cluster.storage / "hsdp" / "summary.json").read_text())
     assert summary["mesh_shape"] == [2, 2] and summary["world_size"] == 4
@@ -177,23 +177,7 @@ def test_auto_mesh_on_two_nodes_is_2x2_and_matches_tensor_parallel_inside_each_n
     assert len(placement) == 2 and {rank for rank, _ in placement} == {0, 1}, summary["workers"]
     assert {ip for _, ip in placement} == {cluster.head_ip, cluster.worker_ip}, summary["workers"]
     assert sorted(w["local_rank"] for w in summary["workers"]) == [0, 0, 1, 1]
-
-    # Tensor parallel over each node's 2 workers, replicated across the nodes: the TP groups' placement
-    # checked from every rank's node like the shard groups' (flat FSDP equals HSDP in test_equivalence).
-    tp_output = finish(cluster.job("tp", "parallel.tensor=2"))
-    tp_summary = json.loads((cluster.storage / "tp" / "summary.json").read_text())
-    assert tp_summary["mesh_shape"] == [2, 1, 2]
-    assert "[meshtrain] placement: each of the 2 tensor/context groups of 2 ranks is on one node" in tp_output, (
-        tp_output[-3000:])
-    hsdp, tp = losses(cluster.storage / "hsdp"), losses(cluster.storage / "tp")
-    assert list(hsdp) == list(range(1, 31)) and hsdp.keys() == tp.keys()
-    # The layouts sum in different orders: the losses agree to float precision at first, and the
-    # difference grows only where training is unstable (a gradient spike amplifies it). A wrong
-    # reduction is off from the first update on, by far more.
-    for step in range(1, 11):
-        assert hsdp[step] == pytest.approx(tp[step], rel=1e-5), step
-    for step in hsdp:
-        assert hsdp[step] == pytest.approx(tp[step], rel=1e-3), step
+    assert list(losses(cluster.storage / "hsdp")) == list(range(1, 31))
 
 
 def test_losing_the_second_node_recovers_once_it_is_back(cluster: Cluster) -> None:
@@ -305,8 +289,13 @@ def test_a_straggler_node_is_evicted_and_the_run_goes_on_without_it(cluster: Clu
     is drained through Ray (scaling.evict_stragglers: the call behind `ray drain-node`, as an autoscaler
     makes on a spot reclaim). Ray Train's PreemptionWatcher marks every worker, the ranks save the step
     they are at, and the elastic group restarts on the head from exactly that step and completes.
-    Under tensor parallel (a TP group on each node): the stop vote, the straggler times and the
-    preemption save run on every rank, and the smaller group is one whole TP group."""
+    Under tensor parallel (a TP group on each node, its placement checked from every rank's node like
+    the shard groups'): the stop vote, the straggler times and the preemption save run on every rank,
+    the smaller group is one whole TP group, and every step's loss is the 2x2 HSDP run's (a slow rank
+    changes no number)."""
+    unbroken = cluster.storage / "hsdp"
+    if not (unbroken / "checkpoints" / "step-00000030" / "COMMITTED").exists():
+        finish(cluster.job("hsdp"))
     if cluster.worker is None:
         cluster.start_worker()
         wait_until(lambda: cluster.alive_nodes() == 2, 180, "two live Ray nodes", interval=2)
@@ -338,6 +327,15 @@ def test_a_straggler_node_is_evicted_and_the_run_goes_on_without_it(cluster: Clu
     steps = train_records(run_dir)
     assert {r["world_size"] for s, r in steps.items() if s > preempted["step"]} == {2}
     assert json.loads((run_dir / "summary.json").read_text())["mesh_shape"] == [1, 1, 2]
+    assert "[meshtrain] placement: each of the 2 tensor/context groups of 2 ranks is on one node" in output, (
+        output[-3000:])
+    # Same samples per step as HSDP on 2x2, summed in other orders (TP 2 replicated over the nodes, then
+    # TP 2 alone): the losses agree to float precision at first, and the difference grows only where
+    # training is unstable (a gradient spike amplifies it). A wrong reduction is off from the first
+    # update on, by far more.
+    hsdp = losses(unbroken)
+    for step, record in steps.items():
+        assert record["loss"] == pytest.approx(hsdp[step], rel=1e-5 if step <= 10 else 1e-3), step
     evicted_at = next(r["time"] for r in records if r["event"] == "train" and r["step"] == straggler["step"])
     resumed = min(r["time"] for r in steps.values() if r["world_size"] == 2)
     print(f"straggler named at step {straggler['step']} ({straggler['slowdown']:.2f}x); node drained; step "
