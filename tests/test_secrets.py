@@ -164,7 +164,7 @@ def test_checkpoint_marker_holds_no_credential_while_s3_gets_them(
 
 
 def test_a_source_url_password_stays_out_of_the_store_plan_and_errors() -> None:
-    from meshtrain.cli.export import parse_storage_options
+    from meshtrain.cli.common import add_storage_option
     from meshtrain.config import SourceConfig
     from meshtrain.data.sources import SourcePlan, plan_source
 
@@ -177,5 +177,5 @@ def test_a_source_url_password_stays_out_of_the_store_plan_and_errors() -> None:
     assert str(error.value).startswith("data.source:")
     assert_no_secret(str(error.value), "the error")
     with pytest.raises(ValueError) as malformed:  # a credential given without its key
-        parse_storage_options([SECRET])
-    assert_no_secret(str(malformed.value), "export's error")
+        add_storage_option({}, SECRET)
+    assert_no_secret(str(malformed.value), "the command lines' error")

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import copy
+from collections.abc import Sequence
 from typing import Any, NoReturn
+
+import yaml
 
 EXIT_TRAINING_FAILED = 1
 EXIT_CONFIG_ERROR = 2  # also bad input of any kind: a missing checkpoint, an existing output
@@ -20,6 +24,47 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_CONFIG_ERROR, f"{self.error_prefix}: {message}; see --help\n")
+
+
+def add_storage_option(options: dict[str, Any], item: str) -> None:
+    """One ``key=value`` (a dotted key nests, the value is parsed as YAML) into fsspec storage options."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        # Not echoed: a malformed option may be a credential.
+        raise ValueError("--storage-option: expected KEY=VALUE, e.g. anon=true (the option given is not shown "
+                         "in case it holds a credential)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else raw
+    except yaml.YAMLError:
+        value = raw
+    node = options
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"--storage-option {key}=...: {part!r} is already a value, not a section")
+    node[leaf] = value
+
+
+class _StorageOptions(argparse.Action):
+    """Collects every ``--storage-option`` into one nested dict; a malformed one is the parser's error."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: str | Sequence[Any] | None, option_string: str | None = None) -> None:
+        options = copy.deepcopy(getattr(namespace, self.dest) or {})
+        try:
+            add_storage_option(options, str(values))
+        except ValueError as exc:
+            parser.error(str(exc))
+        setattr(namespace, self.dest, options)
+
+
+def add_storage_options_argument(parser: argparse.ArgumentParser, example: str = "") -> None:
+    """``--storage-option KEY=VALUE`` (repeatable): ``args.storage_option`` is the fsspec options dict."""
+    parser.add_argument(
+        "--storage-option", action=_StorageOptions, default={}, metavar="KEY=VALUE",
+        help=f"fsspec option for a remote checkpoint (repeatable; dotted keys nest){example}",
+    )
 
 
 def refuse(command: str, error: BaseException) -> int:

@@ -14,8 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from meshtrain.cli.common import OneLineParser, refuse, run_checkpoint_root
-from meshtrain.cli.export import parse_storage_options
+from meshtrain.cli.common import OneLineParser, add_storage_options_argument, refuse, run_checkpoint_root
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -34,10 +33,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, help="at most this many examples per task (default: all)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
     parser.add_argument("--out", help="folder for the results JSON and samples (default: {run}/downstream/step-N)")
-    parser.add_argument(
-        "--storage-option", action="append", default=[], metavar="KEY=VALUE",
-        help="fsspec option for a remote checkpoint (repeatable; dotted keys nest)",
-    )
+    add_storage_options_argument(parser)
     args = parser.parse_args(argv)
     for name in ("num_fewshot", "limit", "batch_size"):
         value = getattr(args, name)
@@ -48,10 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        options = parse_storage_options(args.storage_option)
-    except ValueError as exc:
-        return refuse("evaluate", exc)
+    options = args.storage_option
     from meshtrain.checkpoint.export import resolve_checkpoint
     from meshtrain.checkpoint.storage import CheckpointError
     from meshtrain.config import ConfigError

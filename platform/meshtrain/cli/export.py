@@ -15,38 +15,12 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import Any
 
-import yaml
-
-from meshtrain.cli.common import OneLineParser, refuse
+from meshtrain.cli.common import OneLineParser, add_storage_options_argument, refuse
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
-
-
-def parse_storage_options(items: list[str]) -> dict[str, Any]:
-    """``key=value`` pairs (dotted keys nest, values parsed as YAML) → fsspec storage options."""
-    options: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            # Not echoed: a malformed option may be a credential.
-            raise ValueError("--storage-option: expected KEY=VALUE, e.g. anon=true (the option given is not shown "
-                             "in case it holds a credential)")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else raw
-        except yaml.YAMLError:
-            value = raw
-        node = options
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"--storage-option {key}=...: {part!r} is already a value, not a section")
-        node[leaf] = value
-    return options
 
 
 def parse_size(text: str) -> int:
@@ -73,14 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "out", help="output file (torch, safetensors) or directory (hf); must not exist, or be empty"
     )
-    parser.add_argument(
-        "--storage-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="fsspec option for a remote checkpoint (repeatable; dotted keys nest), "
-        "e.g. client_kwargs.endpoint_url=http://minio:9000",
-    )
+    add_storage_options_argument(parser, ", e.g. client_kwargs.endpoint_url=http://minio:9000")
     parser.add_argument(
         "--max-shard-size",
         type=parse_size,
@@ -98,10 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        options = parse_storage_options(args.storage_option)
-    except ValueError as exc:
-        return refuse("export", exc)
+    options = args.storage_option
     from meshtrain.checkpoint.export import (
         DEFAULT_MAX_SHARD_BYTES,
         ExportError,

@@ -14,8 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from meshtrain.cli.common import OneLineParser, refuse, run_checkpoint_root
-from meshtrain.cli.export import parse_storage_options
+from meshtrain.cli.common import OneLineParser, add_storage_options_argument, refuse, run_checkpoint_root
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -35,10 +34,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=1.0,
                         help="when sampling, draw from the smallest set of tokens holding this probability (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling, per prompt (default 0)")
-    parser.add_argument(
-        "--storage-option", action="append", default=[], metavar="KEY=VALUE",
-        help="fsspec option for a remote checkpoint (repeatable; dotted keys nest)",
-    )
+    add_storage_options_argument(parser)
     args = parser.parse_args(argv)
     if args.max_new_tokens <= 0:
         parser.error(f"--max-new-tokens={args.max_new_tokens}: give a positive number")
@@ -51,10 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        options = parse_storage_options(args.storage_option)
-    except ValueError as exc:
-        return refuse("generate", exc)
+    options = args.storage_option
     from meshtrain.checkpoint.export import resolve_checkpoint
     from meshtrain.checkpoint.storage import CheckpointError
     from meshtrain.config import ConfigError
