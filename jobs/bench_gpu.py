@@ -4,6 +4,7 @@
     python jobs/bench_gpu.py                                    # every GPU configuration, 1 GPU worker each
     python jobs/bench_gpu.py --only '1b-*' --steps 30 --warmup 10 --out results.json
     python jobs/bench_gpu.py --only 8b-8l-mb1-sel scaling.num_workers=8   # key=value overrides for every configuration
+    python jobs/bench_gpu.py --no-profile                       # no profiler step, no CUDA allocator history
     python jobs/bench_gpu.py --cpu-smoke --out /tmp/tiny.json   # the `tiny` set on CPU workers (CI)
     python jobs/bench_gpu.py --list                             # the sets and configuration names
 """

@@ -1,11 +1,11 @@
 """jobs/bench_gpu.py: the GPU configurations' dry-run plans and H100 verdicts (no Ray), how a failed
-configuration is reduced to one line, and the tiny CPU set end to end through Ray."""
+configuration is reduced to one line, the profiler's window after the timed steps and its summary read
+back from a trace, and the tiny CPU set end to end through Ray."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import re
 import subprocess
 import sys
@@ -78,7 +78,27 @@ def test_a_failed_configuration_is_one_line_naming_the_rank_that_failed_first() 
     assert "\n" not in long and len(long) <= 240
 
 
-def fake_gpu_run(run_dir: Path, window: Any, step_s: float, global_tokens: int) -> None:
+def test_the_profiled_steps_follow_the_timed_ones_and_allocator_history_is_set_on_gpu_only() -> None:
+    bench = bench_module()
+    sets = bench.load_matrix(bench.DEFAULT_MATRIX)
+    window = bench.Window.for_request(6, 20)
+    gpu = bench.select(sets, "gpu", ["1b-mb1"], {})[0]
+    cpu = bench.select(sets, "tiny", ["tiny-2w-mb2"], {})[0]
+    settings = bench.run_settings(gpu, window, "run", "runs")
+    # Step window.total is the timed window's last; the next one starts the profiler, the one after is traced.
+    assert settings["profile.start_step"] == window.total + 2 == settings["train.steps"]
+    assert settings["profile.active_steps"] == bench.PROFILED_STEPS == 1 and settings["profile.ranks"] == [0]
+    assert settings["memory.history_entries"] == bench.HISTORY_ENTRIES
+    assert bench.build_config(settings).memory.history_entries == bench.HISTORY_ENTRIES
+    cpu_cfg = bench.build_config(bench.run_settings(cpu, window, "run", "runs"))
+    assert cpu_cfg.memory.history_entries is None and cpu_cfg.profile.start_step == window.total + 2
+    for config in (gpu, cpu):
+        plain = bench.run_settings(config, window, "run", "runs", profile=False)
+        assert plain["train.steps"] == window.total
+        assert not [key for key in plain if key.startswith(("profile.", "memory."))]
+
+
+def fake_gpu_run(run_dir: Path, window: Any, step_s: float, global_tokens: int, flops: float) -> None:
     """The files a one-GPU run leaves: rank 0's logged steps, its tokenizer (no Ray, no GPU)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -93,7 +113,9 @@ def fake_gpu_run(run_dir: Path, window: Any, step_s: float, global_tokens: int) 
     warmup_s = 30.0  # compilation
     records = [
         {"event": "train", "step": step, "tokens": step * global_tokens, "loss": 5.0, "data_wait_s": 0.002,
-         "elapsed_s": warmup_s * min(step, window.warmup) / window.warmup + step_s * max(0, step - window.warmup)}
+         "elapsed_s": warmup_s * min(step, window.warmup) / window.warmup + step_s * max(0, step - window.warmup),
+         # The attended pairs differ a little by interval (documents end at other places).
+         "flops_per_token": flops * (1 + 0.01 * (step % 2))}
         for step in range(window.log_every, window.total + 1, window.log_every)
     ]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -110,24 +132,49 @@ def test_a_gpu_run_is_measured_against_the_h100_peak_and_its_memory_plan(tmp_pat
     config = bench.select(bench.load_matrix(bench.DEFAULT_MATRIX), "gpu", ["1b-mb4-sel"], {})[0]
     window = bench.Window.for_request(6, 20)
     cfg = bench.build_config(bench.run_settings(config, window, "fake", str(tmp_path)))
-    fake_gpu_run(tmp_path / "fake", window, step_s=0.5, global_tokens=4 * 4096)
+    fake_gpu_run(tmp_path / "fake", window, step_s=0.5, global_tokens=4 * 4096, flops=9e9)
     planned = memory_plan(cfg, model_args(cfg, 300), MeshPlan(1, 1, True), use_gpu=True).total
     summary = {
         "run_dir": str(tmp_path / "fake"), "world_size": 1, "mesh_shape": [1, 1], "parameters": 1_235_814_400,
         "workers": [{"rank": 0, "node_rank": 0}], "wall_time_s": 100.0, "train_time_s": 40.5,
-        "device": "NVIDIA H100 80GB HBM3", "peak_device_memory_bytes": int(0.9 * planned),
+        "device": "NVIDIA H100 80GB HBM3", "peak_device_memory_bytes": int(0.9 * planned), "num_alloc_retries": 3,
     }
     row = bench.measure(bench.Row("1b-mb4-sel", "failed"), cfg, summary, window)
     assert row.status == "ok" and row.device == "NVIDIA H100 80GB HBM3"
     assert row.tokens_per_s_per_worker == pytest.approx(4 * 4096 / 0.5)
-    assert row.flops_per_token == flops_per_token(model_args(load_config(None, ["model.preset=llama3_1b"]), 300), 4096)
+    full = flops_per_token(model_args(load_config(None, ["model.preset=llama3_1b"]), 300), 4096)
+    assert row.flops_per_token_full_attention == full
+    # The timed steps 7-27 are logged at 9, 12, ..., 27: four odd steps (x 1.01) and three even ones.
+    assert row.flops_per_token == pytest.approx(9e9 * (1 + 0.01 * 4 / 7))
     assert row.peak_flops_per_s == 989.4e12 and row.peak_source.startswith("NVIDIA H100 80GB HBM3 dense bf16")
+    assert row.mfu_full_attention == pytest.approx(row.tokens_per_s_per_worker * full / 989.4e12)
     assert row.mfu == pytest.approx(row.tokens_per_s_per_worker * row.flops_per_token / 989.4e12)
     assert row.measured_kind == "cuda_max_allocated" and row.measured_over_planned == pytest.approx(0.9, abs=1e-9)
+    assert row.alloc_retries == 3
     assert (row.step_ms, row.data_wait_ms, row.warmup_ms_per_step) == pytest.approx((500.0, 2.0, 5000.0))
     assert row.setup_s == pytest.approx(59.5)
     line = bench.table_row(row)
-    assert line.startswith(f"| 1b-mb4-sel | 32,768 | {100 * row.mfu:.1f}% | NVIDIA H100") and "| 0.90 |" in line
+    assert line.startswith(f"| 1b-mb4-sel | 32,768 | {100 * row.mfu:.1f}% | {100 * row.mfu_full_attention:.1f}% | "
+                           "NVIDIA H100") and "| 0.90 | 3 |" in line
+
+    # What the run folder says besides: rank 0's profiled window (its record) and the snapshots the
+    # allocator history gave at the end of the steps.
+    run_dir = tmp_path / "fake"
+    (run_dir / "memory").mkdir()
+    for rank in (0, 1):
+        (run_dir / "memory" / f"rank{rank}.step29.end.pickle").write_bytes(b"")
+    with (run_dir / "metrics.jsonl").open("a") as records:
+        for rank in (1, 0):
+            records.write(json.dumps({
+                "event": "profile", "step": 29, "rank": rank, "first_step": 29, "device": "cuda",
+                "top_ms_per_step": [["sm90_gemm", 4.0], ["Memcpy HtoD", 0.5]],
+                "trace": str(run_dir / "profile" / f"rank{rank}.29.pt.trace.json"),
+            }) + "\n")
+    bench.read_diagnostics(row, run_dir)
+    assert row.memory_snapshots == ["memory/rank0.step29.end.pickle", "memory/rank1.step29.end.pickle"]
+    assert row.profile_trace == "profile/rank0.29.pt.trace.json"
+    assert row.profile_summary == ("[meshtrain] profile rank 0 step 29: top device kernels by self ms/step: sm90_gemm "
+                                   "4.00 | Memcpy HtoD 0.50; trace profile/rank0.29.pt.trace.json")
 
 
 @pytest.mark.ray
@@ -139,22 +186,25 @@ def test_tiny_cpu_benchmark_runs_every_configuration_through_ray(tmp_path: Path)
     )
     assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
     names = list(MATRIX["tiny"]["configs"])
-    assert "MFU = tokens/s per worker x model FLOPs per token (6 x matmul weights" in job.stdout
+    assert "MFU = tokens/s per worker x model FLOPs per token / device peak FLOP/s" in job.stdout
     table = job.stdout[job.stdout.rindex("| config |"):]
     for name in names:
-        cells = re.search(rf"^\| {re.escape(name)} \| ([\d,]+) \| ([\d.]+%|n/a) \|", table, re.MULTILINE)
+        # tok/s, MFU, MFU full attn, peak, RSS, plan, then measured/plan and alloc retries: nothing on CPU.
+        cells = re.search(rf"^\| {re.escape(name)} \| ([\d,]+) \| ([\d.]+)% \| ([\d.]+)% \| CPU nominal [^|]+ \| "
+                          r"[\d.]+ \(RSS\) \| [\d.]+ \| - \| - \| [\d.]+ \|", table, re.MULTILINE)
         assert cells is not None, table
         assert float(cells[1].replace(",", "")) > 0
-        assert cells[2] == "n/a" or math.isfinite(float(cells[2].rstrip("%")))
+        assert 0 < float(cells[2]) < float(cells[3])  # the causal mask halves attention's FLOPs
 
     document = json.loads(out.read_text())
     assert [row["name"] for row in document["rows"]] == names
-    assert (document["warmup_steps"], document["timed_steps"]) == (2, 3)
+    assert (document["warmup_steps"], document["timed_steps"], document["profiled_steps"]) == (2, 3, 1)
     for row in document["rows"]:
         workers = MATRIX["tiny"]["configs"][row["name"]]["scaling.num_workers"]
         assert row["status"] == "ok" and row["tokens_per_s_per_worker"] > 0
         assert row["world_size"] == workers and row["mesh_shape"] == [1, workers]
-        assert row["device"] == "cpu" and row["mfu"] is not None and math.isfinite(row["mfu"])
+        assert row["device"] == "cpu" and 0 < row["mfu"] < row["mfu_full_attention"] < 1
+        assert row["alloc_retries"] is None and row["memory_snapshots"] == []
         # On CPU the peak is the worker's resident set: printed, never divided by the device plan.
         assert row["measured_kind"] == "host_peak_rss" and row["measured_peak_bytes"] > 2**20
         assert row["measured_over_planned"] is None and row["planned_bytes"] > 0
@@ -165,4 +215,12 @@ def test_tiny_cpu_benchmark_runs_every_configuration_through_ray(tmp_path: Path)
         assert summary["peak_host_rss_bytes"] == row["measured_peak_bytes"]
         assert "peak_device_memory_bytes" not in summary
         steps = [r for r in read_metrics(run_dir) if r["event"] == "train"]
-        assert [r["step"] for r in steps] == [1, 2, 3, 4, 5] and all(r["data_wait_s"] >= 0 for r in steps)
+        # Steps 1-2 warm up, 3-5 are timed, 6 starts the profiler and rank 0 traces 7.
+        assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6, 7] and all(r["data_wait_s"] >= 0 for r in steps)
+        assert row["flops_per_token_full_attention"] == steps[-1]["flops_per_token_full_attention"]
+        assert row["profile_trace"] == "profile/rank0.7.pt.trace.json"
+        assert [p.name for p in (run_dir / "profile").iterdir()] == ["rank0.7.pt.trace.json"]
+        assert row["profile_summary"].startswith("[meshtrain] profile rank 0 step 7: top CPU ops by self ms/step: ")
+        assert row["profile_summary"].endswith("; trace profile/rank0.7.pt.trace.json")
+        assert "aten::" in row["profile_summary"]
+        assert f"  {row['profile_summary']}" in job.stdout.splitlines()

@@ -292,7 +292,7 @@ class FakeCudaAllocator:
         return 3 * GIB // 2
 
 
-def test_a_step_out_of_cuda_memory_writes_a_snapshot_and_fails_the_run_naming_it_beside_the_plan(
+def test_a_step_out_of_cuda_memory_writes_a_snapshot_and_fails_the_run_and_a_run_that_fits_writes_one_at_the_end(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     corpus = stdlib_plan(tmp_path / "stores")
@@ -330,6 +330,17 @@ def test_a_step_out_of_cuda_memory_writes_a_snapshot_and_fails_the_run_naming_it
     assert isinstance(failed.value.__context__, torch.OutOfMemoryError)
     assert root_failure(failed.value).permanent
 
+    # A run that fits, with the history on: its snapshot when the steps are done (the timeline of the
+    # last allocations, peaks included), named in a record.
+    monkeypatch.setattr(trainer_module, "train_step", real_step)
+    records: list[dict[str, Any]] = []
+    train(cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": "fits"})}), corpus, WorkerLayout(),
+          torch.device("cpu"), records.append)
+    end = tmp_path / "fits" / "memory" / "rank0.step3.end.pickle"
+    assert end.read_bytes() == b"snapshot" and allocator.history == [5000, 5000]
+    assert [r for r in records if r["event"] == "memory_snapshot"] == [
+        {"event": "memory_snapshot", "step": 3, "rank": 0, "path": str(end)}]
+
 
 def test_the_cuda_alloc_retries_gauge_reads_the_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
     from prometheus_client import generate_latest
@@ -348,3 +359,13 @@ def test_the_cuda_alloc_retries_gauge_reads_the_allocator(monkeypatch: pytest.Mo
     cpu = TrainingMetrics(run="r", rank=0, node="n", device=torch.device("cpu"), flops_per_token=1.0,
                           peak_flops_per_s=None)
     assert "meshtrain_cuda_alloc_retries" not in generate_latest(cpu.registry).decode()
+
+
+def test_the_run_summary_carries_the_cuda_peak_and_allocator_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    from meshtrain.cluster.worker import peak_memory
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 5 * GIB)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {"num_alloc_retries": 2})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    assert peak_memory(torch.device("cuda", 0)) == {
+        "device": "NVIDIA H100 80GB HBM3", "peak_device_memory_bytes": 5 * GIB, "num_alloc_retries": 2}

@@ -12,6 +12,17 @@ offline standard-library corpus, a token store prepared once under ``--storage``
 configuration that fails (out of memory, say) gets a failed row with its one-line reason and the next
 one runs; the exit code is then 1.
 
+Unless ``--no-profile``, each run also keeps what explains its figures, in its run folder:
+
+- a torch.profiler trace of rank 0 (``profile/rank0.<step>.pt.trace.json``, for Perfetto or
+  chrome://tracing) of one step after the timed ones, and the top ops by self time in that step (the
+  line the profiler prints to the job log, read back from the trace: device kernels on GPU, CPU ops
+  on CPU);
+- on GPU, the CUDA allocator's history (``memory.history_entries``) from the start of the run, so that
+  a rank that runs out of memory writes a snapshot saying what allocated each block
+  (``memory/rank<R>.step<S>.pickle``, for pytorch.org/memory_viz; a run that fits writes none). Recording
+  it costs host time at each allocation, in the timed steps too: ``--no-profile`` times without it.
+
 What each row reports (rank 0's records in ``metrics.jsonl`` and ``summary.json`` of the run):
 
 - tokens/s per worker = (tokens of the timed steps) / (their wall time) / workers. The timed steps
@@ -20,16 +31,24 @@ What each row reports (rank 0's records in ``metrics.jsonl`` and ``summary.json`
   loss read that waits for the device; both ends lie a whole logging interval after the previous
   read, so the host is as far ahead of the device at either end. Logging every L = ceil(W/2) steps
   puts the first logged step inside the warm-up: the warm-up is rounded up to 2L steps and the timed
-  steps up to a multiple of L (default 6 + 21).
-- MFU = tokens/s per worker x model FLOPs per token / device peak FLOP/s, where model FLOPs per token =
-  6 x matmul weights + 12 x layers x seq_len x dim (``meshtrain.model.flops.flops_per_token``: forward and
-  backward, attention included, recomputation not counted) and the peak is ``metrics.peak_flops_per_s``
+  steps up to a multiple of L (default 6 + 21). The profiled steps come after the timed ones.
+- MFU = tokens/s per worker x model FLOPs per token / device peak FLOP/s, by two counts of the FLOPs per
+  token: "MFU" with attention over the (query, key) pairs the masks allowed (the train records'
+  ``flops_per_token``, the timed steps' mean: what the steps computed, as the ``meshtrain_mfu_ratio``
+  gauge counts), and "MFU full attn" with every query against the whole window, 6 x matmul weights +
+  12 x layers x seq_len x dim (``meshtrain.model.flops.flops_per_token``, the records'
+  ``flops_per_token_full_attention``: the PaLM / torchtitan convention that other frameworks' MFU
+  uses). Both forward and backward, recomputation not counted. The peak is ``metrics.peak_flops_per_s``
   when set, else the dense peak of the worker's GPU for the compute dtype (``meshtrain.model.flops``), else on
   CPU the nominal ``metrics.cpu_peak_flops_per_s`` (1e11 by default: CPU MFU is not a real figure).
 - peak memory: on GPU ``torch.cuda.max_memory_allocated`` after training, the largest over the ranks
   (``peak_device_memory_bytes`` in summary.json), against the ``--dry-run`` plan's per-rank total
   (``meshtrain.distributed.plan.memory_plan``) as measured/planned. On CPU the worker's peak resident set
   (``peak_host_rss_bytes``), which holds Python, PyTorch and Ray too: no ratio is printed for it.
+- CUDA allocator retries: how often the caching allocator had to free its cached blocks and retry an
+  allocation (``num_alloc_retries`` of ``torch.cuda.memory_stats``; a count above 0 means fragmentation
+  near the memory limit, which slows steps), from summary.json's ``num_alloc_retries`` where the run
+  recorded it; "-" where it did not, and on CPU.
 - step time breakdown per timed step: data wait (host time rank 0 spent getting its batch, ``data_wait_s``
   in metrics.jsonl; on GPU the host runs ahead of the device, so it only costs throughput when it is
   long) and the rest (forward, backward, communication, optimizer); also the warm-up's mean step time
@@ -78,10 +97,17 @@ from meshtrain.distributed.plan import (
 )
 from meshtrain.model.args import model_args
 from meshtrain.model.flops import flops_per_token, gpu_peak_flops
+from meshtrain.train.profiling import summary_line
 
 DEFAULT_MATRIX = REPO / "jobs" / "bench_gpu.yaml"
 FLOPS_FORMULA = "6 x matmul weights + 12 x layers x seq_len x dim"
-MFU_FORMULA = f"MFU = tokens/s per worker x model FLOPs per token ({FLOPS_FORMULA}) / device peak FLOP/s"
+MFU_FORMULA = (
+    "MFU = tokens/s per worker x model FLOPs per token / device peak FLOP/s; FLOPs per token with attention over "
+    f"the (query, key) pairs the masks allowed (MFU) or over the whole window (MFU full attn: {FLOPS_FORMULA})"
+)
+PROFILED_STEPS = 1  # traced by rank 0 after the timed steps, the step before them starting the profiler
+PROFILE_TOP = 8  # ops in the profile's summary line
+HISTORY_ENTRIES = 100_000  # CUDA allocator events kept with their stacks (torchtitan's default)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
@@ -126,14 +152,17 @@ class Row:
     mesh_shape: list[int] | None = None
     parameters: int | None = None
     tokens_per_s_per_worker: float | None = None
-    flops_per_token: float | None = None
+    flops_per_token: float | None = None  # attention over the pairs the masks allowed: the records' timed mean
+    flops_per_token_full_attention: float | None = None
     peak_flops_per_s: float | None = None
     peak_source: str | None = None
     mfu: float | None = None
+    mfu_full_attention: float | None = None
     measured_peak_bytes: int | None = None
     measured_kind: str | None = None  # "cuda_max_allocated" or "host_peak_rss"
     planned_bytes: int | None = None
     measured_over_planned: float | None = None
+    alloc_retries: int | None = None
     step_ms: float | None = None
     data_wait_ms: float | None = None
     rest_ms: float | None = None
@@ -141,6 +170,10 @@ class Row:
     setup_s: float | None = None
     final_loss: float | None = None
     run_dir: str | None = None
+    # Relative to run_dir: rank 0's profiler trace, and the snapshots of ranks that ran out of CUDA memory.
+    profile_trace: str | None = None
+    profile_summary: str | None = None
+    memory_snapshots: list[str] = field(default_factory=list)
 
 
 # --- configurations ---------------------------------------------------------------------------
@@ -220,9 +253,33 @@ def owned_settings(window: Window, run_name: str, storage: str) -> dict[str, Any
     }
 
 
-def run_settings(config: BenchConfig, window: Window, run_name: str, storage: str) -> dict[str, Any]:
+def profile_settings(window: Window, use_gpu: bool) -> dict[str, Any]:
+    """Rank 0's profiler window and, on GPU, the CUDA allocator's history.
+
+    The window comes after the timed steps, not inside them: a traced step runs slower (every op
+    recorded, the trace and its summary written at its end) and so does the step before it, which
+    starts the profiler. The timed window's last figure is read during its last step (window.total),
+    before either, so two more steps leave tokens/s as it was. The allocator's history must record
+    from the start to say what allocated each block, so it is on for the whole run, timed steps included.
+    """
+    first = window.total + 2
+    settings: dict[str, Any] = {
+        "train.steps": first + PROFILED_STEPS - 1,
+        "profile.start_step": first,
+        "profile.active_steps": PROFILED_STEPS,
+        "profile.ranks": [0],
+        "profile.top": PROFILE_TOP,
+    }
+    if use_gpu:  # memory.history_entries is refused on CPU workers
+        settings["memory.history_entries"] = HISTORY_ENTRIES
+    return settings
+
+
+def run_settings(
+    config: BenchConfig, window: Window, run_name: str, storage: str, profile: bool = True
+) -> dict[str, Any]:
     """The configuration's settings, a global batch of one micro-batch per worker unless it sets one, and
-    the benchmark's own settings over them."""
+    the benchmark's own settings over them (with ``profile``, the profiler's window and allocator history too)."""
     settings = dict(config.settings)
     if "train.global_batch_size" not in settings:
         micro = settings.get("train.micro_batch_size", _field_default(TrainConfig, "micro_batch_size"))
@@ -230,7 +287,11 @@ def run_settings(config: BenchConfig, window: Window, run_name: str, storage: st
         # Tensor- and context-parallel peers share their samples: one micro-batch per data-parallel rank.
         peers = int(settings.get("parallel.tensor", 1)) * int(settings.get("parallel.context", 1))
         settings["train.global_batch_size"] = int(micro) * (int(workers) // peers)
-    return {**settings, **owned_settings(window, run_name, storage)}
+    owned = owned_settings(window, run_name, storage)
+    if profile:
+        use_gpu = settings.get("scaling.use_gpu", _field_default(ScalingConfig, "use_gpu"))
+        owned.update(profile_settings(window, bool(use_gpu)))
+    return {**settings, **owned}
 
 
 def to_overrides(settings: dict[str, Any]) -> list[str]:
@@ -265,19 +326,28 @@ def short_verdict(cfg: MeshtrainConfig, memory: MemoryPlan) -> str:
     return f"{'fits' if fits else 'does not fit'} {device.name} ({device.usable_gib:.1f} GiB usable)"
 
 
-def dry_run(configs: list[BenchConfig], window: Window, device_type: str, trace: bool = False) -> int:
+def dry_run(
+    configs: list[BenchConfig], window: Window, device_type: str, trace: bool = False, profile: bool = True
+) -> int:
     """Each configuration's plan (and, for GPU ones, the fit verdict); no Ray. 2 if one is invalid.
     ``trace``: also each configuration's traced step (meshtrain.train.trace), plan against traced peak."""
     summary: list[tuple[str, ...]] = []
     status = 0
     owned = owned_settings(window, "<config>-<time>", "<--storage>")
+    if profile:
+        owned.update(profile_settings(window, use_gpu=False))
     print("set by the benchmark over every configuration: " + " ".join(to_overrides(owned)))
+    if profile:
+        print(f"and memory.history_entries={HISTORY_ENTRIES} on GPU workers (--no-profile: neither the profiler "
+              "nor the allocator history)")
     print("and train.global_batch_size = micro-batch x data-parallel ranks unless a configuration sets it\n")
     for config in configs:
         print(f"== {config.name} ==")
         print("settings: " + " ".join(to_overrides(config.settings)))
         try:
-            cfg = for_plan(build_config(run_settings(config, window, "dry-run", "runs/bench_gpu")), device_type)
+            cfg = for_plan(
+                build_config(run_settings(config, window, "dry-run", "runs/bench_gpu", profile)), device_type
+            )
             args = model_args(cfg, tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size))
             report = describe_plan(cfg, args)
         except ConfigError as exc:
@@ -318,23 +388,41 @@ def train_records(run_dir: Path) -> dict[int, dict[str, Any]]:
     return {r["step"]: r for r in records if r.get("event") == "train"}
 
 
-def timed_figures(records: dict[int, dict[str, Any]], window: Window) -> dict[str, float]:
-    """Tokens/s and per-step times of the timed steps, from the logged records at both ends of the window."""
+@dataclass(frozen=True)
+class Timed:
+    """The timed steps' figures (rank 0's records): global tokens/s, per-step seconds, and the mean FLOPs
+    per token the records counted with attention over the allowed pairs (None if one lacks them)."""
+
+    tokens_per_s: float
+    step_s: float
+    data_wait_s: float
+    warmup_step_s: float
+    final_loss: float
+    flops_per_token: float | None
+
+
+def timed_figures(records: dict[int, dict[str, Any]], window: Window) -> Timed:
+    """The timed steps' figures, from the logged records at both ends of the window and those between."""
     start, end = records.get(window.warmup), records.get(window.total)
     if start is None or end is None:
         raise RuntimeError(f"metrics.jsonl lacks the logged steps {window.warmup} and {window.total}")
     seconds = end["elapsed_s"] - start["elapsed_s"]
-    waited, previous = 0.0, window.warmup
+    waited, flops, previous = 0.0, 0.0, window.warmup
+    counted = True
     for step in sorted(s for s in records if window.warmup < s <= window.total):
+        # Each record holds its logging interval's means: weigh them by the steps of the interval.
         waited += records[step]["data_wait_s"] * (step - previous)
+        counted = counted and "flops_per_token" in records[step]
+        flops += records[step].get("flops_per_token", 0.0) * (step - previous)
         previous = step
-    return {
-        "tokens_per_s": (end["tokens"] - start["tokens"]) / seconds,
-        "step_s": seconds / window.timed,
-        "data_wait_s": waited / window.timed,
-        "warmup_step_s": start["elapsed_s"] / window.warmup,
-        "final_loss": end["loss"],
-    }
+    return Timed(
+        tokens_per_s=(end["tokens"] - start["tokens"]) / seconds,
+        step_s=seconds / window.timed,
+        data_wait_s=waited / window.timed,
+        warmup_step_s=start["elapsed_s"] / window.warmup,
+        final_loss=end["loss"],
+        flops_per_token=flops / window.timed if counted else None,
+    )
 
 
 def actual_mesh(cfg: MeshtrainConfig, summary: dict[str, Any]) -> MeshPlan:
@@ -381,17 +469,21 @@ def measure(row: Row, cfg: MeshtrainConfig, summary: dict[str, Any], window: Win
     return row
 
 
-def _fill_speed(row: Row, cfg: MeshtrainConfig, args: ModelArgs, figures: dict[str, float]) -> None:
+def _fill_speed(row: Row, cfg: MeshtrainConfig, args: ModelArgs, timed: Timed) -> None:
     assert row.world_size is not None and row.device is not None
-    row.tokens_per_s_per_worker = figures["tokens_per_s"] / row.world_size
-    row.flops_per_token = flops_per_token(args, cfg.data.seq_len)
+    row.tokens_per_s_per_worker = timed.tokens_per_s / row.world_size
+    row.flops_per_token = timed.flops_per_token
+    row.flops_per_token_full_attention = flops_per_token(args, cfg.data.seq_len)
     row.peak_flops_per_s, row.peak_source = device_peak(cfg, row.device)
     if row.peak_flops_per_s:
-        row.mfu = row.tokens_per_s_per_worker * row.flops_per_token / row.peak_flops_per_s
-    row.step_ms, row.data_wait_ms = 1000 * figures["step_s"], 1000 * figures["data_wait_s"]
+        tokens_per_peak_flop = row.tokens_per_s_per_worker / row.peak_flops_per_s
+        row.mfu_full_attention = tokens_per_peak_flop * row.flops_per_token_full_attention
+        if row.flops_per_token is not None:
+            row.mfu = tokens_per_peak_flop * row.flops_per_token
+    row.step_ms, row.data_wait_ms = 1000 * timed.step_s, 1000 * timed.data_wait_s
     row.rest_ms = row.step_ms - row.data_wait_ms
-    row.warmup_ms_per_step = 1000 * figures["warmup_step_s"]
-    row.final_loss = figures["final_loss"]
+    row.warmup_ms_per_step = 1000 * timed.warmup_step_s
+    row.final_loss = timed.final_loss
 
 
 def _fill_memory(row: Row, cfg: MeshtrainConfig, args: ModelArgs, summary: dict[str, Any]) -> None:
@@ -402,6 +494,24 @@ def _fill_memory(row: Row, cfg: MeshtrainConfig, args: ModelArgs, summary: dict[
     row.planned_bytes = memory_plan(cfg, args, actual_mesh(cfg, summary), cfg.scaling.use_gpu).total
     if on_gpu and row.measured_peak_bytes is not None:
         row.measured_over_planned = row.measured_peak_bytes / row.planned_bytes
+    row.alloc_retries = summary.get("num_alloc_retries")
+
+
+def read_diagnostics(row: Row, run_dir: Path) -> None:
+    """The run's memory snapshots (a rank that ran out of CUDA memory, and every rank at the end with the
+    allocator history on) and rank 0's profiler trace with its summary line, from the run folder."""
+    row.memory_snapshots = sorted(str(path.relative_to(run_dir)) for path in (run_dir / "memory").glob("*.pickle"))
+    path = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    windows = [r for r in records if r.get("event") == "profile" and r.get("rank") == 0]
+    if not windows:
+        return
+    window = windows[0]
+    trace = Path(window["trace"])
+    row.profile_trace = str(trace.relative_to(run_dir)) if trace.is_relative_to(run_dir) else str(trace)
+    ops = [(str(name), float(ms)) for name, ms in window["top_ms_per_step"]]
+    row.profile_summary = summary_line(0, window["first_step"], window["step"], window["device"] == "cuda", ops,
+                                       Path(row.profile_trace))
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -439,46 +549,65 @@ def wait_for_workers_to_exit(run_dir: Path, timeout_s: float = 60.0) -> None:
     psutil.wait_procs(processes, timeout=timeout_s)
 
 
-def run_one(config: BenchConfig, window: Window, stamp: str, storage: str, local_ray: bool) -> Row:
+def run_one(
+    config: BenchConfig, window: Window, stamp: str, storage: str, local_ray: bool, profile: bool = True
+) -> Row:
     """Train one configuration through meshtrain.cluster.launcher.launch and measure it; failures become a row."""
     from meshtrain.cluster.capacity import check_capacity
     from meshtrain.cluster.launcher import launch
 
     row = Row(config.name, "failed", settings=dict(config.settings))
     run_name = f"{config.name}-{stamp}"
+    run_dir = Path(storage).expanduser().resolve() / run_name
+    cfg: MeshtrainConfig | None = None
     try:
-        cfg = build_config(run_settings(config, window, run_name, storage))
+        cfg = build_config(run_settings(config, window, run_name, storage, profile))
         check_capacity(cfg.scaling, local_ray)  # launch's own check would take this Ray for a cluster that may grow
         summary = launch(cfg)
         row = measure(row, cfg, summary, window)
     except Exception as exc:  # noqa: BLE001 - one configuration's failure must not end the benchmark
         row.reason = failure_reason(exc)
     finally:
-        wait_for_workers_to_exit(Path(storage).expanduser().resolve() / run_name)
+        wait_for_workers_to_exit(run_dir)
+    if cfg is not None and run_dir.is_dir():
+        row.run_dir = str(run_dir)
+        read_diagnostics(row, run_dir)
     return row
 
 
 # --- output -----------------------------------------------------------------------------------
 
 COLUMNS = (
-    "config", "tok/s/worker", "MFU", "MFU's peak", "peak mem (GiB)", "plan (GiB)", "measured/plan",
-    "step ms", "data wait ms", "rest ms", "warm-up ms/step", "setup s",
+    "config", "tok/s/worker", "MFU", "MFU full attn", "MFU's peak", "peak mem (GiB)", "plan (GiB)", "measured/plan",
+    "alloc retries", "step ms", "data wait ms", "rest ms", "warm-up ms/step", "setup s",
 )
 
 
-def header(window: Window, set_name: str) -> list[str]:
-    return [
+def header(window: Window, set_name: str, profile: bool) -> list[str]:
+    lines = [
         f"bench_gpu: set {set_name}, {window.timed} timed steps after {window.warmup} warm-up steps each",
         MFU_FORMULA + " (meshtrain.model.flops; peak from metrics.peak_flops_per_s, else the GPU's dense peak for the "
         "compute dtype, else the nominal metrics.cpu_peak_flops_per_s on CPU)",
         "peak mem: torch.cuda.max_memory_allocated, max over ranks, vs the --dry-run plan per rank "
         "(meshtrain.distributed.plan.memory_plan); on CPU the worker's peak RSS (Python, torch and Ray included: no ratio)",
+        "alloc retries: the CUDA caching allocator's num_alloc_retries (summary.json), '-' where not recorded",
         "step ms = data wait (rank 0 waiting for its batch) + rest (forward, backward, communication, optimizer)",
     ]
+    if profile:
+        lines.append(
+            f"profile: rank 0 traces {PROFILED_STEPS} step after the timed ones (not timed); on GPU the CUDA "
+            f"allocator records its history ({HISTORY_ENTRIES:,} events) for the snapshot of a rank that runs out "
+            "of memory; paths are relative to each run folder"
+        )
+    return lines
 
 
 def _gib(value: int | None) -> str:
     return "-" if value is None else f"{value / GIB:.2f}"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
 
 
 def table_row(row: Row) -> str:
@@ -489,11 +618,13 @@ def table_row(row: Row) -> str:
     cells = [
         row.name,
         f"{row.tokens_per_s_per_worker:,.0f}",
-        "n/a" if row.mfu is None else f"{100 * row.mfu:.1f}%",
+        _percent(row.mfu),
+        _percent(row.mfu_full_attention),
         row.peak_source or "-",
         _gib(row.measured_peak_bytes) + ("" if gpu else " (RSS)"),
         _gib(row.planned_bytes),
-        f"{row.measured_over_planned:.2f}" if row.measured_over_planned is not None else "n/a (RSS)",
+        "-" if row.measured_over_planned is None else f"{row.measured_over_planned:.2f}",
+        "-" if row.alloc_retries is None else f"{row.alloc_retries:,}",
         f"{row.step_ms:.1f}",
         f"{row.data_wait_ms:.2f}",
         f"{row.rest_ms:.1f}",
@@ -508,13 +639,28 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines + [table_row(row) for row in rows])
 
 
-def write_json(path: Path, lines: list[str], window: Window, rows: list[Row]) -> None:
+def diagnostics(rows: list[Row]) -> list[str]:
+    """Each run's folder with its profile summary (which names the trace) and its memory snapshots."""
+    lines = []
+    for row in rows:
+        if row.run_dir is None:
+            continue
+        lines.append(f"{row.name}: run folder {row.run_dir}")
+        if row.profile_summary is not None:
+            lines.append(f"  {row.profile_summary}")
+        if row.memory_snapshots:
+            lines.append(f"  memory snapshots (pytorch.org/memory_viz): {', '.join(row.memory_snapshots)}")
+    return lines
+
+
+def write_json(path: Path, lines: list[str], window: Window, rows: list[Row], profile: bool) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     document = {
         "header": lines,
         "mfu_formula": MFU_FORMULA,
         "warmup_steps": window.warmup,
         "timed_steps": window.timed,
+        "profiled_steps": PROFILED_STEPS if profile else 0,
         "rows": [asdict(row) for row in rows],
         "table": format_table(rows),
     }
@@ -543,6 +689,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="run.storage_path of the jobs: runs and the cached token store (shared on a cluster; "
                         "default %(default)s)")
     parser.add_argument("--out", type=Path, help="also write the table and every figure as JSON here")
+    parser.add_argument("--no-profile", dest="profile", action="store_false",
+                        help=f"neither trace rank 0's step after the timed ones ({PROFILED_STEPS} more step, plus "
+                        "the one that starts the profiler) nor record the CUDA allocator's history (which costs "
+                        "host time at each allocation, timed steps included)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print each configuration's memory plan and verdict; no Ray")
     parser.add_argument("--trace", action="store_true",
@@ -570,7 +720,7 @@ def list_sets(sets: dict[str, dict[str, Any]]) -> None:
 
 
 def run_all(
-    configs: list[BenchConfig], window: Window, storage: str, out: Path | None, lines: list[str]
+    configs: list[BenchConfig], window: Window, storage: str, out: Path | None, lines: list[str], profile: bool
 ) -> list[Row]:
     """Every configuration in turn, on one Ray (joined or started here, as jobs/pretrain.py does)."""
     from meshtrain.cluster.launcher import init_ray
@@ -582,11 +732,11 @@ def run_all(
         settings = " ".join(to_overrides(config.settings))
         print(f"[bench_gpu] {index}/{len(configs)} {config.name}: {settings}", flush=True)
         started = time.perf_counter()
-        rows.append(run_one(config, window, stamp, storage, local_ray))
+        rows.append(run_one(config, window, stamp, storage, local_ray, profile))
         print(f"[bench_gpu] {config.name} {rows[-1].status} in {time.perf_counter() - started:.0f}s", flush=True)
         print(table_row(rows[-1]), flush=True)
         if out is not None:
-            write_json(out, lines, window, rows)  # after every configuration: a crash keeps what was measured
+            write_json(out, lines, window, rows, profile)  # after every configuration: a crash keeps what was measured
     return rows
 
 
@@ -603,12 +753,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     window = Window.for_request(args.warmup, args.steps)
     if args.dry_run:
-        return dry_run(configs, window, args.device_type, args.trace)
-    lines = header(window, args.set_name)
-    rows = run_all(configs, window, args.storage, args.out, lines)
+        return dry_run(configs, window, args.device_type, args.trace, args.profile)
+    lines = header(window, args.set_name, args.profile)
+    rows = run_all(configs, window, args.storage, args.out, lines, args.profile)
     print()
     print("\n".join(lines))
     print(format_table(rows))
+    for line in diagnostics(rows):
+        print(line)
     if args.out is not None:
         print(f"[bench_gpu] wrote {args.out}")
     return 0 if all(row.status == "ok" for row in rows) else 1

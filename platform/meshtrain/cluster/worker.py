@@ -176,10 +176,14 @@ def start_metrics(
 
 def peak_memory(device: torch.device) -> dict[str, Any]:
     """The device and the largest peak over the ranks, read once after training (a collective): PyTorch's
-    peak CUDA allocation on GPU workers, the process's peak resident set (all host memory) on CPU workers."""
+    peak CUDA allocation on GPU workers (and the most times a rank's caching allocator freed its cache
+    to retry an allocation), the process's peak resident set (all host memory) on CPU workers."""
     if device.type == "cuda":
+        retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+        peaks = _gather((torch.cuda.max_memory_allocated(device), retries))
         return {"device": torch.cuda.get_device_name(device),
-                "peak_device_memory_bytes": max(_gather(torch.cuda.max_memory_allocated(device)))}
+                "peak_device_memory_bytes": max(peak for peak, _ in peaks),
+                "num_alloc_retries": max(count for _, count in peaks)}
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     return {"device": "cpu", "peak_host_rss_bytes": max(_gather(peak_rss))}
 

@@ -9,12 +9,15 @@ restart costing a reload. (Memory held by a process outside the run is the excep
 well below the device's size says so.)
 With ``memory.history_entries`` the allocator also records its recent allocations with their stacks
 from the start of the run, so the snapshot says what allocated each block; without, it still shows
-the segments and the blocks in them (fragmentation). The CUDA calls sit in :class:`CudaAllocator`,
+the segments and the blocks in them (fragmentation). With the history on, a rank that finishes its
+steps writes ``rank<R>.step<S>.end.pickle`` too: the timeline of its last allocations, peaks included,
+for a run that fits but runs close to the limit. The CUDA calls sit in :class:`CudaAllocator`,
 which a CPU test substitutes.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -68,6 +71,7 @@ class OutOfMemorySnapshots:
     ) -> None:
         self.allocator, self.folder, self.rank = allocator, folder, rank
         self.planned_bytes = planned_bytes
+        self.recording = allocator is not None and history_entries is not None
         if allocator is not None and history_entries is not None:
             allocator.record_history(history_entries)
 
@@ -78,6 +82,19 @@ class OutOfMemorySnapshots:
         except torch.OutOfMemoryError:
             # Not chained as the cause: the driver reports the innermost cause, and this line is the one to show.
             raise DeviceOutOfMemory(self._describe(step)) from None
+
+    def finished(self, step: int) -> Path | None:
+        """The steps are done: with the allocator's history on, the snapshot of them, written."""
+        if self.allocator is None or not self.recording:
+            return None
+        path = self.folder / f"rank{self.rank}.step{step}.end.pickle"
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.allocator.dump_snapshot(path)
+        except OSError as exc:  # the trained steps stand; the snapshot was only asked for
+            print(f"[meshtrain] rank {self.rank}: no memory snapshot ({path}: {exc.strerror or exc})", file=sys.stderr)
+            return None
+        return path
 
     def _describe(self, step: int) -> str:
         planned = f"plan estimate {self.planned_bytes() / GIB:.2f} GiB per rank"

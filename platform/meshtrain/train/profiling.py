@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -105,10 +105,11 @@ class StepProfiler:
 
     def __init__(
         self, cfg: ProfileConfig, folder: Path, rank: int, last_step: int, blocks: Sequence[nn.Module],
-        compiled: bool, device: torch.device,
+        compiled: bool, device: torch.device, on_record: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         assert cfg.start_step is not None, "profiling is off: build no StepProfiler"
         self.cfg, self.folder, self.rank, self.last_step = cfg, folder, rank, last_step
+        self.on_record = on_record
         self._blocks, self._compiled = blocks, compiled
         self._device = device.type == "cuda"
         self._profiler: profile | None = None
@@ -120,12 +121,13 @@ class StepProfiler:
     @classmethod
     def of(
         cls, cfg: ProfileConfig, folder: Path, rank: int, last_step: int, blocks: Sequence[nn.Module],
-        compiled: bool, device: torch.device,
+        compiled: bool, device: torch.device, on_record: Callable[[dict[str, Any]], None] | None = None,
     ) -> StepProfiler | None:
-        """The profiler of this rank, or None when profiling is off or traces only other ranks."""
+        """The profiler of this rank, or None when profiling is off or traces only other ranks.
+        ``on_record`` gets a ``profile`` record per window (the summary line's figures)."""
         if not cfg.enabled or (cfg.ranks is not None and rank not in cfg.ranks):
             return None
-        return cls(cfg, folder, rank, last_step, blocks, compiled, device)
+        return cls(cfg, folder, rank, last_step, blocks, compiled, device, on_record)
 
     def _window_of(self, step: int) -> int | None:
         """The first step of the window that traces ``step``, if one does."""
@@ -184,6 +186,12 @@ class StepProfiler:
         # Not print: Ray Train patches it to log the line as well, and the job log would show it twice.
         sys.stdout.write(summary_line(self.rank, self._first, last, self._device, ops, trace) + "\n")
         sys.stdout.flush()
+        if self.on_record is not None:
+            self.on_record({
+                "event": "profile", "step": last, "rank": self.rank, "first_step": self._first,
+                "device": "cuda" if self._device else "cpu", "top_ms_per_step": [[name, ms] for name, ms in ops],
+                "trace": str(trace),
+            })
 
     def close(self) -> None:
         """The loop ended: a window it cut short is saved with the steps it traced."""

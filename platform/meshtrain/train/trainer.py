@@ -207,7 +207,7 @@ class Trainer:
         )
         self.profiler = StepProfiler.of(
             cfg.profile, run_dir / "profile", layout.rank, cfg.train.steps, self.model.layers, cfg.parallel.compile,
-            device,
+            device, self.outputs.emit,
         )
         # Last, so a setup that fails leaves neither a thread, a signal route nor the collector switched off.
         timeout_s = cfg.run.hang_timeout_s
@@ -273,6 +273,10 @@ class Trainer:
             if self.profiler is not None:
                 self.profiler.close()
         self.checkpointing.close()
+        snapshot = self.memory.finished(progress.step)
+        if snapshot is not None:
+            self.outputs.emit({"event": "memory_snapshot", "step": progress.step, "rank": self.layout.rank,
+                               "path": str(snapshot)})
         self.result.tokens = progress.tokens
         self.result.skipped_steps = self.guard.read().skipped_total
         self.result.train_time_s = time.perf_counter() - self.log.started
