@@ -1,9 +1,10 @@
 """float8 training (parallel.float8) on CPU, through torchao's emulation of its float8 matrix multiplies.
 
-Emulation performs the same casts to float8 (e4m3 weights and inputs, e5m2 gradients, one dynamic
-scale per tensor) as the GPU kernels and multiplies the dequantized values, so what is proven here
-is the numerics and the plumbing: which layers convert, float8 FSDP all-gathers (sent as bytes over
-gloo) with their per-step scale precompute, checkpoints and export. Speed needs a GPU (bench_gpu.py).
+Emulation performs the same casts to float8 (tensorwise: e4m3 weights and inputs, e5m2 gradients,
+one dynamic scale per tensor; rowwise: e4m3 throughout, one power-of-two scale per row) as the GPU
+kernels and multiplies the dequantized values, so what is proven here is the numerics and the
+plumbing: which layers convert, float8 FSDP all-gathers (sent as bytes over gloo) with their
+per-step scale precompute, checkpoints and export. Speed needs a GPU (bench_gpu.py).
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ from ranks import run_on_ranks
 
 STEPS = 8
 # Largest relative loss difference of float8 from the same run without it, over STEPS steps.
-# Measured 7.8e-4 (fp32 base) and 1.3e-3 (bf16 base) on this corpus and shape, two ranks.
+# Measured 7.8e-4 (fp32 base) and 1.3e-3 (bf16 base) on this corpus and shape, two ranks; rowwise
+# 5.7e-4 (fp32 base, one process).
 FLOAT8_LOSS_RTOL = 5e-3
+ROWWISE = ("parallel.float8=true", "parallel.float8_recipe=rowwise")
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +102,40 @@ def test_only_the_blocks_aligned_linears_become_float8() -> None:
     split = build_model(args, "meta")
     assert convert_to_float8(split, emulate=True, fsdp_all_gather=False, tensor=2) == 2 * 5
     assert not isinstance(split.layers[0].attention.wk, Float8Linear)
+    # Rowwise converts the same linears. torchao all-gathers only tensorwise weights in float8 (as
+    # its weight wrapper): rowwise weights stay plain, so nothing is gathered as bytes or precomputed.
+    gathered = build_model(args, "meta")
+    convert_to_float8(gathered, emulate=True, fsdp_all_gather=True)
+    assert type(gathered.layers[0].attention.wq.weight) is not torch.nn.Parameter
+    rowwise = build_model(args, "meta")
+    assert convert_to_float8(rowwise, emulate=True, fsdp_all_gather=True, recipe="rowwise") == 2 * 7
+    assert rowwise.layers[0].attention.wq.config.round_scales_to_power_of_2
+    assert all(type(p) is torch.nn.Parameter for p in rowwise.parameters())
+
+
+def test_rowwise_emulation_equals_torchaos_scaled_mm_path_on_cpu() -> None:
+    """torch's CPU ``_scaled_mm`` takes rowwise scales, so on CPU torchao's unemulated path (the one
+    a GPU takes, but for the kernel) runs too. With bf16 operands (a GPU's default) emulation gives
+    exactly its output and gradients. With fp32 ones it does not: torchao asks rowwise ``_scaled_mm``
+    for bf16 and converts, so a rowwise linear's fp32 output is rounded through bf16 (measured 3.0e-3)."""
+    torch.manual_seed(0)
+    x, upstream = torch.randn(4, 16, 64), torch.randn(4, 16, 128)
+    for dtype in (torch.bfloat16, torch.float32):
+        results = []
+        for emulate in (True, False):
+            torch.manual_seed(1)
+            model = torch.nn.Module()
+            model.layers = torch.nn.ModuleList([torch.nn.Linear(64, 128, bias=False, dtype=dtype)])
+            assert convert_to_float8(model, emulate=emulate, fsdp_all_gather=False, recipe="rowwise") == 1
+            inputs = x.to(dtype).requires_grad_()
+            output = model.layers[0](inputs)
+            (output.float() * upstream).sum().backward()
+            results.append([output.detach(), inputs.grad, model.layers[0].weight.grad])
+        differences = [float((e - k).abs().max() / k.abs().max()) for e, k in zip(*results)]
+        if dtype == torch.bfloat16:
+            assert differences == [0.0] * 3
+        else:
+            assert 0 < differences[0] < 1e-2 and max(differences) < 1e-2
 
 
 def test_float8_is_refused_before_ray_without_torchao_or_on_gpus_older_than_sm89(
@@ -137,21 +174,41 @@ def test_float8_is_refused_before_ray_without_torchao_or_on_gpus_older_than_sm89
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     check_float8_device(torch.device("cuda", 0))
 
+    # Rowwise needs what tensorwise needs (torch builds its rowwise kernel for sm_89 too), and float8 itself.
+    with pytest.raises(ConfigError, match=r"scaling.accelerator_type=A10G is older: set parallel.float8=false$"):
+        preflight(config(tmp_path, "a10g-rowwise", *gpu, *ROWWISE, "scaling.accelerator_type=A10G"))
+    preflight(config(tmp_path, "l4-rowwise", *gpu, *ROWWISE, "scaling.accelerator_type=L4"))
+    with pytest.raises(ConfigError, match=r"^parallel.float8_recipe=rowwise needs parallel.float8=true; set it, or "
+                       r"drop parallel.float8_recipe$"):
+        config(tmp_path, "rowwise-alone", "parallel.float8_recipe=rowwise")
 
-def _scales_after_steps(rank: int, world: int, cfg: MeshtrainConfig) -> tuple[int, list[tuple[float, float]]]:
-    """The block count, and (precomputed scale, e4m3 max / global amax) of every float8 weight after
-    two optimizer steps."""
-    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    torch.manual_seed(0)
-    model, _ = sharded_meta_model(cfg, 512, MeshPlan(1, world, True), torch.device("cpu"))
+def _train_steps(cfg: MeshtrainConfig, plan: MeshPlan, steps: int) -> tuple[torch.nn.Module, list[float]]:
+    """A model on ``plan`` (sharded when distributed) and its losses over ``steps`` optimizer steps,
+    every rank on the same tokens."""
+    model, _ = sharded_meta_model(cfg, 512, plan, torch.device("cpu"))
     fill_model(model, cfg, torch.device("cpu"))
     optimizer = build_optimizer(model, cfg.optim)
-    tokens = torch.randint(0, 512, (2, 33))
-    for _ in range(2):
-        model(tokens[:, :-1]).float().logsumexp(-1).mean().backward()
+    tokens = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(steps):
+        loss = model(tokens[:, :-1]).float().logsumexp(-1).mean()
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        losses.append(loss.item())
+    return model, losses
+
+
+def _sharded_steps(
+    rank: int, world: int, tensorwise: MeshtrainConfig, rowwise: MeshtrainConfig
+) -> tuple[int, list[tuple[float, float]], list[float]]:
+    """The block count and (precomputed scale, e4m3 max / global amax) of every tensorwise float8
+    weight after two optimizer steps; the losses of three rowwise steps."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    plan = MeshPlan(1, world, True)
+    model, _ = _train_steps(tensorwise, plan, 2)
     pairs = []
     for param in model.parameters():
         weight = param._local_tensor  # what FSDP all-gathers (to_local() returns a new wrapper)
@@ -160,14 +217,20 @@ def _scales_after_steps(rank: int, world: int, cfg: MeshtrainConfig) -> tuple[in
             dist.all_reduce(amax, op=dist.ReduceOp.MAX)
             expected = torch.finfo(torch.float8_e4m3fn).max / amax
             pairs.append((float(weight._precomputed_scale), float(expected)))
-    return len(model.layers), pairs
+    return len(model.layers), pairs, _train_steps(rowwise, plan, 3)[1]
 
 
-def test_float8_all_gather_scales_are_precomputed_from_the_weights_after_each_step(tmp_path: Path) -> None:
-    blocks, pairs = run_on_ranks(_scales_after_steps, 2, config(tmp_path, "scales", "parallel.float8=true"))[0]
+def test_float8_all_gather_scales_are_precomputed_and_sharded_rowwise_steps_equal_one_process(tmp_path: Path) -> None:
+    rowwise = config(tmp_path, "rowwise", *ROWWISE)
+    blocks, pairs, sharded_rowwise = run_on_ranks(
+        _sharded_steps, 2, config(tmp_path, "scales", "parallel.float8=true"), rowwise
+    )[0]
     assert len(pairs) == blocks * 7
     for got, expected in pairs:
         assert got == pytest.approx(expected, rel=1e-6)
+    # Rowwise weights are all-gathered in fp32 and cast after, as one process casts them; with the
+    # same tokens on both ranks the averaged gradient is one process's too, so every step is equal.
+    assert sharded_rowwise == _train_steps(rowwise, MeshPlan(1, 1, True), 3)[1]
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +272,13 @@ def test_float8_tracks_high_precision_and_sharded_and_tensor_parallel_float8_equ
     assert curve(tensor_parallel)[1] == pytest.approx(curve(single)[1], rel=1e-6)
     assert curve(tensor_parallel, "grad_norm")[1] == pytest.approx(curve(single, "grad_norm")[1], rel=1e-3)
     assert largest_relative_difference(curve(tensor_parallel), curve(single)) <= FLOAT8_LOSS_RTOL
+
+    # Rowwise, fp32 base, one process (two ranks equal one process: the scales test).
+    rowwise = run(config(tmp_path, "rowwise", *ROWWISE, "scaling.num_workers=1", "checkpoint.enabled=false"), corpus)
+    fp32 = run(config(tmp_path, "fp32", "scaling.num_workers=1", "checkpoint.enabled=false"), corpus)
+    difference = largest_relative_difference(curve(rowwise), curve(fp32))
+    print(f"rowwise float8 vs fp32: largest relative loss difference over {STEPS} steps = {difference:.2e}")
+    assert 0 < difference <= FLOAT8_LOSS_RTOL
 
 
 def test_float8_on_a_2x2_hsdp_mesh_equals_1x2(corpus: DataPlan, tmp_path: Path, sharded_float8: list[dict[str, Any]]) -> None:

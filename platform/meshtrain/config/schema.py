@@ -217,9 +217,17 @@ class ParallelConfig(Section):
     float8: bool = Field(
         False,
         description=(
-            "float8 matrix multiplies in the transformer blocks' linears (torchao, tensorwise dynamic scales; "
-            "pip install -e '.[float8]'), with float8 FSDP all-gathers; the output head and embedding stay in "
+            "float8 matrix multiplies in the transformer blocks' linears (torchao, dynamic scales as "
+            "parallel.float8_recipe says; pip install -e '.[float8]'); the output head and embedding stay in "
             "high precision. Needs compute capability 8.9+ (H100, L4, L40S); on CPU emulated (numerics, no speed)."
+        ),
+    )
+    float8_recipe: Literal["tensorwise", "rowwise"] = Field(
+        "tensorwise",
+        description=(
+            "parallel.float8's scales (torchao recipes): tensorwise = one per tensor, with float8 FSDP all-gathers "
+            "(fastest); rowwise = one per row, power-of-two, e4m3 gradients, weights all-gathered in high precision "
+            "(torchtitan's choice for convergence). Needs parallel.float8=true."
         ),
     )
     prefetch: int = Field(
@@ -264,6 +272,15 @@ class ParallelConfig(Section):
         if isinstance(number, bool) or not isinstance(number, int) or number < 1:
             raise ValueError(f"expected a positive integer or 'auto', got {value!r}")
         return number
+
+    @model_validator(mode="after")
+    def _float8_recipe_needs_float8(self) -> "ParallelConfig":
+        if self.float8_recipe != "tensorwise" and not self.float8:
+            raise ValueError(
+                f"parallel.float8_recipe={self.float8_recipe} needs parallel.float8=true; set it, or drop "
+                "parallel.float8_recipe"
+            )
+        return self
 
 
 class ScalingConfig(Section):

@@ -1,14 +1,21 @@
 """float8 training of the transformer blocks' linear layers, through torchao.
 
-torchao's ``Float8Linear`` casts a linear's input, weight and output gradient to float8 with one
-dynamic scale per tensor (tensorwise) and multiplies them with ``torch._scaled_mm``. Under FSDP2
-the weights are also all-gathered in float8 (half the bytes of bf16), and their scales are computed
-for every block at once after each optimizer step instead of one small all-reduce per weight.
+torchao's ``Float8Linear`` casts a linear's input, weight and output gradient to float8 with dynamic
+scales and multiplies them with ``torch._scaled_mm``. Two of torchao's recipes (parallel.float8_recipe):
+
+- tensorwise: one scale per tensor. Under FSDP2 the weights are also all-gathered in float8 (half
+  the bytes of bf16), and their scales are computed for every block at once after each optimizer
+  step instead of one small all-reduce per weight.
+- rowwise: one scale per row of each matmul's left operand and per column of its right one (along
+  the dimension the matmul sums over), rounded down to a power of two, and e4m3 for the gradients
+  too; torchtitan's choice for convergence. torchao's float8 all-gather is tensorwise only, so the
+  weights are all-gathered in high precision and cast after, with no weight scales to precompute.
 
 The output head and the embedding stay in high precision: the head's logits are the loss's input,
 and the embedding is a lookup. Linears whose dimensions are not multiples of 16 stay too, since
 ``_scaled_mm`` requires them. ``torch._scaled_mm`` needs compute capability 8.9 (Ada, Hopper and
-later); elsewhere torchao's emulation runs the same casts with ordinary matrix multiplies, which
+later) for either recipe: torch builds its rowwise CUTLASS kernel for sm_89 as well as sm_90a and
+later. Elsewhere torchao's emulation runs the same casts with ordinary matrix multiplies, which
 proves numerics on CPU and gains no speed.
 """
 
@@ -18,7 +25,8 @@ import logging
 import re
 import sys
 from collections.abc import Callable
-from typing import Any
+from dataclasses import replace
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -27,7 +35,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 from torch.distributed.tensor import DTensor
 
-# Compute capability of torch._scaled_mm's float8 kernels.
+Float8Recipe = Literal["tensorwise", "rowwise"]
+# Compute capability of torch._scaled_mm's float8 kernels, tensorwise and rowwise alike.
 MIN_CAPABILITY = (8, 9)
 # Ray accelerator types (and GPU names) of GPUs below compute capability 8.9: Volta, Turing, Ampere.
 _BELOW_SM89 = re.compile(r"^(V100|T4|P100|P4|K80|A100|A800|A10G?|A30|A40|A16|A2|A6000|RTX ?A\d+|RTX ?30\d\d)\b", re.I)
@@ -85,14 +94,21 @@ def _converts(tensor: int) -> Callable[[nn.Module, str], bool]:
     return converts
 
 
-def convert_to_float8(model: nn.Module, *, emulate: bool, fsdp_all_gather: bool, tensor: int = 1) -> int:
-    """Swap the blocks' linears for torchao's ``Float8Linear`` (before tensor parallel, FSDP and
-    compile) and return how many were converted. ``fsdp_all_gather`` all-gathers their weights in
-    float8. Under tensor parallel the plain column/row-wise plans apply: activations travel between
-    TP ranks in high precision and each linear casts its DTensor operands with scales over the
-    whole tensor (torchao reduces their amaxes across the TP group)."""
+def convert_to_float8(
+    model: nn.Module, *, emulate: bool, fsdp_all_gather: bool, tensor: int = 1, recipe: Float8Recipe = "tensorwise"
+) -> int:
+    """Swap the blocks' linears for torchao's ``Float8Linear`` with ``recipe``'s scales (before
+    tensor parallel, FSDP and compile) and return how many were converted. ``fsdp_all_gather``
+    all-gathers tensorwise weights in float8 (rowwise ones travel in high precision). Under tensor
+    parallel the plain column/row-wise plans apply: activations travel between TP ranks in high
+    precision and each linear casts its DTensor operands with scales over the whole tensor or row
+    (torchao reduces their amaxes across the TP group)."""
     float8 = _import_torchao_float8()
-    config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_all_gather, emulate=emulate)
+    config = replace(
+        float8.Float8LinearConfig.from_recipe_name(recipe),
+        enable_fsdp_float8_all_gather=fsdp_all_gather and recipe == "tensorwise",
+        emulate=emulate,
+    )
     float8.convert_to_float8_training(model, module_filter_fn=_converts(tensor), config=config)
     return sum(isinstance(m, float8.float8_linear.Float8Linear) for m in model.modules())
 
@@ -110,9 +126,9 @@ def _float8_gathered(model: nn.Module) -> bool:
 
 
 def keep_float8_scales_precomputed(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    """When ``model`` all-gathers float8 weights: the scales of all of them at once (one all-reduce
-    of their amaxes over the whole mesh), which the next all-gathers use, now, after every optimizer
-    step and after every load of the model's state.
+    """When ``model`` all-gathers float8 weights (tensorwise only): the scales of all of them at once
+    (one all-reduce of their amaxes over the whole mesh), which the next all-gathers use, now, after
+    every optimizer step and after every load of the model's state.
 
     Now: without a precomputed scale FSDP's pre-all-gather reduces the amax over its own mesh only,
     so under tensor parallel each TP rank would cast its slice of the weight with a scale of its own
@@ -138,7 +154,10 @@ class _BytesAllGather(DefaultAllGather):
 
 
 def gather_float8_as_bytes(model: nn.Module) -> None:
-    """Every FSDP unit of ``model`` all-gathers float8 buffers as bytes (for gloo, the CPU backend)."""
+    """When ``model`` all-gathers float8 weights (tensorwise only): every FSDP unit sends float8
+    buffers as bytes (for gloo, the CPU backend)."""
+    if not _float8_gathered(model):
+        return
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_custom_all_gather(_BytesAllGather())

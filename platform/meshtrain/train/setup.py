@@ -50,8 +50,12 @@ def sharded_meta_model(
     model = build_model(args, "meta")
     if cfg.parallel.float8:
         check_float8_device(device)
-        convert_to_float8(model, emulate=device.type != "cuda", fsdp_all_gather=dist.is_initialized(),
-                          tensor=cfg.parallel.tensor)
+        emulate = device.type != "cuda"
+        converted = convert_to_float8(model, emulate=emulate, fsdp_all_gather=dist.is_initialized(),
+                                      tensor=cfg.parallel.tensor, recipe=cfg.parallel.float8_recipe)
+        if worker is not None and worker.world_rank == 0:
+            print(f"[meshtrain] float8: {converted} linears, {cfg.parallel.float8_recipe} scales"
+                  f"{' (emulated)' if emulate else ''}", flush=True)
     layout = RankLayout(worker or WorkerLayout(0, plan.world_size), plan)
     if dist.is_initialized():
         mesh = build_mesh(plan, device.type)
