@@ -16,12 +16,13 @@ Unless ``--no-profile``, each run also keeps what explains its figures, in its r
 
 - a torch.profiler trace of rank 0 (``profile/rank0.<step>.pt.trace.json``, for Perfetto or
   chrome://tracing) of one step after the timed ones, and the top ops by self time in that step (the
-  line the profiler prints to the job log, read back from the trace: device kernels on GPU, CPU ops
-  on CPU);
+  run's ``profile`` record, the line the profiler prints to the job log: device kernels on GPU, CPU
+  ops on CPU);
 - on GPU, the CUDA allocator's history (``memory.history_entries``) from the start of the run, so that
-  a rank that runs out of memory writes a snapshot saying what allocated each block
-  (``memory/rank<R>.step<S>.pickle``, for pytorch.org/memory_viz; a run that fits writes none). Recording
-  it costs host time at each allocation, in the timed steps too: ``--no-profile`` times without it.
+  every rank writes a snapshot saying what allocated each block when its steps are done
+  (``memory/rank<R>.step<S>.end.pickle``, for pytorch.org/memory_viz), and a rank that runs out of
+  memory one at that step (``memory/rank<R>.step<S>.pickle``). Recording it costs host time at each
+  allocation, in the timed steps too: ``--no-profile`` times without it.
 
 What each row reports (rank 0's records in ``metrics.jsonl`` and ``summary.json`` of the run):
 
@@ -170,7 +171,7 @@ class Row:
     setup_s: float | None = None
     final_loss: float | None = None
     run_dir: str | None = None
-    # Relative to run_dir: rank 0's profiler trace, and the snapshots of ranks that ran out of CUDA memory.
+    # Relative to run_dir: rank 0's profiler trace, and the CUDA memory snapshots (end of steps, out of memory).
     profile_trace: str | None = None
     profile_summary: str | None = None
     memory_snapshots: list[str] = field(default_factory=list)
