@@ -141,6 +141,32 @@ def test_bad_downstream_settings_are_refused_before_ray(tmp_path: Path, override
         preflight(load_config(None, [*base, *overrides]))
 
 
+@pytest.mark.parametrize("every, steps, chosen", [(1, 50, [10, 20, 30, 40, 50]), (2, 55, [20, 40, 55]), (3, 60, [30, 60])])
+def test_every_nth_committed_checkpoint_and_the_last_step_are_scored(every: int, steps: int, chosen: list[int]) -> None:
+    from meshtrain.cluster.downstream import chosen_step
+
+    cfg = load_config(None, ["eval.downstream.tasks=[meshtrain_mc]", f"eval.downstream.every={every}",
+                             "checkpoint.interval=10", f"train.steps={steps}"])
+    committed = [*range(10, steps + 1, 10), steps]
+    assert sorted({step for step in committed if chosen_step(step, cfg)}) == chosen
+
+
+@pytest.mark.parametrize(
+    "overrides, resources",
+    [
+        ([], {"num_cpus": 1.0, "num_gpus": 0.0}),
+        (["scaling.use_gpu=true"], {"num_cpus": 1.0, "num_gpus": 1.0}),  # a GPU cluster's evaluation gets a GPU
+        (["scaling.use_gpu=true", "eval.downstream.num_gpus=0.5", "eval.downstream.memory_gb=2"],
+         {"num_cpus": 1.0, "num_gpus": 0.5, "memory": 2 * 2**30}),
+    ],
+)
+def test_each_evaluation_task_reserves_its_own_resources(overrides: list[str], resources: dict[str, float]) -> None:
+    from meshtrain.cluster.downstream import task_resources
+
+    cfg = load_config(None, ["eval.downstream.tasks=[meshtrain_mc]", *overrides])
+    assert task_resources(cfg) == resources
+
+
 def test_without_the_harness_installed_downstream_evaluation_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -202,7 +228,8 @@ def test_a_checkpoint_on_s3_is_scored_as_the_local_one(
         fs.put(str(run_dir / "tokenizer.json"), "evals/scored/tokenizer.json")
         fs.invalidate_cache()
         endpoint = f"client_kwargs.endpoint_url={options['client_kwargs']['endpoint_url']}"
-        code = evaluate_main(["s3://evals/scored/checkpoints", "--tasks", ",".join(HARNESS.tasks), "--include-path",
+        # The run folder: its newest committed step.
+        code = evaluate_main(["s3://evals/scored", "--tasks", ",".join(HARNESS.tasks), "--include-path",
                               str(TASKS), "--num-fewshot", "2", "--limit", "12", "--batch-size", "4",
                               f"--storage-option={endpoint}", "--out", str(tmp_path / "out")])
     assert code == 0, capsys.readouterr().err

@@ -76,10 +76,17 @@ def refuse(command: str, error: BaseException) -> int:
     return EXIT_CONFIG_ERROR
 
 
-def run_checkpoint_root(path: str) -> str:
-    """A local run folder's checkpoint root (``{run}/checkpoints``); any other path as it is."""
+def run_checkpoint_root(path: str, storage_options: dict[str, Any] | None = None) -> str:
+    """A run folder's checkpoint root (``{run}/checkpoints``), local or remote; any other path as it is."""
     from pathlib import Path
 
-    if "://" not in path and (Path(path) / "checkpoints").is_dir():
-        return str(Path(path) / "checkpoints")
-    return path
+    if "://" not in path:
+        return str(Path(path) / "checkpoints") if (Path(path) / "checkpoints").is_dir() else path
+    import fsspec
+
+    root = f"{path.rstrip('/')}/checkpoints"
+    try:
+        fs, fs_root = fsspec.core.url_to_fs(root, **(storage_options or {}))
+        return root if fs.isdir(fs_root) else path
+    except Exception:  # unreachable or refused: reading the checkpoint says why, in its own words
+        return path

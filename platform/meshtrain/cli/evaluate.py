@@ -32,7 +32,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (default: each task's own)")
     parser.add_argument("--limit", type=int, help="at most this many examples per task (default: all)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
-    parser.add_argument("--out", help="folder for the results JSON and samples (default: {run}/downstream/step-N)")
+    parser.add_argument("--out", help="folder for the results JSON and samples (default: {run}/downstream/step-N for a local run, "
+                        "./downstream/step-N for a remote one)")
     add_storage_options_argument(parser)
     args = parser.parse_args(argv)
     for name in ("num_fewshot", "limit", "batch_size"):
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     run = HarnessRun(tuple(task.strip() for task in args.tasks.split(",") if task.strip()), args.include_path,
                      args.num_fewshot, args.limit, args.batch_size, settings=("--tasks", "--include-path"))
     try:
-        checkpoint = resolve_checkpoint(run_checkpoint_root(args.checkpoint), options)
+        checkpoint = resolve_checkpoint(run_checkpoint_root(args.checkpoint, options), options)
         run_dir = default_run_dir(checkpoint) or Path.cwd()
         evaluation = evaluate_checkpoint(
             checkpoint, run, (lambda _: Path(args.out)) if args.out else (lambda step: results_folder(run_dir, step)),

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from meshtrain.evaluate.hf_model import load_checkpoint_model
 
     try:
-        checkpoint = resolve_checkpoint(run_checkpoint_root(args.checkpoint), options)
+        checkpoint = resolve_checkpoint(run_checkpoint_root(args.checkpoint, options), options)
         loaded = load_checkpoint_model(checkpoint, options)
         started = time.perf_counter()
         results = continue_prompts(loaded, args.prompts, args.max_new_tokens, temperature=args.temperature,
