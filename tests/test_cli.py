@@ -243,6 +243,9 @@ IN_PROCESS_CASES = [
     (["scaling.num_workers=8", "scaling.min_workers=6", "scaling.workers_per_node=4", "parallel.shard=2",
       "train.global_batch_size=48", "train.micro_batch_size=1", "scaling.evict_stragglers=true"], "scaling.evict_stragglers"),
     (["scaling.evict_stragglers=true"], "scaling.evict_stragglers"),
+    # a float8 recipe the named GPU cannot run
+    (["scaling.use_gpu=true", "scaling.accelerator_type=A10G", "parallel.float8=true", "parallel.float8_recipe=rowwise"],
+     "parallel.float8=true with parallel.float8_recipe=rowwise needs compute capability 8.9+"),
     # GPU dry run with 12 workers: 8 per node is assumed, which does not divide 12
     (
         ["--dry-run", "scaling.use_gpu=true", "scaling.num_workers=12", "train.global_batch_size=96"],

@@ -175,7 +175,8 @@ def test_float8_is_refused_before_ray_without_torchao_or_on_gpus_older_than_sm89
     check_float8_device(torch.device("cuda", 0))
 
     # Rowwise needs what tensorwise needs (torch builds its rowwise kernel for sm_89 too), and float8 itself.
-    with pytest.raises(ConfigError, match=r"scaling.accelerator_type=A10G is older: set parallel.float8=false$"):
+    with pytest.raises(ConfigError, match=r"^parallel.float8=true with parallel.float8_recipe=rowwise needs compute "
+                       r"capability 8.9\+ .*scaling.accelerator_type=A10G is older: set parallel.float8=false$"):
         preflight(config(tmp_path, "a10g-rowwise", *gpu, *ROWWISE, "scaling.accelerator_type=A10G"))
     preflight(config(tmp_path, "l4-rowwise", *gpu, *ROWWISE, "scaling.accelerator_type=L4"))
     with pytest.raises(ConfigError, match=r"^parallel.float8_recipe=rowwise needs parallel.float8=true; set it, or "

@@ -381,13 +381,13 @@ def _on_rank(
     rank: int,
     world: int,
     loads: list[tuple[MeshtrainConfig, int]],
-    runs: dict[str, MeshtrainConfig],
+    runs: dict[tuple[str, bool], MeshtrainConfig],
     corpus: DataPlan,
 ) -> dict[str, Any]:
     trained = {}
-    for style, cfg in runs.items():
+    for key, cfg in runs.items():
         result = train(cfg, corpus, WorkerLayout(rank, world, rank % 2, 2, rank // 2), torch.device("cpu"))
-        trained[style] = {"mesh": result.mesh_shape, "losses": {r["step"]: r["loss"] for r in result.records}}
+        trained[key] = {"mesh": result.mesh_shape, "losses": {r["step"]: r["loss"] for r in result.records}}
     return {"loaded": _load_on_rank(rank, world, loads), "trained": trained}
 
 
@@ -400,7 +400,7 @@ class MeshRun:
 
     loads: list[tuple[MeshtrainConfig, int]]
     meshes: list[tuple[int, ...]]
-    runs: dict[str, MeshtrainConfig]  # a Llama 3.x style → its 2-step run from that checkpoint
+    runs: dict[tuple[str, bool], MeshtrainConfig]  # (Llama 3.x style, document mask) → a 2-step run from it
     ranks: list[dict[str, Any]]
 
 
@@ -420,14 +420,15 @@ def on_a_2x2_mesh(
     meshes = [(2, 2), (2, 2), (2, 2), (2, 1, 2)]  # two workers per node: one TP group each
     storage = tmp_path_factory.mktemp("llama3-runs")
     runs = {
-        # Windows of 128 tokens, past the original 48; the document mask on for one style, off for the other.
-        style: init_from_config(
+        # Windows of 128 tokens, past the original 48; each style with the document mask on and off.
+        (style, mask): init_from_config(
             directory, *RUN, *MESH, f"data.seq_len={LONG}", "train.steps=2", "optim.lr=1e-9",
             "optim.warmup_steps=0", "checkpoint.interval=2", "eval.interval=null",
-            f"model.document_mask={str(style == 'llama3.2').lower()}", f"run.storage_path={storage}",
-            f"run.name={style}",
+            f"model.document_mask={str(mask).lower()}", f"run.storage_path={storage}",
+            f"run.name={style}-{'mask' if mask else 'nomask'}",
         )
         for style, directory in llama3_dirs.items()
+        for mask in (True, False)
     }
     return MeshRun(loads, meshes, runs, run_on_ranks(_on_rank, 4, loads, runs, trained.corpus))
 
@@ -448,18 +449,23 @@ def test_a_2x2_mesh_loads_the_same_weights_each_rank_reading_its_shards(on_a_2x2
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("mask", [True, False], ids=["mask", "nomask"])
 @pytest.mark.parametrize("style", list(LLAMA3_STYLES))
 def test_transformers_llama3_checkpoints_train_on_a_2x2_mesh_and_export_the_same_logits(
-    on_a_2x2_mesh: MeshRun, llama3_dirs: dict[str, Path], style: str, tmp_path: Path
+    on_a_2x2_mesh: MeshRun, llama3_dirs: dict[str, Path], style: str, mask: bool, tmp_path: Path
 ) -> None:
-    """The issue's proof: loaded with model.init_from on a 2x2 HSDP mesh, trained 2 steps at lr 1e-9,
-    exported, and read back by transformers: the original's logits past the original context."""
+    """The issue's proof: loaded with model.init_from on a 2x2 HSDP mesh, trained 2 steps at lr 1e-9
+    with the document mask on or off, exported, and read back by transformers: the original's logits
+    past the original context."""
     factor, tied = LLAMA3_STYLES[style]
     for rank in on_a_2x2_mesh.ranks:
-        run = rank["trained"][style]
+        run = rank["trained"][style, mask]
         assert run["mesh"] == (2, 2) and list(run["losses"]) == [1, 2]
         assert all(math.isfinite(loss) for loss in run["losses"].values())
-    step = Path(checkpoint_root(on_a_2x2_mesh.runs[style])) / "step-00000002"
+    # The mask changes what the 2 steps computed (the corpus packs several documents per window).
+    losses = {m: on_a_2x2_mesh.ranks[0]["trained"][style, m]["losses"][1] for m in (True, False)}
+    assert losses[True] != losses[False]
+    step = Path(checkpoint_root(on_a_2x2_mesh.runs[style, mask])) / "step-00000002"
     dtype = "bfloat16" if tied else "float32"  # either export dtype
     export_checkpoint(str(step), "hf", tmp_path / "hf", max_shard_bytes=SHARD_BYTES, dtype=dtype)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -471,7 +477,7 @@ def test_transformers_llama3_checkpoints_train_on_a_2x2_mesh_and_export_the_same
         difference = (exported(tokens).logits - original(tokens).logits).abs()
     beyond = difference[:, ORIGINAL_CONTEXT:].max().item()
     print(
-        f"\n[{style}] 2x2 mesh, 2 steps, {dtype} export: max |logit difference| to the original "
+        f"\n[{style}, document mask {'on' if mask else 'off'}] 2x2 mesh, 2 steps, {dtype} export: max |logit difference| to the original "
         f"{difference.max():.2e}, past position {ORIGINAL_CONTEXT}: {beyond:.2e}"
     )
     assert difference.max() <= LLAMA3_TOLERANCE
@@ -513,18 +519,23 @@ def _no_weights(trained: Trained, tmp_path: Path) -> list[str]:
     return [f"model.init_from={tmp_path / 'config-only'}"]
 
 
-def _with_rope(key: str, rope: dict[str, Any]) -> Callable[[Trained, Path], list[str]]:
-    """A copy of the export whose config.json has ``key`` (rope_parameters or rope_scaling) = ``rope``."""
+def _with_config(**entries: Any) -> Callable[[Trained, Path], list[str]]:
+    """A copy of the export whose config.json has ``entries`` set."""
 
     def overrides(trained: Trained, tmp_path: Path) -> list[str]:
-        copy = tmp_path / "rope"
+        copy = tmp_path / "edited"
         shutil.copytree(trained.hf, copy)
         config = json.loads((copy / "config.json").read_text())
-        config[key] = rope
+        config.update(entries)
         (copy / "config.json").write_text(json.dumps(config))
         return [f"model.init_from={copy}"]
 
     return overrides
+
+
+def _with_rope(key: str, rope: dict[str, Any]) -> Callable[[Trained, Path], list[str]]:
+    """A copy of the export whose config.json has ``key`` (rope_parameters or rope_scaling) = ``rope``."""
+    return _with_config(**{key: rope})
 
 
 def _rope_override(trained: Trained, tmp_path: Path) -> list[str]:
@@ -555,6 +566,14 @@ ERRORS = {
         lambda trained, tmp_path: [f"model.init_from={trained.tied}"],
         ["data.tokenizer:", "has no tokenizer.json", "set data.tokenizer"],
     ),
+    # What Llama-architecture configs may set that meshtrain's model does not implement.
+    "head-dim": (
+        _with_config(head_dim=32),
+        ["model.init_from:", "config.json has head_dim=32", "hidden_size / num_attention_heads = 16"],
+    ),
+    "attention-bias": (_with_config(attention_bias=True), ["model.init_from:", "attention_bias=True", "implements only attention_bias=False"]),
+    "mlp-bias": (_with_config(mlp_bias=True), ["model.init_from:", "mlp_bias=True", "implements only mlp_bias=False"]),
+    "activation": (_with_config(hidden_act="gelu"), ["model.init_from:", "hidden_act='gelu'", "implements only hidden_act='silu'"]),
     "rope-yarn": (
         _with_rope("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0}),
         ["model.init_from:", "config.json rope_parameters.rope_type='yarn'", "does not implement"],

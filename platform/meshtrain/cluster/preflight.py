@@ -24,7 +24,12 @@ from meshtrain.cluster.worker_env import worker_env
 from meshtrain.config import ConfigError, DataConfig, MeshtrainConfig, ModelConfig, redact_url, require_extra
 from meshtrain.data import expand_local_source, tokenizer_vocab_size
 from meshtrain.data.store import is_token_store, with_timeouts
-from meshtrain.distributed.float8 import Float8Unavailable, accelerator_lacks_float8, check_float8_device
+from meshtrain.distributed.float8 import (
+    Float8Unavailable,
+    accelerator_lacks_float8,
+    check_float8_device,
+    float8_requirement,
+)
 from meshtrain.distributed.mesh import resolve_mesh_shape
 from meshtrain.evaluate.harness import HarnessRun, task_manager
 from meshtrain.model.args import model_args
@@ -82,8 +87,8 @@ def _check_float8(cfg: MeshtrainConfig) -> None:
     accelerator = cfg.scaling.accelerator_type
     if cfg.scaling.use_gpu and accelerator is not None and accelerator_lacks_float8(accelerator):
         raise ConfigError(
-            f"parallel.float8=true needs compute capability 8.9+ (H100, H200, L4, L40S, B200); "
-            f"scaling.accelerator_type={accelerator} is older: set parallel.float8=false"
+            f"{float8_requirement(cfg.parallel.float8_recipe)}; scaling.accelerator_type={accelerator} is older: "
+            f"set parallel.float8=false"
         )
     if cfg.scaling.use_gpu and accelerator is None and not os.environ.get("RAY_ADDRESS"):
         # A local Ray trains on this machine's GPUs, so they can be asked now.
@@ -91,7 +96,8 @@ def _check_float8(cfg: MeshtrainConfig) -> None:
 
         for index in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
             try:
-                check_float8_device(torch.device("cuda", index), holder="this machine")
+                check_float8_device(torch.device("cuda", index), holder="this machine",
+                                    recipe=cfg.parallel.float8_recipe)
             except Float8Unavailable as exc:
                 raise ConfigError(str(exc)) from None
 

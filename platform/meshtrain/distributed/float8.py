@@ -53,7 +53,14 @@ def accelerator_lacks_float8(accelerator_type: str) -> bool:
     return bool(_BELOW_SM89.match(accelerator_type.strip()))
 
 
-def check_float8_device(device: torch.device, holder: str = "this worker") -> None:
+def float8_requirement(recipe: str) -> str:
+    """The start of the one-line refusal of float8 on a GPU that cannot run ``recipe``."""
+    setting = "parallel.float8=true" + (f" with parallel.float8_recipe={recipe}" if recipe != "tensorwise" else "")
+    return (f"{setting} needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+ (H100, H200, L4, L40S, "
+            f"B200)")
+
+
+def check_float8_device(device: torch.device, holder: str = "this worker", recipe: str = "tensorwise") -> None:
     """Float8Unavailable (one line, naming ``holder``'s GPU) on a CUDA device below compute capability 8.9."""
     if device.type != "cuda":
         return
@@ -61,8 +68,8 @@ def check_float8_device(device: torch.device, holder: str = "this worker") -> No
     if capability < MIN_CAPABILITY:
         name = torch.cuda.get_device_name(device)
         raise Float8Unavailable(
-            f"parallel.float8=true needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+ (H100, H200, L4, "
-            f"L40S, B200); {holder}'s {name} is {capability[0]}.{capability[1]}: set parallel.float8=false"
+            f"{float8_requirement(recipe)}; {holder}'s {name} is {capability[0]}.{capability[1]}: set "
+            f"parallel.float8=false"
         )
 
 

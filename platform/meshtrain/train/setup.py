@@ -49,7 +49,7 @@ def sharded_meta_model(
     cfg.check_model_parallel(args)
     model = build_model(args, "meta")
     if cfg.parallel.float8:
-        check_float8_device(device)
+        check_float8_device(device, recipe=cfg.parallel.float8_recipe)
         emulate = device.type != "cuda"
         converted = convert_to_float8(model, emulate=emulate, fsdp_all_gather=dist.is_initialized(),
                                       tensor=cfg.parallel.tensor, recipe=cfg.parallel.float8_recipe)
