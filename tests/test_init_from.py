@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 
 import meshtrain.checkpoint.dcp_files as dcp_files
 import meshtrain.cluster.launcher
+from corpora import short_documents_plan
 from meshtrain.checkpoint.export import export_checkpoint, load_model_state
 from meshtrain.checkpoint.storage import checkpoint_root
 from meshtrain.cli.pretrain import main
@@ -430,7 +431,10 @@ def on_a_2x2_mesh(
         for style, directory in llama3_dirs.items()
         for mask in (True, False)
     }
-    return MeshRun(loads, meshes, runs, run_on_ranks(_on_rank, 4, loads, runs, trained.corpus))
+    # Documents of tens of tokens, several to a window, in the weights' own tokenizer: the mask matters.
+    short = short_documents_plan(tmp_path_factory.mktemp("short-documents"), 400, seq_len=LONG,
+                                 tokenizer=str(trained.hf / "tokenizer.json"))
+    return MeshRun(loads, meshes, runs, run_on_ranks(_on_rank, 4, loads, runs, short))
 
 
 @pytest.mark.distributed
@@ -462,7 +466,7 @@ def test_transformers_llama3_checkpoints_train_on_a_2x2_mesh_and_export_the_same
         run = rank["trained"][style, mask]
         assert run["mesh"] == (2, 2) and list(run["losses"]) == [1, 2]
         assert all(math.isfinite(loss) for loss in run["losses"].values())
-    # The mask changes what the 2 steps computed (the corpus packs several documents per window).
+    # The mask changes what the 2 steps computed (several documents share each window).
     losses = {m: on_a_2x2_mesh.ranks[0]["trained"][style, m]["losses"][1] for m in (True, False)}
     assert losses[True] != losses[False]
     step = Path(checkpoint_root(on_a_2x2_mesh.runs[style, mask])) / "step-00000002"
