@@ -152,9 +152,11 @@ def test_dashboard_queries_return_data_from_a_real_run(prometheus: tuple[Prometh
     job = run_job(
         "train.steps=60", "train.log_every=5", "checkpoint.interval=20",
         "fault.kill_rank=1", "fault.at_step=30",
-        # Downstream evaluation of every checkpoint (20, 40, 60) in Ray tasks beside the workers.
+        # Downstream evaluation of every checkpoint (20, 40, 60) in Ray tasks beside the workers; step 20's
+        # task fails (an injected crash): one line, and training and the later evaluations go on.
         "eval.downstream.tasks=[meshtrain_mc,meshtrain_ppl]", "eval.downstream.include_path=tests/data/downstream",
         "eval.downstream.limit=4", "eval.downstream.num_cpus=0.01", "eval.samples.prompts=[import os]",
+        "fault.downstream_fail_step=20",
         f"run.storage_path={storage}", f"run.name={RUN}",
         f"metrics.port={base_port}", "metrics.bind_address=127.0.0.1", "metrics.final_scrape_timeout_s=5",
         timeout=400,
@@ -206,9 +208,13 @@ def test_dashboard_queries_return_data_from_a_real_run(prometheus: tuple[Prometh
     # The driver's evaluations landed in metrics.jsonl and the run folder, and the driver exported each
     # as it landed: step 60's too, which finishes after the workers are gone.
     assert sorted((r["step"], r["task"]) for r in scored) == [
-        (step, task) for step in (20, 40, 60) for task in ("meshtrain_mc", "meshtrain_ppl")], scored
-    assert all((storage / RUN / "downstream" / f"step-{step:08d}" / "results.json").is_file() for step in (20, 40, 60))
-    assert sorted(r["step"] for r in records if r["event"] == "text_samples") == [20, 40, 60]
+        (step, task) for step in (40, 60) for task in ("meshtrain_mc", "meshtrain_ppl")], scored
+    assert all((storage / RUN / "downstream" / f"step-{step:08d}" / "results.json").is_file() for step in (40, 60))
+    assert sorted(r["step"] for r in records if r["event"] == "text_samples") == [40, 60]
+    [failed] = [r for r in records if r["event"] == "downstream_eval_failed"]
+    assert failed["step"] == 20 and failed["error"].startswith("RuntimeError: fault.downstream_fail_step=20"), failed
+    assert job.stdout.count("[meshtrain] downstream evaluation of step 20 failed (RuntimeError: ") == 1, job.stdout[-3000:]
+    assert "training goes on" in job.stdout
     assert "[meshtrain] sample step 60: 'import os' -> " in job.stdout, job.stdout[-3000:]
     summary = json.loads((storage / RUN / "summary.json").read_text())
     assert {task: r["step"] for task, r in summary["downstream"].items()} == {"meshtrain_mc": 60, "meshtrain_ppl": 60}

@@ -68,7 +68,7 @@ def task_resources(cfg: MeshtrainConfig) -> dict[str, Any]:
 
 
 def _score(checkpoint: str, harness: HarnessRun | None, samples: SampleRun | None, run_dir: str,
-           storage_options: dict[str, Any]) -> list[dict[str, Any]]:
+           storage_options: dict[str, Any], injected_failure: str | None = None) -> list[dict[str, Any]]:
     """The Ray task: one checkpoint scored and its prompts continued, the files written, its lease
     released; its ``downstream_eval`` and ``text_samples`` records."""
     import torch
@@ -76,6 +76,8 @@ def _score(checkpoint: str, harness: HarnessRun | None, samples: SampleRun | Non
     on_gpu = torch.cuda.is_available()
     storage = CheckpointStorage(checkpoint, storage_options)
     try:
+        if injected_failure is not None:
+            raise RuntimeError(injected_failure)
         evaluation = evaluate_checkpoint(
             checkpoint, harness, lambda step: results_folder(Path(run_dir), step), storage_options,
             dtype=torch.bfloat16 if on_gpu else torch.float32, device="cuda" if on_gpu else "cpu", samples=samples,
@@ -157,8 +159,10 @@ class DownstreamEvaluations:
             # Evaluations may queue behind training for resources: pruning must leave this one alone.
             self.storage.lease(checkpoint.path, holder=f"downstream evaluation of run {self.paths.name}")
             url = self.storage.display(checkpoint.path)
+            fault = (f"fault.downstream_fail_step={checkpoint.step}: injected evaluation failure"
+                     if self.cfg.fault.downstream_fail_step == checkpoint.step else None)
             ref = self.task.remote(url, self.harness, self.samples, str(self.paths.run_dir),
-                                   self.cfg.checkpoint.storage_options)
+                                   self.cfg.checkpoint.storage_options, fault)
             self.pending[ref] = checkpoint
 
     def _collect(self, timeout_s: float) -> None:

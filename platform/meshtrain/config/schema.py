@@ -456,6 +456,11 @@ class FaultConfig(Section):
     during_checkpoint: bool = Field(
         False, description="Die right after the checkpoint of fault.at_step starts writing (it must be a save step)."
     )
+    downstream_fail_step: int | None = Field(
+        None, gt=0, description="Chaos testing: the downstream evaluation of this step's checkpoint fails in its Ray "
+        "task, as a crashed evaluation would (one line in the job log, a downstream_eval_failed record; training and "
+        "the next evaluations go on)."
+    )
     preemption_save_s: float | None = Field(
         25.0,
         gt=0,
