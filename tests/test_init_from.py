@@ -481,8 +481,9 @@ def test_transformers_llama3_checkpoints_train_on_a_2x2_mesh_and_export_the_same
         difference = (exported(tokens).logits - original(tokens).logits).abs()
     beyond = difference[:, ORIGINAL_CONTEXT:].max().item()
     print(
-        f"\n[{style}, document mask {'on' if mask else 'off'}] 2x2 mesh, 2 steps, {dtype} export: max |logit difference| to the original "
-        f"{difference.max():.2e}, past position {ORIGINAL_CONTEXT}: {beyond:.2e}"
+        f"\n[{style}, document mask {'on' if mask else 'off'}] 2x2 mesh, 2 steps, {dtype} export: "
+        f"max |logit difference| to the original {difference.max():.2e}, past position {ORIGINAL_CONTEXT}: "
+        f"{beyond:.2e}"
     )
     assert difference.max() <= LLAMA3_TOLERANCE
 
@@ -575,9 +576,15 @@ ERRORS = {
         _with_config(head_dim=32),
         ["model.init_from:", "config.json has head_dim=32", "hidden_size / num_attention_heads = 16"],
     ),
-    "attention-bias": (_with_config(attention_bias=True), ["model.init_from:", "attention_bias=True", "implements only attention_bias=False"]),
+    "attention-bias": (
+        _with_config(attention_bias=True),
+        ["model.init_from:", "attention_bias=True", "implements only attention_bias=False"],
+    ),
     "mlp-bias": (_with_config(mlp_bias=True), ["model.init_from:", "mlp_bias=True", "implements only mlp_bias=False"]),
-    "activation": (_with_config(hidden_act="gelu"), ["model.init_from:", "hidden_act='gelu'", "implements only hidden_act='silu'"]),
+    "activation": (
+        _with_config(hidden_act="gelu"),
+        ["model.init_from:", "hidden_act='gelu'", "implements only hidden_act='silu'"],
+    ),
     "rope-yarn": (
         _with_rope("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0}),
         ["model.init_from:", "config.json rope_parameters.rope_type='yarn'", "does not implement"],

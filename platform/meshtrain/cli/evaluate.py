@@ -32,8 +32,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (default: each task's own)")
     parser.add_argument("--limit", type=int, help="at most this many examples per task (default: all)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
-    parser.add_argument("--out", help="folder for the results JSON and samples (default: {run}/downstream/step-N for a local run, "
-                        "./downstream/step-N for a remote one)")
+    parser.add_argument(
+        "--out",
+        help="folder for the results JSON and samples (default: {run}/downstream/step-N for a local run, "
+        "./downstream/step-N for a remote one)",
+    )
     add_storage_options_argument(parser)
     args = parser.parse_args(argv)
     for name in ("num_fewshot", "limit", "batch_size"):
