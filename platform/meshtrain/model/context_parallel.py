@@ -25,6 +25,10 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from meshtrain.model.documents import Kernel, masked_attention
 
+# torch 2.13 gives the plain functional all-gather autograd and deprecates the _autograd twin that
+# torch 2.11 and 2.12 need for it.
+_all_gather_with_grad = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor_autograd
+
 # What attention() receives: the mask of this rank's query rows over the whole window.
 ContextMask = torch.Tensor | BlockMask
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -131,8 +135,8 @@ class ContextParallel:
         if self.size == 1:
             return t
         # Functional collectives: autograd (backward = reduce_scatter_tensor, which gloo and NCCL both
-        # run in torch 2.13) and traceable inside compiled blocks.
-        gathered = funcol.all_gather_single(t.movedim(dim, 0).contiguous(), 0, self.group)
+        # run) and traceable inside compiled blocks.
+        gathered = _all_gather_with_grad(t.movedim(dim, 0).contiguous(), 0, self.group)
         shares = gathered.unflatten(0, (self.size, 2, -1))
         # Rank r's first chunk is chunk r, its second chunk is chunk 2 * size - 1 - r.
         chunks = [shares[r, 0] for r in range(self.size)] + [shares[r, 1] for r in reversed(range(self.size))]

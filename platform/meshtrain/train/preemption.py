@@ -169,6 +169,8 @@ class StopRequestWatch:
 
 
 def _ray_context() -> Any:
+    if "ray" not in sys.modules:  # a Ray Train worker has imported Ray; a plain process never needs it
+        return None
     try:
         from ray.train.v2._internal.execution.context import get_train_context
 

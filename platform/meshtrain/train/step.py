@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from meshtrain.distributed.layout import RankLayout
 from meshtrain.distributed.parallelize import clip_grad_norm_
+from meshtrain.distributed.torch_support import reset_iteration
 from meshtrain.model.llama import Transformer
 from meshtrain.model.loss import token_cross_entropy_sum, vocab_parallel_cross_entropy_sum
 from meshtrain.train.guard import StepGuard
@@ -72,7 +73,7 @@ def _abandon_deferred_reduction(model: FSDPModule) -> None:
     """After a micro-batch raised: all-reduce again, and drop the partially accumulated gradient,
     which ``zero_grad`` cannot reach and the next step's all-reduce would otherwise include."""
     model.set_requires_all_reduce(True)
-    model.reset_iter_state()
+    reset_iteration(model)
 
 
 def train_step(
