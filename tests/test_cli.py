@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import meshtrain.cluster.launcher
@@ -315,6 +316,14 @@ def test_unwritable_run_storage_is_one_line(
     monkeypatch.setattr(tempfile, "mkstemp", refused)  # as root, chmod would not stop the write
     code, out, err = run_main(["--dry-run", f"run.storage_path={tmp_path}"], capsys, monkeypatch)
     assert_one_line_config_error(code, out, err, f"run.storage_path: cannot write in {tmp_path}")
+
+
+def test_a_torch_outside_the_supported_range_is_one_line_before_ray(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch, "__version__", "2.10.0+cu128")
+    code, out, err = run_main([f"run.storage_path={tmp_path}"], capsys, monkeypatch)
+    assert_one_line_config_error(code, out, err, "torch 2.10.0+cu128 is not supported: meshtrain needs torch>=2.11,<2.14")
 
 
 def test_missing_config_message_says_what_to_do(

@@ -200,8 +200,12 @@ def one_line(exc: BaseException, limit: int = 300) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def out_of_memory_line(exc: BaseException, planned: int | None, device: torch.device) -> str:
-    card = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+def card_bytes(device: torch.device) -> int | None:
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def out_of_memory_line(exc: BaseException, planned: int | None, card: int | None) -> str:
+    """A configuration that does not fit: its plan against the card, then what torch said."""
     plan = f"plan {planned / GIB:.1f} GiB" if planned is not None else "plan unknown"
     against = f" against the card's {card / GIB:.1f} GiB" if card is not None else ""
     return f"out of memory: {plan}{against} ({one_line(exc, 200)})"
@@ -278,7 +282,7 @@ class Runner:
             raise
         except BaseException as exc:  # noqa: BLE001 - one configuration's failure must not end the check (DCP's
             # CheckpointException is a BaseException)
-            row.reason = out_of_memory_line(exc, planned, device) if _is_out_of_memory(exc) else one_line(exc)
+            row.reason = out_of_memory_line(exc, planned, card_bytes(device)) if _is_out_of_memory(exc) else one_line(exc)
         finally:
             self._release(device)
         row.wall_s = time.perf_counter() - started
@@ -467,7 +471,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=12, help="timed steps of a throughput configuration")
     parser.add_argument("--warmup", type=int, default=6, help="untimed steps first (compilation, allocator growth)")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="skip configurations once this many seconds have passed (default 450, --quick 160)")
+                        help="skip configurations once this many seconds have passed (default 390, --quick 150)")
     parser.add_argument("--no-profile", dest="profile", action="store_false",
                         help=f"no profiler trace ({TRACED}) and no allocator history ({SNAPSHOT})")
     parser.add_argument("--list", action="store_true", help="list the configurations and exit")
@@ -476,7 +480,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.steps < 1 or args.warmup < 1:
         parser.error("--steps and --warmup must be at least 1")
     if args.budget_s is None:
-        args.budget_s = 160.0 if args.quick else 450.0
+        args.budget_s = 150.0 if args.quick else 390.0
     return args
 
 

@@ -9,6 +9,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -36,6 +37,11 @@ class _PendingSave:
 
 
 Event = Callable[[dict[str, Any]], None]
+
+
+# torch 2.11 and 2.12 empty a DefaultStager's copier at the end of every stage, so there one stager
+# serves one save (and its host buffers are not reused); 2.13 keeps them until close().
+_STAGER_KEEPS_BUFFERS = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13)
 
 
 class CheckpointManager:
@@ -138,6 +144,9 @@ class CheckpointManager:
         their source. A storage whose size changed would fail loudly, never be copied short. Refilling
         is safe because ``save`` first waits for the previous save's writes (``finish_pending``).
         """
+        if self._stager is not None and not _STAGER_KEEPS_BUFFERS:
+            self._stager.close()
+            self._stager = None
         if self._stager is None:
             on_cuda = any(param.device.type == "cuda" for param in state.model.parameters())
             options = StagingOptions(

@@ -31,6 +31,7 @@ from meshtrain.distributed.float8 import (
     float8_requirement,
 )
 from meshtrain.distributed.mesh import resolve_mesh_shape
+from meshtrain.distributed.torch_support import check_torch
 from meshtrain.evaluate.harness import HarnessRun, task_manager
 from meshtrain.model.args import model_args
 from meshtrain.model.flops import flops_per_token, highest_peak_flops
@@ -45,6 +46,7 @@ def preflight(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> Meshtrain
     ``data.tokenizer=train``, the tokenizer the weights were trained with. ``tokenizer_fits`` also
     loads a ``data.tokenizer`` file and checks its vocabulary against the model (a run and its dry
     run; preparing data does not need the model). Calling it again on its result changes nothing."""
+    check_torch()
     cfg = cfg.model_copy(deep=True)
     _check_init_from_shape(cfg.model)
     _check_data_paths(cfg.data)

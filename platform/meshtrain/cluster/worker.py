@@ -23,6 +23,7 @@ from meshtrain.cluster.eviction import StragglerEviction
 from meshtrain.cluster.failures import stamp
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.distributed.parallelize import param_dtype, set_matmul_precision, use_tf32
+from meshtrain.distributed.torch_support import check_torch
 from meshtrain.model.args import model_args
 from meshtrain.model.flops import device_peak_flops, flops_per_token
 from meshtrain.observe.metrics import (
@@ -249,6 +250,7 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
     assert cfg.run.name is not None, "the launcher resolves run.name before starting workers"
     paths = RunPaths(cfg.run.name, Path(cfg.run.storage_path))
     device = ray.train.torch.get_device()
+    check_torch()  # this node's torch: the driver checked only its own
     check_group_size(cfg, layout.world_size)
     if device.type == "cuda":
         set_matmul_precision(use_tf32(cfg.train.tf32, cfg.parallel.mixed_precision, device.type))

@@ -12,12 +12,14 @@ import re
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from meshtrain.config import ConfigError
+
 MIN_TORCH = (2, 11)
 BELOW_TORCH = (2, 14)
 
 
-class UnsupportedTorch(RuntimeError):
-    """The installed torch is outside the range meshtrain supports."""
+class UnsupportedTorch(ConfigError):
+    """The installed torch is outside the range meshtrain supports (a restart cannot fix it)."""
 
 
 def torch_release(version: str) -> tuple[int, int]:
