@@ -1,4 +1,4 @@
-"""Training throughput, MFU and peak memory of Llama shapes on GPUs, one real training job per configuration (meshtrain.bench.gpu).
+"""Training throughput, MFU and peak memory of Llama shapes on GPUs, one real training job per configuration (meshtrain_bench.gpu).
 
     python jobs/bench_gpu.py --dry-run                          # each GPU configuration's memory plan + H100 verdict
     python jobs/bench_gpu.py                                    # every GPU configuration, 1 GPU worker each
@@ -10,8 +10,11 @@
 """
 
 import sys
+from pathlib import Path
 
-from meshtrain.bench.gpu import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # beside jobs/, not installed
+
+from meshtrain_bench.gpu import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,7 +25,7 @@ VERDICT = re.compile(r"^verdict: (fits|does not fit) H100 \(79\.6 GiB\): [\d.]+ 
 
 def bench_module() -> ModuleType:
     """What jobs/bench_gpu.py runs."""
-    return importlib.import_module("meshtrain.bench.gpu")
+    return importlib.import_module("meshtrain_bench.gpu")
 
 
 def run_bench(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:

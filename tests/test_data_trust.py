@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshtrain.bench.data import flip_token_bit
+from meshtrain_bench.data import flip_token_bit
 from meshtrain.config import DataConfig, PermanentError, load_config
 from meshtrain.data import DataParallelBatches, PackedSequences, TokenStore, prepare_data
 from meshtrain.data import sources as sources_module

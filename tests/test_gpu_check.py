@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshtrain.bench import device_pack
-from meshtrain.bench.gpu_check import Check, Runner, Window, main, out_of_memory_line, parse_args, selected
+from meshtrain_bench import device_pack
+from meshtrain_bench.gpu_check import Check, Runner, Window, main, out_of_memory_line, parse_args, selected
 from meshtrain.distributed.plan import GIB
 from meshtrain.distributed.torch_support import UnsupportedTorch, check_torch
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from jobs import REPO, assert_same_weights, job_command, job_env, model_weights, read_metrics, run_job
-from meshtrain.bench.faults import Crafted, flip_bit, largest_shard, rewrite_marker_for
+from meshtrain_bench.faults import Crafted, flip_bit, largest_shard, rewrite_marker_for
 from meshtrain.config import load_config
 from meshtrain.observe.mlflow_tracker import RUN_ID_TAG, tracking_uri
 from meshtrain.observe.outputs import RunPaths

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from meshtrain.bench.scale import write_store
+from meshtrain_bench.synthetic_store import write_store
 from meshtrain.config import ConfigError, PermanentError
 from meshtrain.data import TokenStore
 from meshtrain.data import remote as remote_module

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[3]  # the checkout: benchmarks run its jobs/ and read its configs
+REPO = Path(__file__).resolve().parents[2]  # the checkout: benchmarks run its jobs/ and read its configs
 
-from meshtrain.bench.single_process import alternating_medians, single_process_run
+from meshtrain_bench.single_process import alternating_medians, single_process_run
 from meshtrain.config import load_config
 from meshtrain.distributed.layout import RankLayout
 from meshtrain.distributed.parallelize import clip_grad_norm_

@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 WHEELS = REPO / ".whl"
 STAGE = REPO / ".gpu_check"
 STORE = STAGE / "store"

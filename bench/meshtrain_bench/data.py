@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-REPO = Path(__file__).resolve().parents[3]  # the checkout: benchmarks run its jobs/ and read its configs
+REPO = Path(__file__).resolve().parents[2]  # the checkout: benchmarks run its jobs/ and read its configs
 
 from meshtrain.data import stdlib_source_files
 
@@ -223,7 +223,7 @@ def _paired_waits(streams: dict[str, Any], seq_len: int, steps: int, batch: int,
 
 def verification_cost(work: Path, seq_lens: list[int], batch: int, steps: int, step_s: float) -> None:
     """Print, per sequence length, one rank's data-path time per step with checked and unchecked reads."""
-    from meshtrain.bench.scale import write_store
+    from meshtrain_bench.synthetic_store import write_store
     from meshtrain.config import DataConfig
     from meshtrain.data import TokenStore
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 RUN = "r"
 SETTINGS = (
     f"run.name={RUN}", "train.log_every=5", "checkpoint.interval=10", "data.max_documents=40",
@@ -329,7 +329,7 @@ class Matrix:
 
     def flipped_token_on_s3(self) -> Row:
         """The base run's token store on S3 (a local endpoint), one bit flipped: read back, refused."""
-        from meshtrain.bench.s3 import SlowS3
+        from meshtrain_bench.s3 import SlowS3
 
         storage = self.root / "token-s3"
         shutil.rmtree(storage, ignore_errors=True)
@@ -432,7 +432,7 @@ class Matrix:
 
     def secrets(self) -> Row:
         """Credentials in checkpoint.storage_options (S3 on a local endpoint): in no file and no log line."""
-        from meshtrain.bench.s3 import SlowS3
+        from meshtrain_bench.s3 import SlowS3
 
         storage = self.root / "secrets"
         shutil.rmtree(storage, ignore_errors=True)

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 # The shape of the comparison: hidden 256, 4 layers, seq 256, 16 sequences per step, vocab 8192.
 SHAPE = ["model.preset=debug", "model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
          "model.ffn_dim=768", "model.vocab_size=8192", "data.seq_len=256", "train.global_batch_size=16"]

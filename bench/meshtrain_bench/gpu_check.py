@@ -19,7 +19,7 @@ next runs; a time budget turns the ones it cannot fit into skipped rows):
   eager, compiled, compiled with selective recompute, the document mask on and off, and float8
   (tensorwise and rowwise) where torchao is installed.
 
-Each row reports tokens/s, MFU by both counts (see meshtrain.bench.gpu), the peak CUDA allocation
+Each row reports tokens/s, MFU by both counts (see meshtrain_bench.gpu), the peak CUDA allocation
 against the memory plan, the allocator's retries, the warm-up's excess over the timed steps (compile
 time, mostly), and the loss. With ``--out DIR``: ``gpu_check.json``, ``gpu_check.md``, one profiler
 trace and one CUDA memory snapshot (gzipped).
@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtrain.bench.gpu import Window, device_peak, timed_figures
+from meshtrain_bench.gpu import Window, device_peak, timed_figures
 from meshtrain.config import ConfigError, MeshtrainConfig
 from meshtrain.data import DataPlan, prepare_data
 from meshtrain.distributed.layout import WorkerLayout
@@ -186,7 +186,7 @@ def run_length(check: Check, window: Window) -> dict[str, Any]:
 
 
 def build_config(settings: dict[str, Any]) -> MeshtrainConfig:
-    from meshtrain.bench.gpu import build_config as from_settings
+    from meshtrain_bench.gpu import build_config as from_settings
 
     return from_settings(settings)
 
@@ -315,7 +315,7 @@ class Runner:
         second.checkpoint.enabled, second.checkpoint.interval, second.checkpoint.mode = True, 1000, "sync"
         resumed = self._train(second, data, device)
         if not any(r.get("event") == "checkpoint_load" for r in resumed):
-            raise RuntimeError(f"the second trainer loaded no checkpoint")
+            raise RuntimeError("the second trainer loaded no checkpoint")
         steps = [r["step"] for r in resumed if r.get("event") == "train"]
         if not steps or steps[0] != RESUME_AT + 1:
             raise RuntimeError(f"the second trainer did not resume after step {RESUME_AT} (its first step: {steps[:1]})")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from meshtrain.config import load_config
 
-TASKS = Path(__file__).resolve().parents[3] / "tests" / "data" / "downstream"
+TASKS = Path(__file__).resolve().parents[2] / "tests" / "data" / "downstream"
 
 
 def one_run(storage: Path, name: str, steps: int, interval: int, evaluate: bool, every: int, eval_cpus: float) -> dict:

@@ -21,7 +21,6 @@ bound, and the wait for data as a share of the step.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import resource
@@ -35,82 +34,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from meshtrain_bench.synthetic_store import EOS, VOCAB, tokenizer_json, write_store
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 SEQ_LEN = 128
-EOS = 0
-VOCAB = 512
-
-
-def _tokenizer_json() -> str:
-    """A word-level tokenizer of VOCAB entries: stores written here need one, nothing decodes them."""
-    from tokenizers import Tokenizer, models
-
-    vocab = {"<|endoftext|>": EOS, **{f"t{i}": i for i in range(1, VOCAB)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
-    tokenizer.add_special_tokens(["<|endoftext|>"])
-    return tokenizer.to_str()
-
-
-def write_store(root: Path, shards: int, tokens_per_shard: int, sparse: bool, seed: int = 0) -> dict[str, Any]:
-    """A complete uint16 store of ``shards`` shards written directly, the way a prepare leaves one
-    (sparse: every shard a hole of ``tokens_per_shard`` zero tokens, which costs no disk). Returns
-    what a data plan needs to name it."""
-    from meshtrain.data.remote import block_crcs, crc_name
-    from meshtrain.data.store import (
-        FORMAT,
-        FORMAT_VERSION,
-        MANIFEST,
-        TOKENIZER,
-        Manifest,
-        ShardRecord,
-        StoreLocation,
-        manifest_text,
-        shard_name,
-        store_fingerprint,
-        write_index,
-    )
-
-    done = root / "BENCH_COMPLETE"
-    if done.exists():
-        return json.loads(done.read_text())
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    rng = np.random.default_rng(seed)
-    tokenizer = _tokenizer_json()
-    zeros_sha = hashlib.sha256(bytes(2 * tokens_per_shard)).hexdigest() if sparse else ""
-    records = []
-    for index in range(shards):
-        path = root / shard_name(index)
-        if sparse:
-            with open(path, "wb") as handle:
-                os.truncate(handle.fileno(), 2 * tokens_per_shard)
-            digest = zeros_sha
-        else:
-            tokens = rng.integers(1, VOCAB, size=tokens_per_shard, dtype=np.uint16)
-            tokens[rng.random(tokens_per_shard) < 1 / 200] = EOS
-            tokens[-1] = EOS
-            data = tokens.tobytes()
-            path.write_bytes(data)
-            (root / crc_name(path.name)).write_bytes(block_crcs(data))
-            digest = hashlib.sha256(data).hexdigest()
-        records.append(ShardRecord(file=shard_name(index), unit=f"bench-{index}", tokens=tokens_per_shard,
-                                   documents=1, sha256=digest, source_bytes=2 * tokens_per_shard))
-    tokenizer_hash = hashlib.sha256(tokenizer.encode()).hexdigest()
-    manifest = Manifest(
-        format=FORMAT, version=FORMAT_VERSION, complete=True, dtype="uint16", vocab_size=VOCAB, eos_id=EOS,
-        tokenizer_sha256=tokenizer_hash, source={"bench": "synthetic"}, source_fingerprint="synthetic",
-        documents=shards, tokens=shards * tokens_per_shard, shards=tuple(records),
-        fingerprint=store_fingerprint("uint16", tokenizer_hash, records),
-    )
-    (root / TOKENIZER).write_text(tokenizer)
-    text = manifest_text(manifest)
-    write_index(StoreLocation(str(root)), manifest, len(text.encode()))
-    (root / MANIFEST).write_text(text)
-    summary = {"url": str(root), "shards": shards, "tokens": manifest.tokens, "fingerprint": manifest.fingerprint}
-    done.write_text(json.dumps(summary))
-    return summary
 
 
 def _descriptors() -> int:
@@ -128,7 +55,7 @@ def _plan(summary: dict[str, Any], options: dict[str, Any], cache_max_bytes: int
     from meshtrain.data.store import ReadSettings
 
     ref = StoreRef(summary["url"], 1.0, summary["fingerprint"], summary["tokens"], summary["shards"], "synthetic")
-    return DataPlan(stores=(ref,), tokenizer_json=_tokenizer_json(), vocab_size=VOCAB, eos_id=EOS,
+    return DataPlan(stores=(ref,), tokenizer_json=tokenizer_json(), vocab_size=VOCAB, eos_id=EOS,
                     validation_fraction=0.01, storage_options=options,
                     reading=ReadSettings(cache_max_bytes=cache_max_bytes, read_timeout_s=60))
 
@@ -218,15 +145,17 @@ def _stats(stores: list[Any]) -> dict[str, int]:
 
 def _in_subprocess(kind: str, env: dict[str, str] | None = None, **kwargs: Any) -> dict[str, Any]:
     """Run a probe in a fresh interpreter, so descriptors, maps and peak RSS are its own."""
-    command = [sys.executable, "-m", "meshtrain.bench.scale", "--probe", json.dumps({"kind": kind, **kwargs})]
-    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    command = [sys.executable, "-m", "meshtrain_bench.scale", "--probe", json.dumps({"kind": kind, **kwargs})]
+    path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))
+    child_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
+    result = subprocess.run(command, capture_output=True, text=True, env=child_env)
     if result.returncode:
         raise SystemExit(f"probe {kind} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def launch_to_first_step(store: str, work: Path, name: str) -> float:
-    from meshtrain.bench.data import first_step
+    from meshtrain_bench.data import first_step
 
     seconds, _ = first_step(store, work / "runs", name)
     return seconds
@@ -301,7 +230,7 @@ def main() -> int:
 
 
 def s3_part(args: argparse.Namespace, work: Path) -> None:
-    from meshtrain.bench.s3 import SlowS3
+    from meshtrain_bench.s3 import SlowS3
 
     local = write_store(work / f"s3-{args.s3_shards}x{args.s3_tokens}", args.s3_shards, args.s3_tokens, sparse=False)
     with SlowS3(args.delay_ms / 1000) as s3:

@@ -74,7 +74,7 @@ from typing import Any
 import torch
 import yaml
 
-REPO = Path(__file__).resolve().parents[3]  # the checkout: benchmarks run its jobs/ and read its configs
+REPO = Path(__file__).resolve().parents[2]  # the checkout: benchmarks run its jobs/ and read its configs
 
 from meshtrain.config import (
     ConfigError,

@@ -27,7 +27,7 @@ from prometheus_client import generate_latest
 
 from meshtrain.observe.metrics import TrainingMetrics
 
-REPO = Path(__file__).resolve().parents[3]  # the checkout: benchmarks run its jobs/ and read its configs
+REPO = Path(__file__).resolve().parents[2]  # the checkout: benchmarks run its jobs/ and read its configs
 
 
 def scrape_forever(targets: Path, interval_s: float, stop: threading.Event, counts: list[int]) -> None:
