@@ -4,8 +4,8 @@
   unit tests, cluster/alerts_test.yml: synthetic series for every alert's fault and healthy cases.
 - Every alert has a firing and a non-firing case in those tests, and the conventions operators
   rely on: a ``for:``, a severity, and a summary and description that name the run.
-- Every metric the rules read is one meshtrain exports (README.md's metrics table, or the list
-  below), and cluster/prometheus.yml loads the rules.
+- Every metric the rules read is one meshtrain exports (docs/observability.md's metrics table, and
+  observe/metrics.py), and cluster/prometheus.yml loads the rules.
 """
 
 from __future__ import annotations
@@ -50,12 +50,14 @@ def run_promtool(promtool: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([promtool, *args], capture_output=True, text=True, timeout=60, cwd=REPO)
 
 
+@pytest.mark.processes
 def test_promtool_accepts_the_rules(promtool: str) -> None:
     result = run_promtool(promtool, "check", "rules", str(RULES))
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(load_yaml(RULES)['groups'][0]['rules'])} rules found" in result.stdout
 
 
+@pytest.mark.processes
 def test_rule_unit_tests_pass(promtool: str) -> None:
     result = run_promtool(promtool, "test", "rules", str(RULE_TESTS))
     assert result.returncode == 0, result.stdout + result.stderr
@@ -116,9 +118,9 @@ def test_every_alert_has_firing_and_quiet_cases() -> None:
 
 
 def readme_metrics() -> set[str]:
-    """Metric names in README.md's metrics table, brace alternatives expanded."""
+    """Metric names in docs/observability.md's metrics table, brace alternatives expanded."""
     names = set()
-    for line in (REPO / "README.md").read_text().splitlines():
+    for line in (REPO / "docs" / "observability.md").read_text().splitlines():
         if not line.startswith("| `meshtrain_"):
             continue
         first_cell = line.split("|")[1]
@@ -146,7 +148,7 @@ def test_rules_read_only_exported_metrics() -> None:
             used.add(name)
     assert {"meshtrain_step", "meshtrain_step_duration_seconds", "meshtrain_loss", "meshtrain_straggler"} <= used
     undocumented = sorted(used - documented)
-    assert not undocumented, f"alerts.yml reads metrics that README.md's table does not list: {undocumented}"
+    assert not undocumented, f"alerts.yml reads metrics that docs/observability.md's table does not list: {undocumented}"
     # ... and that the workers export: every name appears in the metrics module (counters without _total).
     source = (REPO / "platform" / "meshtrain" / "observe" / "metrics.py").read_text()
     unexported = sorted(name for name in used if f'"{name.removesuffix("_total")}"' not in source)

@@ -35,6 +35,7 @@ def run_bench(*args: str, timeout: float = 120, **env: str) -> subprocess.Comple
     )
 
 
+@pytest.mark.processes
 def test_dry_run_plans_every_gpu_configuration_with_an_h100_verdict() -> None:
     # An address no Ray listens on: a dry run that tried to join a cluster would fail.
     job = run_bench("--dry-run", RAY_ADDRESS="127.0.0.1:1")

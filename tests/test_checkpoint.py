@@ -11,7 +11,6 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.tensor import DTensor
 
-from corpora import stdlib_plan
 from meshtrain.checkpoint.manager import CheckpointManager
 from meshtrain.checkpoint.state import Progress, TrainState
 from meshtrain.checkpoint.storage import COMMIT_MARKER, CheckpointStorage
@@ -23,12 +22,7 @@ from meshtrain.train.setup import build_sharded_model
 from meshtrain.train.trainer import train
 from ranks import run_on_ranks
 
-pytestmark = pytest.mark.distributed
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> DataPlan:
-    return stdlib_plan(tmp_path_factory.mktemp("token_stores"))
+pytestmark = pytest.mark.processes
 
 
 def config(storage: Path, name: str, world: int, *overrides: str) -> MeshtrainConfig:
@@ -93,6 +87,7 @@ def unbroken(corpus: DataPlan, tmp_path_factory: pytest.TempPathFactory) -> dict
     return {"storage": storage, "outcome": outcome}
 
 
+@pytest.mark.ray
 def test_saves_are_committed_on_the_cadence_with_their_measurements(unbroken: dict) -> None:
     storage = unbroken["storage"]
     saves = [e for e in unbroken["outcome"]["events"] if e["event"] == "checkpoint_save"]
@@ -102,6 +97,7 @@ def test_saves_are_committed_on_the_cadence_with_their_measurements(unbroken: di
         assert (ckpt_dir(storage, "unbroken", save["step"]) / COMMIT_MARKER).is_file()
 
 
+@pytest.mark.ray
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_resume_is_bitwise_identical_to_never_stopping(unbroken: dict, corpus: DataPlan, tmp_path: Path, mode: str) -> None:
     storage = unbroken["storage"]
@@ -230,6 +226,7 @@ def corrupt_run(storage: Path, unbroken_storage: Path, name: str) -> Path:
     return ckpt_dir(storage, name, 8)
 
 
+@pytest.mark.ray
 @pytest.mark.parametrize("damage", ["truncated shard", "missing metadata"])
 def test_broken_newest_checkpoint_falls_back_to_the_previous_one(
     unbroken: dict, corpus: DataPlan, tmp_path: Path, capfd: pytest.CaptureFixture[str], damage: str
@@ -254,6 +251,7 @@ def test_broken_newest_checkpoint_falls_back_to_the_previous_one(
     )
 
 
+@pytest.mark.ray
 def test_only_broken_checkpoints_stop_the_run_instead_of_starting_over(unbroken: dict, corpus: DataPlan, tmp_path: Path) -> None:
     seed_run_with(tmp_path, "hopeless", ckpt_dir(unbroken["storage"], "unbroken", 8))
     (ckpt_dir(tmp_path, "hopeless", 8) / ".metadata").unlink()
@@ -262,6 +260,7 @@ def test_only_broken_checkpoints_stop_the_run_instead_of_starting_over(unbroken:
     assert not ckpt_dir(tmp_path, "hopeless", 12).exists()
 
 
+@pytest.mark.ray
 def test_uncommitted_checkpoint_is_ignored_and_cleared(unbroken: dict, corpus: DataPlan, tmp_path: Path) -> None:
     seed_run_with(tmp_path, "partial", ckpt_dir(unbroken["storage"], "unbroken", 4))
     seed_run_with(tmp_path, "partial", ckpt_dir(unbroken["storage"], "unbroken", 8))

@@ -121,6 +121,7 @@ SUBPROCESS_CASES = [
 ]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("argv", "names"), SUBPROCESS_CASES, ids=[" ".join(a) for a, _ in SUBPROCESS_CASES])
 def test_bad_input_subprocess(
     argv: list[str], names: str, bad_files: dict[str, Path], tmp_path: Path
@@ -236,8 +237,8 @@ IN_PROCESS_CASES = [
     (
         ["--dry-run", "scaling.use_gpu=true", "scaling.accelerator_type=H100", "model.preset=llama3_8b",
          "data.seq_len=8192", "scaling.num_workers=64", "train.global_batch_size=512", "train.micro_batch_size=1",
-         "fault.preemption_save_s=0.5"],
-        "fault.preemption_save_s",
+         "run.preemption_save_s=0.5"],
+        "run.preemption_save_s",
     ),
     (["scaling.num_workers=4", "scaling.min_workers=2", "train.micro_batch_size=4", "scaling.evict_stragglers=true",
       "train.steps=20", "optim.warmup_steps=2"], "scaling.evict_stragglers"),
@@ -409,6 +410,7 @@ def check_memory(memory: dict[str, float]) -> None:
     assert memory[TOTAL] == pytest.approx(max(memory[moment] for moment in MOMENTS), abs=0.002)
 
 
+@pytest.mark.processes
 def test_dry_run_default_subprocess() -> None:
     started = time.monotonic()
     # -X importtime lists every imported module on stderr: proof that Ray is not even imported.
@@ -434,6 +436,7 @@ def test_dry_run_default_subprocess() -> None:
     check_memory(memory)
 
 
+@pytest.mark.processes
 def test_dry_run_llama3_8b_subprocess(tokenizer_json: Path) -> None:
     started = time.monotonic()
     result = run_pretrain(

@@ -18,12 +18,12 @@ from ranks import run_on_ranks
 STEPS = 10
 RTOL = 1e-5
 
-pytestmark = pytest.mark.distributed
+pytestmark = pytest.mark.processes
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> DataPlan:
-    return stdlib_plan(tmp_path_factory.mktemp("token_stores"), validation={"fraction": 0.0})
+def corpus(unsplit_corpus: DataPlan) -> DataPlan:
+    return unsplit_corpus
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,7 @@ def _rank_events(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan) 
     return events_of(cfg, corpus, WorkerLayout(rank, world, rank % 2, 2, rank // 2))
 
 
+@pytest.mark.processes
 def test_validation_loss_is_the_same_on_one_process_and_a_2x2_mesh(corpus: DataPlan) -> None:
     single = [e for e in events_of(config(), corpus) if e["event"] == "eval"]
     ranks = run_on_ranks(_rank_events, 4, config("scaling.num_workers=4", "parallel.shard=2"), corpus)
@@ -107,7 +108,7 @@ def test_progress_shows_every_kind_of_record_and_never_fails_on_an_unknown_one()
         "eviction": {"event": "eviction", "step": 9, "rank": 2, "node": "10.0.0.2", "evicted": True, "reason": "drained"},
         "preempted": {"event": "preempted", "step": 15, "reason": "SIGTERM", "saved": True, "save_s": 0.25},
         "resize_save": {"event": "resize_save", "step": 10, "saved": True, "save_s": 0.5},
-        "warning": {"event": "warning", "step": 4, "message": "fault.preemption_save_s=1 is short"},
+        "warning": {"event": "warning", "step": 4, "message": "run.preemption_save_s=1 is short"},
         "future": {"event": "something_new", "step": 3, "value": 1},
     }
     shown = {name: progress_line(record, 30) for name, record in lines.items()}
@@ -116,5 +117,5 @@ def test_progress_shows_every_kind_of_record_and_never_fails_on_an_unknown_one()
     assert shown["preempted"] == ("[meshtrain] preemption notice (SIGTERM): step 15 saved and committed in 0.2s; the group "
                                   "restarts from it")
     assert shown["resize_save"].startswith("[meshtrain] growing the group: step 10 saved in 0.5s")
-    assert shown["warning"] == "[meshtrain] warning: fault.preemption_save_s=1 is short"
+    assert shown["warning"] == "[meshtrain] warning: run.preemption_save_s=1 is short"
     assert shown["future"] == "[meshtrain] something_new at step 3: value=1"

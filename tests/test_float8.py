@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, load_model
 
-from corpora import stdlib_plan
 from meshtrain.checkpoint.export import export_checkpoint, load_model_state
 from meshtrain.cluster.preflight import preflight
 from meshtrain.config import ConfigError, MeshtrainConfig, ModelArgs, load_config
@@ -47,8 +46,8 @@ ROWWISE = ("parallel.float8=true", "parallel.float8_recipe=rowwise")
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> DataPlan:
-    return stdlib_plan(tmp_path_factory.mktemp("token_stores"), validation={"fraction": 0.0})
+def corpus(unsplit_corpus: DataPlan) -> DataPlan:
+    return unsplit_corpus
 
 
 def config(storage: Path, name: str, *overrides: str) -> MeshtrainConfig:
@@ -224,6 +223,7 @@ def _sharded_steps(
     return len(model.layers), pairs, _train_steps(rowwise, plan, 3)[1]
 
 
+@pytest.mark.processes
 def test_float8_all_gather_scales_are_precomputed_and_sharded_rowwise_steps_equal_one_process(tmp_path: Path) -> None:
     rowwise = config(tmp_path, "rowwise", *ROWWISE)
     blocks, pairs, sharded_rowwise = run_on_ranks(
@@ -244,6 +244,7 @@ def sharded_float8(corpus: DataPlan, tmp_path_factory: pytest.TempPathFactory) -
     return run(config(storage, "float8-sharded", "parallel.float8=true", "checkpoint.enabled=false"), corpus)
 
 
+@pytest.mark.processes
 def test_float8_tracks_high_precision_and_sharded_and_tensor_parallel_float8_equal_single_process(
     corpus: DataPlan, tmp_path: Path, sharded_float8: list[dict[str, Any]]
 ) -> None:
@@ -285,6 +286,7 @@ def test_float8_tracks_high_precision_and_sharded_and_tensor_parallel_float8_equ
     assert 0 < difference <= FLOAT8_LOSS_RTOL
 
 
+@pytest.mark.processes
 def test_float8_on_a_2x2_hsdp_mesh_equals_1x2(corpus: DataPlan, tmp_path: Path, sharded_float8: list[dict[str, Any]]) -> None:
     """The scale precompute reduces each weight's amax over the shard dim of a 2D mesh; replicas
     hold the same weights, so HSDP gives what one shard group gives (measured: 8e-8)."""
@@ -296,6 +298,7 @@ def test_float8_on_a_2x2_hsdp_mesh_equals_1x2(corpus: DataPlan, tmp_path: Path, 
     assert largest_relative_difference(curve(hsdp), curve(sharded_float8)) <= 1e-6
 
 
+@pytest.mark.processes
 def test_compiled_float8_blocks_with_selective_recompute_track_eager_float8(
     corpus: DataPlan, tmp_path: Path, sharded_float8: list[dict[str, Any]]
 ) -> None:
@@ -311,6 +314,7 @@ def test_compiled_float8_blocks_with_selective_recompute_track_eager_float8(
     assert largest_relative_difference(curve(compiled), curve(sharded_float8)) <= FLOAT8_LOSS_RTOL
 
 
+@pytest.mark.processes
 def test_float8_checkpoints_resume_exactly_load_into_high_precision_and_export_plain_weights(
     corpus: DataPlan, tmp_path: Path
 ) -> None:

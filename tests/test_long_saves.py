@@ -16,7 +16,6 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 import meshtrain.checkpoint.write_progress as write_progress
 import meshtrain.train.trainer as trainer_module
-from corpora import stdlib_plan
 from meshtrain.checkpoint.storage import CheckpointStorage, checkpoint_root
 from meshtrain.config import MeshtrainConfig, load_config
 from meshtrain.data import DataPlan, open_data
@@ -24,12 +23,9 @@ from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.train.trainer import Trainer
 from meshtrain.train.watchdog import HangWatchdog
 
+pytestmark = pytest.mark.processes
+
 HANG_TIMEOUT_S = 2.0  # long enough for a training step of this model on a busy machine
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> DataPlan:
-    return stdlib_plan(tmp_path_factory.mktemp("token_stores"))
 
 
 def config(tmp_path: Path, name: str) -> MeshtrainConfig:

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import meshtrain.train.trainer as trainer_module
-from corpora import stdlib_plan
 from meshtrain.checkpoint.storage import CheckpointStorage, checkpoint_root
 from meshtrain.config import load_config
 from meshtrain.data import DataPlan
@@ -23,11 +22,6 @@ from meshtrain.train.trainer import Trainer
 from meshtrain.data import open_data
 from meshtrain.distributed.layout import WorkerLayout
 from test_step_guard import run, snapshot
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> DataPlan:
-    return stdlib_plan(tmp_path_factory.mktemp("token_stores"))
 
 
 def config(tmp_path: Path, name: str, *overrides: str):
@@ -39,6 +33,7 @@ def config(tmp_path: Path, name: str, *overrides: str):
     ])
 
 
+@pytest.mark.processes
 def test_sigterm_saves_the_step_and_the_resumed_run_matches_an_unbroken_one(
     corpus: DataPlan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -65,6 +60,7 @@ def test_sigterm_saves_the_step_and_the_resumed_run_matches_an_unbroken_one(
     assert expected.keys() == got.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
 
 
+@pytest.mark.processes
 def test_the_drivers_stop_request_saves_the_step_and_finishes_without_a_restart(
     corpus: DataPlan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -102,6 +98,7 @@ def test_the_drivers_stop_request_saves_the_step_and_finishes_without_a_restart(
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
+@pytest.mark.processes
 def test_the_sigterm_route_is_restored_after_the_run(corpus: DataPlan, tmp_path: Path) -> None:
     before = signal.getsignal(signal.SIGTERM)
     run(config(tmp_path, "restored", "train.steps=2"), corpus)
@@ -114,7 +111,7 @@ def test_a_save_that_misses_the_budget_ends_the_worker_and_one_in_time_does_not(
     late.give("SIGTERM")
     time.sleep(0.5)
     assert exits == ["[meshtrain] rank 3: no committed checkpoint 0.2s after the preemption notice (SIGTERM); exiting "
-                     "(fault.preemption_save_s); the run resumes from its last committed checkpoint"]
+                     "(run.preemption_save_s); the run resumes from its last committed checkpoint"]
     in_time = PreemptionNotice(0.3, rank=0, exit_process=exits.append)
     in_time.give("SIGTERM")
     in_time.give("another SIGTERM")  # a second notice changes nothing
@@ -123,6 +120,7 @@ def test_a_save_that_misses_the_budget_ends_the_worker_and_one_in_time_does_not(
     assert len(exits) == 1 and in_time.reason == "SIGTERM"
 
 
+@pytest.mark.processes
 def test_in_a_ray_worker_thread_rays_sigterm_exit_becomes_a_notice() -> None:
     """Ray's worker handles SIGTERM in its main thread by calling an exit function of
     ray._private.worker; a training thread cannot install a handler, so it replaces that function."""
@@ -144,11 +142,12 @@ def test_in_a_ray_worker_thread_rays_sigterm_exit_becomes_a_notice() -> None:
     assert ray_worker.raise_sys_exit_with_custom_error_message.__module__ != __name__
 
 
+@pytest.mark.processes
 def test_a_budget_shorter_than_a_step_is_reported_once(corpus: DataPlan, tmp_path: Path) -> None:
-    _, events = run(config(tmp_path, "tight", "train.steps=4", "fault.preemption_save_s=0.000001"), corpus)
+    _, events = run(config(tmp_path, "tight", "train.steps=4", "run.preemption_save_s=0.000001"), corpus)
     warnings = [e for e in events if e["event"] == "warning"]
-    assert len(warnings) == 1 and warnings[0]["setting"] == "fault.preemption_save_s"
-    assert warnings[0]["message"].startswith("fault.preemption_save_s=1e-06 is shorter than one step (")
+    assert len(warnings) == 1 and warnings[0]["setting"] == "run.preemption_save_s"
+    assert warnings[0]["message"].startswith("run.preemption_save_s=1e-06 is shorter than one step (")
     _, quiet = run(config(tmp_path, "roomy", "train.steps=4"), corpus)
     assert not [e for e in quiet if e["event"] == "warning"]
 

@@ -13,7 +13,6 @@ import torch
 from torch.autograd import DeviceType
 
 import meshtrain.train.profiling as profiling
-from corpora import stdlib_plan
 from meshtrain.config import MeshtrainConfig, load_config
 from meshtrain.config.schema import ProfileConfig
 from meshtrain.data import DataPlan
@@ -25,8 +24,8 @@ REGIONS = ("data wait", "forward", "block 0", "block 1", "attention", "loss", "b
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> DataPlan:
-    return stdlib_plan(tmp_path_factory.mktemp("token_stores"), validation={"fraction": 0.0})
+def corpus(unsplit_corpus: DataPlan) -> DataPlan:
+    return unsplit_corpus
 
 
 def config(storage: Path, *overrides: str) -> MeshtrainConfig:

@@ -22,6 +22,8 @@ from meshtrain.data.remote import StorageUnavailable
 from meshtrain.data.store import ReadSettings
 from s3server import moto_s3
 
+pytestmark = pytest.mark.processes
+
 BLOCK = remote_module.CHECK_BYTES  # shards of 10,000 uint16 tokens hold 20 check blocks
 
 

@@ -50,7 +50,7 @@ def test_a_directory_that_refuses_writes_is_named(tmp_path: Path, monkeypatch: p
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(tempfile, "mkstemp", refused)
-    with pytest.raises(ConfigError, match=rf"^run.storage_path: cannot write in {re.escape(str(tmp_path))} \(PermissionError: \[Errno 13\] "
+    with pytest.raises(ConfigError, match=rf"^run.storage_path: cannot write in {re.escape(str(tmp_path))} \(PermissionError: "
                                           r"Permission denied\); give a writable directory \(on a cluster, one every "
                                           r"node mounts\)$"):
         preflight(config(tmp_path / "runs"))
@@ -59,6 +59,7 @@ def test_a_directory_that_refuses_writes_is_named(tmp_path: Path, monkeypatch: p
 # --- s3:// --------------------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_s3_checkpoint_path_is_probed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import boto3
 

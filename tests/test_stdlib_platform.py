@@ -9,6 +9,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -18,6 +20,7 @@ def test_platform_is_the_standard_library_module() -> None:
     assert not (REPO / "platform" / "__init__.py").exists()
 
 
+@pytest.mark.processes
 def test_platform_from_the_repo_root_in_a_fresh_interpreter() -> None:
     code = "import platform, os; assert platform.system() == os.uname().sysname; print(platform.__file__)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)

@@ -15,7 +15,6 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import meshtrain.train.step as training
-from corpora import stdlib_plan
 from meshtrain.checkpoint.storage import CheckpointStorage, checkpoint_root
 from meshtrain.cluster.launcher import _stopped_message
 from meshtrain.config import MeshtrainConfig, load_config
@@ -26,11 +25,6 @@ from meshtrain.train.gc_schedule import ScheduledCollection
 from meshtrain.train.trainer import Trainer
 
 MICRO_BATCHES_PER_STEP = 4  # global batch 8 in micro-batches of 2, one process
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> DataPlan:
-    return stdlib_plan(tmp_path_factory.mktemp("token_stores"))
 
 
 def config(tmp_path: Path, *overrides: str) -> MeshtrainConfig:
@@ -78,6 +72,7 @@ def snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
     return state
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "implementation, factor, spike",
     [("fused", math.nan, False), ("foreach", math.nan, False), ("fused", math.inf, False), ("fused", 50.0, True)],
@@ -107,6 +102,7 @@ def test_a_bad_step_leaves_model_and_optimizer_bitwise_untouched(
         assert not torch.equal(snapshot(resumed)["param.output.weight"], got["param.output.weight"])
 
 
+@pytest.mark.processes
 def test_bad_steps_are_never_checkpointed_and_too_many_in_a_row_stop_the_run(
     corpus: DataPlan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 import torch
 
-from corpora import stdlib_plan
 from meshtrain.config import MeshtrainConfig, load_config
 from meshtrain.data import DataPlan
 from meshtrain.distributed.layout import WorkerLayout
@@ -17,11 +16,6 @@ from meshtrain.train.records import LoopOutputs
 from meshtrain.train.stragglers import ComputeTimer, StragglerWatch, slowdowns
 from meshtrain.train.trainer import train
 from ranks import run_on_ranks
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> DataPlan:
-    return stdlib_plan(tmp_path_factory.mktemp("token_stores"))
 
 
 def config(*overrides: str) -> MeshtrainConfig:
@@ -39,6 +33,7 @@ def _rank_events(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan) 
     return events
 
 
+@pytest.mark.processes
 def test_a_rank_made_five_times_slower_is_named(corpus: DataPlan) -> None:
     cfg = config("fault.kind=slow", "fault.kill_rank=1", "fault.at_step=2", "fault.slow_factor=5",
                  "metrics.straggler_factor=2", "metrics.straggler_patience=3")

@@ -191,6 +191,7 @@ def test_a_tracker_that_cannot_work_is_refused_before_ray(tmp_path: Path, monkey
             preflight(config(tmp_path, f"metrics.{tracker}=true"))
 
 
+@pytest.mark.processes
 def test_a_run_without_trackers_imports_neither_package(tmp_path: Path) -> None:
     """The worker's sink setup and the launch checks of a default config load neither W&B nor MLflow."""
     code = f"""
@@ -198,7 +199,7 @@ import sys
 from pathlib import Path
 from meshtrain.cli.pretrain import main
 from meshtrain.cluster.preflight import preflight
-from meshtrain.cluster.worker import open_trackers
+from meshtrain.observe.trackers import open_trackers
 from meshtrain.config import load_config
 from meshtrain.observe.outputs import RunPaths
 cfg = preflight(load_config(None, ["run.storage_path={tmp_path}", "run.name=plain"]))

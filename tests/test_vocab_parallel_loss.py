@@ -12,6 +12,8 @@ import torch.distributed as dist
 from meshtrain.model.loss import token_cross_entropy_sum, vocab_parallel_cross_entropy_sum
 from ranks import run_on_ranks
 
+pytestmark = pytest.mark.processes
+
 # name: (batch, seq, vocab, dtype, chunk, seed); vocab is divisible by every world size used.
 CASES: dict[str, tuple[int, int, int, torch.dtype, int | None, int]] = {
     "fp32_chunks": (3, 7, 48, torch.float32, 4, 0),  # 21 tokens: 5 chunks of 4 and one of 1

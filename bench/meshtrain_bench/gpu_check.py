@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain_bench.gpu import Window, device_peak, timed_figures
-from meshtrain.config import ConfigError, MeshtrainConfig
+from meshtrain.config import ConfigError, MeshtrainConfig, one_line
 from meshtrain.data import DataPlan, prepare_data
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.distributed.mesh import resolve_mesh_shape
@@ -192,12 +192,6 @@ def build_config(settings: dict[str, Any]) -> MeshtrainConfig:
 
 
 # --- one configuration ----------------------------------------------------------------------
-
-
-def one_line(exc: BaseException, limit: int = 300) -> str:
-    text = " ".join(str(exc).split()) or "(no message)"
-    line = f"{type(exc).__name__}: {text}"
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def card_bytes(device: torch.device) -> int | None:

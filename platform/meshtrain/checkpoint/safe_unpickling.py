@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 from torch.serialization import _get_layout
 
 from meshtrain.checkpoint.errors import CheckpointError
+from meshtrain.config import one_line
 
 # Everything a DCP .metadata of ours references (local and s3, float8 runs and optimizer states
 # included): DCP's metadata dataclasses, the storage info of its file writer, torch.Size, torch's
@@ -72,8 +73,7 @@ def load_metadata(data: bytes, where: str) -> dcp_metadata.Metadata:
             "(the file was tampered with or is not a meshtrain checkpoint)"
         ) from None
     except Exception as exc:  # any other malformed pickle: truncated, wrong arguments, ...
-        detail = f"{type(exc).__name__}: {exc}"
-        raise CheckpointError(f"{where}: .metadata is not readable DCP metadata ({detail})") from None
+        raise CheckpointError(f"{where}: .metadata is not readable DCP metadata ({one_line(exc)})") from None
     if not isinstance(metadata, dcp_metadata.Metadata):
         raise CheckpointError(f"{where}: .metadata holds a {type(metadata).__name__}, not DCP metadata")
     return metadata
@@ -95,7 +95,7 @@ class WeightsOnlyEntries:
             loaded = torch.load(value, weights_only=True)
         except Exception as exc:
             detail = re.search(r"WeightsUnpickler error: ([^\n]*)", str(exc))
-            reason = detail[1] if detail else f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+            reason = detail[1] if detail else one_line(exc)
             raise CheckpointError(
                 f"{self._where}: entry {read_item.dest_index.fqn} is not plain data, refused to unpickle it "
                 f"({reason[:200]})"

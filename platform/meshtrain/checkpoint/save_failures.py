@@ -13,24 +13,21 @@ from collections.abc import Iterator
 from torch.distributed.checkpoint.api import CheckpointException
 
 from meshtrain.checkpoint.errors import CheckpointNotWritable, CheckpointStorageFull
+from meshtrain.config import wrapped_errors as config_wrapped_errors
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _REFUSED = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
+def _rank_failures(exc: BaseException) -> list[BaseException]:
+    if not isinstance(exc, CheckpointException):
+        return []
+    return [failure[0] if isinstance(failure, tuple) else failure for failure in exc.failures.values()]
+
+
 def wrapped_errors(exc: BaseException) -> Iterator[BaseException]:
     """``exc`` and every error it wraps: DCP's per-rank failures and the exception chains, each once."""
-    seen: set[int] = set()
-    stack = [exc]
-    while stack:
-        current = stack.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        yield current
-        if isinstance(current, CheckpointException):
-            stack.extend(failure[0] if isinstance(failure, tuple) else failure for failure in current.failures.values())
-        stack.extend(e for e in (current.__cause__, current.__context__) if isinstance(e, BaseException))
+    return config_wrapped_errors(exc, _rank_failures)
 
 
 def storage_os_error(exc: BaseException) -> OSError | None:

@@ -27,7 +27,6 @@ looks for the newest committed checkpoint in the same place.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import time
@@ -48,6 +47,7 @@ from meshtrain.checkpoint.dcp_files import (
 )
 from meshtrain.checkpoint.errors import CheckpointError
 from meshtrain.config import MeshtrainConfig
+from meshtrain.data.local_files import write_atomically
 
 COMMIT_MARKER = "COMMITTED"
 BAD_MARKER = "BAD"
@@ -211,24 +211,14 @@ class CheckpointStorage:
         return self.display(target)
 
     def _write_json(self, path: str, name: str, document: dict[str, Any]) -> None:
-        """``path/name`` appears whole or not at all: locally a temporary file, fsynced, renamed."""
+        """``path/name`` appears whole or not at all (locally ``write_atomically``)."""
         payload = json.dumps(document, indent=1)
         marker = f"{path}/{name}"
         if not self.is_local:
             with self.fs.open(marker, "w") as handle:  # one PUT: the object appears whole or not at all
                 handle.write(payload)
             return
-        tmp = f"{marker}.tmp"
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(payload)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, marker)
-        directory = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+        write_atomically(marker, payload)
 
     def sidecars(self, checkpoint: CommittedCheckpoint) -> dict[str, str] | None:
         """The marker's file → sidecar checksum map; None for a checkpoint written before checksums."""

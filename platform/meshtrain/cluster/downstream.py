@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.checkpoint.storage import CheckpointStorage, CommittedCheckpoint, run_checkpoints
-from meshtrain.config import MeshtrainConfig
+from meshtrain.config import MeshtrainConfig, one_line
 from meshtrain.evaluate.checkpoint_eval import (
     DOWNSTREAM_DIR,
     RESULTS_FILE,
@@ -147,8 +147,8 @@ class DownstreamEvaluations:
             try:
                 self._submit_new()
             except Exception as exc:  # storage unreachable for a moment: the next poll lists again
-                self.print_line(f"[meshtrain] downstream evaluation: could not list checkpoints ({type(exc).__name__}: "
-                                f"{exc}); trying again")
+                self.print_line(f"[meshtrain] downstream evaluation: could not list checkpoints ({one_line(exc)}); "
+                                "trying again")
             self._collect(timeout_s=0)
 
     def _submit_new(self) -> None:
@@ -219,7 +219,7 @@ class DownstreamEvaluations:
         those that landed after it stopped, and mark them logged in metrics.jsonl."""
         if not (self.cfg.metrics.wandb or self.cfg.metrics.mlflow):
             return
-        from meshtrain.cluster.worker import open_trackers
+        from meshtrain.observe.trackers import open_trackers
 
         already = logged_records(self.paths.metrics)
         missing = [record for record in RecordFollower(self.paths.metrics, set(DRIVER_EVENTS)).new_records()

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from meshtrain.config import one_line
+
 DRAIN_DEADLINE_S = 600  # the node is told it will be stopped; nothing stops it: it just takes no new work
 
 
@@ -79,7 +81,7 @@ class StragglerEviction:
         try:
             accepted, rejection = self.drain(node_id, message)
         except Exception as exc:  # an internal Ray API: report, never stop training over it
-            accepted, rejection = False, f"{type(exc).__name__}: {exc}"
+            accepted, rejection = False, one_line(exc)
         self.drained.add(ip)
         self._say({**record, "node_id": node_id, "evicted": accepted,
                    "reason": "drained; the group saves and restarts without it" if accepted else f"drain refused: {rejection}"})

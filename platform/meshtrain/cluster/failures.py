@@ -19,7 +19,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from meshtrain.config import ConfigError, PermanentError
+from meshtrain.config import ConfigError, PermanentError, one_line
 
 # Storage errors a restart cannot fix: the same path fails the same way on the next start.
 PERMANENT_ERRNOS = frozenset({
@@ -30,7 +30,6 @@ _PEER_LOST = re.compile(
     r"gloo|nccl|connection reset|closed by peer|remote worker|ProcessGroup|Connection refused|Broken pipe", re.IGNORECASE
 )
 # The last "Type: message" line of a traceback printed into an error's message (Ray's wrappers).
-_ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)): ?(.*)$")
 
 
 def is_permanent(exc: BaseException) -> bool:
@@ -112,16 +111,3 @@ def _unwrapped(exc: BaseException) -> BaseException:
         exc = inner
     return exc
 
-
-def one_line(exc: BaseException, limit: int = 240) -> str:
-    """``Type: message`` on one line; for an error carrying a remote traceback, its last error line."""
-    text = str(exc)
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    errors = [m for m in map(_ERROR_LINE.match, lines) if m] if "Traceback (most recent call last)" in text else []
-    if errors:
-        line = f"{errors[-1][1].rsplit('.', 1)[-1]}: {errors[-1][3]}"
-    elif isinstance(exc, OSError) and exc.strerror:
-        line = f"{type(exc).__name__}: {exc.strerror}" + (f": {exc.filename}" if exc.filename else "")
-    else:
-        line = f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
-    return line if len(line) <= limit else line[: limit - 3] + "..."

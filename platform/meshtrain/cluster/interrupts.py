@@ -3,8 +3,8 @@
 The first SIGINT (Ctrl-C) or SIGTERM (``ray job stop``; Ray waits ``RAY_JOB_STOP_WAIT_TIME_S``,
 3 s by default, before it kills the driver) writes a stop request into the run directory; every
 rank sees it within half a second, the ranks save at the next step boundary (within
-``fault.preemption_save_s``) and finish, and the driver exits 130 naming the committed step. A
-second signal stops the driver at once. Without preemption handling (``fault.preemption_save_s``
+``run.preemption_save_s``) and finish, and the driver exits 130 naming the committed step. A
+second signal stops the driver at once. Without preemption handling (``run.preemption_save_s``
 null) the workers cannot save on notice, so the first signal stops at once.
 """
 
@@ -42,7 +42,7 @@ class DriverInterrupts:
         self.received = name
         self.request.write(f"{name} to the driver")
         sys.stderr.write(
-            f"[meshtrain] {name}: the workers save at the next step boundary (within fault.preemption_save_s="
+            f"[meshtrain] {name}: the workers save at the next step boundary (within run.preemption_save_s="
             f"{self.preemption_save_s:g}s) and stop; interrupt again to stop at once without saving\n"
         )
         sys.stderr.flush()

@@ -20,15 +20,11 @@ from meshtrain.cluster.downstream import DownstreamEvaluations
 from meshtrain.cluster.failures import Failure, root_failure
 from meshtrain.cluster.interrupts import DriverInterrupts
 from meshtrain.cluster.preflight import preflight
+from meshtrain.cluster.run_lease import RunLease
 from meshtrain.cluster.worker_env import worker_env
-from meshtrain.config import ConfigError, MeshtrainConfig, config_error_in, redact_url
-from meshtrain.data import (
-    LEGACY_SAMPLING,
-    SAMPLING_SCHEME,
-    SAMPLING_SCHEMES,
-    DataPlan,
-    prepare_data,
-)
+from meshtrain.config import ConfigError, MeshtrainConfig, config_error_in, one_line, redact_url
+from meshtrain.data import SAMPLING_SCHEME, DataPlan, checkpoint_sampling, prepare_data
+from meshtrain.data.local_files import write_atomically
 from meshtrain.observe.metrics import targets_path, write_targets
 from meshtrain.observe.outputs import RunPaths, read_summary, write_summary
 from meshtrain.observe.progress import ProgressMonitor
@@ -51,7 +47,7 @@ def resolve_schedule_horizon(cfg: MeshtrainConfig, paths: RunPaths) -> Meshtrain
     if cfg.optim.schedule_steps is not None:
         return cfg
     if paths.config.exists() and run_checkpoints(cfg).committed():
-        previous = yaml.safe_load(paths.config.read_text())
+        previous = read_run_config(paths)
         # A config.yaml written before optim.schedule_steps existed spanned its train.steps.
         horizon = previous["optim"].get("schedule_steps") or previous["train"]["steps"]
     else:
@@ -101,6 +97,52 @@ def _unresumable_change(previous_text: str, text: str) -> tuple[str, Any, Any] |
     return None
 
 
+def read_run_config(paths: RunPaths) -> dict[str, Any]:
+    """The run's config.yaml as written by an earlier launch; a damaged one is one line naming it."""
+    try:
+        loaded = yaml.safe_load(paths.config.read_text())
+        if not isinstance(loaded, dict) or not {"optim", "train", "model"} <= loaded.keys():
+            raise ValueError("it is not a whole meshtrain config (optim, train and model sections expected)")
+        return loaded
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as exc:
+        raise ConfigError(
+            f"run.name={paths.name}: {paths.config} is damaged ({one_line(exc, 160)}); restore it (an earlier copy may "
+            "sit beside it as config.<time>.yaml) or delete it to let this launch write it again"
+        ) from None
+
+
+def read_run_tokenizer(paths: RunPaths) -> str | None:
+    """The tokenizer an earlier launch of the run kept (None on the first launch); a damaged one is one line."""
+    if not paths.tokenizer.exists():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        text = paths.tokenizer.read_text()
+        Tokenizer.from_str(text)
+    except Exception as exc:  # tokenizers raises a bare Exception for malformed JSON
+        raise ConfigError(
+            f"run.name={paths.name}: {paths.tokenizer} is damaged ({one_line(exc, 160)}); delete it: the launch "
+            "takes the tokenizer again from the run's token stores (or trains the same one from data.source)"
+        ) from None
+    return text
+
+
+def check_fresh_start(cfg: MeshtrainConfig, paths: RunPaths) -> None:
+    """``checkpoint.resume=false`` on a run with committed checkpoints would overwrite them with another
+    training that a later plain relaunch could mix up with them: refused."""
+    if not cfg.checkpoint.enabled or cfg.checkpoint.resume:
+        return
+    storage = run_checkpoints(cfg)
+    committed = storage.committed()
+    if committed:
+        steps = ", ".join(str(c.step) for c in sorted(committed, key=lambda c: c.step))
+        raise ConfigError(
+            f"checkpoint.resume=false: run {paths.name} holds committed checkpoints (steps {steps}) that this launch "
+            f"would replace; choose another run.name, or delete {storage.display(storage.root)} to start the run over"
+        )
+
+
 def write_run_config(cfg: MeshtrainConfig, paths: RunPaths) -> None:
     """Write config.yaml (credentials redacted). A re-run of a run name that has committed checkpoints
     resumes them, so it may change only RESUMABLE_CHANGES; one without (an earlier launch failed
@@ -114,6 +156,7 @@ def write_run_config(cfg: MeshtrainConfig, paths: RunPaths) -> None:
         # and its records (and the trackers fed from them) start a fresh history.
         paths.metrics.rename(paths.run_dir / f"metrics.{stamp}.jsonl")
     if paths.config.exists():
+        read_run_config(paths)  # a damaged one is one line naming it
         previous_text = paths.config.read_text()
         if previous_text == text:
             return
@@ -133,7 +176,7 @@ def write_run_config(cfg: MeshtrainConfig, paths: RunPaths) -> None:
                 flush=True,
             )
         paths.config.rename(paths.run_dir / f"config.{stamp}.yaml")
-    paths.config.write_text(text)
+    write_atomically(paths.config, text)
 
 
 def init_ray() -> bool:
@@ -167,13 +210,7 @@ def data_for_resume(cfg: MeshtrainConfig, plan: DataPlan) -> DataPlan:
     if not committed:
         return plan
     manifest = committed[0].manifest
-    scheme = manifest.get("sampling", LEGACY_SAMPLING)  # checkpoints written before the record
-    if scheme not in SAMPLING_SCHEMES:
-        raise ConfigError(
-            f"data: the checkpoints of run {cfg.run.name} were trained with sampling scheme {scheme!r}, which this "
-            f"meshtrain does not know ({', '.join(SAMPLING_SCHEMES)}); resume with the meshtrain that wrote them "
-            "or choose another run.name"
-        )
+    scheme = checkpoint_sampling(manifest, f"the checkpoints of run {cfg.run.name}")
     resumed = dataclasses.replace(plan, sampling=scheme)
     trained_on = manifest.get("data_fingerprint")
     if not cfg.data.allow_fingerprint_change and trained_on is not None and trained_on != resumed.fingerprint:
@@ -262,7 +299,7 @@ def load_ray_callbacks(specs: list[str]) -> list[Any]:
             callback_class = getattr(importlib.import_module(module_name), class_name)
         except (ImportError, AttributeError) as exc:
             raise ConfigError(
-                f"metrics.ray_callbacks: cannot import {spec!r} ({type(exc).__name__}: {exc}); install its package "
+                f"metrics.ray_callbacks: cannot import {spec!r} ({one_line(exc)}); install its package "
                 "on every node or fix the name"
             ) from None
         if not (isinstance(callback_class, type) and issubclass(callback_class, UserCallback)):
@@ -340,13 +377,20 @@ def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
     started = time.perf_counter()
     cfg, paths = resolve_run(cfg)
     cfg = preflight(cfg)  # the config against the world, before anything is written or started
+    launch_id = f"{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"
+    with RunLease.take(paths.run_dir, paths.name, launch_id):  # before any file of the run is read or written
+        return _launch(cfg, paths, launch_id, started)
+
+
+def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: float) -> dict[str, Any]:
+    check_fresh_start(cfg, paths)
     cfg = resolve_schedule_horizon(cfg, paths)  # after preflight: it lists the (reachable) checkpoints
     write_run_config(cfg, paths)
+    cached_tokenizer = read_run_tokenizer(paths)
     local_ray = init_ray()
     check_capacity(cfg.scaling, local_ray)  # before data preparation, which may take long
     if cfg.scaling.elastic:
         os.environ.setdefault(START_TIMEOUT_ENV, str(ELASTIC_START_TIMEOUT_S))
-    cached_tokenizer = paths.tokenizer.read_text() if paths.tokenizer.exists() else None
     data = prepare_data(
         cfg.data,
         data_cache_url(cfg),
@@ -357,18 +401,17 @@ def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
     )
     data = data_for_resume(cfg, data)
     if cached_tokenizer is None:
-        paths.tokenizer.write_text(data.tokenizer_json)
+        write_atomically(paths.tokenizer, data.tokenizer_json)
     stores = ", ".join(redact_url(ref.url) for ref in data.stores)
     print(
         f"[meshtrain] run {paths.name}: {data.documents:,} documents, {data.tokens:,} tokens, "
         f"vocab {data.vocab_size} from {stores}; outputs in {paths.run_dir}",
         flush=True,
     )
-    launch_id = f"{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"
     trainer = build_trainer(cfg, paths, data, launch_id=launch_id)
     downstream = DownstreamEvaluations(cfg, paths) if cfg.eval.downstream.enabled or cfg.eval.samples.prompts else None
     try:
-        with DriverInterrupts(StopRequest(str(paths.stop_request), launch_id), cfg.fault.preemption_save_s), \
+        with DriverInterrupts(StopRequest(str(paths.stop_request), launch_id), cfg.run.preemption_save_s), \
                 ProgressMonitor(paths.metrics, cfg.train.steps, cfg.metrics.progress_interval_s), \
                 downstream if downstream is not None else contextlib.nullcontext():
             trainer.fit()

@@ -21,7 +21,7 @@ import fsspec
 from fsspec.core import split_protocol
 
 from meshtrain.cluster.worker_env import worker_env
-from meshtrain.config import ConfigError, DataConfig, MeshtrainConfig, ModelConfig, redact_url, require_extra
+from meshtrain.config import ConfigError, DataConfig, MeshtrainConfig, ModelConfig, one_line, redact_url, require_extra
 from meshtrain.data import expand_local_source, tokenizer_vocab_size
 from meshtrain.data.store import is_token_store, with_timeouts
 from meshtrain.distributed.float8 import (
@@ -128,10 +128,10 @@ def _check_downstream(cfg: MeshtrainConfig) -> None:
 
 
 def _check_preemption_budget(cfg: MeshtrainConfig) -> None:
-    """fault.preemption_save_s must hold at least one step. A step's time is known once measured (the
+    """run.preemption_save_s must hold at least one step. A step's time is known once measured (the
     trainer then warns); before that, a known GPU type bounds it from below: the step's model FLOPs per
     rank at the highest peak that type may have, i.e. at 100% MFU on its fastest variant."""
-    budget = cfg.fault.preemption_save_s
+    budget = cfg.run.preemption_save_s
     if budget is None or not cfg.scaling.use_gpu or cfg.scaling.accelerator_type is None:
         return
     peak = highest_peak_flops(cfg.scaling.accelerator_type)
@@ -143,7 +143,7 @@ def _check_preemption_budget(cfg: MeshtrainConfig) -> None:
     floor_s = tokens_per_rank * flops_per_token(args, cfg.data.seq_len) / peak
     if budget < floor_s:
         raise ConfigError(
-            f"fault.preemption_save_s={budget:g} is shorter than one step: {tokens_per_rank:,.0f} tokens per "
+            f"run.preemption_save_s={budget:g} is shorter than one step: {tokens_per_rank:,.0f} tokens per "
             f"{cfg.scaling.accelerator_type} take at least {floor_s:.1f} s even at 100% MFU; raise it toward the "
             "notice period (AWS spot: 120 s) or lower train.global_batch_size"
         )
@@ -247,6 +247,5 @@ def _check_local_directory(directory: Path, setting: str) -> None:
 
 
 def _reason(exc: BaseException) -> str:
-    """The exception's type and the first line of its message, short enough for a one-line error."""
-    message = (str(exc).strip().splitlines() or [""])[0][:200]
-    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    """The exception in one line, short enough to sit inside a one-line error."""
+    return one_line(exc, limit=200)

@@ -7,7 +7,6 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +35,7 @@ from meshtrain.observe.metrics import (
 from meshtrain.observe.outputs import RunPaths, write_summary
 from meshtrain.observe.progress import RecordFollower, StepRecorder
 from meshtrain.observe.reporting import RayTrainReporter, TensorBoardWriter
-from meshtrain.observe.trackers import (
-    DRIVER_EVENTS,
-    TrackerBackend,
-    TrackerSink,
-    logged_marker,
-    logged_records,
-    record_key,
-)
+from meshtrain.observe.trackers import DRIVER_EVENTS, TrackerSink, logged_marker, open_trackers, record_key
 from meshtrain.train.preemption import StopRequest
 from meshtrain.train.trainer import train
 
@@ -197,31 +189,6 @@ def result_pointer(cfg: MeshtrainConfig, paths: RunPaths) -> dict[str, Any]:
         "checkpoint": storage.display(newest.path) if newest is not None else None,
         "checkpoint_step": newest.step if newest is not None else None,
     }
-
-
-def open_trackers(cfg: MeshtrainConfig, paths: RunPaths, restarts: int | None) -> list[TrackerSink]:
-    """Rank 0's W&B and MLflow sinks, as configured. One that cannot open its run is reported in one
-    line and left out: a tracker never stops training (the launch checked them before Ray started)."""
-    makers: list[tuple[str, Callable[[], TrackerBackend]]] = []
-    if cfg.metrics.wandb:
-        from meshtrain.observe.wandb_tracker import WandbTracker
-
-        makers.append(("wandb", lambda: WandbTracker(cfg, paths)))
-    if cfg.metrics.mlflow:
-        from meshtrain.observe.mlflow_tracker import MlflowTracker
-
-        makers.append(("mlflow", lambda: MlflowTracker(cfg, paths)))
-    if not makers:
-        return []
-    already_logged = logged_records(paths.metrics)
-    sinks = []
-    for name, make in makers:
-        try:
-            sinks.append(TrackerSink(make(), already_logged, restarts))
-        except Exception as exc:
-            print(f"[meshtrain] {name}: could not open the run ({type(exc).__name__}: {exc}); training goes on without it",
-                  file=sys.stderr, flush=True)
-    return sinks
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:

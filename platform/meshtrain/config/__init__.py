@@ -12,7 +12,14 @@ from meshtrain.config.data import (
     ValidationConfig,
     source_labels,
 )
-from meshtrain.config.errors import ConfigError, PermanentError, config_error_in, require_extra
+from meshtrain.config.errors import (
+    ConfigError,
+    PermanentError,
+    config_error_in,
+    one_line,
+    require_extra,
+    wrapped_errors,
+)
 from meshtrain.config.loading import describe_fields, load_config
 from meshtrain.config.model import ModelArgs, ModelConfig, RopeScaling
 from meshtrain.config.presets import MODEL_PRESETS
@@ -30,6 +37,7 @@ from meshtrain.config.schema import (
     ScalingConfig,
     StrategyName,
     TrainConfig,
+    check_parallel_groups,
 )
 
 __all__ = [
@@ -41,6 +49,9 @@ __all__ = [
     "ConfigError",
     "PermanentError",
     "require_extra",
+    "one_line",
+    "wrapped_errors",
+    "check_parallel_groups",
     "DataConfig",
     "EvalConfig",
     "FaultConfig",

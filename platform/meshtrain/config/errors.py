@@ -1,6 +1,12 @@
-"""meshtrain's one-line configuration error, and finding it inside the exceptions wrapped around it."""
+"""meshtrain's one-line errors: the configuration error, the permanent failure, the one-line form of any
+exception, and the walk through the exceptions wrapped around one (Ray's, DCP's, Python's chains)."""
 
 from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator
+
+_ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)): ?(.*)$")
 
 
 class ConfigError(ValueError):
@@ -22,12 +28,31 @@ def require_extra(setting: str, module: str, extra: str) -> None:
         raise ConfigError(f"{setting}=true needs {module}: pip install -e '.[{extra}]', or set {setting}=false")
 
 
-def config_error_in(exc: BaseException) -> ConfigError | None:
-    """A ConfigError raised on a worker or task, found in the chain of exceptions wrapped around it.
+def one_line(exc: BaseException, limit: int = 240) -> str:
+    """``Type: message`` on one line; for an error carrying a remote traceback, its last error line; for an
+    OSError, its reason and path."""
+    text = str(exc)
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    errors = [m for m in map(_ERROR_LINE.match, lines) if m] if "Traceback (most recent call last)" in text else []
+    if errors:
+        line = f"{errors[-1][1].rsplit('.', 1)[-1]}: {errors[-1][3]}"
+    elif isinstance(exc, OSError) and exc.strerror:
+        line = f"{type(exc).__name__}: {exc.strerror}" + (f": {exc.filename}" if exc.filename else "")
+    else:
+        line = f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def wrapped_errors(
+    exc: BaseException, inner: Callable[[BaseException], Iterable[BaseException]] | None = None
+) -> Iterator[BaseException]:
+    """``exc`` and every error wrapped in it, each once: the exception chains, Ray Train's
+    ``worker_failures`` and what ``inner`` names (DCP's per-rank failures, say).
 
     Ray re-raises a task's error as a subclass of both ``RayTaskError`` and the original type, with the
-    remote traceback in its message and the original as its ``cause``; Ray Train gathers the workers'
-    errors in ``worker_failures``. Both are followed by attribute, so this module needs no Ray.
+    remote traceback in its message and the original as its own ``cause`` attribute: such a wrapper is
+    not yielded, its original is (whose message is the one line). All is followed by attribute, so this
+    module needs no Ray.
     """
     seen: set[int] = set()
     stack = [exc]
@@ -38,12 +63,17 @@ def config_error_in(exc: BaseException) -> ConfigError | None:
         seen.add(id(current))
         cause = vars(current).get("cause")  # own attribute only: a Ray wrapper delegates the rest
         if isinstance(cause, BaseException):
-            stack.append(cause)  # the original, whose message is the one line (not the wrapper's)
+            stack.append(cause)
             continue
-        if isinstance(current, ConfigError):
-            return current
-        stack.extend(e for e in (current.__cause__, current.__context__) if e)
+        yield current
+        stack.extend(e for e in (current.__cause__, current.__context__) if isinstance(e, BaseException))
         failures = getattr(current, "worker_failures", None)
         if isinstance(failures, dict):
             stack.extend(v for v in failures.values() if isinstance(v, BaseException))
-    return None
+        if inner is not None:
+            stack.extend(inner(current))
+
+
+def config_error_in(exc: BaseException) -> ConfigError | None:
+    """A ConfigError raised on a worker or task, found among the errors wrapped around it."""
+    return next((e for e in wrapped_errors(exc) if isinstance(e, ConfigError)), None)

@@ -375,6 +375,14 @@ class RunConfig(Section):
         "rank) exits so Ray restarts the group from the last checkpoint; bytes reaching checkpoint storage count as "
         "progress, so a long save that keeps writing is never cut; must exceed the slowest step and evaluation; null = off.",
     )
+    preemption_save_s: float | None = Field(
+        25.0,
+        gt=0,
+        description="On a preemption notice (SIGTERM, or Ray's drain notice) every worker stops at the next step, "
+        "saves it and exits so Ray restarts the group; this is how long after the notice a worker may take to commit "
+        "that save before it exits anyway. Fit it inside the notice period: GCP spot and Kubernetes' default grace 30 s, "
+        "AWS spot 120 s. null = no handling (SIGTERM ends the worker at once).",
+    )
     flight_recorder_entries: int = Field(
         2000,
         ge=0,
@@ -437,6 +445,8 @@ class CheckpointConfig(Section):
 
 
 class FaultConfig(Section):
+    """Fault injection for tests and demonstrations: nothing here belongs in a production config."""
+
     kill_rank: int | None = Field(
         None, ge=0, description="Chaos testing: this worker fails once, at fault.at_step (how: fault.kind)."
     )
@@ -461,14 +471,14 @@ class FaultConfig(Section):
         "task, as a crashed evaluation would (one line in the job log, a downstream_eval_failed record; training and "
         "the next evaluations go on)."
     )
-    preemption_save_s: float | None = Field(
-        25.0,
-        gt=0,
-        description="On a preemption notice (SIGTERM, or Ray's drain notice) every worker stops at the next step, "
-        "saves it and exits so Ray restarts the group; this is how long after the notice a worker may take to commit "
-        "that save before it exits anyway. Fit it inside the notice period: GCP spot and Kubernetes' default grace 30 s, "
-        "AWS spot 120 s. null = no handling (SIGTERM ends the worker at once).",
-    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_settings(cls, values: Any) -> Any:
+        if isinstance(values, dict) and "preemption_save_s" in values:
+            raise ValueError("fault.preemption_save_s is now run.preemption_save_s (the fault section is for tests); "
+                             "move the setting")
+        return values
 
 
 class MetricsConfig(Section):
@@ -659,6 +669,20 @@ def _alloc_options(value: str) -> list[str]:
     return [*options, value[start:]]
 
 
+def check_parallel_groups(
+    context: int, tensor: int, workers: int, workers_named: str, per_node: int | None, per_node_named: str
+) -> None:
+    """ConfigError unless whole tensor x context groups fill the workers and lie within nodes (the
+    configured counts before launch, the group Ray started at run time)."""
+    inner = context * tensor
+    degrees = f"parallel.tensor x parallel.context = {tensor} x {context} = {inner}"
+    if workers % inner:
+        raise ConfigError(f"{degrees} does not divide {workers_named}; use a multiple of {inner} workers")
+    if per_node is not None and per_node % inner:
+        raise ConfigError(f"{degrees} does not divide {per_node_named}: tensor- and context-parallel groups must "
+                          "lie within one node; lower the degrees")
+
+
 class MeshtrainConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="Model shape.")
     data: DataConfig = Field(default_factory=DataConfig, description="Corpus, tokenizer and packing.")
@@ -740,14 +764,10 @@ class MeshtrainConfig(Section):
             if parallel.async_tensor:
                 raise ValueError("parallel.async_tensor needs tensor parallelism; set parallel.tensor > 1 or drop it")
             return
-        degrees = f"parallel.tensor x parallel.context = {parallel.tensor} x {parallel.context} = {inner}"
-        if scaling.num_workers % inner:
-            raise ValueError(f"{degrees} does not divide scaling.num_workers={scaling.num_workers}; "
-                             f"use a multiple of {inner} workers")
         per_node = scaling.workers_per_node
-        if per_node is not None and per_node % inner:
-            raise ValueError(f"{degrees} does not divide scaling.workers_per_node={per_node}: tensor- and "
-                             "context-parallel groups must lie within one node; lower the degrees")
+        check_parallel_groups(parallel.context, parallel.tensor, scaling.num_workers,
+                              f"scaling.num_workers={scaling.num_workers}", per_node,
+                              f"scaling.workers_per_node={per_node}")
         if parallel.context > 1 and self.data.seq_len % (2 * parallel.context):
             raise ValueError(f"data.seq_len={self.data.seq_len} is not a multiple of 2 x parallel.context="
                              f"{2 * parallel.context} (each rank holds two balanced chunks of a window); "

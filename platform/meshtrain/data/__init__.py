@@ -19,6 +19,7 @@ from meshtrain.data.sampling import (
     ValidationBatch,
     ValidationSet,
     ValidationWindow,
+    checkpoint_sampling,
 )
 from meshtrain.data.sources import expand_local_source, stdlib_source_files
 from meshtrain.data.store import TokenStore, verify_store
@@ -40,6 +41,7 @@ __all__ = [
     "ValidationBatch",
     "ValidationSet",
     "ValidationWindow",
+    "checkpoint_sampling",
     "eos_token_id",
     "expand_local_source",
     "open_data",

@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from meshtrain.config import ConfigError
 from meshtrain.data.integrity import CorruptTokens, bad_block, first_out_of_range, reprepare_hint
+from meshtrain.data.local_files import write_atomically
 from meshtrain.data.remote import BlockMismatch, RemoteShards, checksum_lists, crc_name, with_retries
 from meshtrain.data.shard_index import INDEX_JSON, INDEX_NPY, ShardIndex, index_arrays, parse_header
 
@@ -135,18 +136,13 @@ class StoreLocation:
         self.write_bytes(name, text.encode())
 
     def write_bytes(self, name: str, data: bytes) -> None:
-        """Whole-file write: a temporary name renamed into place locally; remote object stores
-        publish an object only when its upload completes."""
+        """Whole-file write: locally ``write_atomically``; remote object stores publish an object only
+        when its upload completes."""
         target = self.path(name)
-        parent, base = target.rsplit("/", 1)
+        parent = target.rsplit("/", 1)[0]
         self.fs.makedirs(parent, exist_ok=True)
         if self.is_local:
-            fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=parent)
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, target)
+            write_atomically(target, data)
         else:
             with self.fs.open(target, "wb") as handle:
                 handle.write(data)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from meshtrain.config import ConfigError, StrategyName
+from meshtrain.config import ConfigError, StrategyName, check_parallel_groups
 from meshtrain.distributed.layout import MeshPlan
 
 
@@ -36,13 +36,8 @@ def resolve_mesh_shape(
     """Mesh shape for ``strategy`` on ``world_size`` workers, ``workers_per_node`` to a node, with
     ``tensor`` x ``context`` workers to each data-parallel rank."""
     inner = context * tensor
-    if inner > 1:
-        degrees = f"parallel.tensor x parallel.context = {tensor} x {context} = {inner}"
-        if world_size % inner:
-            raise ConfigError(f"{degrees} does not divide the {world_size} workers; use a multiple of {inner} workers")
-        if workers_per_node % inner:
-            raise ConfigError(f"{degrees} does not divide the {workers_per_node} workers per node: tensor- and "
-                              "context-parallel groups must lie within one node; lower the degrees")
+    check_parallel_groups(context, tensor, world_size, f"the {world_size} workers", workers_per_node,
+                          f"the {workers_per_node} workers per node")
     reshard = strategy not in _KEEPS_PARAMS_AFTER_FORWARD
     ranks, per_node = world_size // inner, max(1, workers_per_node // inner)  # data-parallel ranks
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from meshtrain.data.local_files import write_atomically
+
 
 @dataclass(frozen=True)
 class RunPaths:
@@ -40,9 +42,7 @@ class RunPaths:
 
 
 def write_summary(paths: RunPaths, summary: dict[str, Any]) -> None:
-    tmp = paths.summary.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    tmp.replace(paths.summary)
+    write_atomically(paths.summary, json.dumps(summary, indent=2) + "\n")
 
 
 def read_summary(paths: RunPaths) -> dict[str, Any]:

@@ -14,10 +14,11 @@ import hashlib
 import json
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from meshtrain.config import MeshtrainConfig, one_line
 from meshtrain.observe.outputs import RunPaths
 
 # The numbers of each kind of record, as (record key, tracker name).
@@ -196,7 +197,7 @@ class TrackerSink:
         self.failures += 1
         if self.failures == 1:
             print(
-                f"[meshtrain] {self.backend.name}: logging failed at {where} ({type(exc).__name__}: {exc}); "
+                f"[meshtrain] {self.backend.name}: logging failed at {where} ({one_line(exc)}); "
                 "training goes on, records that fail are dropped",
                 file=sys.stderr, flush=True,
             )
@@ -209,3 +210,28 @@ class TrackerSink:
             self._failed(exc, "close")
         if self.failures:
             print(f"[meshtrain] {self.backend.name}: {self.failures} records not logged", file=sys.stderr, flush=True)
+
+
+def open_trackers(cfg: MeshtrainConfig, paths: RunPaths, restarts: int | None) -> list[TrackerSink]:
+    """Rank 0's W&B and MLflow sinks, as configured. One that cannot open its run is reported in one
+    line and left out: a tracker never stops training (the launch checked them before Ray started)."""
+    makers: list[tuple[str, Callable[[], TrackerBackend]]] = []
+    if cfg.metrics.wandb:
+        from meshtrain.observe.wandb_tracker import WandbTracker
+
+        makers.append(("wandb", lambda: WandbTracker(cfg, paths)))
+    if cfg.metrics.mlflow:
+        from meshtrain.observe.mlflow_tracker import MlflowTracker
+
+        makers.append(("mlflow", lambda: MlflowTracker(cfg, paths)))
+    if not makers:
+        return []
+    already_logged = logged_records(paths.metrics)
+    sinks = []
+    for name, make in makers:
+        try:
+            sinks.append(TrackerSink(make(), already_logged, restarts))
+        except Exception as exc:
+            print(f"[meshtrain] {name}: could not open the run ({one_line(exc)}); training goes on without it",
+                  file=sys.stderr, flush=True)
+    return sinks

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshtrain.config import one_line
+
 FLIGHT_RECORDER_ENVS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # torch reads the first set
 DIAGNOSIS = "diagnosis.txt"
 POLL_S = 0.5
@@ -125,7 +127,7 @@ class RankDump:
             ]
             return cls(int(data["rank"]), str(data["doing"]), groups, collectives)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-            raise ValueError(f"not a hang dump ({type(exc).__name__}: {exc})") from None
+            raise ValueError(f"not a hang dump ({one_line(exc)})") from None
 
     def last_seq(self, group: str, backend: str) -> int:
         """The newest collective of that group this rank entered (0: none recorded)."""

@@ -27,14 +27,13 @@ One rank hearing is enough: :class:`StopVote` all-reduces every rank's flag each
 all-reduce on the loop's own gloo group, posted when the step starts and read when it ends, so it overlaps
 the step), every rank agrees to stop at the same step boundary, saves that step synchronously and
 leaves the training function with :class:`Preempted`; Ray restarts (or, elastic, shrinks) the group,
-which resumes from that checkpoint. If the save has not committed within ``fault.preemption_save_s``
+which resumes from that checkpoint. If the save has not committed within ``run.preemption_save_s``
 of the notice, the worker exits anyway: the notice period is ending.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import threading
@@ -42,12 +41,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from meshtrain.data.local_files import write_atomically
 from meshtrain.train.watchdog import _exit_worker
+
+if TYPE_CHECKING:
+    from meshtrain.train.checkpointing import Checkpointing
+    from meshtrain.train.records import LoopOutputs
 
 
 # What a rank's notice flag says, ordered so the all-reduced maximum is what the group does.
@@ -79,7 +83,7 @@ class PreemptionNotice:
         self._given.set()
         kind = "interrupted" if interrupt else "preemption notice"
         sys.stdout.write(f"[meshtrain] rank {self.rank}: {kind} ({reason}); saving at the next step boundary, "
-                         f"within fault.preemption_save_s={self.budget_s:g}\n")
+                         f"within run.preemption_save_s={self.budget_s:g}\n")
         sys.stdout.flush()
         threading.Thread(target=self._deadline, name="meshtrain-preemption-deadline", daemon=True).start()
 
@@ -87,7 +91,7 @@ class PreemptionNotice:
         if not self._done.wait(self.budget_s):
             self._exit(
                 f"[meshtrain] rank {self.rank}: no committed checkpoint {self.budget_s:g}s after the preemption notice "
-                f"({self.reason}); exiting (fault.preemption_save_s); the run resumes from its last committed checkpoint"
+                f"({self.reason}); exiting (run.preemption_save_s); the run resumes from its last committed checkpoint"
             )
 
     def done(self) -> None:
@@ -128,9 +132,7 @@ class StopRequest:
     launch_id: str
 
     def write(self, reason: str) -> None:
-        tmp = f"{self.path}.tmp"
-        Path(tmp).write_text(json.dumps({"launch": self.launch_id, "reason": reason, "time": time.time()}))
-        os.replace(tmp, self.path)
+        write_atomically(self.path, json.dumps({"launch": self.launch_id, "reason": reason, "time": time.time()}))
 
     def read(self) -> str | None:
         """The reason of a request for this launch, or None."""
@@ -256,3 +258,88 @@ class StopVote:
         if self._work is not None:
             self._work.wait()
             self._work = None
+
+
+class NoticeHandling:
+    """What the loop does after a step once every rank has voted on notices: save and leave on a
+    preemption (Ray restarts the group), save and finish on the driver's interrupt, save and wait on
+    a resize request; and, once measured, whether the save budget can hold a step at all."""
+
+    def __init__(
+        self,
+        notice: PreemptionNotice,
+        vote: StopVote,
+        checkpointing: Checkpointing,
+        outputs: LoopOutputs,
+        rank: int,
+        budget_s: float,
+        resize_check_interval_s: float,
+        beat: Callable[[str], None],
+    ) -> None:
+        self.notice, self.vote, self.checkpointing, self.outputs = notice, vote, checkpointing, outputs
+        self.rank, self.budget_s, self.resize_check_interval_s, self.beat = rank, budget_s, resize_check_interval_s, beat
+        self._budget_checked = False
+
+    def after_step(self, step: int) -> dict[str, Any] | None:
+        """Act on this step's vote; the interrupt record when the driver asked the run to stop (the loop
+        then ends), else None. A preemption raises :class:`Preempted` after its save."""
+        decision = self.vote.result()
+        if decision == INTERRUPT:
+            return self._stop_on_interrupt(step)
+        if decision == PREEMPT:
+            self._stop_on_notice(step)
+        elif decision == RESIZE:
+            self._save_for_resize(step)
+        return None
+
+    def check_budget(self, step: int, records: list[dict[str, Any]]) -> None:
+        """Once, when measured: a preemption budget that cannot hold a step and a save is a setting to fix."""
+        if self._budget_checked or len(records) < 2:
+            return
+        self._budget_checked = True
+        step_s = records[-1]["step_time_s"]
+        if self.budget_s < step_s:
+            warning = (f"run.preemption_save_s={self.budget_s:g} is shorter than one step ({step_s:.1f}s at step "
+                       f"{step}): a preempted run cannot save in time; raise it toward the notice period (AWS spot: 120 s)")
+            self.outputs.emit({"event": "warning", "step": step, "setting": "run.preemption_save_s", "message": warning})
+
+    def _stop_on_notice(self, step: int) -> None:
+        """Every rank agreed that a notice came: save this step, then leave so Ray restarts the group."""
+        notices = self.vote.notices()
+        ages = [age for _, age in notices]
+        started = time.perf_counter()
+        saved = self.checkpointing.save_now(step)
+        save_s = time.perf_counter() - started
+        noticed = [rank for rank, (reason, _) in enumerate(notices) if reason is not None]
+        reason = "; ".join(sorted({notices[rank][0] or "" for rank in noticed})) or "a notice"
+        record = {"event": "preempted", "step": step, "reason": reason, "ranks": noticed, "saved": saved,
+                  "save_s": save_s}
+        known = [age for age in ages if age is not None]
+        if known:  # from the earliest notice to the commit
+            record["notice_to_commit_s"] = max(known) + save_s
+        self.outputs.emit(record)
+        self.notice.done()
+        kept = f"checkpoint of step {step} committed" if saved else "no checkpoint saved (checkpoints off, or a skipped step)"
+        raise Preempted(f"rank {self.rank}: stopped at step {step} on a preemption notice ({reason}); {kept}")
+
+    def _stop_on_interrupt(self, step: int) -> dict[str, Any]:
+        """The driver was interrupted (Ctrl-C, ``ray job stop``): save this step and finish normally,
+        so Ray does not restart the group and the driver can say where to resume from."""
+        saved = self.checkpointing.save_now(step)
+        self.notice.done()
+        interrupted = {"step": step, "saved": saved, "reason": self.notice.reason}
+        self.outputs.emit({"event": "interrupted", **interrupted})
+        return interrupted
+
+    def _save_for_resize(self, step: int) -> None:
+        """The elastic policy will grow the group: save this step, then wait for Ray to restart the group
+        (it resizes once the checkpoint is committed), so the larger group loses no step. Should the
+        restart not come, training goes on."""
+        started = time.perf_counter()
+        saved = self.checkpointing.save_now(step)
+        self.outputs.emit({"event": "resize_save", "step": step, "saved": saved, "save_s": time.perf_counter() - started})
+        self.notice.clear_resize_request()
+        waiting_until = time.monotonic() + self.resize_check_interval_s + 60
+        while time.monotonic() < waiting_until:
+            self.beat(f"waiting for Ray to grow the group after the checkpoint of step {step}")
+            time.sleep(0.5)

@@ -18,7 +18,7 @@ import torch
 from meshtrain.checkpoint.state import Progress, TrainState
 from meshtrain.checkpoint.write_progress import bytes_written
 from meshtrain.config import ConfigError, MeshtrainConfig
-from meshtrain.data import LEGACY_SAMPLING, DataParallelBatches, DataPlan, TrainingData, open_data
+from meshtrain.data import DataParallelBatches, DataPlan, TrainingData, checkpoint_sampling, open_data
 from meshtrain.distributed.layout import RankLayout, WorkerLayout
 from meshtrain.distributed.plan import memory_plan
 from meshtrain.model.args import model_args
@@ -34,10 +34,7 @@ from meshtrain.train.hangs import HangReport
 from meshtrain.train.memory_snapshot import OutOfMemorySnapshots, cuda_allocator
 from meshtrain.train.optim import build_lr_scheduler, build_optimizer
 from meshtrain.train.preemption import (
-    INTERRUPT,
-    PREEMPT,
-    RESIZE,
-    Preempted,
+    NoticeHandling,
     PreemptionNotice,
     StopRequest,
     StopRequestWatch,
@@ -83,9 +80,9 @@ class TrainResult:
 
 
 def check_sampling(manifest: dict[str, Any], reading: str, step: int) -> None:
-    """A checkpoint resumes only under the sampling scheme it was trained with (else the data order
-    would change mid-run); checkpoints without the record were trained with the legacy scheme."""
-    trained_with = manifest.get("sampling", LEGACY_SAMPLING)
+    """A checkpoint resumes only under the sampling scheme it was trained with (the driver passes it on,
+    ``cluster.launcher.data_for_resume``); a worker reading with another one refuses."""
+    trained_with = checkpoint_sampling(manifest, f"the checkpoint of step {step}")
     if trained_with != reading:
         raise ConfigError(
             f"data: the checkpoint of step {step} was trained with sampling scheme {trained_with!r}, this worker "
@@ -196,10 +193,14 @@ class Trainer:
         )
         # The loop's own small collectives (notice votes, straggler times) go on the layout's control
         # group; every rank issues them in the same order.
-        budget = cfg.fault.preemption_save_s
+        budget = cfg.run.preemption_save_s
         self.notice = PreemptionNotice(budget, layout.rank) if budget is not None else None
         self.stop_vote = StopVote(self.notice, layout.control_group) if self.notice is not None else None
-        self._budget_checked = False
+        self.notices = (
+            NoticeHandling(self.notice, self.stop_vote, self.checkpointing, self.outputs, layout.rank, budget,
+                           cfg.scaling.resize_check_interval_s, self._beat)
+            if self.notice is not None and self.stop_vote is not None else None
+        )
         self.stragglers = StragglerWatch(
             ComputeTimer(self.model.layers, device), cfg.metrics.straggler_factor, cfg.metrics.straggler_patience,
             layout.rank, layout.node, self.outputs, layout.control_group,
@@ -259,15 +260,13 @@ class Trainer:
                     break
                 if self.log.logged_at(step, last):
                     self.stragglers.at_logged_step(step)
-                    self._check_preemption_budget(step)
-                notice = self.stop_vote.result() if self.stop_vote is not None else 0
-                if notice == INTERRUPT:
-                    self._stop_on_interrupt(step)
-                    break
-                if notice == PREEMPT:
-                    self._stop_on_notice(step)
-                elif notice == RESIZE:
-                    self._save_for_resize(step)
+                    if self.notices is not None:
+                        self.notices.check_budget(step, self.result.records)
+                if self.notices is not None:
+                    interrupted = self.notices.after_step(step)
+                    if interrupted is not None:
+                        self.result.interrupted = interrupted
+                        break
         finally:
             self.batches.close()
             if self.profiler is not None:
@@ -282,61 +281,6 @@ class Trainer:
         self.result.train_time_s = time.perf_counter() - self.log.started
         self.result.stopped = self.bad_steps.stopped
         return self.result
-
-    def _stop_on_notice(self, step: int) -> None:
-        """Every rank agreed that a notice came: save this step, then leave so Ray restarts the group."""
-        assert self.notice is not None and self.stop_vote is not None
-        notices = self.stop_vote.notices()
-        ages = [age for _, age in notices]
-        started = time.perf_counter()
-        saved = self.checkpointing.save_now(step)
-        save_s = time.perf_counter() - started
-        noticed = [rank for rank, (reason, _) in enumerate(notices) if reason is not None]
-        reason = "; ".join(sorted({notices[rank][0] or "" for rank in noticed})) or "a notice"
-        record = {"event": "preempted", "step": step, "reason": reason, "ranks": noticed, "saved": saved,
-                  "save_s": save_s}
-        known = [age for age in ages if age is not None]
-        if known:  # from the earliest notice to the commit
-            record["notice_to_commit_s"] = max(known) + save_s
-        self.outputs.emit(record)
-        self.notice.done()
-        kept = f"checkpoint of step {step} committed" if saved else "no checkpoint saved (checkpoints off, or a skipped step)"
-        raise Preempted(f"rank {self.layout.rank}: stopped at step {step} on a preemption notice ({reason}); {kept}")
-
-    def _stop_on_interrupt(self, step: int) -> None:
-        """The driver was interrupted (Ctrl-C, ``ray job stop``): save this step and finish normally,
-        so Ray does not restart the group and the driver can say where to resume from."""
-        assert self.notice is not None
-        saved = self.checkpointing.save_now(step)
-        self.notice.done()
-        self.result.interrupted = {"step": step, "saved": saved, "reason": self.notice.reason}
-        self.outputs.emit({"event": "interrupted", **self.result.interrupted})
-
-    def _check_preemption_budget(self, step: int) -> None:
-        """Once, when measured: a preemption budget that cannot hold a step and a save is a setting to fix."""
-        budget = self.cfg.fault.preemption_save_s
-        if budget is None or self._budget_checked or len(self.result.records) < 2:
-            return
-        self._budget_checked = True
-        step_s = self.result.records[-1]["step_time_s"]
-        if budget < step_s:
-            warning = (f"fault.preemption_save_s={budget:g} is shorter than one step ({step_s:.1f}s at step {step}): a "
-                       "preempted run cannot save in time; raise it toward the notice period (AWS spot: 120 s)")
-            self.outputs.emit({"event": "warning", "step": step, "setting": "fault.preemption_save_s", "message": warning})
-
-    def _save_for_resize(self, step: int) -> None:
-        """The elastic policy will grow the group: save this step, then wait for Ray to restart the group
-        (it resizes once the checkpoint is committed), so the larger group loses no step. Should the
-        restart not come, training goes on."""
-        assert self.notice is not None
-        started = time.perf_counter()
-        saved = self.checkpointing.save_now(step)
-        self.outputs.emit({"event": "resize_save", "step": step, "saved": saved, "save_s": time.perf_counter() - started})
-        self.notice.clear_resize_request()
-        waiting_until = time.monotonic() + self.cfg.scaling.resize_check_interval_s + 60
-        while time.monotonic() < waiting_until:
-            self._beat(f"waiting for Ray to grow the group after the checkpoint of step {step}")
-            time.sleep(0.5)
 
     def _beat(self, doing: str, arm: bool = False) -> None:
         if self.watchdog is not None:
