@@ -148,7 +148,7 @@ def test_rules_read_only_exported_metrics() -> None:
             used.add(name)
     assert {"meshtrain_step", "meshtrain_step_duration_seconds", "meshtrain_loss", "meshtrain_straggler"} <= used
     undocumented = sorted(used - documented)
-    assert not undocumented, f"alerts.yml reads metrics that docs/observability.md's table does not list: {undocumented}"
+    assert not undocumented, f"alerts.yml reads metrics docs/observability.md's table does not list: {undocumented}"
     # ... and that the workers export: every name appears in the metrics module (counters without _total).
     source = (REPO / "platform" / "meshtrain" / "observe" / "metrics.py").read_text()
     unexported = sorted(name for name in used if f'"{name.removesuffix("_total")}"' not in source)

@@ -327,6 +327,14 @@ def test_a_torch_outside_the_supported_range_is_one_line_before_ray(
     assert_one_line_config_error(code, out, err, "torch 2.10.0+cu128 is not supported: meshtrain needs torch>=2.11,<2.14")
 
 
+def test_a_metrics_address_this_machine_lacks_is_one_line_before_ray(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code, out, err = run_main([f"run.storage_path={tmp_path}", "metrics.bind_address=192.0.2.77"], capsys, monkeypatch)
+    assert_one_line_config_error(code, out, err, "metrics.bind_address=192.0.2.77 is not an address of this machine")
+
+
 def test_missing_config_message_says_what_to_do(
     bad_files: dict[str, Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

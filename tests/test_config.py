@@ -644,3 +644,70 @@ def test_every_shared_folder_is_a_reserved_run_name(tmp_path: Path) -> None:
     for name in SHARED_FOLDERS:
         with pytest.raises(ConfigError, match=rf"^run.name: '{name}' is a folder every run .* choose another run.name$"):
             load_config(None, [f"run.name={name}"])
+
+
+# --- hostile YAML and names ---------------------------------------------------------------------
+
+
+def _billion_laughs(levels: int) -> str:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, levels)]
+    return "\n".join(lines) + f"\ntrain:\n  steps: *a{levels - 1}\n"
+
+
+@pytest.mark.parametrize("levels", [5, 9])  # 10^5 and 10^9 leaves
+def test_a_yaml_alias_bomb_is_one_short_line_at_once(levels: int, tmp_path: Path) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_billion_laughs(levels))
+    with pytest.raises(ConfigError) as info:  # 10^9 leaves: it returns only because they are counted to the bound
+        load_config(path)
+    assert str(info.value) == (f"--config: {path} expands to more than 100,000 values (YAML aliases repeating one "
+                               "another); write the settings out")
+
+
+def test_an_override_alias_bomb_and_a_long_value_stay_short() -> None:
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 7)]
+    with pytest.raises(ConfigError, match="^override train.steps expands to more than 100,000 values"):
+        load_config(None, ["train.steps={" + ", ".join(levels) + "}"])
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["train.steps=[" + ", ".join(["1"] * 5000) + "]"])
+    assert len(str(info.value)) < 300 and str(info.value).endswith("...)")
+
+
+def test_a_key_set_twice_is_refused_with_both_lines(tmp_path: Path) -> None:
+    path = tmp_path / "twice.yaml"
+    path.write_text("train:\n  steps: 5\n  log_every: 1\n  steps: 6\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"--config: {path} sets 'steps' twice in one mapping (lines 2 and 4); keep one"
+
+
+def test_yaml_merge_keys_may_override_what_they_merge(tmp_path: Path) -> None:
+    path = tmp_path / "merge.yaml"
+    path.write_text("base: &base {steps: 5, log_every: 1}\ntrain:\n  <<: *base\n  steps: 7\n")
+    with pytest.raises(ConfigError, match="^base: unknown setting"):  # merging is fine; the stray section is not
+        load_config(path)
+    path.write_text("train:\n  <<: {steps: 50, log_every: 1}\n  steps: 70\n")
+    assert load_config(path).train.steps == 70
+
+
+@pytest.mark.parametrize("name, message", [
+    ("a" * 129, "run.name: is 129 characters; use at most 128"),
+    ("run\x00one", "run.name: holds a control character"),
+    ("line\nbreak", "run.name: holds a control character"),
+])
+def test_run_names_that_cannot_be_folders_are_refused(name: str, message: str, tmp_path: Path) -> None:
+    path = tmp_path / "name.yaml"
+    path.write_text(yaml.safe_dump({"run": {"name": name}}))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_metrics_ports_past_the_range_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"^metrics.port=65535: the 2 workers of a node serve on ports 65535 to "
+                                          r"65536, beyond 65535; use a port at most 65534$"):
+        load_config(None, ["metrics.port=65535"])
+    assert load_config(None, ["metrics.port=65534"]).metrics.port == 65534
+    assert load_config(None, ["metrics.port=65535", "scaling.num_workers=1"]).metrics.port == 65535

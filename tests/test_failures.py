@@ -11,8 +11,10 @@ import errno
 import pickle
 
 import pytest
+import torch
 from ray.train import FailureConfig, WorkerGroupError
 from ray.train.v2._internal.execution.failure_handling import FailureDecision
+from safetensors import SafetensorError
 
 from meshtrain.checkpoint.errors import CheckpointStorageFull, CheckpointUnreachable, NoLoadableCheckpoint
 from meshtrain.cluster.failures import Failure, is_permanent, root_failure, stamp
@@ -42,6 +44,12 @@ def as_sent_by_ray(error: BaseException, rank: int, node: str, at: float) -> Bas
     (PermissionError(errno.EACCES, "Permission denied", "/ckpt"), True),
     (OSError(errno.EROFS, "Read-only file system", "/ckpt"), True),
     (NotADirectoryError(errno.ENOTDIR, "Not a directory", "/runs/file/run"), True),
+    (OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address"), True),
+    (MemoryError(), True),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: not enough memory: you tried to "
+                  "allocate 70368744177664 bytes."), True),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 GiB"), True),
+    (SafetensorError("Error while deserializing header: incomplete metadata, file not fully covered"), True),
     (PEER_LOST, False),
     (TimeoutError("collective timed out"), False),
     (ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"), False),

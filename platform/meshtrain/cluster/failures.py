@@ -24,7 +24,12 @@ from meshtrain.config import ConfigError, PermanentError, one_line
 # Storage errors a restart cannot fix: the same path fails the same way on the next start.
 PERMANENT_ERRNOS = frozenset({
     errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG,
+    errno.EADDRNOTAVAIL,  # a bind address the node does not have
 })
+# Errors the same start raises again: memory a tensor of this shape cannot get (host or device, outside
+# a step: a step's is DeviceOutOfMemory), and a weights file that is not valid safetensors.
+_PERMANENT_TYPES = frozenset({"MemoryError", "OutOfMemoryError", "SafetensorError"})
+_HOST_ALLOCATION = re.compile(r"DefaultCPUAllocator: (can't allocate memory|not enough memory)")
 # What the ranks that only lost a peer (one that died, ran out of memory or failed first) report.
 _PEER_LOST = re.compile(
     r"gloo|nccl|connection reset|closed by peer|remote worker|ProcessGroup|Connection refused|Broken pipe", re.IGNORECASE
@@ -38,6 +43,8 @@ def is_permanent(exc: BaseException) -> bool:
     if getattr(exc, "restart_may_help", False):
         return False
     if isinstance(exc, (ConfigError, PermanentError)):
+        return True
+    if type(exc).__name__ in _PERMANENT_TYPES or _HOST_ALLOCATION.search(str(exc)):
         return True
     return isinstance(exc, OSError) and exc.errno in PERMANENT_ERRNOS
 

@@ -11,7 +11,9 @@ is connected, the launcher also asks whether the cluster can hold the workers (`
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import os
+import socket
 import tempfile
 import uuid
 from pathlib import Path
@@ -72,6 +74,7 @@ def preflight(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> Meshtrain
         # A broken tokenizer file, or one too large for the model, fails here, before Ray starts.
         cfg.check_model_parallel(model_args(cfg, tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size)))
     _check_preemption_budget(cfg)
+    _check_metrics_address(cfg)
     _check_float8(cfg)
     _check_downstream(cfg)
     worker_env(cfg, os.environ)  # an allocator setting that conflicts with the environment's
@@ -125,6 +128,23 @@ def _check_downstream(cfg: MeshtrainConfig) -> None:
                 f"({weights / 2**30:.1f} GiB in {'bf16' if on_gpu else 'fp32'}) and the harness's batches; raise it "
                 f"above {weights / 2**30:.1f} or leave it unset"
             )
+
+
+def _check_metrics_address(cfg: MeshtrainConfig) -> None:
+    """A local run's workers serve /metrics on this machine: an address it does not have is refused here
+    (on a cluster each worker checks its own node, and a wrong address stops the run at once)."""
+    address = cfg.metrics.bind_address
+    if not cfg.metrics.port or ipaddress.ip_address(address).is_unspecified or os.environ.get("RAY_ADDRESS"):
+        return
+    family = socket.AF_INET6 if ipaddress.ip_address(address).version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError as exc:
+            raise ConfigError(
+                f"metrics.bind_address={address} is not an address of this machine ({exc.strerror}); use 0.0.0.0 "
+                "(every interface), 127.0.0.1, or one of its addresses"
+            ) from None
 
 
 def _check_preemption_budget(cfg: MeshtrainConfig) -> None:

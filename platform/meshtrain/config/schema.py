@@ -358,6 +358,9 @@ class ScalingConfig(Section):
 SHARED_FOLDERS = ("token_stores", "prometheus")
 
 
+MAX_RUN_NAME = 128  # leaves room under a file system's 255-byte names for what meshtrain adds to it
+
+
 class RunConfig(Section):
     name: str | None = Field(
         None, description="Run name (a folder under storage_path); unset = '<preset>-<timestamp>'."
@@ -396,6 +399,11 @@ class RunConfig(Section):
     def _plain_name(cls, value: str | None) -> str | None:
         if value is not None and (not value or "/" in value or value in {".", ".."}):
             raise ValueError(f"must be a plain folder name (no '/', not '.' or '..'), got {value!r}")
+        if value is not None and len(value) > MAX_RUN_NAME:
+            raise ValueError(f"is {len(value)} characters; use at most {MAX_RUN_NAME} (files of the run, its Prometheus "
+                             "targets and Ray's records all carry it in their names)")
+        if value is not None and not value.isprintable():
+            raise ValueError(f"holds a control character ({value[:40]!r}); use letters, digits and punctuation")
         if value in SHARED_FOLDERS:
             raise ValueError(
                 f"{value!r} is a folder every run under run.storage_path shares ({', '.join(SHARED_FOLDERS)}); "
@@ -716,6 +724,7 @@ class MeshtrainConfig(Section):
             self.check_seq_len(model)
             self.check_model_parallel(model)
         self._check_parallel_degrees()
+        self._check_metrics_ports()
         # TP and CP peers read the same samples: the data-parallel ranks are the workers over TP x CP.
         self.batch_layout(self.scaling.num_workers // self.parallel_group_size)
         sizes = self.elastic_sizes()
@@ -756,6 +765,14 @@ class MeshtrainConfig(Section):
     def parallel_group_size(self) -> int:
         """Workers that share one data-parallel rank: a tensor- and context-parallel group."""
         return self.parallel.tensor * self.parallel.context
+
+    def _check_metrics_ports(self) -> None:
+        """Each worker serves /metrics on metrics.port + its local rank: the highest must be a port."""
+        on_a_node = min(self.scaling.num_workers, self.scaling.workers_per_node or self.scaling.num_workers)
+        highest = self.metrics.port + on_a_node - 1
+        if self.metrics.port and highest > 65535:
+            raise ValueError(f"metrics.port={self.metrics.port}: the {on_a_node} workers of a node serve on ports "
+                             f"{self.metrics.port} to {highest}, beyond 65535; use a port at most {65536 - on_a_node}")
 
     def _check_parallel_degrees(self) -> None:
         """parallel.tensor / parallel.context against the workers, the nodes, the window and the paths."""

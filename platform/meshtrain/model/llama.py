@@ -2,9 +2,10 @@
 
 Parameter names follow Meta's Llama layout (``layers.N.attention.wq`` ...). Rotary embeddings use
 the "rotate half" pairing, the same as Hugging Face's Llama, so weights export without permutation.
-Attention is ``scaled_dot_product_attention(is_causal=True)``: no mask is ever materialized. With
+Attention is ``scaled_dot_product_attention(is_causal=True)`` with no mask tensor. With
 ``model.document_mask`` (:mod:`meshtrain.model.documents`) each token attends only within its own
-packed document instead, and RoPE positions restart at each document.
+packed document instead (flex attention's block mask on GPU, a dense mask on CPU), and RoPE positions
+restart at each document.
 
 Construction allocates nothing when done under ``torch.device("meta")``; the weights are filled
 later by :func:`meshtrain.model.init.init_weights`, which reads :meth:`Transformer.init_std_by_param`.

@@ -8,6 +8,7 @@ base units in the name, ``_total`` on counters.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -30,7 +31,7 @@ from prometheus_client import (
     make_wsgi_app,
 )
 
-from meshtrain.config import OVERALL_LABEL
+from meshtrain.config import OVERALL_LABEL, PermanentError
 from meshtrain.observe.trackers import downstream_scores
 
 # Counters and histograms would otherwise add a *_created series each; nothing here reads them.
@@ -85,8 +86,15 @@ class _Exporter:
         """Serve /metrics on ``address:port`` (an ephemeral port if that one is taken); returns the port."""
         app = make_wsgi_app(self.registry)
         try:
+            if port > MAX_PORT:
+                raise OSError(errno.EINVAL, f"port {port} is beyond {MAX_PORT}")
             self._server = _MetricsServer.start(address, port, app, self._scrapes)
         except OSError as exc:
+            if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or isinstance(exc, socket.gaierror):
+                raise PermanentError(
+                    f"metrics.bind_address={address} is not an address of node {socket.gethostname()} ({exc.strerror}); "
+                    "use 0.0.0.0 (every interface) or an address every node has (127.0.0.1)"
+                ) from None
             if port == 0:
                 raise
             print(f"[meshtrain] metrics port {port} on {address} is unavailable ({exc.strerror}); using a free port")
@@ -369,6 +377,9 @@ class _ScrapeCounter:
     def wait_beyond(self, started_before: int, timeout_s: float) -> bool:
         with self._changed:
             return self._changed.wait_for(lambda: self.served > started_before, timeout=timeout_s)
+
+
+MAX_PORT = 65535
 
 
 class _MetricsServer(socketserver.ThreadingMixIn, WSGIServer):

@@ -6,10 +6,10 @@ would stall training. Reports are therefore spaced by time; rank 0's clock decid
 is shared with one scalar all-reduce at logged steps (which synchronize anyway), so every worker
 calls ``report`` at the same steps.
 
-meshtrain's DCP checkpoints are never handed to Ray (see checkpoint.py). Ray 2.60 fills
-``Result.metrics`` and ``Result.checkpoint`` only from a report that carries a checkpoint, so the run
-ends with one such report: its checkpoint is a small folder holding ``meshtrain_result.json``, which
-names the run directory and the newest committed DCP checkpoint.
+meshtrain's DCP checkpoints are never handed to Ray (``meshtrain.checkpoint.storage`` says why).
+Ray 2.60 fills ``Result.metrics`` and ``Result.checkpoint`` only from a report that carries a
+checkpoint, so the run ends with one such report: its checkpoint is a small folder holding
+``meshtrain_result.json``, which names the run directory and the newest committed DCP checkpoint.
 """
 
 from __future__ import annotations
