@@ -237,14 +237,13 @@ def one_step(model: Transformer, seed: int) -> list[torch.Tensor]:
     return grads
 
 
-def recompute_model(recompute: str, seed: int = 0) -> Transformer:
+def recompute_model(recompute: str, seed: int = 0, document_eos: int | None = 0) -> Transformer:
     args = tiny_args()
-    model = build_model(args, "meta")
+    model = build_model(args, "meta", document_eos=document_eos, recompute=recompute)
     parallelize(model, build_mesh(MeshPlan(1, 1, True), "cpu"), MeshPlan(1, 1, True),
                 ParallelConfig(activation_checkpointing=recompute))
     materialize(model, "cpu")
     init_weights(model, seed)
-    model.mask_documents(0)
     return model
 
 
@@ -264,8 +263,7 @@ def flex_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def test_selective_recompute_runs_sdpa_once_per_block_and_micro_batch(single_rank_group: None, documents: bool) -> None:
     runs = {}
     for recompute in ("selective", "full"):
-        model = recompute_model(recompute)
-        model.mask_documents(0 if documents else None)
+        model = recompute_model(recompute, document_eos=0 if documents else None)
         with AttentionKernelRuns() as counter:
             one_step(model, seed=1)
         runs[recompute] = counter.runs
@@ -315,10 +313,9 @@ def test_selective_recompute_keeps_flex_attention_inside_compiled_blocks(monkeyp
         return make_boxed_func(graph)
 
     monkeypatch.setattr(flex_module, "_validate_device", lambda *_: None)
-    model = initialized_model(tiny_args())
+    model = initialized_model(tiny_args(), recompute="selective")
     backend = aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=partition)
     for block in model.layers:
-        block.recompute = "selective"
         block.compile(fullgraph=True, backend=backend)
     tokens = torch.randint(1, 97, (2, 32), generator=torch.Generator().manual_seed(0))
     tokens[:, 5::11] = 0

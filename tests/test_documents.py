@@ -41,13 +41,11 @@ def packed_and_alone(model: torch.nn.Module, seq: int, seed: int = 0) -> tuple[t
 
 
 def test_a_packed_document_has_the_logits_it_has_alone() -> None:
-    model = initialized_model(tiny_args())
-    model.mask_documents(EOS)
+    model = initialized_model(tiny_args(), document_eos=EOS)
     inside, alone = packed_and_alone(model, seq=48)
     torch.testing.assert_close(inside, alone, rtol=0, atol=1e-5)
     # Without the mask the same document reads its predecessor: the property is the mask's doing.
-    model.mask_documents(None)
-    inside, alone = packed_and_alone(model, seq=48)
+    inside, alone = packed_and_alone(initialized_model(tiny_args()), seq=48)
     assert (inside - alone).abs().max() > 1e-3
 
 
@@ -58,8 +56,7 @@ def test_the_mask_changes_nothing_in_a_window_of_one_document() -> None:
     with torch.no_grad():
         plain = model(tokens)
         explicit = model(tokens, find_documents(tokens, EOS, "sdpa"))  # the mask itself, not the causal shortcut
-        model.mask_documents(EOS)
-        masked = model(tokens)
+        masked = initialized_model(tiny_args(), document_eos=EOS)(tokens)
     torch.testing.assert_close(explicit, plain, rtol=0, atol=1e-5)
     torch.testing.assert_close(masked, plain, rtol=0, atol=1e-5)
 
@@ -70,10 +67,7 @@ def test_masked_gradients_are_those_of_each_document_trained_alone(recompute: st
     generator = torch.Generator().manual_seed(1)
     docs = documents(generator, [9, 15, 8], 97)
     packed = torch.cat(docs)
-    model = initialized_model(tiny_args())
-    model.mask_documents(EOS)
-    for block in model.layers:
-        block.recompute = recompute
+    model = initialized_model(tiny_args(), document_eos=EOS, recompute=recompute)
     logits = model(packed[None, :-1])[0]
     F.cross_entropy(logits, packed[1:], reduction="sum").backward()
     packed_grads = [p.grad.clone() for p in model.parameters()]
@@ -98,9 +92,8 @@ def _packed_and_alone_on_a_mesh(rank: int, world: int, shard: int) -> tuple[torc
                              "model.ffn_dim=160", "model.max_seq_len=64", "data.seq_len=48", f"scaling.num_workers={world}",
                              f"parallel.shard={shard}", "train.global_batch_size=8", "train.micro_batch_size=2"])
     model, layout = build_sharded_model(cfg, 97, WorkerLayout(rank, world, rank % shard, shard, rank // shard),
-                                      torch.device("cpu"))
+                                        torch.device("cpu"), document_eos=EOS)
     assert layout.plan.shape == (world // shard, shard)
-    model.mask_documents(EOS)
     return packed_and_alone(model, seq=48)
 
 
@@ -139,25 +132,23 @@ def test_flex_attention_inside_compiled_blocks_gives_the_same_logits() -> None:
     torch.testing.assert_close(flex, sdpa, rtol=0, atol=1e-5)
 
 
-def test_training_forwards_count_the_query_key_pairs_their_mask_allows() -> None:
-    """MFU's attention FLOPs: each query attends its position within its document + 1 keys, exactly the
-    pairs the document mask allows; without the mask, the causal triangle; evaluation forwards are not
-    training work."""
-    model = initialized_model(tiny_args())
+def test_training_steps_count_the_query_key_pairs_their_mask_allows() -> None:
+    """MFU's attention FLOPs, counted from the tokens outside the model: each query attends its position
+    within its document + 1 keys, exactly the pairs the document mask allows; without the mask, the
+    causal triangle."""
+    from meshtrain.model.flops import AttentionWork
+
+    work = AttentionWork()
     generator = torch.Generator().manual_seed(4)
     tokens = torch.stack([torch.cat(documents(generator, lengths, 97))[:40] for lengths in ([7, 20, 13], [25, 15])])
-    layout = find_documents(tokens, EOS, "sdpa")
-    model(tokens, layout)
-    keys_per_query, window = model.attention_work.take()
-    allowed = int((layout.mask == 0).sum())
+    allowed = int((find_documents(tokens, EOS, "sdpa").mask == 0).sum())
+    work.count_tokens(tokens, EOS, None)
+    keys_per_query, window = work.take()
     assert (keys_per_query, window) == (allowed / tokens.numel(), 40)
     assert allowed == sum(n * (n + 1) // 2 for n in (7, 20, 13, 25, 15))
-    assert model.attention_work.take() is None  # taking starts afresh
-    model(tokens)  # no document mask: causal over the window
-    assert model.attention_work.take() == (41 / 2, 40)
-    with torch.no_grad():
-        model(tokens, layout)
-    assert model.attention_work.take() is None
+    assert work.take() is None  # taking starts afresh
+    work.count_tokens(tokens, None, None)  # no document mask: causal over the window
+    assert work.take() == (41 / 2, 40)
 
 
 @pytest.mark.processes
@@ -170,9 +161,11 @@ def test_logged_steps_report_mfu_from_the_flops_computed_and_over_the_whole_wind
     from meshtrain.train.step import StepOutput
     from meshtrain.train.step_log import StepLog
 
+    from meshtrain.model.flops import AttentionWork
+
     args = tiny_args()
-    model = initialized_model(args)
-    model.mask_documents(EOS)
+    model = initialized_model(args, document_eos=EOS)
+    work = AttentionWork()
     generator = torch.Generator().manual_seed(5)
     tokens = torch.stack([torch.cat(documents(generator, [10, 22, 16], 97))[:48] for _ in range(2)])
     peak = 1e9
@@ -181,9 +174,10 @@ def test_logged_steps_report_mfu_from_the_flops_computed_and_over_the_whole_wind
     outputs = LoopOutputs(None, metrics, None)
     progress, records = Progress(), []
     guard = StepGuard(torch.optim.SGD(model.parameters(), lr=0.0), torch.device("cpu"), None, 4)
-    log = StepLog(1, 2, 1, progress, BadStepLimit(guard, 3, progress, outputs), outputs, records, model)
+    log = StepLog(1, 2, 1, progress, BadStepLimit(guard, 3, progress, outputs), outputs, records, (work, args))
     log.start(0.0)
     model(tokens).sum().backward()
+    work.count_tokens(tokens, model.document_eos, model.context_parallel)  # as train_step does
     log.after_step(1, 0.1, StepOutput(torch.tensor(1.0), torch.tensor(1.0), tokens.numel()), 0.0, last=True)
 
     record = records[-1]

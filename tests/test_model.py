@@ -30,8 +30,10 @@ def tiny_args(**overrides: object) -> ModelArgs:
     return ModelArgs(**values)
 
 
-def initialized_model(args: ModelArgs, seed: int = 0) -> torch.nn.Module:
-    model = materialize(build_model(args, "meta"), "cpu")
+def initialized_model(args: ModelArgs, seed: int = 0, **built_with: object) -> torch.nn.Module:
+    """The model of ``args`` initialized from ``seed`` on the CPU; ``built_with``: :class:`Transformer`'s
+    keywords (document_eos, recompute): models of one seed hold the same weights whatever they are."""
+    model = materialize(build_model(args, "meta", **built_with), "cpu")
     init_weights(model, seed)
     return model
 
@@ -191,9 +193,7 @@ def test_selective_and_full_recompute_match_plain_gradients() -> None:
     tokens = torch.randint(0, 97, (2, 16))
     grads = {}
     for mode in ("none", "full", "selective"):
-        model = initialized_model(args)
-        for block in model.layers:
-            block.recompute = mode
+        model = initialized_model(args, recompute=mode)
         F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
         grads[mode] = [p.grad.clone() for p in model.parameters()]
     for mode in ("full", "selective"):
@@ -219,9 +219,7 @@ def test_recompute_modes_keep_the_activations_the_plan_expects() -> None:
     logits = tokens.numel() * args.vocab_size * 4
     kept: dict[str, int] = {}
     for mode in ("none", "selective", "full"):
-        model = initialized_model(args)
-        for block in model.layers:
-            block.recompute = mode
+        model = initialized_model(args, recompute=mode)
         tracker = MemTracker()
         tracker.track_external(model, tokens)
         with tracker:

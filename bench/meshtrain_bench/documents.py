@@ -25,7 +25,9 @@ from meshtrain.train.step import train_step
 
 def measure(overrides: list[str], steps: int, workdir: str, device: torch.device) -> tuple[float, float, float]:
     """(masked tokens/s, unmasked tokens/s, documents per window) for the config ``overrides``."""
-    run = single_process_run(load_config(None, [*overrides, "scaling.num_workers=1"]), workdir, device, 4)
+    cfg = load_config(None, [*overrides, "scaling.num_workers=1"])
+    runs = {masked: single_process_run(cfg, workdir, device, 4, document_mask=masked) for masked in (True, False)}
+    run = runs[True]
     eos = run.data.eos_id
     tokens = sum(t.numel() for _, t in run.steps[0])
     inputs = torch.cat([i for step in run.steps for i, _ in step])
@@ -33,16 +35,17 @@ def measure(overrides: list[str], steps: int, workdir: str, device: torch.device
     starts = (inputs == eos).sum(dim=1) + (inputs[:, 0] != eos)
     per_window = float(starts.float().mean())
 
-    def steps_with(mask: int | None) -> Callable[[int], None]:
+    def steps_with(masked: bool) -> Callable[[int], None]:
+        chosen = runs[masked]  # the same weights and batches; only the model's document mask differs
+
         def run_steps(count: int) -> None:
-            run.model.mask_documents(mask)
             for index in range(count):
-                train_step(run.model, run.guard, run.steps[index % len(run.steps)], RankLayout.single_process(),
-                           run.cfg.optim.grad_clip)
+                train_step(chosen.model, chosen.guard, chosen.steps[index % len(chosen.steps)],
+                           RankLayout.single_process(), chosen.cfg.optim.grad_clip)
         return run_steps
 
     # Warm-up 3 (on GPU, compiling the block mask and flex attention), blocks of 5.
-    masked, plain, _ = alternating_medians(steps_with(eos), steps_with(None), steps, 5, 3, device)
+    masked, plain, _ = alternating_medians(steps_with(True), steps_with(False), steps, 5, 3, device)
     return tokens / masked, tokens / plain, per_window
 
 

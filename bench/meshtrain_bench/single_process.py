@@ -32,11 +32,16 @@ class SingleProcessRun:
     steps: list[MicroBatches]  # the first global batches, reused in turn
 
 
-def single_process_run(cfg: MeshtrainConfig, workdir: str, device: torch.device, steps: int) -> SingleProcessRun:
-    """``cfg`` (one worker) set up in this process, with its first ``steps`` global batches."""
+def single_process_run(
+    cfg: MeshtrainConfig, workdir: str, device: torch.device, steps: int, document_mask: bool | None = None
+) -> SingleProcessRun:
+    """``cfg`` (one worker) set up in this process, with its first ``steps`` global batches; the model
+    masks attention per document as ``cfg.model.document_mask`` says unless ``document_mask`` is given."""
     plan = prepare_data(cfg.data, workdir, cfg.data.seq_len, use_ray=False, log=lambda _: None)
     data = open_data(plan, cfg.data.seq_len, cfg.train.seed)
-    model, _ = build_sharded_model(cfg, data.vocab_size, WorkerLayout(), device)
+    masked = cfg.model.document_mask if document_mask is None else document_mask
+    model, _ = build_sharded_model(cfg, data.vocab_size, WorkerLayout(), device,
+                                   document_eos=data.eos_id if masked else None)
     optimizer = build_optimizer(model, cfg.optim)
     guard = StepGuard(optimizer, device, cfg.train.loss_spike_factor, cfg.train.loss_spike_window)
     micro, _ = cfg.batch_layout(1)

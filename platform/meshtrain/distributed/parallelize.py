@@ -24,7 +24,6 @@ from torch.distributed.tensor.parallel import (
 from meshtrain.config import ParallelConfig
 from meshtrain.distributed.float8 import gather_float8_as_bytes
 from meshtrain.distributed.layout import MeshPlan
-from meshtrain.model.context_parallel import ContextParallel
 from meshtrain.model.llama import Transformer
 
 
@@ -121,22 +120,19 @@ def enable_async_tensor_parallel(mesh: DeviceMesh) -> None:
 
 
 def parallelize(model: Transformer, mesh: DeviceMesh, plan: MeshPlan, cfg: ParallelConfig) -> Transformer:
-    """Apply, in this order: tensor parallel, activation checkpointing, per-block compile, FSDP2, prefetch.
+    """Apply, in this order: tensor parallel, per-block compile, FSDP2, prefetch (each block recomputes
+    in backward as it was built to, ``parallel.activation_checkpointing``).
 
-    Recomputation and compile go first so FSDP's all-gather/reduce-scatter hooks wrap the
-    compiled, checkpointed block from the outside (the order torch.compile and FSDP2 expect).
+    Compile goes first so FSDP's all-gather/reduce-scatter hooks wrap the compiled, checkpointed block
+    from the outside (the order torch.compile and FSDP2 expect).
     TP goes before all of them: FSDP then shards the TP-sharded weights further along dim 0.
     """
     if plan.tensor > 1:
         apply_tensor_parallel(model, mesh["tensor"])
         if cfg.async_tensor:
             enable_async_tensor_parallel(mesh["tensor"])
-    if plan.context > 1:
-        model.context_parallel = ContextParallel.of(mesh["context"].get_group())
     data_mesh = fsdp_mesh(mesh, plan)
-    # 1. Activation checkpointing: each block recomputes its activations in backward.
-    for block in model.layers:
-        block.recompute = cfg.activation_checkpointing
+    # 1. Activation checkpointing: each block was built with its recompute mode (parallel.activation_checkpointing).
 
     # 2. torch.compile per block: repeated identical blocks reuse one compiled graph.
     if cfg.compile:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from meshtrain.config import ModelArgs
+
+if TYPE_CHECKING:
+    from meshtrain.model.context_parallel import ContextParallel
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,8 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
 
 
 class AttentionWork:
-    """The (query, key) pairs that training forwards attended, summed until read: the attention FLOPs
+    """The (query, key) pairs that training forwards attended (counted by the training step, from the
+    tokens, outside the model), summed until read: the attention FLOPs
     a step actually needs under its mask. Pairs are counted exactly (each query attends its position
     within its document + 1 keys), not by the kernel's blocks: flex attention on a GPU also computes
     the masked-out parts of the 128 x 128 blocks a document boundary crosses, which are not model FLOPs.
@@ -70,6 +75,20 @@ class AttentionWork:
         self._pairs = pairs if self._pairs is None else self._pairs + pairs
         self._queries += positions.numel()
         self._window = window
+
+    def count_tokens(self, tokens: torch.Tensor, document_eos: int | None, context: ContextParallel | None) -> None:
+        """The queries a training forward over ``tokens`` (batch, window) computes: every position under the
+        causal mask alone, or its position within its document under ``document_eos``; under ``context``
+        parallel only this rank's share of each window."""
+        from meshtrain.model.documents import document_positions
+
+        batch, window = tokens.shape
+        if context is None and document_eos is None:
+            self.count_causal(batch, window)
+            return
+        positions = (document_positions(tokens, document_eos) if document_eos is not None
+                     else torch.arange(window, device=tokens.device).expand(batch, -1))
+        self.count(positions if context is None else context.shard(positions), window)
 
     def count_causal(self, batch: int, window: int) -> None:
         """``batch`` whole windows of ``window`` tokens under the causal mask alone."""

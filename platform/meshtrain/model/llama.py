@@ -31,7 +31,6 @@ from meshtrain.model.documents import (
     find_documents,
     masked_attention,
 )
-from meshtrain.model.flops import AttentionWork
 
 Recompute = Literal["none", "full", "selective"]
 
@@ -175,13 +174,14 @@ def _selective_context() -> object:
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, recompute: Recompute = "none") -> None:
+        """``recompute``: what backward recomputes of this block (parallel.activation_checkpointing)."""
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
-        self.recompute: Recompute = "none"
+        self.recompute = recompute
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | WindowShare) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, mask)
@@ -196,11 +196,21 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        *,
+        document_eos: int | None = None,
+        context_parallel: ContextParallel | None = None,
+        recompute: Recompute = "none",
+    ) -> None:
+        """``document_eos``: attend within packed documents split at this token (model.document_mask),
+        None = across the whole window; ``context_parallel``: this rank computes its load-balanced share
+        of every window (parallel.context); ``recompute``: what each block recomputes in backward."""
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args, recompute) for _ in range(args.n_layers))
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -210,17 +220,8 @@ class Transformer(nn.Module):
         )
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # The end-of-document token id when attention is masked per document (model.document_mask);
-        # set by whoever knows the tokenizer, with :meth:`mask_documents`.
-        self.document_eos: int | None = None
-        # Set by meshtrain.distributed.parallelize under context parallel: this rank computes its load-balanced share of every window.
-        self.context_parallel: ContextParallel | None = None
-        # The (query, key) pairs training forwards attend, for MFU from the FLOPs actually computed.
-        self.attention_work = AttentionWork()
-
-    def mask_documents(self, eos_id: int | None) -> None:
-        """Attend within packed documents split at ``eos_id`` from now on (None: across the window)."""
-        self.document_eos = eos_id
+        self.document_eos = document_eos
+        self.context_parallel = context_parallel
 
     def _may_span_documents(self, tokens: torch.Tensor) -> bool:
         """Whether a window holds a document boundary. On CPU, a batch without one (an end-of-document
@@ -236,16 +237,11 @@ class Transformer(nn.Module):
         h = self._embed(tokens)
         if documents is None and self.document_eos is not None and self._may_span_documents(tokens):
             documents = find_documents(tokens, self.document_eos, dtype=h.dtype)
-        batch, seq = tokens.shape
+        seq = tokens.shape[1]
         if documents is None:
             cos, sin, mask = self.rope_cos[:seq], self.rope_sin[:seq], None
         else:
             cos, sin, mask = self.rope_cos[documents.positions], self.rope_sin[documents.positions], documents.mask
-        if torch.is_grad_enabled():
-            if documents is None:
-                self.attention_work.count_causal(batch, seq)
-            else:
-                self.attention_work.count(documents.positions, seq)
         for layer in self.layers:
             h = layer(h, cos, sin, mask)
         return self.output(self.norm(h))
@@ -268,10 +264,6 @@ class Transformer(nn.Module):
             ids = document_ids(tokens, self.document_eos)
             positions = context.shard(document_positions(tokens, self.document_eos))
         share = WindowShare(context, context.mask(ids, seq, h.dtype, tokens.device))
-        if torch.is_grad_enabled():
-            # Keys this rank's queries attend: their positions within their documents (the whole window's
-            # positions when documents are not masked), + 1.
-            self.attention_work.count(positions.expand(tokens.shape[0], -1), seq)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for layer in self.layers:
             h = layer(h, cos, sin, share)
@@ -336,10 +328,18 @@ def _move_buffers_empty(model: nn.Module, device: torch.device) -> None:
             setattr(module, name, torch.empty_like(buffer, device=device))
 
 
-def build_model(args: ModelArgs, device: torch.device | str = "meta") -> Transformer:
-    """The model with storage on ``device`` (meta by default: shapes only, no memory)."""
+def build_model(
+    args: ModelArgs,
+    device: torch.device | str = "meta",
+    *,
+    document_eos: int | None = None,
+    context_parallel: ContextParallel | None = None,
+    recompute: Recompute = "none",
+) -> Transformer:
+    """The model with storage on ``device`` (meta by default: shapes only, no memory); the keywords as
+    :class:`Transformer` takes them."""
     with torch.device(device):
-        return Transformer(args)
+        return Transformer(args, document_eos=document_eos, context_parallel=context_parallel, recompute=recompute)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -12,6 +12,7 @@ from meshtrain.distributed.layout import MeshPlan, RankLayout, WorkerLayout, wor
 from meshtrain.distributed.mesh import check_shard_placement, resolve_mesh_shape
 from meshtrain.distributed.parallelize import build_mesh, loss_group, parallelize
 from meshtrain.model.args import model_args
+from meshtrain.model.context_parallel import ContextParallel
 from meshtrain.model.init import init_weights
 from meshtrain.model.llama import Transformer, build_model, materialize
 
@@ -22,11 +23,13 @@ def build_sharded_model(
     worker: WorkerLayout,
     device: torch.device,
     read_init_from: bool = True,
+    document_eos: int | None = None,
 ) -> tuple[Transformer, RankLayout]:
     """Model built on meta, sharded (when distributed), materialized on ``device`` and initialized,
     or filled from ``model.init_from`` (each rank reading only its own shards), with this rank's
     layout on the mesh. A run that resumes passes ``read_init_from=False``: its checkpoint replaces
-    every weight, so reading them is waste."""
+    every weight, so reading them is waste. ``document_eos``: the end-of-document token the model masks
+    attention at (model.document_mask), None = attention across the window."""
     plan = MeshPlan(1, 1, True)
     if dist.is_initialized():
         per_node, node_of_rank = workers_per_node(worker, cfg.scaling.workers_per_node)
@@ -35,19 +38,30 @@ def build_sharded_model(
         placement = check_shard_placement(plan, node_of_rank, cfg.parallel.shard)
         if placement is not None and worker.world_rank == 0:
             print(placement, flush=True)
-    model, layout = sharded_meta_model(cfg, vocab_size, plan, device, worker)
+    model, layout = sharded_meta_model(cfg, vocab_size, plan, device, worker, document_eos)
     fill_model(model, cfg, device, read_init_from)
     return model, layout
 
 
 def sharded_meta_model(
-    cfg: MeshtrainConfig, vocab_size: int, plan: MeshPlan, device: torch.device, worker: WorkerLayout | None = None
+    cfg: MeshtrainConfig,
+    vocab_size: int,
+    plan: MeshPlan,
+    device: torch.device,
+    worker: WorkerLayout | None = None,
+    document_eos: int | None = None,
 ) -> tuple[Transformer, RankLayout]:
     """The model on meta, sharded on ``plan``'s mesh of ``device`` when distributed (no storage yet),
-    and the layout of ``worker`` (rank 0 when not given) on that mesh."""
+    and the layout of ``worker`` (rank 0 when not given) on that mesh. The mesh comes first: the model
+    is built knowing its context-parallel group, its recompute mode and its document mask."""
     args = model_args(cfg, vocab_size)
     cfg.check_model_parallel(args)
-    model = build_model(args, "meta")
+    mesh = build_mesh(plan, device.type) if dist.is_initialized() else None
+    model = build_model(
+        args, "meta", document_eos=document_eos,
+        context_parallel=ContextParallel.of(mesh["context"].get_group()) if mesh is not None and plan.context > 1 else None,
+        recompute=cfg.parallel.activation_checkpointing if mesh is not None else "none",
+    )
     if cfg.parallel.float8:
         check_float8_device(device, recipe=cfg.parallel.float8_recipe)
         emulate = device.type != "cuda"
@@ -57,8 +71,7 @@ def sharded_meta_model(
             print(f"[meshtrain] float8: {converted} linears, {cfg.parallel.float8_recipe} scales"
                   f"{' (emulated)' if emulate else ''}", flush=True)
     layout = RankLayout(worker or WorkerLayout(0, plan.world_size), plan)
-    if dist.is_initialized():
-        mesh = build_mesh(plan, device.type)
+    if mesh is not None:
         parallelize(model, mesh, plan, cfg.parallel)
         layout = RankLayout(layout.worker, plan, loss_group=loss_group(mesh, plan))
     return model, layout

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from meshtrain.distributed.layout import RankLayout
 from meshtrain.distributed.parallelize import clip_grad_norm_
 from meshtrain.distributed.torch_support import reset_iteration
+from meshtrain.model.flops import AttentionWork
 from meshtrain.model.llama import Transformer
 from meshtrain.model.loss import token_cross_entropy_sum, vocab_parallel_cross_entropy_sum
 from meshtrain.train.guard import StepGuard
@@ -83,6 +84,7 @@ def train_step(
     layout: RankLayout,
     grad_clip: float,
     defer_all_reduce: bool = True,
+    attention_work: AttentionWork | None = None,
 ) -> StepOutput:
     """One optimizer step over this rank's micro-batches, skipped by ``guard`` when it goes bad.
 
@@ -95,6 +97,8 @@ def train_step(
 
     With HSDP and ``defer_all_reduce``, gradients are all-reduced over the replicate dim once, in the
     last micro-batch's backward, instead of after every micro-batch (see ``_deferrable_hsdp``).
+
+    ``attention_work`` (when given) counts the (query, key) pairs each micro-batch's forward attends.
 
     With tensor or context parallel, the gradient ranks are replicate x shard x context (context peers
     hold different tokens of the same samples); the loss sums are added over ``layout.loss_group``
@@ -113,6 +117,8 @@ def train_step(
                 hsdp.set_requires_all_reduce(index == last)
             with region("forward"):
                 logits = model(inputs)
+            if attention_work is not None:
+                attention_work.count_tokens(inputs, model.document_eos, model.context_parallel)
             with region("loss"):
                 summed = loss_sum(logits, model.local_targets(targets))
             del logits  # the loss keeps what its backward needs

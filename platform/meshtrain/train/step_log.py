@@ -7,8 +7,8 @@ import time
 from typing import Any
 
 from meshtrain.checkpoint.state import Progress
-from meshtrain.model.flops import ModelFlops
-from meshtrain.model.llama import Transformer
+from meshtrain.config import ModelArgs
+from meshtrain.model.flops import AttentionWork, ModelFlops
 from meshtrain.train.guard import BadStepLimit
 from meshtrain.train.records import LoopOutputs
 from meshtrain.train.step import StepOutput
@@ -24,30 +24,30 @@ class StepLog:
         bad_steps: BadStepLimit,
         outputs: LoopOutputs,
         records: list[dict[str, Any]],
-        model: Transformer | None = None,
+        attention: tuple[AttentionWork, ModelArgs] | None = None,
     ) -> None:
-        """``model``: the model whose training forwards count the attention they compute (its
-        ``attention_work``), for the record's FLOPs per token; None leaves them out."""
+        """``attention``: what the training steps count of the attention they compute, and the model's
+        shape, for the record's FLOPs per token; None leaves them out."""
         self.log_every, self.global_batch_size, self.world_size = log_every, global_batch_size, world_size
         self.progress, self.bad_steps, self.outputs, self.records = progress, bad_steps, outputs, records
-        self.model = model
+        self.attention = attention
 
     def start(self, now: float) -> None:
         self.started = self.interval_start = now
         self.interval_steps, self.interval_wait = 0, 0.0
-        if self.model is not None:
-            self.model.attention_work.take()  # what forwards before the loop counted is not the first interval's
+        if self.attention is not None:
+            self.attention[0].take()  # what forwards before the loop counted is not the first interval's
 
     def _flops(self) -> dict[str, float]:
         """The interval's training FLOPs per token (MFU's numerator per token): ``flops_per_token`` with
         attention over the (query, key) pairs its masks allowed, counted exactly (causal, and within each
         document under model.document_mask); ``flops_per_token_full_attention`` with every query against
         the whole window, the PaLM / torchtitan convention that other frameworks' MFU uses."""
-        attended = self.model.attention_work.take() if self.model is not None else None
+        attended = self.attention[0].take() if self.attention is not None else None
         if attended is None:
             return {}
         keys_per_query, window = attended
-        flops = ModelFlops.of(self.model.args)
+        flops = ModelFlops.of(self.attention[1])
         return {"flops_per_token": flops.per_token(keys_per_query), "flops_per_token_full_attention": flops.per_token(window)}
 
     def logged_at(self, step: int, last: bool) -> bool:

@@ -22,6 +22,7 @@ from meshtrain.data import DataParallelBatches, DataPlan, TrainingData, checkpoi
 from meshtrain.distributed.layout import RankLayout, WorkerLayout
 from meshtrain.distributed.plan import memory_plan
 from meshtrain.model.args import model_args
+from meshtrain.model.flops import AttentionWork
 from meshtrain.model.llama import count_parameters
 from meshtrain.observe.metrics import TrainingMetrics
 from meshtrain.observe.reporting import RayTrainReporter
@@ -143,12 +144,12 @@ class Trainer:
         )
         checkpoints = checkpoint_manager(cfg, worker, self.outputs.checkpoint_event)
         resuming = checkpoints is not None and cfg.checkpoint.resume and checkpoints.any_committed()
-        self.model, layout = build_sharded_model(cfg, data.vocab_size, worker, device, read_init_from=not resuming)
+        self.model, layout = build_sharded_model(cfg, data.vocab_size, worker, device, read_init_from=not resuming,
+                                                 document_eos=data.eos_id if cfg.model.document_mask else None)
         # Every part of the loop asks this one layout which ranks it works with.
         self.layout: RankLayout = layout.with_control_group()
         layout, plan = self.layout, self.layout.plan
-        if cfg.model.document_mask:
-            self.model.mask_documents(data.eos_id)
+        self.attention_work = AttentionWork()  # the (query, key) pairs the steps attend, for MFU
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, cfg.optim.schedule_steps or cfg.train.steps)
         self.guard = StepGuard(self.optimizer, device, cfg.train.loss_spike_factor, cfg.train.loss_spike_window)
@@ -189,7 +190,7 @@ class Trainer:
         )
         self.log = StepLog(
             cfg.train.log_every, cfg.train.global_batch_size, layout.world_size, self.progress, self.bad_steps,
-            self.outputs, self.result.records, self.model,
+            self.outputs, self.result.records, (self.attention_work, self.model.args),
         )
         # The loop's own small collectives (notice votes, straggler times) go on the layout's control
         # group; every rank issues them in the same order.
@@ -244,7 +245,8 @@ class Trainer:
                     micro_batches = list(self.batches.next_step())
                 data_wait = time.perf_counter() - waiting_since
                 with self.memory.step(step):
-                    output = train_step(self.model, self.guard, micro_batches, self.layout, cfg.optim.grad_clip)
+                    output = train_step(self.model, self.guard, micro_batches, self.layout, cfg.optim.grad_clip,
+                                        attention_work=self.attention_work)
                 self.scheduler.step()
                 progress.step, progress.tokens = step, progress.tokens + output.tokens
                 progress.data_position = self.batches.position
