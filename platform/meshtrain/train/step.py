@@ -48,26 +48,21 @@ class StepOutput:
     tokens: int  # target tokens of the global batch
 
 
-def _deferrable_hsdp(model: Transformer, micro_batches: int, device: torch.device) -> FSDPModule | None:
+def _deferrable_hsdp(model: Transformer, micro_batches: int, layout: RankLayout, device: torch.device) -> FSDPModule | None:
     """The model when its replicate-dim gradient all-reduce can wait for the last micro-batch: an
-    FSDP2 root on a 2D mesh (FSDP2 takes dim 0 as the replicate dim) with more than one replica.
+    FSDP2 root whose mesh (``layout.plan``) has more than one replica.
 
     ``set_requires_all_reduce(False)`` keeps each micro-batch's reduce-scatter and sums its fp32
     output in one buffer per FSDP unit, the size of the sharded gradient that exists anyway, so
     memory stays as it was. (``set_requires_gradient_sync(False)`` would skip the reduce-scatter too,
     but keep every unit's unsharded gradient, shard-size times larger, for the whole step.)
-    Not under CPU offload: the buffer stays on ``device``, where offload keeps no gradients.
+    Not under CPU offload (parameters on the host): the buffer stays on ``device``, where offload keeps
+    no gradients.
     """
-    if micro_batches < 2 or not isinstance(model, FSDPModule):
+    if micro_batches < 2 or not isinstance(model, FSDPModule) or layout.plan.replicate < 2:
         return None
     param = next(model.parameters(), None)
-    if not isinstance(param, DTensor) or param.device != device:
-        return None
-    mesh = param.device_mesh
-    names = mesh.mesh_dim_names or ()
-    if "replicate" in names:  # meshtrain's meshes: with TP the parameters' mesh has a tensor dim too
-        return model if mesh.size(names.index("replicate")) > 1 else None
-    return model if mesh.ndim == 2 and mesh.size(0) > 1 else None
+    return model if param is not None and param.device == device else None
 
 
 def _abandon_deferred_reduction(model: FSDPModule) -> None:
@@ -109,7 +104,7 @@ def train_step(
     global_tokens = sum(model.local_targets(targets).numel() for _, targets in micro_batches) * gradient_ranks
     scale = gradient_ranks / global_tokens
     total = torch.zeros((), dtype=torch.float32, device=device)
-    hsdp = _deferrable_hsdp(model, len(micro_batches), device) if defer_all_reduce else None
+    hsdp = _deferrable_hsdp(model, len(micro_batches), layout, device) if defer_all_reduce else None
     last = len(micro_batches) - 1
     try:
         for index, (inputs, targets) in enumerate(micro_batches):
