@@ -285,7 +285,7 @@ def test_workers_get_the_flight_recorder_and_the_allocator_setting_through_rays_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from meshtrain.cluster.launcher import build_trainer
-    from meshtrain.observe.outputs import RunPaths
+    from meshtrain.observe.run_folder import RunPaths
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)

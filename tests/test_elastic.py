@@ -153,7 +153,7 @@ def test_a_resize_waits_for_the_groups_checkpoint_then_happens() -> None:
 def test_the_trainer_hands_ray_the_policy_for_elastic_runs(tmp_path) -> None:
     from meshtrain.cluster.elastic_policy import TrainableSizesPolicy
     from meshtrain.cluster.launcher import build_trainer
-    from meshtrain.observe.outputs import RunPaths
+    from meshtrain.observe.run_folder import RunPaths
 
     cfg = load_config(None, [*BATCH, "scaling.min_workers=2", f"run.storage_path={tmp_path}", "run.name=elastic"])
     trainer = build_trainer(cfg, RunPaths("elastic", tmp_path), None, launch_id="x")

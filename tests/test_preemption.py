@@ -17,7 +17,8 @@ import meshtrain.train.trainer as trainer_module
 from meshtrain.checkpoint.storage import CheckpointStorage, checkpoint_root
 from meshtrain.config import load_config
 from meshtrain.data import DataPlan
-from meshtrain.train.preemption import Preempted, PreemptionNotice, StopRequest, defer_sigterm
+from meshtrain.observe.run_folder import StopRequest
+from meshtrain.train.preemption import Preempted, PreemptionNotice, defer_sigterm
 from meshtrain.train.trainer import Trainer
 from meshtrain.data import open_data
 from meshtrain.distributed.layout import WorkerLayout

@@ -23,7 +23,7 @@ from jobs import REPO, assert_same_weights, job_command, job_env, model_weights,
 from meshtrain_bench.faults import Crafted, flip_bit, largest_shard, rewrite_marker_for
 from meshtrain.config import load_config
 from meshtrain.observe.mlflow_tracker import RUN_ID_TAG, tracking_uri
-from meshtrain.observe.outputs import RunPaths
+from meshtrain.observe.run_folder import RunPaths
 from meshtrain.observe.trackers import tracker_run_id, tracker_values
 
 pytestmark = pytest.mark.ray

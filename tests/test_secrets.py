@@ -19,7 +19,7 @@ from meshtrain.cluster.launcher import resolve_run, write_run_config
 from meshtrain.config import REDACTED, ConfigError, MeshtrainConfig, load_config, redact_options, redact_url
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.observe.mlflow_tracker import mlflow_params
-from meshtrain.observe.outputs import RunPaths
+from meshtrain.observe.run_folder import RunPaths
 from meshtrain.observe.wandb_tracker import wandb_config
 from meshtrain.train.trainer import train
 from s3server import moto_s3

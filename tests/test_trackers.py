@@ -13,8 +13,8 @@ import pytest
 from jobs import REPO
 from meshtrain.cluster.preflight import preflight
 from meshtrain.config import ConfigError, MeshtrainConfig, load_config
-from meshtrain.observe.outputs import RunPaths
-from meshtrain.observe.progress import RecordFollower, StepRecorder, append_records
+from meshtrain.observe.progress import StepRecorder
+from meshtrain.observe.run_folder import RecordFollower, RunPaths, append_records
 from meshtrain.observe.trackers import TrackerSink, logged_marker, logged_records, tracker_run_id, tracker_values
 
 
@@ -201,7 +201,7 @@ from meshtrain.cli.pretrain import main
 from meshtrain.cluster.preflight import preflight
 from meshtrain.observe.trackers import open_trackers
 from meshtrain.config import load_config
-from meshtrain.observe.outputs import RunPaths
+from meshtrain.observe.run_folder import RunPaths
 cfg = preflight(load_config(None, ["run.storage_path={tmp_path}", "run.name=plain"]))
 assert open_trackers(cfg, RunPaths("plain", Path("{tmp_path}")), 0) == []
 loaded = sorted(name for name in sys.modules if name.split(".")[0] in ("wandb", "mlflow"))

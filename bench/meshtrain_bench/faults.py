@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshtrain.observe.run_folder import RunPaths, read_records, read_worker_starts
+
 REPO = Path(__file__).resolve().parents[2]
 RUN = "r"
 SETTINGS = (
@@ -92,8 +94,7 @@ def run_job(storage: Path, *overrides: str, interrupt_at_step: int | None = None
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return read_records(run_dir / "metrics.jsonl")
 
 
 def logged_step(run_dir: Path) -> int:
@@ -102,10 +103,7 @@ def logged_step(run_dir: Path) -> int:
 
 def restarts(run_dir: Path) -> int | None:
     """Restarts of the run's last launch (worker-group starts beyond its first)."""
-    path = run_dir / "worker_starts.jsonl"
-    if not path.exists():
-        return None
-    starts = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    starts = read_worker_starts(RunPaths(run_dir.name, run_dir.parent))
     return sum(start["launch"] == starts[-1]["launch"] for start in starts) - 1 if starts else None
 
 

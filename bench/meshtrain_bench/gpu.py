@@ -98,6 +98,7 @@ from meshtrain.distributed.plan import (
 )
 from meshtrain.model.args import model_args
 from meshtrain.model.flops import flops_per_token, gpu_peak_flops
+from meshtrain.observe.run_folder import RunPaths, read_records, read_worker_starts
 from meshtrain.train.profiling import summary_line
 
 DEFAULT_MATRIX = REPO / "jobs" / "bench_gpu.yaml"
@@ -384,9 +385,7 @@ def dry_run(
 
 
 def train_records(run_dir: Path) -> dict[int, dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    return {r["step"]: r for r in records if r.get("event") == "train"}
+    return {r["step"]: r for r in read_records(run_dir / "metrics.jsonl", ["train"])}
 
 
 @dataclass(frozen=True)
@@ -502,9 +501,7 @@ def read_diagnostics(row: Row, run_dir: Path) -> None:
     """The run's memory snapshots (a rank that ran out of CUDA memory, and every rank at the end with the
     allocator history on) and rank 0's profiler trace with its summary line, from the run folder."""
     row.memory_snapshots = sorted(str(path.relative_to(run_dir)) for path in (run_dir / "memory").glob("*.pickle"))
-    path = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    windows = [r for r in records if r.get("event") == "profile" and r.get("rank") == 0]
+    windows = [r for r in read_records(run_dir / "metrics.jsonl", ["profile"]) if r.get("rank") == 0]
     if not windows:
         return
     window = windows[0]
@@ -532,15 +529,9 @@ def wait_for_workers_to_exit(run_dir: Path, timeout_s: float = 60.0) -> None:
     import psutil
     import ray
 
-    starts = run_dir / "worker_starts.jsonl"
-    if not starts.exists():
-        return
     here = ray.util.get_node_ip_address() if ray.is_initialized() else None
-    pids = {
-        worker["pid"]
-        for line in starts.read_text().splitlines() if line.strip()
-        for worker in json.loads(line)["workers"] if worker["node_ip"] == here
-    }
+    starts = read_worker_starts(RunPaths(run_dir.name, run_dir.parent))
+    pids = {worker["pid"] for start in starts for worker in start["workers"] if worker["node_ip"] == here}
     processes = []
     for pid in pids:
         try:

@@ -44,8 +44,7 @@ from meshtrain.observe.metrics import (
     downstream_targets_path,
     write_targets,
 )
-from meshtrain.observe.outputs import RunPaths
-from meshtrain.observe.progress import RecordFollower, append_records
+from meshtrain.observe.run_folder import RecordFollower, RunPaths, append_records
 from meshtrain.observe.trackers import DRIVER_EVENTS, logged_marker, logged_records, record_key
 
 POLL_S = 5.0

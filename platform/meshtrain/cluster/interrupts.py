@@ -16,7 +16,7 @@ import threading
 from types import FrameType, TracebackType
 from typing import Any
 
-from meshtrain.train.preemption import StopRequest
+from meshtrain.observe.run_folder import StopRequest
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

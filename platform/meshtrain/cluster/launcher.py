@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import os
 import time
 from datetime import datetime
@@ -26,9 +25,8 @@ from meshtrain.config import ConfigError, MeshtrainConfig, config_error_in, one_
 from meshtrain.data import SAMPLING_SCHEME, DataPlan, checkpoint_sampling, prepare_data
 from meshtrain.data.local_files import write_atomically
 from meshtrain.observe.metrics import targets_path, write_targets
-from meshtrain.observe.outputs import RunPaths, read_summary, write_summary
+from meshtrain.observe.run_folder import RunPaths, StopRequest, read_summary, read_worker_starts, write_summary
 from meshtrain.observe.progress import ProgressMonitor
-from meshtrain.train.preemption import StopRequest
 
 
 def resolve_run(cfg: MeshtrainConfig) -> tuple[MeshtrainConfig, RunPaths]:
@@ -252,11 +250,7 @@ def _last_committed(cfg: MeshtrainConfig) -> str:
 
 def restarts_used(paths: RunPaths, launch_id: str) -> int:
     """How many times Ray restarted this launch's worker group (from worker_starts.jsonl)."""
-    starts = paths.run_dir / "worker_starts.jsonl"
-    if not starts.exists():
-        return 0
-    entries = [json.loads(line) for line in starts.read_text().splitlines() if line.strip()]
-    return max(0, sum(entry.get("launch") == launch_id for entry in entries) - 1)
+    return max(0, sum(entry.get("launch") == launch_id for entry in read_worker_starts(paths)) - 1)
 
 
 def _failure_message(cfg: MeshtrainConfig, failure: Failure, restarts: int) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import sys
@@ -32,11 +31,19 @@ from meshtrain.observe.metrics import (
     targets_path,
     write_targets,
 )
-from meshtrain.observe.outputs import RunPaths, write_summary
-from meshtrain.observe.progress import RecordFollower, StepRecorder
+from meshtrain.observe.progress import StepRecorder
 from meshtrain.observe.reporting import RayTrainReporter, TensorBoardWriter
+from meshtrain.observe.run_folder import (
+    Placement,
+    RecordFollower,
+    RunPaths,
+    StopRequest,
+    WorkerStart,
+    append_worker_start,
+    read_worker_starts,
+    write_summary,
+)
 from meshtrain.observe.trackers import DRIVER_EVENTS, TrackerSink, logged_marker, open_trackers, record_key
-from meshtrain.train.preemption import StopRequest
 from meshtrain.train.trainer import train
 
 
@@ -72,7 +79,7 @@ def resize_record(previous: dict[str, Any] | None, launch_id: str, world_size: i
 
 def resizes(paths: RunPaths) -> list[dict[str, Any]]:
     """Every change of the run's worker-group size so far: when, from, to (from worker_starts.jsonl)."""
-    starts = [json.loads(line) for line in (paths.run_dir / "worker_starts.jsonl").read_text().splitlines() if line]
+    starts = read_worker_starts(paths)
     return [
         {
             "time": entry["time"],
@@ -110,7 +117,7 @@ def record_worker_start(
     Returns the restarts of this launch (earlier starts with the same launch id), the placements,
     and the resize from the run's previous start (rank 0; None elsewhere or when the size is the same).
     """
-    placement = {
+    placement: Placement = {
         "rank": layout.world_rank,
         "node_rank": layout.node_rank,
         "local_rank": layout.local_rank,
@@ -118,16 +125,15 @@ def record_worker_start(
         "pid": os.getpid(),
     }
     workers = _gather(placement)
-    starts = paths.run_dir / "worker_starts.jsonl"
     restarts, resize = 0, None
     if layout.world_rank == 0:
-        earlier = [json.loads(line) for line in starts.read_text().splitlines() if line.strip()] if starts.exists() else []
+        earlier = read_worker_starts(paths)
         resize = resize_record(earlier[-1] if earlier else None, launch_id, layout.world_size, cfg)
-        start = {"launch": launch_id, "time": time.time(), "world_size": layout.world_size, "workers": workers}
+        start: WorkerStart = {"launch": launch_id, "time": time.time(), "world_size": layout.world_size,
+                              "workers": workers}
         if resize is not None:
             start["resized_from"], start["resize_reason"] = resize["from_workers"], resize["reason"]
-        with starts.open("a", encoding="utf-8") as file:
-            file.write(json.dumps(start) + "\n")
+        append_worker_start(paths, start)
         restarts = sum(entry["launch"] == launch_id for entry in earlier)
     return _gather(restarts)[0], workers, resize
 

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from meshtrain.config import ConfigError, MeshtrainConfig, redact_url, require_extra
-from meshtrain.observe.outputs import RunPaths
+from meshtrain.observe.run_folder import RunPaths
 from meshtrain.observe.trackers import flat_settings, tracker_run_id, unreachable
 
 RUN_ID_TAG = "meshtrain.run_id"

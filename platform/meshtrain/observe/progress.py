@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from meshtrain.observe.run_folder import LineAppender, RecordFollower
 from meshtrain.observe.trackers import DOWNSTREAM_LOGGED, downstream_scores
 
 
@@ -82,63 +81,8 @@ def progress_line(record: dict[str, Any], total_steps: int) -> str:
     )
 
 
-class StepRecorder:
+class StepRecorder(LineAppender):
     """Rank 0's sink for logged steps and checkpoint events: appends them to metrics.jsonl."""
-
-    def __init__(self, metrics_path: Path) -> None:
-        metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: TextIO | None = metrics_path.open("a", encoding="utf-8")
-
-    def record(self, record: dict[str, Any]) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-def append_records(metrics_path: Path, records: list[dict[str, Any]]) -> None:
-    """Append ``records`` to a run's ``metrics.jsonl`` from a process other than rank 0 (the driver):
-    each line in one ``write`` on an append-only descriptor, so it never interleaves with rank 0's."""
-    metrics_path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor = os.open(metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        for record in records:
-            os.write(descriptor, (json.dumps(record) + "\n").encode())
-    finally:
-        os.close(descriptor)
-
-
-class RecordFollower:
-    """New records of some kinds in a run's ``metrics.jsonl`` (those another process appended), read
-    from where the last call stopped: rank 0 passes the driver's downstream evaluations on this way."""
-
-    def __init__(self, metrics_path: Path, events: set[str]) -> None:
-        self.path, self.events = metrics_path, events
-        self._offset = 0
-        self._partial = b""
-
-    def new_records(self) -> list[dict[str, Any]]:
-        try:
-            with self.path.open("rb") as file:
-                file.seek(self._offset)
-                chunk = file.read()
-        except FileNotFoundError:
-            return []
-        self._offset += len(chunk)
-        *lines, self._partial = (self._partial + chunk).split(b"\n")
-        found = []
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # a torn line of a killed writer
-                continue
-            if isinstance(record, dict) and record.get("event") in self.events:
-                found.append(record)
-        return found
 
 
 class ProgressMonitor:
@@ -156,8 +100,7 @@ class ProgressMonitor:
         self.path, self.total_steps, self.interval_s = path, total_steps, interval_s
         self.stream, self.poll_s = stream, poll_s
         self.tty = stream.isatty()
-        self._offset = path.stat().st_size if path.exists() else 0  # a resumed run's earlier lines stay unprinted
-        self._partial = b""
+        self._records = RecordFollower(path, from_end=True)  # a resumed run's earlier lines stay unprinted
         self._last_printed_at: float | None = None
         self._unprinted: dict[str, Any] | None = None
         self._status_shown = False
@@ -183,18 +126,9 @@ class ProgressMonitor:
             self.poll()
 
     def poll(self) -> None:
-        """Read the lines appended since the last poll and show what they say."""
-        try:
-            with self.path.open("rb") as file:
-                file.seek(self._offset)
-                chunk = file.read()
-        except FileNotFoundError:
-            return
-        self._offset += len(chunk)
-        *lines, self._partial = (self._partial + chunk).split(b"\n")
-        for line in lines:
-            if line.strip():
-                self.show(json.loads(line))
+        """Show what the records appended since the last poll say."""
+        for record in self._records.new_records():
+            self.show(record)
 
     def show(self, record: dict[str, Any]) -> None:
         if record["event"] == DOWNSTREAM_LOGGED:  # bookkeeping of the trackers, nothing to show

@@ -11,7 +11,6 @@ and each later record tries again.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from meshtrain.config import MeshtrainConfig, one_line
-from meshtrain.observe.outputs import RunPaths
+from meshtrain.observe.run_folder import RunPaths, read_records
 
 # The numbers of each kind of record, as (record key, tracker name).
 _TRAIN = [
@@ -98,20 +97,9 @@ def tracker_run_id(paths: RunPaths) -> str:
 
 def logged_records(metrics_path: Path) -> set[tuple[str, int]]:
     """(event, step) of every record the run's ``metrics.jsonl`` already holds, which rank 0 logged to
-    its trackers when it wrote it (a downstream evaluation: when its marker is there). A torn last
-    line from a killed writer is ignored."""
-    seen: set[tuple[str, int]] = set()
-    if not metrics_path.exists():
-        return seen
-    with metrics_path.open(encoding="utf-8") as file:
-        for line in file:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["event"] not in DRIVER_EVENTS:
-                seen.add(record_key(record))
-    return seen
+    its trackers when it wrote it (a downstream evaluation: when its marker is there)."""
+    return {record_key(record) for record in read_records(metrics_path)
+            if isinstance(record.get("step"), int) and record["event"] not in DRIVER_EVENTS}
 
 
 def unreachable(url: str) -> str | None:

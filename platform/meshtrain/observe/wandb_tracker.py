@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from meshtrain.config import ConfigError, MeshtrainConfig, require_extra
-from meshtrain.observe.outputs import RunPaths
+from meshtrain.observe.run_folder import RunPaths
 from meshtrain.observe.trackers import tracker_run_id, unreachable
 
 _OFFLINE_MODES = ("offline", "dryrun", "disabled")

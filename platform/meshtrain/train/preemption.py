@@ -33,20 +33,17 @@ of the notice, the worker exits anyway: the notice period is ending.
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from meshtrain.data.local_files import write_atomically
+from meshtrain.observe.run_folder import StopRequest
 from meshtrain.train.watchdog import _exit_worker
 
 if TYPE_CHECKING:
@@ -121,31 +118,6 @@ class PreemptionNotice:
         info = _ray_notice()
         if info is not None and not info.preempted_node_to_ranks:
             _ray_context().preemption_context.preemption_info = None
-
-
-@dataclass(frozen=True)
-class StopRequest:
-    """The driver's request that one launch's workers save and stop: a small JSON file in the run
-    directory (storage every node sees), naming the launch so a later launch of the run ignores it."""
-
-    path: str
-    launch_id: str
-
-    def write(self, reason: str) -> None:
-        write_atomically(self.path, json.dumps({"launch": self.launch_id, "reason": reason, "time": time.time()}))
-
-    def read(self) -> str | None:
-        """The reason of a request for this launch, or None."""
-        try:
-            request = json.loads(Path(self.path).read_text())
-        except (OSError, ValueError):
-            return None
-        if not isinstance(request, dict) or request.get("launch") != self.launch_id:
-            return None
-        return str(request.get("reason") or "interrupted")
-
-    def clear(self) -> None:
-        Path(self.path).unlink(missing_ok=True)
 
 
 class StopRequestWatch:

@@ -25,6 +25,7 @@ from meshtrain.model.args import model_args
 from meshtrain.model.flops import AttentionWork
 from meshtrain.model.llama import count_parameters
 from meshtrain.observe.metrics import TrainingMetrics
+from meshtrain.observe.run_folder import StopRequest
 from meshtrain.observe.reporting import RayTrainReporter
 from meshtrain.train.checkpointing import Checkpointing, checkpoint_manager
 from meshtrain.train.evaluation import Evaluation
@@ -34,14 +35,7 @@ from meshtrain.train.guard import BadStepLimit, StepGuard
 from meshtrain.train.hangs import HangReport
 from meshtrain.train.memory_snapshot import OutOfMemorySnapshots, cuda_allocator
 from meshtrain.train.optim import build_lr_scheduler, build_optimizer
-from meshtrain.train.preemption import (
-    NoticeHandling,
-    PreemptionNotice,
-    StopRequest,
-    StopRequestWatch,
-    StopVote,
-    defer_sigterm,
-)
+from meshtrain.train.preemption import NoticeHandling, PreemptionNotice, StopRequestWatch, StopVote, defer_sigterm
 from meshtrain.train.profiling import StepProfiler, region
 from meshtrain.train.records import LoopOutputs
 from meshtrain.train.setup import build_sharded_model

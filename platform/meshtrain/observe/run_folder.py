@@ -1,0 +1,284 @@
+"""The run folder is how the driver and the workers talk: this module is the one place that writes and
+reads each of its shared files, so both sides (and the trackers, the benchmarks and the tests) read
+the same thing.
+
+=====================  ==========================================  ===========================================
+file                   written by                                  read by
+=====================  ==========================================  ===========================================
+``metrics.jsonl``      rank 0 (its records), the driver            the driver (progress line, downstream), rank
+                       (downstream results), both through          0 (the driver's results, for its trackers),
+                       :class:`LineAppender`                    trackers, benchmarks: :func:`read_records`,
+                                                                   :class:`RecordFollower`
+``summary.json``       rank 0, then the driver (wall time,         the driver, benchmarks, tests:
+                       downstream): :func:`write_summary`          :func:`read_summary`
+``worker_starts.jsonl``  rank 0 of each worker group start:        the driver (restarts used), rank 0 (resizes),
+                       :func:`append_worker_start`                 benchmarks: :func:`read_worker_starts`
+``stop_request.json``  the driver (Ctrl-C, ``ray job stop``):      every worker: :meth:`StopRequest.read`
+                       :meth:`StopRequest.write`
+=====================  ==========================================  ===========================================
+
+``config.yaml``, ``tokenizer.json`` and ``driver.lock`` are the driver's own (``cluster.launcher``,
+``cluster.run_lease``). Every record of ``metrics.jsonl`` is a JSON object with an ``event`` among
+:data:`RECORD_KINDS`; a reader skips a torn last line (a writer killed mid-line) and keeps kinds it
+does not know (a newer writer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypedDict
+
+from meshtrain.data.local_files import write_atomically
+
+Record = dict[str, Any]
+
+# Every kind of metrics.jsonl record: who writes it, and what it says.
+RECORD_KINDS: dict[str, tuple[str, str]] = {
+    "train": ("rank 0", "a logged step: loss, lr, grad norm, tokens, throughput, step and data-wait time, FLOPs"),
+    "eval": ("rank 0", "validation loss and perplexity, overall and per source"),
+    "checkpoint_save": ("rank 0", "a committed checkpoint: path, blocking and total seconds, bytes, mode"),
+    "checkpoint_load": ("rank 0", "the checkpoint a start resumed from, and how long the load took"),
+    "checkpoint_skipped": ("rank 0", "a save step the step guard skipped"),
+    "stopped": ("rank 0", "the step guard stopped the run, and why"),
+    "warning": ("rank 0", "a setting that measurement shows cannot work, named"),
+    "preempted": ("rank 0", "a preemption notice: the ranks, the save and its seconds"),
+    "interrupted": ("rank 0", "the driver's stop request: the step saved"),
+    "resize": ("rank 0", "the worker group changed size: from, to, why"),
+    "resize_save": ("rank 0", "the save made before Ray grows the group"),
+    "straggler": ("rank 0", "a rank slower than its peers: rank, node, slowdown"),
+    "eviction": ("rank 0", "a straggler's node drained: accepted or why not"),
+    "profile": ("rank 0", "a profiler window: its trace and top ops"),
+    "memory_snapshot": ("rank 0", "a CUDA allocator snapshot written at the end of the steps"),
+    "downstream_eval": ("the driver", "one checkpoint's lm-evaluation-harness scores per task"),
+    "downstream_eval_failed": ("the driver", "one checkpoint's evaluation failed, and why"),
+    "text_samples": ("the driver", "one checkpoint's continuations of the fixed prompts"),
+    "downstream_logged": ("rank 0", "the trackers hold a driver record (so a restart does not log it twice)"),
+}
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Where one run's files are: ``{storage_path}/{name}/``."""
+
+    name: str
+    storage_path: Path
+
+    @property
+    def run_dir(self) -> Path:
+        return self.storage_path / self.name
+
+    @property
+    def config(self) -> Path:
+        return self.run_dir / "config.yaml"
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.run_dir / "tokenizer.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    @property
+    def summary(self) -> Path:
+        return self.run_dir / "summary.json"
+
+    @property
+    def worker_starts(self) -> Path:
+        return self.run_dir / "worker_starts.jsonl"
+
+    @property
+    def stop_request(self) -> Path:
+        """Where the driver asks the workers to save and stop (Ctrl-C, ``ray job stop``)."""
+        return self.run_dir / "stop_request.json"
+
+
+# --- metrics.jsonl -------------------------------------------------------------------------------
+
+
+class LineAppender:
+    """The one writer of the append-only files (``metrics.jsonl``, ``worker_starts.jsonl``): each record
+    one JSON line in one ``write`` on an append-only descriptor, so rank 0's lines and the driver's never
+    interleave."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def record(self, record: dict[str, Any]) -> None:
+        if self._fd is not None:
+            os.write(self._fd, (json.dumps(record) + "\n").encode())
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def append_records(path: Path, records: Iterable[dict[str, Any]]) -> None:
+    appender = LineAppender(path)
+    try:
+        for record in records:
+            appender.record(record)
+    finally:
+        appender.close()
+
+
+def _parsed(lines: Iterable[bytes | str], events: Iterable[str] | None) -> list[Record]:
+    wanted = set(events) if events is not None else None
+    found = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a torn line of a killed writer
+            continue
+        if isinstance(record, dict) and "event" in record and (wanted is None or record["event"] in wanted):
+            found.append(record)
+    return found
+
+
+def read_records(path: Path, events: Iterable[str] | None = None) -> list[Record]:
+    """Every record of a run's ``metrics.jsonl`` (of ``events`` only, when given), in order; [] before
+    the first one."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    return _parsed(data.split(b"\n"), events)
+
+
+class RecordFollower:
+    """The records of some kinds appended since the last call (another process's): the driver's progress
+    line, and rank 0 passing the driver's downstream results to its trackers."""
+
+    def __init__(self, path: Path, events: Iterable[str] | None = None, from_end: bool = False) -> None:
+        """``from_end``: only records appended after now (a resumed run's earlier lines are not new)."""
+        self.path, self.events = path, events
+        self._offset = path.stat().st_size if from_end and path.exists() else 0
+        self._partial = b""
+
+    def new_records(self) -> list[Record]:
+        try:
+            with self.path.open("rb") as file:
+                file.seek(self._offset)
+                chunk = file.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(chunk)
+        *lines, self._partial = (self._partial + chunk).split(b"\n")
+        return _parsed(lines, self.events)
+
+
+# --- summary.json --------------------------------------------------------------------------------
+
+
+class Summary(TypedDict, total=False):
+    """``summary.json``: rank 0 writes it when training ends; the driver adds ``wall_time_s`` and
+    ``downstream`` and writes it again."""
+
+    run: str
+    steps: int
+    final_loss: float | None
+    eval_loss: float | None
+    eval_loss_by_source: dict[str, float | None]
+    skipped_steps: int
+    stopped: str | None
+    interrupted: dict[str, Any] | None
+    mean_tokens_per_s: float | None
+    tokens: int
+    train_time_s: float
+    mesh_shape: list[int]
+    world_size: int
+    parameters: int
+    run_dir: str
+    workers: list[dict[str, Any]]
+    resizes: list[dict[str, Any]]
+    device: str
+    peak_device_memory_bytes: int
+    num_alloc_retries: int
+    peak_host_rss_bytes: int
+    wall_time_s: float
+    downstream: dict[str, Any]
+
+
+def write_summary(paths: RunPaths, summary: Summary) -> None:
+    write_atomically(paths.summary, json.dumps(summary, indent=2) + "\n")
+
+
+def read_summary(paths: RunPaths) -> Summary:
+    return json.loads(paths.summary.read_text())
+
+
+# --- worker_starts.jsonl -------------------------------------------------------------------------
+
+
+class Placement(TypedDict):
+    rank: int
+    node_rank: int
+    local_rank: int
+    node_ip: str
+    pid: int
+
+
+class WorkerStart(TypedDict, total=False):
+    """One start of the worker group (a launch, or Ray Train restarting the group)."""
+
+    launch: str
+    time: float
+    world_size: int
+    workers: list[Placement]
+    resized_from: int  # when this start's size differs from the run's previous one
+    resize_reason: str
+
+
+def append_worker_start(paths: RunPaths, start: WorkerStart) -> None:
+    append_records(paths.worker_starts, [start])
+
+
+def read_worker_starts(paths: RunPaths) -> list[WorkerStart]:
+    try:
+        data = paths.worker_starts.read_bytes()
+    except FileNotFoundError:
+        return []
+    starts = []
+    for line in data.split(b"\n"):
+        try:
+            start = json.loads(line)
+        except json.JSONDecodeError:  # a torn line of a killed writer
+            continue
+        if isinstance(start, dict) and "launch" in start:
+            starts.append(start)
+    return starts
+
+
+# --- stop_request.json ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """The driver's request that one launch's workers save and stop: a small JSON file in the run
+    directory (storage every node sees), naming the launch so a later launch of the run ignores it."""
+
+    path: str
+    launch_id: str
+
+    def write(self, reason: str) -> None:
+        write_atomically(self.path, json.dumps({"launch": self.launch_id, "reason": reason, "time": time.time()}))
+
+    def read(self) -> str | None:
+        """The reason of a request for this launch, or None."""
+        try:
+            request = json.loads(Path(self.path).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(request, dict) or request.get("launch") != self.launch_id:
+            return None
+        return str(request.get("reason") or "interrupted")
+
+    def clear(self) -> None:
+        Path(self.path).unlink(missing_ok=True)
