@@ -47,15 +47,15 @@ def run_pretrain(*args: str, python_flags: tuple[str, ...] = ()) -> subprocess.C
     )
 
 
-def _refuse_launch(cfg: MeshtrainConfig) -> dict:
-    raise AssertionError(f"the CLI tried to launch a run (and start Ray) for {cfg.model_dump()}")
+def _refuse_ray() -> bool:
+    raise AssertionError("the CLI started Ray: preflight let the config through")
 
 
 def run_main(
     argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of ``main(argv)`` in this process, with launching forbidden."""
-    monkeypatch.setattr(meshtrain.cluster.launcher, "launch", _refuse_launch)
+    """(exit code, stdout, stderr) of ``main(argv)`` in this process, with starting Ray forbidden."""
+    monkeypatch.setattr(meshtrain.cluster.launcher, "init_ray", _refuse_ray)
     try:
         code = main(argv)
     except SystemExit as exc:  # argparse exits on its own
@@ -285,14 +285,17 @@ def test_workers_get_the_flight_recorder_and_the_allocator_setting_through_rays_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from meshtrain.cluster.launcher import build_trainer
+    from meshtrain.model.args import model_args
     from meshtrain.observe.run_folder import RunPaths
+    from meshtrain.train.spec import RunSpec
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
 
     def env_vars(*overrides: str) -> dict[str, str]:
         cfg = load_config(None, [f"run.storage_path={tmp_path}", "run.name=env", *overrides])
-        return build_trainer(cfg, RunPaths("env", tmp_path), None, launch_id="x").run_config.worker_runtime_env["env_vars"]
+        spec = RunSpec(cfg, model_args(cfg, 512), None, RunPaths("env", tmp_path), "x")
+        return build_trainer(spec).run_config.worker_runtime_env["env_vars"]
 
     assert env_vars() == {"TORCH_FR_BUFFER_SIZE": "2000"}  # CPU workers: no allocator setting
     assert env_vars("scaling.use_gpu=true") == {"TORCH_FR_BUFFER_SIZE": "2000",

@@ -7,7 +7,7 @@ import pytest
 
 from meshtrain.cli.pretrain import main
 from meshtrain.cluster.worker import UntrainableGroupSize, check_group_size, resize_record
-from meshtrain.config import ConfigError, load_config
+from meshtrain.config import ConfigError, MeshtrainConfig, load_config
 
 BATCH = ["scaling.num_workers=8", "train.global_batch_size=32", "train.micro_batch_size=2"]
 
@@ -153,16 +153,20 @@ def test_a_resize_waits_for_the_groups_checkpoint_then_happens() -> None:
 def test_the_trainer_hands_ray_the_policy_for_elastic_runs(tmp_path) -> None:
     from meshtrain.cluster.elastic_policy import TrainableSizesPolicy
     from meshtrain.cluster.launcher import build_trainer
+    from meshtrain.model.args import model_args
     from meshtrain.observe.run_folder import RunPaths
+    from meshtrain.train.spec import RunSpec
+
+    def spec(cfg: MeshtrainConfig, name: str) -> RunSpec:
+        return RunSpec(cfg, model_args(cfg, 512), None, RunPaths(name, tmp_path), "x")
 
     cfg = load_config(None, [*BATCH, "scaling.min_workers=2", f"run.storage_path={tmp_path}", "run.name=elastic"])
-    trainer = build_trainer(cfg, RunPaths("elastic", tmp_path), None, launch_id="x")
+    trainer = build_trainer(spec(cfg, "elastic"))
     policy = trainer._elastic_policy(trainer.scaling_config)
     assert isinstance(policy, TrainableSizesPolicy) and policy.sizes == [2, 4, 8]
     assert policy.newest_checkpoint_step() is None  # no checkpoint yet
     import pickle
 
     assert pickle.loads(pickle.dumps(policy)).sizes == [2, 4, 8]  # it travels to Ray's controller
-    fixed = build_trainer(load_config(None, [*BATCH, f"run.storage_path={tmp_path}", "run.name=f"]), RunPaths("f", tmp_path),
-                          None, launch_id="x")
+    fixed = build_trainer(spec(load_config(None, [*BATCH, f"run.storage_path={tmp_path}", "run.name=f"]), "f"))
     assert fixed._elastic_policy is None

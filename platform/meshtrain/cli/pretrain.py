@@ -86,17 +86,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from meshtrain.cluster.preflight import preflight
 
-        # Every error the config can show, before Ray starts (launch checks again for library callers).
-        cfg = preflight(load_config(args.config, args.overrides))
         if args.trace and not args.dry_run:
             raise ConfigError("--trace goes with --dry-run: add --dry-run")
+        cfg = load_config(args.config, args.overrides)
         if args.dry_run:
-            dry_run(cfg, args.trace)
+            dry_run(preflight(cfg), args.trace)
             return 0
         from meshtrain.cluster.launcher import Interrupted, TrainingFailed, launch
 
         try:
-            summary = launch(cfg)
+            summary = launch(cfg)  # preflight first: every error the config can show, before Ray starts
         except TrainingFailed as exc:
             print(f"meshtrain: {exc}", file=sys.stderr)
             return EXIT_TRAINING_FAILED

@@ -27,6 +27,7 @@ from meshtrain.data.local_files import write_atomically
 from meshtrain.observe.metrics import targets_path, write_targets
 from meshtrain.observe.run_folder import RunPaths, StopRequest, read_summary, read_worker_starts, write_summary
 from meshtrain.observe.progress import ProgressMonitor
+from meshtrain.train.spec import RunSpec
 
 
 def resolve_run(cfg: MeshtrainConfig) -> tuple[MeshtrainConfig, RunPaths]:
@@ -302,7 +303,7 @@ def load_ray_callbacks(specs: list[str]) -> list[Any]:
     return callbacks
 
 
-def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, data: DataPlan, launch_id: str) -> Any:
+def build_trainer(spec: RunSpec) -> Any:
     import ray.train
     from ray.train.torch import TorchConfig
 
@@ -310,6 +311,7 @@ def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, data: DataPlan, launch_
     from meshtrain.cluster.ray_trainer import trainer_class
     from meshtrain.cluster.worker import train_loop_per_worker
 
+    cfg, paths = spec.config, spec.paths
     scaling = cfg.scaling
     if not scaling.use_gpu:
         backend = "gloo"
@@ -329,13 +331,9 @@ def build_trainer(cfg: MeshtrainConfig, paths: RunPaths, data: DataPlan, launch_
     return trainer_class()(
         train_loop_per_worker,
         elastic_policy=elastic_policy,
-        train_loop_config={
-            # The validated object itself: re-validating on workers would re-check data paths that
-            # exist only where the driver runs.
-            "config": cfg,
-            "data": data,  # store locations and the tokenizer: workers map the shards themselves
-            "launch_id": launch_id,  # tells this job's worker-group restarts from earlier jobs of the run
-        },
+        # The resolved objects themselves: re-validating on workers would re-check data paths that exist
+        # only where the driver runs; the data plan holds store locations, workers map the shards themselves.
+        train_loop_config={"spec": spec},
         torch_config=TorchConfig(backend=backend, timeout_s=scaling.timeout_s),
         scaling_config=ray.train.ScalingConfig(
             # Elastic: Ray starts the group on as many workers as the cluster holds in this range,
@@ -402,7 +400,7 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
         f"vocab {data.vocab_size} from {stores}; outputs in {paths.run_dir}",
         flush=True,
     )
-    trainer = build_trainer(cfg, paths, data, launch_id=launch_id)
+    trainer = build_trainer(RunSpec.resolve(cfg, data, paths, launch_id))
     downstream = DownstreamEvaluations(cfg, paths) if cfg.eval.downstream.enabled or cfg.eval.samples.prompts else None
     try:
         with DriverInterrupts(StopRequest(str(paths.stop_request), launch_id), cfg.run.preemption_save_s), \

@@ -6,7 +6,6 @@ import os
 import resource
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -16,13 +15,12 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.checkpoint.storage import newest_committed
-from meshtrain.config import MeshtrainConfig
+from meshtrain.config import MeshtrainConfig, ModelArgs
 from meshtrain.cluster.eviction import StragglerEviction
 from meshtrain.cluster.failures import stamp
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.distributed.parallelize import param_dtype, set_matmul_precision, use_tf32
 from meshtrain.distributed.torch_support import check_torch
-from meshtrain.model.args import model_args
 from meshtrain.model.flops import device_peak_flops, flops_per_token
 from meshtrain.observe.metrics import (
     Endpoint,
@@ -44,6 +42,7 @@ from meshtrain.observe.run_folder import (
     write_summary,
 )
 from meshtrain.observe.trackers import DRIVER_EVENTS, TrackerSink, logged_marker, open_trackers, record_key
+from meshtrain.train.spec import RunSpec
 from meshtrain.train.trainer import train
 
 
@@ -139,7 +138,7 @@ def record_worker_start(
 
 
 def start_metrics(
-    cfg: MeshtrainConfig, layout: WorkerLayout, device: torch.device, vocab_size: int, restarts: int
+    cfg: MeshtrainConfig, layout: WorkerLayout, device: torch.device, args: ModelArgs, restarts: int
 ) -> TrainingMetrics:
     """Serve this worker's /metrics and (rank 0) publish every worker's endpoint for Prometheus."""
     assert cfg.run.name is not None
@@ -161,7 +160,7 @@ def start_metrics(
         rank=layout.world_rank,
         node=node_ip,
         device=device,
-        flops_per_token=flops_per_token(model_args(cfg, vocab_size), cfg.data.seq_len),
+        flops_per_token=flops_per_token(args, cfg.data.seq_len),
         peak_flops_per_s=peak,
     )
     metrics.restarts.set(restarts)
@@ -209,8 +208,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
 
 def _train_worker(loop_config: dict[str, Any]) -> None:
-    cfg: MeshtrainConfig = loop_config["config"]
-    data = loop_config["data"]
+    spec: RunSpec = loop_config["spec"]
+    cfg, data, paths = spec.config, spec.data, spec.paths
     context = ray.train.get_context()
     layout = WorkerLayout(
         world_rank=context.get_world_rank(),
@@ -220,15 +219,13 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
         node_rank=context.get_node_rank(),
         node=ray.util.get_node_ip_address(),
     )
-    assert cfg.run.name is not None, "the launcher resolves run.name before starting workers"
-    paths = RunPaths(cfg.run.name, Path(cfg.run.storage_path))
     device = ray.train.torch.get_device()
     check_torch()  # this node's torch: the driver checked only its own
     check_group_size(cfg, layout.world_size)
     if device.type == "cuda":
         set_matmul_precision(use_tf32(cfg.train.tf32, cfg.parallel.mixed_precision, device.type))
-    restarts, workers, resize = record_worker_start(paths, loop_config["launch_id"], layout, cfg)
-    metrics = start_metrics(cfg, layout, device, data.vocab_size, restarts) if cfg.metrics.port else None
+    restarts, workers, resize = record_worker_start(paths, spec.launch_id, layout, cfg)
+    metrics = start_metrics(cfg, layout, device, spec.model, restarts) if cfg.metrics.port else None
     sinks: list[Any] = []
     trackers: list[TrackerSink] = []
     recorder = None
@@ -266,9 +263,9 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
         eviction = StragglerEviction(workers, cfg.scaling.required_workers, on_record)
     finished = False
     try:
-        stop_request = StopRequest(str(paths.stop_request), loop_config["launch_id"])
+        stop_request = StopRequest(str(paths.stop_request), spec.launch_id)
         result = train(cfg, data, layout, device, on_record if sinks or trackers else None, metrics, reporter, eviction,
-                       stop_request)
+                       stop_request, model=spec.model)
         finished = True
         if metrics is not None:
             metrics.await_final_scrape(cfg.metrics.final_scrape_timeout_s)

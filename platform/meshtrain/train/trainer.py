@@ -17,7 +17,7 @@ import torch
 
 from meshtrain.checkpoint.state import Progress, TrainState
 from meshtrain.checkpoint.write_progress import bytes_written
-from meshtrain.config import ConfigError, MeshtrainConfig
+from meshtrain.config import ConfigError, MeshtrainConfig, ModelArgs
 from meshtrain.data import DataParallelBatches, DataPlan, TrainingData, checkpoint_sampling, open_data
 from meshtrain.distributed.layout import RankLayout, WorkerLayout
 from meshtrain.distributed.plan import memory_plan
@@ -96,16 +96,19 @@ def train(
     reporter: RayTrainReporter | None = None,
     on_straggler: Callable[[dict[str, Any]], None] | None = None,
     stop_request: StopRequest | None = None,
+    model: ModelArgs | None = None,
 ) -> TrainResult:
     """Train until ``cfg.train.steps``, resuming from the newest committed checkpoint if any.
 
     ``on_record`` receives every logged step, evaluation and checkpoint event (rank 0 emits the save
     events); ``metrics`` (when given) is updated every step; ``reporter`` (every rank, or none) hands
-    logged steps to Ray Train; ``stop_request`` is where the driver asks the ranks to save and stop.
+    logged steps to Ray Train; ``stop_request`` is where the driver asks the ranks to save and stop;
+    ``model`` is the model's shape as the driver resolved it (``RunSpec.model``; resolved here when not given).
     """
     if isinstance(data, DataPlan):
         data = open_data(data, cfg.data.seq_len, cfg.train.seed)
-    trainer = Trainer(cfg, data, worker, device, on_record, metrics, reporter, on_straggler, stop_request)
+    args = model if model is not None else model_args(cfg, data.vocab_size)
+    trainer = Trainer(cfg, args, data, worker, device, on_record, metrics, reporter, on_straggler, stop_request)
     try:
         return trainer.run()
     finally:
@@ -118,6 +121,7 @@ class Trainer:
     def __init__(
         self,
         cfg: MeshtrainConfig,
+        args: ModelArgs,
         data: TrainingData,
         worker: WorkerLayout,
         device: torch.device,
@@ -134,11 +138,11 @@ class Trainer:
         # First, so that memory.history_entries records the model's and optimizer's allocations too.
         self.memory = OutOfMemorySnapshots(
             cuda_allocator(device), run_dir / "memory", worker.world_rank, cfg.memory.history_entries,
-            lambda: memory_plan(cfg, model_args(cfg, data.vocab_size), self.layout.plan, device.type == "cuda").total,
+            lambda: memory_plan(cfg, args, self.layout.plan, device.type == "cuda").total,
         )
         checkpoints = checkpoint_manager(cfg, worker, self.outputs.checkpoint_event)
         resuming = checkpoints is not None and cfg.checkpoint.resume and checkpoints.any_committed()
-        self.model, layout = build_sharded_model(cfg, data.vocab_size, worker, device, read_init_from=not resuming,
+        self.model, layout = build_sharded_model(cfg, args, worker, device, read_init_from=not resuming,
                                                  document_eos=data.eos_id if cfg.model.document_mask else None)
         # Every part of the loop asks this one layout which ranks it works with.
         self.layout: RankLayout = layout.with_control_group()
@@ -167,7 +171,7 @@ class Trainer:
         manifest = {
             "world_size": layout.world_size,
             "mesh_shape": list(plan.shape),
-            "model_args": model_args(cfg, data.vocab_size).model_dump(),
+            "model_args": args.model_dump(),
             "data_fingerprint": data.fingerprint,
             "sampling": data.sampling,
             "config": cfg.model_dump(mode="json"),
