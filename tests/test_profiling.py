@@ -14,7 +14,7 @@ from torch.autograd import DeviceType
 
 import meshtrain.train.profiling as profiling
 from meshtrain.config import MeshtrainConfig, load_config
-from meshtrain.config.schema import ProfileConfig
+from meshtrain.config.observability import ProfileConfig
 from meshtrain.data import DataPlan
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.train.profiling import StepProfiler, summary_line, top_ops

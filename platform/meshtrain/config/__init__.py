@@ -24,21 +24,12 @@ from meshtrain.config.loading import describe_fields, load_config
 from meshtrain.config.model import ModelArgs, ModelConfig, RopeScaling
 from meshtrain.config.presets import MODEL_PRESETS
 from meshtrain.config.redaction import REDACTED, redact_options, redact_url
-from meshtrain.config.schema import (
-    SHARED_FOLDERS,
-    CheckpointConfig,
-    EvalConfig,
-    FaultConfig,
-    MeshtrainConfig,
-    MetricsConfig,
-    OptimConfig,
-    ParallelConfig,
-    RunConfig,
-    ScalingConfig,
-    StrategyName,
-    TrainConfig,
-    check_parallel_groups,
-)
+from meshtrain.config.evaluation import EvalConfig
+from meshtrain.config.observability import MetricsConfig
+from meshtrain.config.parallelism import ParallelConfig, ScalingConfig, StrategyName, check_parallel_groups
+from meshtrain.config.run import SHARED_FOLDERS, CheckpointConfig, FaultConfig, RunConfig
+from meshtrain.config.schema import MeshtrainConfig
+from meshtrain.config.training import OptimConfig, TrainConfig
 
 __all__ = [
     "MODEL_PRESETS",

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from meshtrain.config.schema import TextSamplesConfig
+from meshtrain.config.evaluation import TextSamplesConfig
 from meshtrain.evaluate.generation import check_settings, continue_prompts
 from meshtrain.evaluate.harness import (
     RESULTS_FILE,

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.config import ConfigError
-from meshtrain.config.schema import DownstreamEvalConfig
+from meshtrain.config.evaluation import DownstreamEvalConfig
 from meshtrain.evaluate.hf_model import CheckpointModel
 
 RESULTS_FILE = "results.json"

@@ -30,7 +30,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 from torch.utils.hooks import RemovableHandle
 
-from meshtrain.config.schema import ProfileConfig
+from meshtrain.config.observability import ProfileConfig
 
 _LONGEST_NAME = 60  # characters of an op's name in the summary line (CUDA kernel names run to hundreds)
 

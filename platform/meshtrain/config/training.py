@@ -1,0 +1,116 @@
+"""Optimizer and training-loop settings: AdamW and its schedule, steps, batches, logging, the step guard."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from meshtrain.config.errors import ConfigError
+from meshtrain.config.section import Section
+
+
+class OptimConfig(Section):
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate (after warmup).")
+    schedule: Literal["cosine", "linear", "wsd", "constant"] = Field(
+        "cosine",
+        description="LR after warmup: cosine or linear decay to min_lr_ratio x lr by the end of the "
+        "schedule; wsd = stable at lr, then linear decay to min_lr_ratio x lr over the last "
+        "optim.decay_fraction of the schedule; constant = lr throughout.",
+    )
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1, description="Final LR of the cosine, linear and wsd decays, as a fraction of lr."
+    )
+    warmup_steps: int = Field(20, ge=0, description="Steps of linear warmup from 0 to lr.")
+    decay_fraction: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="wsd only (and required there): share of the schedule's steps spent decaying, e.g. 0.2 "
+        "(rounded to whole steps, at least one).",
+    )
+    schedule_steps: int | None = Field(
+        None,
+        gt=0,
+        description="Steps the LR schedule spans; unset = train.steps of the run's first launch. "
+        "Later steps keep the final LR.",
+    )
+    weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay (matrices only).")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient L2 norm to this (0 = off).")
+    implementation: Literal["auto", "fused", "foreach", "for_loop"] = Field(
+        "auto", description="AdamW kernel; auto = fused on CUDA and CPU, foreach elsewhere."
+    )
+
+    @model_validator(mode="after")
+    def _decay_fraction_only_for_wsd(self) -> "OptimConfig":
+        if self.schedule == "wsd" and self.decay_fraction is None:
+            raise ValueError(
+                "optim.decay_fraction: the wsd schedule needs it; "
+                "set the share of steps to decay over, e.g. 0.2"
+            )
+        if self.schedule != "wsd" and self.decay_fraction is not None:
+            raise ValueError(
+                f"optim.decay_fraction: only the wsd schedule uses it, not {self.schedule}; "
+                "set optim.schedule=wsd or leave optim.decay_fraction unset"
+            )
+        return self
+
+    def wsd_decay_steps(self, horizon: int) -> int:
+        """Steps at the end of a ``horizon``-step wsd schedule that decay the LR (at least one)."""
+        assert self.decay_fraction is not None, "only the wsd schedule decays over a fraction"
+        return max(1, round(self.decay_fraction * horizon))
+
+    def check_horizon(self, horizon: int) -> None:
+        """ConfigError unless the warmup (and a wsd decay) fit in a schedule of ``horizon`` steps."""
+        span = f"the LR schedule's {horizon} steps (optim.schedule_steps, unset = train.steps)"
+        if self.schedule == "wsd":
+            decay = self.wsd_decay_steps(horizon)
+            if self.warmup_steps + decay > horizon:
+                raise ConfigError(
+                    f"optim.warmup_steps={self.warmup_steps} plus the wsd decay of {decay} steps "
+                    f"(optim.decay_fraction={self.decay_fraction}) exceed {span}; "
+                    "lower optim.warmup_steps or optim.decay_fraction, or lengthen the schedule"
+                )
+        elif self.warmup_steps >= horizon:
+            raise ConfigError(
+                f"optim.warmup_steps={self.warmup_steps} does not fit in {span}; "
+                "lower optim.warmup_steps or lengthen the schedule"
+            )
+
+
+class TrainConfig(Section):
+    steps: int = Field(200, gt=0, description="Optimizer steps to run.")
+    global_batch_size: int = Field(16, gt=0, description="Sequences per optimizer step, over all workers.")
+    micro_batch_size: int = Field(
+        8, gt=0, description="Sequences per forward/backward on one worker; the rest is accumulation."
+    )
+    seed: int = Field(0, description="Seeds weight init and the data order.")
+    log_every: int = Field(5, gt=0, description="Write metrics and the progress line every N steps.")
+    max_bad_steps: int = Field(
+        5,
+        gt=0,
+        description="Stop the run after this many skipped steps in a row (a step is skipped when its loss or "
+        "gradient norm is not finite, or it spikes); the longest streak is kept on the device and read at logged "
+        "and checkpoint steps, so a streak that ended in between still stops the run.",
+    )
+    loss_spike_factor: float | None = Field(
+        None,
+        gt=1,
+        description="Also skip a step whose loss exceeds this many times the median of the last "
+        "train.loss_spike_window accepted losses; unset = no spike rule.",
+    )
+    loss_spike_window: int = Field(50, ge=3, description="Accepted steps the loss-spike median is taken over.")
+    tf32: bool | None = Field(
+        None,
+        description="fp32 matrix multiplies on CUDA in TF32 (torch.set_float32_matmul_precision('high')); "
+        "unset = on for CUDA workers computing in fp32. MFU divides by the TF32 peak when on, the fp32 peak when off.",
+    )
+    gc_every: int = Field(
+        50,
+        ge=0,
+        description="Python's automatic garbage collection is off during training; every rank collects at the same "
+        "steps, every N (0 = leave automatic collection on).",
+    )
