@@ -20,7 +20,8 @@ from meshtrain.cluster.launcher import data_for_resume
 from meshtrain.config import ConfigError, load_config
 from meshtrain.data import LEGACY_SAMPLING, SAMPLING_SCHEME, DataParallelBatches, DataPlan, TokenStore, open_data
 from meshtrain.data.permutation import FeistelPermutation
-from meshtrain.data.sampling import FeistelSplit, LegacySplit, PackedSequences, held_out_count
+from meshtrain.data.sampling import PackedSequences
+from meshtrain.data.splits import FeistelSplit, LegacySplit, held_out_count
 from meshtrain.data.store import (
     FORMAT,
     FORMAT_VERSION,

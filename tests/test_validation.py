@@ -11,14 +11,9 @@ import pytest
 import torch
 
 from meshtrain.data import DataParallelBatches, MixtureSamples, PackedSequences
-from meshtrain.data.sampling import (
-    IGNORE_INDEX,
-    SpanSplit,
-    ValidationPart,
-    ValidationSet,
-    held_out_count,
-    span_windows_for,
-)
+from meshtrain.data.sampling import IGNORE_INDEX
+from meshtrain.data.splits import SpanSplit, held_out_count, span_windows_for
+from meshtrain.data.validation import ValidationPart, ValidationSet
 
 SEQ = 16
 EOS = 0

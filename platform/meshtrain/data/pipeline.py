@@ -16,17 +16,10 @@ from typing import Any
 
 from meshtrain.config import ConfigError, DataConfig, SourceConfig, redact_url, source_labels
 from meshtrain.data.prepare import prepare_store, store_key
-from meshtrain.data.sampling import (
-    SAMPLING_SCHEME,
-    MixtureSamples,
-    PackedSequences,
-    Samples,
-    ValidationPart,
-    ValidationSet,
-    WholeStream,
-    validation_split,
-    window_count,
-)
+from meshtrain.data.sampling import MixtureSamples, PackedSequences, Samples, window_count
+from meshtrain.data.schemes import SAMPLING_SCHEME
+from meshtrain.data.splits import WholeStream, validation_split
+from meshtrain.data.validation import ValidationPart, ValidationSet
 from meshtrain.data.sources import SourcePlan, plan_source
 from meshtrain.data.store import (
     FORMAT,
