@@ -252,3 +252,105 @@ def test_too_little_data_for_one_window_is_a_config_error(tmp_path) -> None:
 
     with pytest.raises(ConfigError, match="data.source: .* fewer than data.seq_len"):
         prepare_data(DataConfig(source=str(source), seq_len=64), str(tmp_path / "c"), 64, use_ray=False, log=print)
+
+
+# --- symlinks in a source, and documents longer than one encode -----------------------------------
+
+
+def test_a_glob_through_a_folder_link_or_a_link_loop_lists_each_file_once(tmp_path, monkeypatch) -> None:
+    """`ver/latest -> v2` beside `ver/v2` and a file link: every file is listed (and trained on) once, in
+    path order, and a link to a folder elsewhere still adds its files to a glob; a loop `up -> ..` adds
+    nothing (glob listed 3 files 41 times, down to the operating system's limit of links in a path); a
+    directory source does not enter folder links."""
+    from meshtrain.data.sources import expand_local_source
+
+    monkeypatch.chdir(tmp_path)
+    for folder in ("ver/v2", "other_disk", "loop/x"):
+        (tmp_path / folder).mkdir(parents=True)
+    for name in ("a", "b", "c"):
+        write_jsonl(tmp_path / "ver" / "v2" / f"{name}.jsonl", [f"document {name}"])
+        write_jsonl(tmp_path / "loop" / "x" / f"{name}.jsonl", [f"document {name}"])
+    write_jsonl(tmp_path / "other_disk" / "d.jsonl", ["document d"])
+    (tmp_path / "ver" / "latest").symlink_to("v2")
+    (tmp_path / "ver" / "v2" / "again.jsonl").symlink_to("a.jsonl")
+    (tmp_path / "ver" / "extra").symlink_to(tmp_path / "other_disk")
+    (tmp_path / "loop" / "x" / "up").symlink_to("..")
+    once = ["ver/extra/d.jsonl", "ver/latest/a.jsonl", "ver/latest/b.jsonl", "ver/latest/c.jsonl"]
+    for pattern in ("ver/**/*.jsonl", "ver/**", "ver/*/*.jsonl"):
+        assert [str(p) for p in expand_local_source(pattern)] == once, pattern
+    assert expand_local_source(str(tmp_path / "ver/**/*.jsonl")) == [tmp_path / name for name in once]
+    assert [str(p) for p in expand_local_source("ver")] == ["ver/v2/a.jsonl", "ver/v2/b.jsonl", "ver/v2/c.jsonl"]
+    assert [str(p) for p in expand_local_source("loop/**/*.jsonl")] == ["loop/x/a.jsonl", "loop/x/b.jsonl",
+                                                                         "loop/x/c.jsonl"]
+    documents = all_documents(SourceConfig(source="ver/**/*.jsonl"))
+    assert documents == ["document d", "document a", "document b", "document c"]
+
+
+def test_a_recursive_glob_lists_what_glob_lists_where_there_are_no_links(tmp_path, monkeypatch) -> None:
+    import glob
+    from pathlib import Path
+
+    from meshtrain.data.sources import LOADERS_BY_SUFFIX, expand_local_source
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("a/1.jsonl", "a/b/2.jsonl", "a/b/c/3.jsonl", "a/b/c/b4.jsonl", ".hidden/x/5.jsonl",
+                 "a/.hidden/6.jsonl", "a/.7.jsonl", "d/8.txt", "9.jsonl"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text('{"text": "x"}\n')
+    for pattern in ("**/*.jsonl", "a/**", "a/**/b/**/*.jsonl", "**/b*", "*/**/*.jsonl", "a/**/.*", ".*/**/*.jsonl",
+                    "**/c/*", "a/*/c/**", "missing/**/*.jsonl", "**/*.txt"):
+        expected = sorted(Path(p) for p in glob.glob(pattern, recursive=True)
+                          if Path(p).is_file() and Path(p).suffix in LOADERS_BY_SUFFIX)
+        assert expand_local_source(pattern) == expected, pattern
+
+
+@pytest.mark.parametrize("template", [False, True], ids=["plain", "bos-and-eos-template"])
+def test_a_document_longer_than_a_piece_is_encoded_in_pieces_to_its_own_tokens(tmp_path, monkeypatch, template) -> None:
+    """No encode call gets more than PIECE_CHARS characters, and the shard holds exactly the whole
+    documents' encodings (template tokens at the document's ends only), each followed by one
+    end-of-document token."""
+    from typing import Any
+
+    import tokenizers
+    from tokenizers import processors
+
+    from meshtrain.data import prepare as prepare_module
+    from meshtrain.data.tokenizer import train_tokenizer
+
+    texts = [p.read_text() for p in stdlib_source_files()[:6]]
+    documents = ["a short one", " ".join(texts), "another short one"]
+    write_jsonl(tmp_path / "corpus.jsonl", documents)
+    tokenizer = train_tokenizer(iter(texts), 400)
+    if template:
+        tokenizer.add_special_tokens(["<s>", "</s>"])
+        specials = [(token, tokenizer.token_to_id(token)) for token in ("<s>", "</s>")]
+        tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=specials)
+    expected = [i for e in tokenizer.encode_batch(documents) for i in e.ids + [tokenizer.token_to_id(EOS_TOKEN)]]
+    plan = plan_source(SourceConfig(source=str(tmp_path / "corpus.jsonl")), 1 << 20)
+    encoded: list[int] = []
+    real = tokenizers.Tokenizer
+
+    class Counting:
+        """The tokenizer, counting the characters of every encode call."""
+
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        @classmethod
+        def from_str(cls, text: str) -> "Counting":
+            return cls(real.from_str(text))
+
+        def encode_batch(self, batch: list[str]) -> Any:
+            encoded.append(sum(len(text) for text in batch))
+            return self.inner.encode_batch(batch)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    monkeypatch.setattr(prepare_module, "PIECE_CHARS", 2000)
+    monkeypatch.setattr(tokenizers, "Tokenizer", Counting)
+    [unit] = plan.units
+    record = prepare_module.tokenize_unit(plan, unit, tokenizer.to_str(), str(tmp_path / "store"), {})
+    assert max(encoded) <= 2000 and len(encoded) > len(documents[1]) // 2000
+    assert np.fromfile(tmp_path / "store" / record.file, dtype="<u2").tolist() == expected
+    assert record.documents == 3

@@ -232,3 +232,139 @@ def test_stores_prepared_by_earlier_versions_are_read_as_they_were_written(lists
         for start, stop in spans:  # everything is in the node cache now
             assert np.array_equal(store.read(start, stop), local.read(start, stop))
         assert store.stats()["bytes_downloaded"] == downloaded
+
+
+# --- preflight of an s3:// source ------------------------------------------------------------------
+
+LIVE_KEY, LIVE_SECRET = "AKIAPREFLIGHT0001", "preflightSecret/0002"
+
+
+def _dry_run(
+    tmp_path: Path, options: dict[str, Any], capsys: pytest.CaptureFixture[str], *overrides: str
+) -> tuple[int, str]:
+    """``pretrain.py --dry-run`` (no Ray) with these data.storage_options: (exit code, stderr)."""
+    import yaml
+
+    from meshtrain.cli.pretrain import main
+
+    config = tmp_path / "config.yaml"
+    settings = {"data": {"storage_options": options}, "run": {"storage_path": str(tmp_path / "runs")}}
+    config.write_text(yaml.safe_dump(settings))
+    code = main(["--config", str(config), "--dry-run", *overrides])
+    err = capsys.readouterr().err
+    for secret in (LIVE_KEY, LIVE_SECRET):
+        assert secret not in err
+    return code, err
+
+
+def _with_credentials(options: dict[str, Any]) -> dict[str, Any]:
+    return {**options, "key": LIVE_KEY, "secret": LIVE_SECRET}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]  # closed again: connections to it are refused
+
+
+def test_an_s3_source_that_refuses_denies_or_holds_no_store_is_one_line_before_ray(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """preflight asks an s3:// data source for its manifest: a refused endpoint, a 403 and a bucket
+    without a store are each one line naming the setting, the bucket and endpoint and the error's class
+    (exit 2, before Ray starts), and never show a credential; a real store passes."""
+    import http.server
+    import re
+    import threading
+
+    class Denied(http.server.BaseHTTPRequestHandler):
+        def _deny(self) -> None:
+            body = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+            body = b"" if self.command == "HEAD" else body
+            self.send_response(403)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_HEAD = _deny
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    refused = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{_free_port()}", "region_name": "us-east-1"}}
+    code, err = _dry_run(tmp_path, _with_credentials(refused), capsys, "data.source=s3://data/store")
+    endpoint = refused["client_kwargs"]["endpoint_url"]
+    assert code == 2 and err.count("\n") == 1, err
+    assert re.match(rf"^meshtrain: config error: data.source: cannot reach s3://data/store \(bucket 'data' at "
+                    rf"{endpoint}: EndpointConnectionError: .*\); check the endpoint and bucket in "
+                    r"data.storage_options", err)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Denied)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        denied = {"client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+        code, err = _dry_run(tmp_path, _with_credentials(denied), capsys,
+                             "data.sources=[{source: stdlib}, {source: 's3://data/store'}]")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert code == 2 and err.count("\n") == 1, err
+    assert re.match(r"^meshtrain: config error: data.sources.1.source: s3://data/store cannot be read with these "
+                    rf"credentials \(bucket 'data' at {endpoint}: PermissionError: .*\); give credentials", err)
+
+    summary = write_store(tmp_path / "store", shards=2, tokens_per_shard=1_000, sparse=False)
+    with moto_s3(monkeypatch, "data") as options:
+        url = _upload(Path(summary["url"]), options, "s")
+        code, err = _dry_run(tmp_path, options, capsys, "data.validation.source=s3://data/elsewhere")
+        assert code == 2 and err.count("\n") == 1, err
+        assert err.startswith("meshtrain: config error: data.validation.source: s3://data/elsewhere holds no token "
+                              "store (no manifest.json); fix the bucket and path, or prepare one with "
+                              "jobs/prepare_data.py")
+        code, err = _dry_run(tmp_path, options, capsys, f"data.source={url}")
+        assert code == 0, err
+
+
+def test_an_s3_source_that_never_answers_fails_preflight_within_its_timeouts(tmp_path, monkeypatch) -> None:
+    """A black hole (connections accepted, never answered): preflight's question times out per request
+    (data.read_timeout_s / 10, at least 1 s) and s3fs's own tries end, so the launch gets one line and
+    the endpoint saw a bounded number of connections."""
+    import socket
+    import threading
+
+    from meshtrain.cluster.preflight import preflight
+    from meshtrain.config import load_config
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    cfg = load_config(None, [f"run.storage_path={tmp_path}", "data.source=s3://data/store", "data.read_timeout_s=2"])
+    cfg.data.storage_options = _with_credentials(
+        {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{server.getsockname()[1]}", "region_name": "us-east-1"}})
+    try:
+        with pytest.raises(ConfigError, match=r"^data.source: s3://data/store did not answer \(bucket 'data' at "
+                           r"http://127.0.0.1:\d+: ReadTimeoutError: .*\); check the endpoint in data.storage_options "
+                           r"and that it is up, or raise data.read_timeout_s \(now 2\)$") as info:
+            preflight(cfg)
+    finally:
+        server.close()
+        for connection in held:
+            connection.close()
+    # One question, which s3fs tries 5 times (10 connections here): a bounded count, not a wait without end.
+    assert 1 <= len(held) <= 20 and LIVE_SECRET not in str(info.value)

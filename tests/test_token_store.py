@@ -378,3 +378,97 @@ def test_a_rerun_may_move_the_cache_or_allow_other_data_but_not_change_the_sourc
     (committed / "COMMITTED").write_text("{}")
     with pytest.raises(ConfigError, match="data.source: run r was started with 'stdlib'"):
         rerun(f"data.source={tmp_path / 'text.txt'}")
+
+
+# --- prepare tasks that die ------------------------------------------------------------------------
+
+
+class _Ref:
+    """A task's result (or the error it ended with), hashable by identity as Ray's object refs are."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+
+class _StandInRay:
+    """Enough of Ray for prepare's task loop, run in this process: the first ``kills[unit]`` tries of a
+    unit end as a task the memory monitor killed (Ray's OutOfMemoryError) instead of running."""
+
+    def __init__(self, kills: dict[int, int]) -> None:
+        import importlib
+
+        self.exceptions = importlib.import_module("ray.exceptions")  # the exception classes only: nothing starts
+        self.kills, self.options, self.tries, self.cancelled = dict(kills), {}, {}, []
+
+    def remote(self, function):
+        stand_in = self
+
+        class Task:
+            def options(self, **options):
+                stand_in.options = options
+                return self
+
+            def remote(self, *args):
+                index = args[1].index
+                stand_in.tries[index] = stand_in.tries.get(index, 0) + 1
+                if stand_in.kills.get(index, 0) > 0:
+                    stand_in.kills[index] -= 1
+                    return _Ref(stand_in.exceptions.OutOfMemoryError(
+                        "Task was killed due to the node running low on memory.\nMemory on the node was 31.9GB / 32GB"))
+                return _Ref(function(*args))
+
+        return Task()
+
+    def put(self, value):
+        return value
+
+    def wait(self, refs, num_returns):
+        return refs[:num_returns], refs[num_returns:]
+
+    def get(self, ref):
+        if isinstance(ref.value, BaseException):
+            raise ref.value
+        return ref.value
+
+    def cancel(self, ref):
+        self.cancelled.append(ref)
+
+
+def test_a_prepare_task_killed_for_memory_is_tried_three_times_then_named_in_one_line(tmp_path, monkeypatch) -> None:
+    """Ray would retry a task its memory monitor kills without end, so prepare turns Ray's retries off
+    (max_retries=0, no retry of a task's own errors) and tries a unit whose task died TASK_TRIES times
+    in all: a unit killed twice still gives the same store; one killed every time ends the prepare with
+    one line naming its shard and what to lower, and the shards already written are kept."""
+    from meshtrain.config import SourceConfig
+    from meshtrain.data import sources
+    from meshtrain.data.prepare import TASK_TRIES, prepare_store
+    from meshtrain.data.sources import plan_source
+    from meshtrain.data.tokenizer import train_tokenizer
+
+    documents = [f"document {i}: " + "the quick brown fox " * (5 + i % 7) for i in range(60)]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    monkeypatch.setattr(sources, "MIN_UNIT_BYTES", 1000)
+    plan = plan_source(SourceConfig(source=str(corpus)), 2000)
+    assert len(plan.units) >= 4
+    tokenizer_json = train_tokenizer(iter(documents), 300).to_str()
+    unbroken = prepare_store(plan, tokenizer_json, str(tmp_path / "in_process"), use_ray=False, progress_interval_s=1e9)
+
+    ray = _StandInRay({1: TASK_TRIES - 1})
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    survived = prepare_store(plan, tokenizer_json, str(tmp_path / "survived"), max_parallel=2, progress_interval_s=1e9)
+    assert ray.options["max_retries"] == 0 and ray.options["retry_exceptions"] is False
+    assert ray.tries == {unit.index: TASK_TRIES if unit.index == 1 else 1 for unit in plan.units}
+    assert survived.manifest.fingerprint == unbroken.manifest.fingerprint
+
+    ray = _StandInRay({2: TASK_TRIES + 5})
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    killed = tmp_path / "killed"
+    with pytest.raises(ConfigError, match=(
+        r"^data.source: the task preparing shard-000002.bin \(\S+corpus.jsonl bytes \d+-\d+\) was killed for lack of "
+        r"memory 3 times \(OutOfMemoryError: Task was killed due to the node running low on memory.\); lower "
+        r"data.prepare_unit_bytes \(this unit holds 0.0 MiB of source\), run fewer tasks at once "
+        r"\(jobs/prepare_data.py --max-parallel\) or give the nodes more memory; the shards written are kept$")):
+        prepare_store(plan, tokenizer_json, str(killed), max_parallel=2, progress_interval_s=1e9)
+    assert ray.tries[2] == TASK_TRIES and not (killed / "manifest.json").exists()
+    assert (killed / "shard-000000.json").exists() and (killed / "shard-000001.json").exists()

@@ -12,13 +12,13 @@ import hashlib
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from meshtrain.config import ConfigError, redact_url
+from meshtrain.config import ConfigError, one_line, redact_url
 from meshtrain.data.remote import block_crcs, crc_name
 from meshtrain.data.sources import SourcePlan, Unit, read_unit
 from meshtrain.data.store import (
@@ -40,6 +40,10 @@ from meshtrain.data.store import (
 from meshtrain.data.tokenizer import eos_token_id, tokenizer_sha256
 
 ENCODE_BATCH = 256
+# The most characters encoded in one call, and in one batch: the tokenizer holds ~170 bytes per
+# character while it encodes (measured: 1M characters, 180 MiB), so a 200 MB JSON Lines record encoded
+# whole took tens of GB and was killed. Longer documents are encoded in pieces (see document_pieces).
+PIECE_CHARS = 1_000_000
 # Tokenizer threads in a prepare task: one per Ray CPU, so 1 vs N CPUs means what it says.
 TASK_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
 
@@ -61,11 +65,53 @@ def store_key(plan: SourcePlan, tokenizer_hash: str, unit_bytes: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def document_pieces(text: str, limit: int = PIECE_CHARS) -> Iterator[str]:
+    """``text`` in consecutive pieces of at most ``limit`` characters (one piece when it fits).
+
+    A long document is split rather than refused: a book or a dump of code is data a user means to
+    train on, and a bound that refused it would leave them to cut their corpus by hand. Each cut goes
+    before a space that follows a non-space character, the last one in the piece's second half: the
+    byte-level pre-tokenizer splits the text there anyway (its words take their leading space), so the
+    pieces encode to exactly the whole document's tokens. A second half without such a space (base64,
+    text without spaces) is cut at ``limit``, where the tokens of the few characters around the cut may
+    differ from those of the whole document's encoding.
+    """
+    start = 0
+    while len(text) - start > limit:
+        end, floor = start + limit, start + limit // 2
+        cut = text.rfind(" ", floor + 1, end)
+        while cut > floor and text[cut - 1].isspace():
+            cut = text.rfind(" ", floor + 1, cut)
+        cut = cut if cut > floor else end
+        yield text[start:cut]
+        start = cut
+    yield text[start:] if start else text
+
+
+def _template_trimmed(encoding: Any, first: bool, last: bool) -> list[int]:
+    """The ids of one piece of a split document, without the special tokens the tokenizer's template
+    adds (a beginning-of-text token, say) where the piece does not begin or end its document."""
+    ids, mask = encoding.ids, encoding.special_tokens_mask  # content tokens are 0 in the mask, even special ones
+    begin, end = 0, len(ids)
+    if not first:
+        while begin < end and mask[begin]:
+            begin += 1
+    if not last:
+        while end > begin and mask[end - 1]:
+            end -= 1
+    return ids[begin:end]
+
+
 def tokenize_unit(
     plan: SourcePlan, unit: Unit, tokenizer_json: str, url: str, storage_options: dict[str, Any],
     limit: int | None = None,
 ) -> ShardRecord:
-    """Encode one unit's documents (each followed by the end-of-document token) into its shard."""
+    """Encode one unit's documents (each followed by the end-of-document token) into its shard.
+
+    At most ``PIECE_CHARS`` characters are encoded at once, so a task's memory is bounded whatever its
+    documents' length: a longer document is encoded in pieces (:func:`document_pieces`), in order, the
+    end-of-document token after its last piece only; a batch holds up to ``ENCODE_BATCH`` documents.
+    """
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_str(tokenizer_json)
@@ -74,19 +120,33 @@ def tokenize_unit(
     pieces: list[np.ndarray] = []
     documents = 0
     batch: list[str] = []
+    places: list[tuple[bool, bool]] = []  # per batch entry: (first piece, last piece) of its document
+    batched = 0  # characters in the batch
 
     def flush() -> None:
-        for encoding in tokenizer.encode_batch(batch):
-            pieces.append(np.asarray(encoding.ids + [eos], dtype=dtype))
+        nonlocal batched
+        for encoding, (first, last) in zip(tokenizer.encode_batch(batch), places):
+            ids = encoding.ids if first and last else _template_trimmed(encoding, first, last)
+            pieces.append(np.asarray(ids + [eos] if last else ids, dtype=dtype))
         batch.clear()
+        places.clear()
+        batched = 0
 
     for text in read_unit(plan, unit):
         if limit is not None and documents >= limit:
             break
-        batch.append(text)
         documents += 1
-        if len(batch) == ENCODE_BATCH:
-            flush()
+        split = document_pieces(text, PIECE_CHARS)
+        piece: str | None = next(split)
+        first = True
+        while piece is not None:
+            following = next(split, None)
+            if batch and (batched + len(piece) > PIECE_CHARS or len(batch) == ENCODE_BATCH):
+                flush()
+            batch.append(piece)
+            places.append((first, following is None))
+            batched += len(piece)
+            piece, first = following, False
     flush()
     tokens = np.concatenate(pieces) if pieces else np.empty(0, dtype=dtype)
     data = tokens.astype(dtype.newbyteorder("<"), copy=False).tobytes()
@@ -265,6 +325,11 @@ def prepare_store(
     return PrepareReport(manifest, location.url, time.perf_counter() - started, reused, prepared)
 
 
+# Tries of a unit whose task ended without an answer (killed for memory, its worker or node lost). Ray's
+# own retries are off: it retries a task its memory monitor kills without end ("infinite oom retries").
+TASK_TRIES = 3
+
+
 def _run_on_ray(
     plan: SourcePlan,
     units: list[Unit],
@@ -274,22 +339,60 @@ def _run_on_ray(
     max_parallel: int | None,
     finished: Callable[[ShardRecord], None],
 ) -> None:
+    """Every unit on Ray, at most ``max_parallel`` at once. An error a task raises (bad data) ends the
+    prepare at once, never retried; a task that died is tried again, ``TASK_TRIES`` times in all, then
+    the prepare ends with one line naming its shard. Shards already written stay for the next run."""
     import ray
 
     from meshtrain.config import config_error_in
 
-    task = ray.remote(tokenize_unit).options(num_cpus=1, runtime_env={"env_vars": TASK_ENV})
+    task = ray.remote(tokenize_unit).options(
+        num_cpus=1, runtime_env={"env_vars": TASK_ENV}, max_retries=0, retry_exceptions=False,
+    )
+    died = (ray.exceptions.OutOfMemoryError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError,
+            ray.exceptions.LocalRayletDiedError)
     plan_ref, tokenizer_ref = ray.put(plan), ray.put(tokenizer_json)
     waiting = list(units)
-    running: list[Any] = []
+    running: dict[Any, Unit] = {}
+    tries: dict[int, int] = {}
     limit = max_parallel or len(units)
     try:
         while waiting or running:
             while waiting and len(running) < limit:
-                running.append(task.remote(plan_ref, waiting.pop(0), tokenizer_ref, url, storage_options))
-            done, running = ray.wait(running, num_returns=1)
-            finished(ray.get(done[0]))
-    except ray.exceptions.RayTaskError as exc:
+                unit = waiting.pop(0)
+                tries[unit.index] = tries.get(unit.index, 0) + 1
+                running[task.remote(plan_ref, unit, tokenizer_ref, url, storage_options)] = unit
+            done, _ = ray.wait(list(running), num_returns=1)
+            unit = running.pop(done[0])
+            try:
+                record = ray.get(done[0])
+            except died as exc:
+                if tries[unit.index] >= TASK_TRIES:
+                    out_of_memory = isinstance(exc, ray.exceptions.OutOfMemoryError)
+                    raise _task_died(unit, tries[unit.index], exc, out_of_memory) from None
+                waiting.insert(0, unit)
+                continue
+            finished(record)
+    except BaseException as exc:
         for ref in running:
             ray.cancel(ref)
-        raise config_error_in(exc) or exc from None
+        if isinstance(exc, ray.exceptions.RayTaskError):
+            raise config_error_in(exc) or exc from None
+        raise
+
+
+def _task_died(unit: Unit, tries: int, exc: BaseException, out_of_memory: bool) -> ConfigError:
+    """The one line that ends a prepare whose task for ``unit`` died ``tries`` times."""
+    if unit.hub_shard is not None:
+        place = f"hub shard {unit.hub_shard}"
+    elif unit.start is not None:
+        place = f"{unit.files[0]} bytes {unit.start}-{unit.end}"
+    else:
+        place = unit.files[0] + (f" and {len(unit.files) - 1} more files" if len(unit.files) > 1 else "")
+    what = "was killed for lack of memory" if out_of_memory else "died"
+    return ConfigError(
+        f"data.source: the task preparing {shard_name(unit.index)} ({place}) {what} {tries} times "
+        f"({one_line(exc, limit=160)}); {'' if out_of_memory else 'if it ran out of memory, '}lower "
+        f"data.prepare_unit_bytes (this unit holds {unit.bytes / 2**20:.1f} MiB of source), run fewer tasks at once "
+        "(jobs/prepare_data.py --max-parallel) or give the nodes more memory; the shards written are kept"
+    )

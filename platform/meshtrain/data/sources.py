@@ -9,6 +9,7 @@ alone, never by how many CPUs read it.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import hashlib
 import json
@@ -35,15 +36,93 @@ def stdlib_source_files() -> list[Path]:
 
 
 def expand_local_source(source: str) -> list[Path]:
-    """Data files named by a file, a directory (searched recursively) or a glob."""
+    """Data files named by a file, a directory (searched recursively) or a glob: each file once, sorted.
+
+    Symlinks never make a file count twice. A directory is searched without entering the symlinked
+    folders inside it (as before). A glob follows symlinks like ``glob`` does, so a link to a folder on
+    another disk still adds that folder's files, but ``**`` enters each real folder once: a link to a
+    folder it has entered already (``ver/latest -> v2`` beside ``ver/v2``) adds nothing, and a loop
+    (``up -> ..``) can neither multiply the listing nor keep it walking. A file reached under several
+    names (a folder link, a file link) is listed once, under the first of them in path order.
+    """
     path = Path(source).expanduser()
     if path.is_file():
         candidates = [path]
     elif path.is_dir():
         candidates = sorted(p for p in path.rglob("*") if p.is_file())
-    else:
-        candidates = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
-    return [p for p in candidates if p.suffix.lower() in LOADERS_BY_SUFFIX]
+    elif "**" in path.parts:
+        candidates = sorted(p for p in _recursive_glob(path) if p.is_file())
+    else:  # no **: every match is at a fixed depth, so links cannot loop
+        candidates = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
+    return _each_file_once([p for p in candidates if p.suffix.lower() in LOADERS_BY_SUFFIX])
+
+
+def _recursive_glob(pattern: Path) -> list[Path]:
+    """What ``glob.glob(pattern, recursive=True)`` matches (hidden names only by a pattern that starts
+    with a dot, ``**`` any depth of non-hidden folders), with each ``**`` entering a real folder once."""
+    parts = pattern.parts
+    fixed = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    entered: set[tuple[str, int]] = set()
+    found: list[Path] = []
+
+    def walk(directory: Path, position: int) -> None:
+        if position == len(parts):
+            found.append(directory)
+            return
+        part, last = parts[position], position + 1 == len(parts)
+        if part == "**":
+            key = (os.path.realpath(directory), position)
+            if key in entered:  # this folder, under another name or through a loop: its matches are in
+                return
+            entered.add(key)
+            walk(directory, position + 1)  # ** as no folder at all
+            for child, is_dir in _children(directory):
+                if not child.name.startswith("."):
+                    if is_dir:
+                        walk(child, position)
+                    elif last:
+                        found.append(child)
+        elif glob.has_magic(part):
+            for child, _ in _children(directory):
+                if (part.startswith(".") or not child.name.startswith(".")) and fnmatch.fnmatchcase(child.name, part):
+                    walk(child, position + 1)
+        elif os.path.lexists(directory / part) if last else (directory / part).is_dir():
+            walk(directory / part, position + 1)
+
+    walk(Path(*parts[:fixed]) if fixed else Path(), fixed)
+    return found
+
+
+def _children(directory: Path) -> list[tuple[Path, bool]]:
+    """(path, is a folder or a link to one) of every entry, by name."""
+    try:
+        with os.scandir(directory) as entries:
+            found = [(entry.name, entry) for entry in entries]
+    except OSError:  # not a folder, or one this user cannot list: nothing matches below it (as in glob)
+        return []
+    return [(directory / name, _is_dir(entry)) for name, entry in sorted(found, key=lambda item: item[0])]
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()  # follows a link; no system call for a plain entry
+    except OSError:
+        return False
+
+
+def _each_file_once(files: list[Path]) -> list[Path]:
+    """``files`` without those whose real path an earlier one has (each folder resolved once)."""
+    folders: dict[Path, str] = {}
+    seen: set[str] = set()
+    kept = []
+    for file in files:
+        if file.parent not in folders:
+            folders[file.parent] = os.path.realpath(file.parent)
+        real = os.path.realpath(file) if file.is_symlink() else os.path.join(folders[file.parent], file.name)
+        if real not in seen:
+            seen.add(real)
+            kept.append(file)
+    return kept
 
 
 def first_line(exc: BaseException) -> str:

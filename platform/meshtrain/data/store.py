@@ -37,7 +37,7 @@ import fsspec
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from meshtrain.config import ConfigError
+from meshtrain.config import REDACTED, ConfigError, one_line, redact_url
 from meshtrain.data.integrity import CorruptTokens, bad_block, first_out_of_range, reprepare_hint
 from meshtrain.data.local_files import write_atomically
 from meshtrain.data.remote import BlockMismatch, RemoteShards, checksum_lists, crc_name, with_retries
@@ -155,15 +155,74 @@ class StoreLocation:
         return digest.hexdigest()
 
 
-def is_token_store(url: str, storage_options: dict[str, Any] | None = None) -> bool:
-    """Whether ``url`` is a (possibly unfinished) token store rather than a folder of documents."""
-    if "://" not in url and not Path(url).expanduser().is_dir():
-        return False
+def is_token_store(
+    url: str, storage_options: dict[str, Any] | None = None, *, setting: str = "data.source",
+    timeout_s: float | None = None,
+) -> bool:
+    """Whether ``url`` is a (possibly unfinished) token store rather than a folder of documents.
+
+    A remote ``url`` that cannot be asked is a one-line ConfigError naming ``setting``, the endpoint and
+    bucket and the error's class, never False (which would read as "no documents there"): a refused or
+    unknown endpoint, wrong credentials (403), or an endpoint that never answers. S3 is asked with
+    :func:`with_timeouts` of ``timeout_s`` (default ``data.read_timeout_s``'s), so a black hole fails
+    after about that long; s3fs retries each request itself. Credentials are never shown.
+    """
+    if "://" not in url:
+        if not Path(url).expanduser().is_dir():
+            return False
+        try:
+            location = StoreLocation(url, storage_options)
+            return location.exists(MANIFEST) or location.exists(PLAN)
+        except OSError:  # an unreadable folder is no store; its files are reported where they are listed
+            return False
+    options = dict(storage_options or {})
+    budget = ReadSettings().read_timeout_s if timeout_s is None else timeout_s
     try:
-        location = StoreLocation(url, storage_options)
+        location = StoreLocation(url, with_timeouts(options, budget) if url.startswith("s3://") else options)
         return location.exists(MANIFEST) or location.exists(PLAN)
-    except Exception:  # an unreachable remote: reported where the store is opened
-        return False
+    except Exception as exc:  # botocore, aiohttp and fsspec errors alike: the store cannot be asked
+        raise _unreachable(url, options, setting, exc, budget) from None
+
+
+def _unreachable(url: str, options: dict[str, Any], setting: str, exc: BaseException, budget: float) -> ConfigError:
+    """The one line for a remote store that could not be asked whether it holds a manifest."""
+    shown = redact_url(url)
+    reason = _without_secrets(one_line(exc, limit=200), options)
+    if url.startswith("s3://"):
+        bucket = url.removeprefix("s3://").split("/", 1)[0].rsplit("@", 1)[-1]
+        client = options.get("client_kwargs") if isinstance(options.get("client_kwargs"), dict) else {}
+        endpoint = (client.get("endpoint_url") or options.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3")
+                    or os.environ.get("AWS_ENDPOINT_URL"))
+        shown_endpoint = redact_url(str(endpoint)) if endpoint else "the default AWS endpoint"
+        reason = f"bucket {bucket!r} at {shown_endpoint}: {reason}"
+    if isinstance(exc, PermissionError) or "Credentials" in type(exc).__name__:  # 403, or none/partial given
+        return ConfigError(
+            f"{setting}: {shown} cannot be read with these credentials ({reason}); give credentials that may read "
+            "it (environment, instance role, or data.storage_options)"
+        )
+    if isinstance(exc, TimeoutError) or "timeout" in type(exc).__name__.lower():
+        return ConfigError(
+            f"{setting}: {shown} did not answer ({reason}); check the endpoint in data.storage_options and that it "
+            f"is up, or raise data.read_timeout_s (now {budget:g})"
+        )
+    return ConfigError(
+        f"{setting}: cannot reach {shown} ({reason}); check the endpoint and bucket in data.storage_options and "
+        "that the endpoint is up"
+    )
+
+
+def _without_secrets(text: str, options: Any) -> str:
+    """``text`` with every string value of the storage options (keys, secrets, tokens, a password in an
+    endpoint URL) replaced by ``<redacted>``."""
+    if isinstance(options, dict):
+        for value in options.values():
+            text = _without_secrets(text, value)
+    elif isinstance(options, (list, tuple)):
+        for value in options:
+            text = _without_secrets(text, value)
+    elif isinstance(options, str) and len(options) >= 4:  # shorter ones would mangle the text, and are no secret
+        text = text.replace(options, redact_url(options) if "://" in options else REDACTED)
+    return text
 
 
 def read_manifest(location: StoreLocation) -> Manifest:
