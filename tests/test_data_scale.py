@@ -22,11 +22,11 @@ from meshtrain.data import LEGACY_SAMPLING, SAMPLING_SCHEME, DataParallelBatches
 from meshtrain.data.permutation import FeistelPermutation
 from meshtrain.data.sampling import PackedSequences
 from meshtrain.data.splits import FeistelSplit, LegacySplit, held_out_count
-from meshtrain.data.store import (
+from meshtrain.data.open_files import OPEN_SHARDS
+from meshtrain.data.store_format import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
-    OPEN_SHARDS,
     Manifest,
     ShardRecord,
     shard_name,
@@ -221,7 +221,7 @@ def test_a_resumed_prepare_trusts_finished_records_and_reads_no_shard(tmp_path: 
     import meshtrain.data.sources as sources
     from meshtrain.config import DataConfig
     from meshtrain.data import prepare_data
-    from meshtrain.data.store import StoreLocation
+    from meshtrain.data.location import StoreLocation
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -258,7 +258,8 @@ def test_a_resumed_prepare_trusts_finished_records_and_reads_no_shard(tmp_path: 
 def test_a_rank_reads_through_the_shard_index_without_parsing_the_manifest(tmp_path: Path, monkeypatch) -> None:
     from meshtrain.data import store as store_module
     from meshtrain.data.shard_index import INDEX_JSON, INDEX_NPY
-    from meshtrain.data.store import StoreLocation, read_manifest, write_index
+    from meshtrain.data.location import StoreLocation
+    from meshtrain.data.store import read_manifest, write_index
 
     stream = _write_store(tmp_path / "store", shards=300, rng=np.random.default_rng(3))
     location = StoreLocation(str(tmp_path / "store"))

@@ -20,7 +20,8 @@ from meshtrain.data import DataParallelBatches, PackedSequences, TokenStore, pre
 from meshtrain.data import sources as sources_module
 from meshtrain.data.integrity import CorruptTokens
 from meshtrain.data.remote import LEGACY_CHECK_BYTES, block_crcs
-from meshtrain.data.store import OPEN_SHARDS, shard_name
+from meshtrain.data.open_files import OPEN_SHARDS
+from meshtrain.data.store_format import shard_name
 
 UNIT_BYTES = 4096
 

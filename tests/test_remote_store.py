@@ -19,7 +19,7 @@ from meshtrain.data import TokenStore
 from meshtrain.data import remote as remote_module
 from meshtrain.data.integrity import CorruptTokens
 from meshtrain.data.remote import StorageUnavailable
-from meshtrain.data.store import ReadSettings
+from meshtrain.data.location import ReadSettings
 from s3server import moto_s3
 
 pytestmark = pytest.mark.processes

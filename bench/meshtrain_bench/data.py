@@ -139,7 +139,8 @@ def flip_token_bit(store: str, token: int, bit: int) -> tuple[Path, int]:
     shard, leaving the shard's size and checksum lists as they were, as a bad disk would: a read of
     that token then fails with :class:`~meshtrain.data.integrity.CorruptTokens`. Returns the shard's
     path and the byte changed in it. Shards are ``<store>/shard-NNNNNN.bin``, little-endian tokens."""
-    from meshtrain.data.store import TokenStore, shard_name
+    from meshtrain.data.store import TokenStore
+    from meshtrain.data.store_format import shard_name
 
     tokens = TokenStore(store)
     tokens.close()
@@ -164,7 +165,7 @@ class UncheckedReads:
     asked for, no checksum and no vocabulary check (the baseline of the verification cost)."""
 
     def __init__(self, store: Any) -> None:
-        from meshtrain.data.store import OpenFiles
+        from meshtrain.data.open_files import OpenFiles
 
         self.store, self.files = store, OpenFiles()
 
@@ -172,7 +173,7 @@ class UncheckedReads:
         return len(self.store)
 
     def read(self, start: int, stop: int) -> np.ndarray:
-        from meshtrain.data.store import shard_name
+        from meshtrain.data.store_format import shard_name
 
         index, itemsize, dtype = self.store.index, self.store.dtype.itemsize, self.store.dtype
         shard, position, pieces = index.shard_of(start), start, []

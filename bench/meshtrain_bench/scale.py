@@ -52,7 +52,7 @@ def _mappings() -> int:
 def _plan(summary: dict[str, Any], options: dict[str, Any], cache_max_bytes: int = 32 * 2**30) -> Any:
     from meshtrain.data import DataPlan
     from meshtrain.data.pipeline import StoreRef
-    from meshtrain.data.store import ReadSettings
+    from meshtrain.data.location import ReadSettings
 
     ref = StoreRef(summary["url"], 1.0, summary["fingerprint"], summary["tokens"], summary["shards"], "synthetic")
     return DataPlan(stores=(ref,), tokenizer_json=tokenizer_json(), vocab_size=VOCAB, eos_id=EOS,

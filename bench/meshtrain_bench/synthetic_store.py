@@ -30,18 +30,18 @@ def write_store(root: Path, shards: int, tokens_per_shard: int, sparse: bool, se
     (sparse: every shard a hole of ``tokens_per_shard`` zero tokens, which costs no disk). Returns
     what a data plan needs to name it."""
     from meshtrain.data.remote import block_crcs, crc_name
-    from meshtrain.data.store import (
+    from meshtrain.data.location import StoreLocation
+    from meshtrain.data.store import write_index
+    from meshtrain.data.store_format import (
         FORMAT,
         FORMAT_VERSION,
         MANIFEST,
         TOKENIZER,
         Manifest,
         ShardRecord,
-        StoreLocation,
         manifest_text,
         shard_name,
         store_fingerprint,
-        write_index,
     )
 
     done = root / "BENCH_COMPLETE"

@@ -21,17 +21,9 @@ from meshtrain.data.schemes import SAMPLING_SCHEME
 from meshtrain.data.splits import WholeStream, validation_split
 from meshtrain.data.validation import ValidationPart, ValidationSet
 from meshtrain.data.sources import SourcePlan, plan_source
-from meshtrain.data.store import (
-    FORMAT,
-    FORMAT_VERSION,
-    TOKENIZER,
-    ReadSettings,
-    StoreLocation,
-    TokenStore,
-    is_token_store,
-    read_manifest,
-    write_index,
-)
+from meshtrain.data.location import ReadSettings, StoreLocation
+from meshtrain.data.store import TokenStore, is_token_store, read_manifest, write_index
+from meshtrain.data.store_format import FORMAT, FORMAT_VERSION, TOKENIZER
 from meshtrain.data.tokenizer import (
     eos_token_id,
     load_tokenizer_file,

@@ -21,7 +21,9 @@ import numpy as np
 from meshtrain.config import ConfigError, one_line, redact_url
 from meshtrain.data.remote import block_crcs, crc_name
 from meshtrain.data.sources import SourcePlan, Unit, read_unit
-from meshtrain.data.store import (
+from meshtrain.data.location import StoreLocation
+from meshtrain.data.store import read_manifest, write_index
+from meshtrain.data.store_format import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
@@ -29,13 +31,10 @@ from meshtrain.data.store import (
     TOKENIZER,
     Manifest,
     ShardRecord,
-    StoreLocation,
     manifest_text,
-    read_manifest,
     shard_name,
     store_fingerprint,
     token_dtype,
-    write_index,
 )
 from meshtrain.data.tokenizer import eos_token_id, tokenizer_sha256
 

@@ -27,133 +27,27 @@ import hashlib
 import json
 import os
 import tempfile
-import threading
-from collections import OrderedDict
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import numpy as np
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from meshtrain.config import REDACTED, ConfigError, one_line, redact_url
 from meshtrain.data.integrity import CorruptTokens, bad_block, first_out_of_range, reprepare_hint
-from meshtrain.data.local_files import write_atomically
 from meshtrain.data.remote import BlockMismatch, RemoteShards, checksum_lists, crc_name, with_retries
+from meshtrain.data.location import ReadSettings, StoreLocation, with_timeouts
+from meshtrain.data.open_files import OPEN_SHARDS, OpenFiles, ShortFile
 from meshtrain.data.shard_index import INDEX_JSON, INDEX_NPY, ShardIndex, index_arrays, parse_header
-
-FORMAT = "meshtrain-token-store"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-PLAN = "plan.json"
-TOKENIZER = "tokenizer.json"
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
-
-
-def shard_name(index: int) -> str:
-    return f"shard-{index:06d}.bin"
-
-
-class ShardRecord(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    file: str
-    unit: str  # hash of the unit's description: a record from another plan is not reused
-    tokens: int
-    documents: int
-    sha256: str
-    source_bytes: int
-
-
-class Manifest(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    format: str
-    version: int
-    complete: bool
-    dtype: str
-    vocab_size: int
-    eos_id: int
-    tokenizer_sha256: str
-    source: dict[str, Any]
-    source_fingerprint: str
-    documents: int
-    tokens: int
-    shards: tuple[ShardRecord, ...]
-    fingerprint: str
-
-
-def store_fingerprint(dtype: str, tokenizer_hash: str, shards: Iterable[ShardRecord]) -> str:
-    """Content id of a store: the tokens it holds and how they decode (not where or when written)."""
-    digest = hashlib.sha256(f"{FORMAT}/{FORMAT_VERSION}/{dtype}/{tokenizer_hash}".encode())
-    for shard in shards:
-        digest.update(f"\n{shard.tokens}:{shard.sha256}".encode())
-    return digest.hexdigest()
-
-
-class StoreLocation:
-    """A store folder on any fsspec filesystem, with the writes meshtrain needs (atomic, no overwrite)."""
-
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
-        self.url = url.rstrip("/")
-        self.storage_options = dict(storage_options or {})
-        self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
-        self.is_local = isinstance(self.fs, fsspec.implementations.local.LocalFileSystem)
-
-    def path(self, name: str) -> str:
-        return f"{self.root}/{name}"
-
-    def display(self, name: str) -> str:
-        return f"{self.url}/{name}"
-
-    def exists(self, name: str) -> bool:
-        return self.fs.exists(self.path(name))
-
-    def read_text(self, name: str) -> str:
-        with self.fs.open(self.path(name), "r", encoding="utf-8") as handle:
-            return handle.read()
-
-    def size(self, name: str) -> int | None:
-        try:
-            return int(self.fs.size(self.path(name)))
-        except FileNotFoundError:
-            return None
-
-    def sizes(self) -> dict[str, int]:
-        """Name -> bytes of every file in the folder, from one listing (not one request per file)."""
-        if self.is_local:
-            with os.scandir(self.root) as entries:
-                return {entry.name: entry.stat().st_size for entry in entries if entry.is_file()}
-        listing = self.fs.ls(self.root, detail=True, refresh=True)
-        return {entry["name"].rstrip("/").rsplit("/", 1)[-1]: int(entry["size"]) for entry in listing
-                if entry.get("type") == "file"}
-
-    def write_text(self, name: str, text: str) -> None:
-        self.write_bytes(name, text.encode())
-
-    def write_bytes(self, name: str, data: bytes) -> None:
-        """Whole-file write: locally ``write_atomically``; remote object stores publish an object only
-        when its upload completes."""
-        target = self.path(name)
-        parent = target.rsplit("/", 1)[0]
-        self.fs.makedirs(parent, exist_ok=True)
-        if self.is_local:
-            write_atomically(target, data)
-        else:
-            with self.fs.open(target, "wb") as handle:
-                handle.write(data)
-
-    def sha256(self, name: str) -> str:
-        digest = hashlib.sha256()
-        with self.fs.open(self.path(name), "rb") as handle:
-            while chunk := handle.read(1 << 24):
-                digest.update(chunk)
-        return digest.hexdigest()
-
+from meshtrain.data.store_format import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    PLAN,
+    TOKENIZER,
+    Manifest,
+    shard_name,
+)
 
 def is_token_store(
     url: str, storage_options: dict[str, Any] | None = None, *, setting: str = "data.source",
@@ -267,85 +161,6 @@ def check_shard_sizes(location: StoreLocation, index: ShardIndex, itemsize: int,
                 f"data.source: shard {location.display(name)} holds {size} bytes, its manifest says {expected} "
                 f"({int(tokens[shard])} tokens); the file is truncated or replaced: prepare the store again"
             )
-
-
-def _local_cache_dir() -> Path:
-    return Path(os.environ.get("MESHTRAIN_TOKEN_CACHE", Path(tempfile.gettempdir()) / "meshtrain-token-cache"))
-
-
-class ReadSettings(BaseModel):
-    """How a worker reads remote stores (from the data section of the config)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    cache_max_bytes: int = 32 * 2**30
-    local_cache_dir: str | None = None
-    read_timeout_s: float = 120.0
-
-    def cache_root(self) -> Path:
-        return Path(self.local_cache_dir) if self.local_cache_dir else _local_cache_dir()
-
-
-def with_timeouts(storage_options: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """S3 options with connect and read timeouts unless the user set their own: a request to an
-    endpoint that stops answering fails (and is retried) instead of waiting forever."""
-    if "config_kwargs" in storage_options:
-        return dict(storage_options)
-    # s3fs tries each call 5 times itself: a tenth of the budget per request keeps the whole close to it.
-    per_request = max(1.0, min(timeout_s / 10, 30.0))
-    return {**storage_options, "config_kwargs": {"connect_timeout": per_request, "read_timeout": per_request,
-                                                  "retries": {"max_attempts": 1}}}
-
-
-# Shard files a rank keeps open at once: its windows are drawn at random from every shard, so without
-# a bound a 60,000-shard store would hold 60,000 descriptors per rank.
-OPEN_SHARDS = 16
-
-
-class ShortFile(OSError):
-    """A positional read past the end of a file."""
-
-
-class OpenFiles:
-    """At most ``capacity`` files open for positional reads; the least recently used is closed first.
-    Safe to share between threads."""
-
-    def __init__(self, capacity: int = OPEN_SHARDS) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be at least 1, got {capacity}")
-        self.capacity = capacity
-        self._open: OrderedDict[str, int] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def read(self, path: str, offset: int, size: int) -> bytes:
-        """``size`` bytes of ``path`` from ``offset``; :class:`ShortFile` when the file holds fewer."""
-        with self._lock:
-            fd = self._open.pop(path, None)
-            if fd is None:
-                fd = os.open(path, os.O_RDONLY)
-                while len(self._open) >= self.capacity:
-                    os.close(self._open.popitem(last=False)[1])
-            self._open[path] = fd
-            pieces, done = [], 0
-            while done < size:
-                piece = os.pread(fd, size - done, offset + done)
-                if not piece:
-                    raise ShortFile(f"{path}: {size} bytes wanted at offset {offset}, the file ends after {done}")
-                pieces.append(piece)
-                done += len(piece)
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
-
-    def close(self) -> None:
-        with self._lock:
-            while self._open:
-                os.close(self._open.popitem()[1])
-
-    def __del__(self) -> None:
-        self.close()
-
-
-def manifest_text(manifest: Manifest) -> str:
-    return manifest.model_dump_json(indent=1)
 
 
 def write_index(location: StoreLocation, manifest: Manifest, manifest_bytes: int | None = None) -> bool:

@@ -107,8 +107,7 @@ def train(
     """
     if isinstance(data, DataPlan):
         data = open_data(data, cfg.data.seq_len, cfg.train.seed)
-    args = model if model is not None else model_args(cfg, data.vocab_size)
-    trainer = Trainer(cfg, args, data, worker, device, on_record, metrics, reporter, on_straggler, stop_request)
+    trainer = Trainer(cfg, data, worker, device, on_record, metrics, reporter, on_straggler, stop_request, model)
     try:
         return trainer.run()
     finally:
@@ -121,7 +120,6 @@ class Trainer:
     def __init__(
         self,
         cfg: MeshtrainConfig,
-        args: ModelArgs,
         data: TrainingData,
         worker: WorkerLayout,
         device: torch.device,
@@ -130,8 +128,10 @@ class Trainer:
         reporter: RayTrainReporter | None = None,
         on_straggler: Callable[[dict[str, Any]], None] | None = None,
         stop_request: StopRequest | None = None,
+        model: ModelArgs | None = None,
     ) -> None:
         self.cfg = cfg
+        args = model if model is not None else model_args(cfg, data.vocab_size)  # the driver resolved it once
         self.outputs = LoopOutputs(on_record, metrics, reporter)
         torch.manual_seed(cfg.train.seed)
         run_dir = Path(cfg.run.storage_path) / (cfg.run.name or "")
