@@ -61,7 +61,7 @@ def test_window_rounds_warmup_and_timed_steps_to_whole_logging_intervals() -> No
 def test_a_failed_configuration_is_one_line_naming_the_rank_that_failed_first() -> None:
     from ray.train import WorkerGroupError
 
-    from meshtrain.cluster.launcher import TrainingFailed
+    from meshtrain.cluster.outcome import TrainingFailed
 
     bench = bench_module()
     peer = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer.")

@@ -284,7 +284,7 @@ def test_an_allocator_setting_that_conflicts_with_the_environments_is_one_line(
 def test_workers_get_the_flight_recorder_and_the_allocator_setting_through_rays_runtime_env(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from meshtrain.cluster.launcher import build_trainer
+    from meshtrain.cluster.ray_trainer import build_trainer
     from meshtrain.model.args import model_args
     from meshtrain.observe.run_folder import RunPaths
     from meshtrain.train.spec import RunSpec

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshtrain.cluster.launcher import data_for_resume
+from meshtrain.cluster.resume import data_for_resume
 from meshtrain.config import ConfigError, load_config
 from meshtrain.data import LEGACY_SAMPLING, SAMPLING_SCHEME, DataParallelBatches, DataPlan, TokenStore, open_data
 from meshtrain.data.permutation import FeistelPermutation

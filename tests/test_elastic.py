@@ -152,7 +152,7 @@ def test_a_resize_waits_for_the_groups_checkpoint_then_happens() -> None:
 
 def test_the_trainer_hands_ray_the_policy_for_elastic_runs(tmp_path) -> None:
     from meshtrain.cluster.elastic_policy import TrainableSizesPolicy
-    from meshtrain.cluster.launcher import build_trainer
+    from meshtrain.cluster.ray_trainer import build_trainer
     from meshtrain.model.args import model_args
     from meshtrain.observe.run_folder import RunPaths
     from meshtrain.train.spec import RunSpec

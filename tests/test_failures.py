@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 
 from meshtrain.checkpoint.errors import CheckpointStorageFull, CheckpointUnreachable, NoLoadableCheckpoint
 from meshtrain.cluster.failures import Failure, is_permanent, root_failure, stamp
-from meshtrain.cluster.launcher import _failure_message
+from meshtrain.cluster.outcome import _failure_message
 from meshtrain.cluster.ray_trainer import StopOnPermanentFailure
 from meshtrain.cluster.worker import UntrainableGroupSize
 from meshtrain.config import ConfigError, load_config

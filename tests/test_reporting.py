@@ -261,7 +261,7 @@ def test_tensorboard_event_files_hold_the_logged_scalars(tmp_path: Path) -> None
 
 
 def test_ray_callbacks_are_checked_with_one_line_errors() -> None:
-    from meshtrain.cluster.launcher import load_ray_callbacks
+    from meshtrain.cluster.ray_trainer import load_ray_callbacks
     from meshtrain.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"^metrics.ray_callbacks: expected 'module:Class' entries"):

@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from meshtrain.checkpoint.storage import COMMIT_MARKER
-from meshtrain.cluster.launcher import resolve_run, write_run_config
+from meshtrain.cluster.launcher import resolve_run
+from meshtrain.cluster.resume import write_run_config
 from meshtrain.cluster.preflight import preflight
 from meshtrain.config import ConfigError, MeshtrainConfig, load_config
 from s3server import moto_s3

@@ -10,7 +10,8 @@ import pytest
 import torch
 import yaml
 
-from meshtrain.cluster.launcher import resolve_run, resolve_schedule_horizon, write_run_config
+from meshtrain.cluster.launcher import resolve_run
+from meshtrain.cluster.resume import resolve_schedule_horizon, write_run_config
 from meshtrain.config import ConfigError, MeshtrainConfig, OptimConfig, load_config
 from meshtrain.train.optim import build_lr_scheduler, lr_multiplier
 

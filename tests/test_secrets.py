@@ -15,7 +15,8 @@ import yaml
 from corpora import stdlib_plan
 from meshtrain.checkpoint.storage import COMMIT_MARKER, run_checkpoints
 from meshtrain.cli.pretrain import main
-from meshtrain.cluster.launcher import resolve_run, write_run_config
+from meshtrain.cluster.launcher import resolve_run
+from meshtrain.cluster.resume import write_run_config
 from meshtrain.config import REDACTED, ConfigError, MeshtrainConfig, load_config, redact_options, redact_url
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.observe.mlflow_tracker import mlflow_params

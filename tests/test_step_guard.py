@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import meshtrain.train.step as training
 from meshtrain.checkpoint.storage import CheckpointStorage, checkpoint_root
-from meshtrain.cluster.launcher import _stopped_message
+from meshtrain.cluster.outcome import _stopped_message
 from meshtrain.config import MeshtrainConfig, load_config
 from meshtrain.data import DataPlan, open_data
 from meshtrain.distributed.layout import WorkerLayout

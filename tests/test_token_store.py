@@ -307,7 +307,7 @@ def test_a_store_read_with_another_tokenizer_is_refused(plan, tmp_path) -> None:
 
 
 def test_resume_on_other_data_is_refused(plan, tmp_path) -> None:
-    from meshtrain.cluster.launcher import data_for_resume
+    from meshtrain.cluster.resume import data_for_resume
 
     cfg = load_config(None, [f"run.storage_path={tmp_path}", "run.name=r"])
     step = tmp_path / "r" / "checkpoints" / "step-00000010"
@@ -365,7 +365,8 @@ def test_a_store_on_s3_is_prepared_cached_locally_and_checked(plan, tmp_path, mo
 
 
 def test_a_rerun_may_move_the_cache_or_allow_other_data_but_not_change_the_source(tmp_path) -> None:
-    from meshtrain.cluster.launcher import resolve_run, write_run_config
+    from meshtrain.cluster.launcher import resolve_run
+    from meshtrain.cluster.resume import write_run_config
 
     def rerun(*overrides: str) -> None:
         write_run_config(*resolve_run(load_config(None, [f"run.storage_path={tmp_path}", "run.name=r", *overrides])))

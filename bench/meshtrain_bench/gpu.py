@@ -516,7 +516,7 @@ def failure_reason(exc: BaseException) -> str:
     """One line: the launcher's root cause (the rank that failed first, not one that lost its peer), or
     for any other error its own line."""
     from meshtrain.cluster.failures import root_failure
-    from meshtrain.cluster.launcher import TrainingFailed
+    from meshtrain.cluster.outcome import TrainingFailed
 
     failure = getattr(exc, "failure", None)
     if failure is None and isinstance(exc, TrainingFailed) and exc.__context__ is not None:

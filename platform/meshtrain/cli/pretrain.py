@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def dry_run(cfg: MeshtrainConfig, trace: bool = False) -> None:
     """Print the resolved (preflighted) config and the plan; ConfigError, and nothing on stdout, when the plan fails."""
-    from meshtrain.cluster.launcher import config_yaml
+    from meshtrain.cluster.resume import config_yaml
     from meshtrain.data import tokenizer_vocab_size
     from meshtrain.distributed.plan import describe_plan
     from meshtrain.model.args import model_args
@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             dry_run(preflight(cfg), args.trace)
             return 0
-        from meshtrain.cluster.launcher import Interrupted, TrainingFailed, launch
+        from meshtrain.cluster.launcher import launch
+        from meshtrain.cluster.outcome import Interrupted, TrainingFailed
 
         try:
             summary = launch(cfg)  # preflight first: every error the config can show, before Ray starts

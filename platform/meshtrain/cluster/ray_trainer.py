@@ -9,15 +9,22 @@ which has the workers save first.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
 from ray.train.v2._internal.execution.failure_handling import FailureDecision
 from ray.train.v2._internal.execution.failure_handling.default import DefaultFailurePolicy
 
+from meshtrain.checkpoint.storage import checkpoint_root
+from meshtrain.cluster.capacity import worker_resources
 from meshtrain.cluster.elastic_policy import TrainableSizesPolicy
 from meshtrain.cluster.failures import root_failure
+from meshtrain.cluster.worker_env import worker_env
+from meshtrain.config import ConfigError, one_line
+from meshtrain.train.spec import RunSpec
 
 logger = logging.getLogger(__name__)
 
@@ -58,3 +65,77 @@ def trainer_class() -> type:
             the workers at once, losing every step since the last checkpoint."""
 
     return MeshtrainTorchTrainer
+
+
+def load_ray_callbacks(specs: list[str]) -> list[Any]:
+    """Instances of the ``module:Class`` Ray Train callbacks named in metrics.ray_callbacks."""
+    import importlib
+
+    from ray.train import UserCallback
+
+    callbacks = []
+    for spec in specs:
+        module_name, class_name = spec.split(":")
+        try:
+            callback_class = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(
+                f"metrics.ray_callbacks: cannot import {spec!r} ({one_line(exc)}); install its package "
+                "on every node or fix the name"
+            ) from None
+        if not (isinstance(callback_class, type) and issubclass(callback_class, UserCallback)):
+            raise ConfigError(f"metrics.ray_callbacks: {spec!r} is not a ray.train.UserCallback subclass")
+        callbacks.append(callback_class())
+    return callbacks
+
+
+def build_trainer(spec: RunSpec) -> Any:
+    import ray.train
+    from ray.train.torch import TorchConfig
+
+    from meshtrain.cluster.elastic_policy import NewestCommittedStep, TrainableSizesPolicy
+    from meshtrain.cluster.worker import train_loop_per_worker
+
+    cfg, paths = spec.config, spec.paths
+    scaling = cfg.scaling
+    if not scaling.use_gpu:
+        backend = "gloo"
+    elif cfg.parallel.cpu_offload:
+        backend = "cpu:gloo,cuda:nccl"  # offloaded gradients are clipped with collectives on host memory
+    else:
+        backend = "nccl"
+    elastic_policy = None
+    if scaling.elastic:
+        # Only trainable sizes; a grow first saves where the group is (none to wait for without checkpoints).
+        elastic_policy = functools.partial(
+            TrainableSizesPolicy,
+            sizes=cfg.elastic_sizes(),
+            newest_checkpoint_step=NewestCommittedStep(checkpoint_root(cfg), cfg.checkpoint.storage_options),
+            grow_save_timeout_s=scaling.grow_save_timeout_s if cfg.checkpoint.enabled else 0.0,
+        )
+    return trainer_class()(
+        train_loop_per_worker,
+        elastic_policy=elastic_policy,
+        # The resolved objects themselves: re-validating on workers would re-check data paths that exist
+        # only where the driver runs; the data plan holds store locations, workers map the shards themselves.
+        train_loop_config={"spec": spec},
+        torch_config=TorchConfig(backend=backend, timeout_s=scaling.timeout_s),
+        scaling_config=ray.train.ScalingConfig(
+            # Elastic: Ray starts the group on as many workers as the cluster holds in this range,
+            # and restarts it larger when a check every resize_check_interval_s finds more.
+            num_workers=(scaling.min_workers, scaling.num_workers) if scaling.elastic else scaling.num_workers,
+            elastic_resize_monitor_interval_s=scaling.resize_check_interval_s,
+            use_gpu=scaling.use_gpu,
+            resources_per_worker=worker_resources(scaling),
+            placement_strategy=scaling.placement_strategy,
+            accelerator_type=scaling.accelerator_type,
+        ),
+        run_config=ray.train.RunConfig(
+            name=paths.name,
+            storage_path=str(paths.storage_path),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
+            callbacks=load_ray_callbacks(cfg.metrics.ray_callbacks),
+            # Read by torch when the worker starts its process group and CUDA, before our code runs.
+            worker_runtime_env={"env_vars": worker_env(cfg, os.environ)},
+        ),
+    )

@@ -1,0 +1,68 @@
+"""How a launch ends when it does not finish: the exceptions the driver raises and the one final line
+each prints (the failure, where the run can resume from, the restarts used)."""
+
+
+from __future__ import annotations
+
+from typing import Any
+
+
+from meshtrain.checkpoint.storage import newest_committed
+from meshtrain.cluster.failures import Failure
+from meshtrain.config import MeshtrainConfig
+from meshtrain.observe.run_folder import RunPaths, read_worker_starts
+
+
+
+class TrainingFailed(RuntimeError):
+    """The worker group failed for good (a permanent failure, or restarts exhausted) or the step guard
+    stopped the run; the message names the cause and where the run can resume from."""
+
+    def __init__(self, message: str, failure: Failure | None = None) -> None:
+        super().__init__(message)
+        self.failure = failure
+
+
+class Interrupted(RuntimeError):
+    """The driver was interrupted (Ctrl-C, ``ray job stop``); the message says where the run stopped,
+    what was saved and how to resume."""
+
+
+def _last_committed(cfg: MeshtrainConfig) -> str:
+    storage, newest = newest_committed(cfg)
+    if newest is not None:
+        return f"last committed checkpoint: {storage.display(newest.path)} (step {newest.step})"
+    bad = len(storage.all_committed()) if cfg.checkpoint.enabled else 0
+    return f"no loadable checkpoint ({bad} committed, marked bad)" if bad else "no checkpoint was committed"
+
+
+def restarts_used(paths: RunPaths, launch_id: str) -> int:
+    """How many times Ray restarted this launch's worker group (from worker_starts.jsonl)."""
+    return max(0, sum(entry.get("launch") == launch_id for entry in read_worker_starts(paths)) - 1)
+
+
+def _failure_message(cfg: MeshtrainConfig, failure: Failure, restarts: int) -> str:
+    if failure.permanent:
+        how = f"not restarted, a restart cannot fix this{f' (after {restarts} restart(s))' if restarts else ''}"
+        resume = f"fix the cause, then run the same command again (run.name={cfg.run.name}) to resume"
+    else:
+        how = f"after {restarts} restart(s) (run.max_failures={cfg.run.max_failures})"
+        resume = f"run the same command again (run.name={cfg.run.name}) to resume"
+    return f"training failed: {failure.describe()}; {how}; {_last_committed(cfg)}; {resume}"
+
+
+def _interrupted_message(cfg: MeshtrainConfig, interrupted: dict[str, Any] | None) -> str:
+    storage, newest = newest_committed(cfg)
+    if interrupted is None:
+        at = "stopped at once without saving"
+    else:
+        at = f"interrupted at step {interrupted['step']}"
+    saved = f"checkpoint step {newest.step} committed" if newest is not None else "no checkpoint committed"
+    return f"{at}; {saved}; run the same command (run.name={cfg.run.name}) to resume"
+
+
+def _stopped_message(cfg: MeshtrainConfig, reason: str) -> str:
+    return (
+        f"training stopped: {reason}; {_last_committed(cfg)}; fix the cause (e.g. lower optim.lr or raise "
+        f"train.max_bad_steps) and run the same command again (run.name={cfg.run.name}) to resume from it"
+    )

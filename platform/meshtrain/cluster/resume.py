@@ -1,0 +1,186 @@
+"""What a relaunch of a run name keeps and may change: the config it was started with (the settings a
+re-run may change), the run's tokenizer, the LR horizon, the checkpoints' data and sampling scheme, and
+the refusal to overwrite committed work with a fresh start."""
+
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import datetime
+from typing import Any
+
+import yaml
+
+from meshtrain.checkpoint.storage import run_checkpoints
+from meshtrain.config import ConfigError, MeshtrainConfig, one_line
+from meshtrain.data import SAMPLING_SCHEME, DataPlan, checkpoint_sampling
+from meshtrain.data.local_files import write_atomically
+from meshtrain.observe.run_folder import RunPaths
+
+
+
+def resolve_schedule_horizon(cfg: MeshtrainConfig, paths: RunPaths) -> MeshtrainConfig:
+    """Fix optim.schedule_steps when unset: the horizon in the run's config.yaml on a re-run that
+    resumes committed checkpoints (so a new train.steps does not silently change the LR curve),
+    train.steps on the first launch and on a re-run that has nothing to resume."""
+    if cfg.optim.schedule_steps is not None:
+        return cfg
+    if paths.config.exists() and run_checkpoints(cfg).committed():
+        previous = read_run_config(paths)
+        # A config.yaml written before optim.schedule_steps existed spanned its train.steps.
+        horizon = previous["optim"].get("schedule_steps") or previous["train"]["steps"]
+    else:
+        horizon = cfg.train.steps
+    cfg.optim.check_horizon(horizon)
+    cfg = cfg.model_copy(deep=True)
+    cfg.optim.schedule_steps = horizon
+    return cfg
+
+
+def config_yaml(cfg: MeshtrainConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+# Settings a re-run of an existing run name may change: it resumes from the run's checkpoints, so
+# the model, data, optimizer, seed and global batch must stay as they were. Where the token stores
+# are cached and how storage is reached do not change the tokens (their fingerprint is checked).
+RESUMABLE_CHANGES = (
+    "train.steps", "train.log_every", "train.micro_batch_size", "parallel", "scaling", "run", "checkpoint",
+    "metrics", "fault", "data.cache_dir", "data.storage_options", "data.allow_fingerprint_change",
+    "optim.schedule_steps", "eval", "train.max_bad_steps", "train.loss_spike_factor", "train.loss_spike_window",
+    "train.gc_every", "memory",
+)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "storage_options":
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _unresumable_change(previous_text: str, text: str) -> tuple[str, Any, Any] | None:
+    """The first setting outside RESUMABLE_CHANGES that differs between two config.yaml texts, as
+    (dotted key, earlier value, new value); None when a run could resume across the change."""
+    # A setting added to meshtrain after the run started counts as having had its default.
+    defaults = _flatten(MeshtrainConfig().model_dump(mode="json"))
+    previous = {**defaults, **_flatten(yaml.safe_load(previous_text))}
+    current = _flatten(yaml.safe_load(text))
+    for key in sorted(previous.keys() | current.keys()):
+        allowed = any(key == p or key.startswith(p + ".") for p in RESUMABLE_CHANGES)
+        if previous.get(key) != current.get(key) and not allowed:
+            return key, previous.get(key), current.get(key)
+    return None
+
+
+def read_run_config(paths: RunPaths) -> dict[str, Any]:
+    """The run's config.yaml as written by an earlier launch; a damaged one is one line naming it."""
+    try:
+        loaded = yaml.safe_load(paths.config.read_text())
+        if not isinstance(loaded, dict) or not {"optim", "train", "model"} <= loaded.keys():
+            raise ValueError("it is not a whole meshtrain config (optim, train and model sections expected)")
+        return loaded
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as exc:
+        raise ConfigError(
+            f"run.name={paths.name}: {paths.config} is damaged ({one_line(exc, 160)}); restore it (an earlier copy may "
+            "sit beside it as config.<time>.yaml) or delete it to let this launch write it again"
+        ) from None
+
+
+def read_run_tokenizer(paths: RunPaths) -> str | None:
+    """The tokenizer an earlier launch of the run kept (None on the first launch); a damaged one is one line."""
+    if not paths.tokenizer.exists():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        text = paths.tokenizer.read_text()
+        Tokenizer.from_str(text)
+    except Exception as exc:  # tokenizers raises a bare Exception for malformed JSON
+        raise ConfigError(
+            f"run.name={paths.name}: {paths.tokenizer} is damaged ({one_line(exc, 160)}); delete it: the launch "
+            "takes the tokenizer again from the run's token stores (or trains the same one from data.source)"
+        ) from None
+    return text
+
+
+def check_fresh_start(cfg: MeshtrainConfig, paths: RunPaths) -> None:
+    """``checkpoint.resume=false`` on a run with committed checkpoints would overwrite them with another
+    training that a later plain relaunch could mix up with them: refused."""
+    if not cfg.checkpoint.enabled or cfg.checkpoint.resume:
+        return
+    storage = run_checkpoints(cfg)
+    committed = storage.committed()
+    if committed:
+        steps = ", ".join(str(c.step) for c in sorted(committed, key=lambda c: c.step))
+        raise ConfigError(
+            f"checkpoint.resume=false: run {paths.name} holds committed checkpoints (steps {steps}) that this launch "
+            f"would replace; choose another run.name, or delete {storage.display(storage.root)} to start the run over"
+        )
+
+
+def write_run_config(cfg: MeshtrainConfig, paths: RunPaths) -> None:
+    """Write config.yaml (credentials redacted). A re-run of a run name that has committed checkpoints
+    resumes them, so it may change only RESUMABLE_CHANGES; one without (an earlier launch failed
+    before its first checkpoint) starts afresh with any config, and the run's tokenizer is trained
+    again. The earlier config (and a set-aside tokenizer) is kept beside it as config.<time>.yaml."""
+    text = config_yaml(cfg)
+    paths.run_dir.mkdir(parents=True, exist_ok=True)
+    stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
+    if paths.metrics.exists() and not run_checkpoints(cfg).committed():
+        # An earlier launch's steps that no checkpoint kept: this launch trains them again from step 0,
+        # and its records (and the trackers fed from them) start a fresh history.
+        paths.metrics.rename(paths.run_dir / f"metrics.{stamp}.jsonl")
+    if paths.config.exists():
+        read_run_config(paths)  # a damaged one is one line naming it
+        previous_text = paths.config.read_text()
+        if previous_text == text:
+            return
+        change = _unresumable_change(previous_text, text)
+        if change is not None:
+            key, before, after = change
+            if run_checkpoints(cfg).committed():
+                raise ConfigError(
+                    f"{key}: run {paths.name} was started with {before!r}, not {after!r}, and has committed "
+                    "checkpoints; a re-run resumes the same training, so keep it or choose another run.name"
+                )
+            if paths.tokenizer.exists():
+                paths.tokenizer.rename(paths.run_dir / f"tokenizer.{stamp}.json")
+            print(
+                f"[meshtrain] run {paths.name} has no committed checkpoint: it starts afresh with {key}={after!r} "
+                f"(was {before!r}); the earlier config is kept as config.{stamp}.yaml",
+                flush=True,
+            )
+        paths.config.rename(paths.run_dir / f"config.{stamp}.yaml")
+    write_atomically(paths.config, text)
+
+
+def data_for_resume(cfg: MeshtrainConfig, plan: DataPlan) -> DataPlan:
+    """The data plan a resumed run continues with: checkpoints trained on other token data are
+    refused (unless the user says so), and the sampling scheme they were trained with is kept, so
+    the data order never changes mid-run. A run without checkpoints gets the plan as it is."""
+    if not (cfg.checkpoint.enabled and cfg.checkpoint.resume):
+        return plan
+    committed = run_checkpoints(cfg).committed()
+    if not committed:
+        return plan
+    manifest = committed[0].manifest
+    scheme = checkpoint_sampling(manifest, f"the checkpoints of run {cfg.run.name}")
+    resumed = dataclasses.replace(plan, sampling=scheme)
+    trained_on = manifest.get("data_fingerprint")
+    if not cfg.data.allow_fingerprint_change and trained_on is not None and trained_on != resumed.fingerprint:
+        raise ConfigError(
+            f"data.source: the checkpoints of run {cfg.run.name} were trained on data {trained_on[:16]}, this launch "
+            f"reads {resumed.fingerprint[:16]}; use the same data, another run.name, or set "
+            "data.allow_fingerprint_change=true to continue on the new data deliberately"
+        )
+    if scheme != plan.sampling:
+        print(
+            f"[meshtrain] run {cfg.run.name} keeps the data order its checkpoints were trained with ({scheme}); "
+            f"a new run.name uses {SAMPLING_SCHEME}",
+            flush=True,
+        )
+    return resumed
