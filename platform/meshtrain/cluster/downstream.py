@@ -206,12 +206,30 @@ class DownstreamEvaluations:
             while self.pending and time.monotonic() < deadline:
                 self._collect(timeout_s=min(self.poll_s, max(0.0, deadline - time.monotonic())))
             if self.pending:
-                steps = ", ".join(str(c.step) for c in sorted(self.pending.values(), key=lambda c: c.step))
-                self.print_line(f"[meshtrain] downstream evaluation of step(s) {steps} still running after "
-                                f"eval.downstream.final_wait_s={timeout_s:g}; their results will land in "
-                                f"{self.paths.run_dir / 'downstream'}")
+                self._cancel_pending(timeout_s)
         if self.exporter is not None:
             self.exporter.await_final_scrape(self.cfg.metrics.final_scrape_timeout_s)
+
+    def _cancel_pending(self, timeout_s: float) -> None:
+        """The driver will not wait for these: their tasks would die with the job's Ray anyway. Cancel
+        them, release their checkpoints' leases (or pruning would keep them for LEASE_TTL_S), record each,
+        and say which steps were not scored and how to score them later."""
+        import ray
+
+        cancelled = sorted(self.pending.values(), key=lambda c: c.step)
+        for ref, checkpoint in list(self.pending.items()):
+            try:
+                ray.cancel(ref, force=True)
+            except Exception:  # noqa: BLE001 - finished or gone meanwhile: its lease is released below all the same
+                pass
+            self.storage.release(checkpoint.path)
+        self.pending.clear()
+        reason = f"cancelled: the driver waited eval.downstream.final_wait_s={timeout_s:g}s after training"
+        append_records(self.paths.metrics, [{"event": "downstream_eval_failed", "step": c.step, "error": reason,
+                                             "time": time.time()} for c in cancelled])
+        steps = ", ".join(str(c.step) for c in cancelled)
+        self.print_line(f"[meshtrain] downstream evaluation of step(s) {steps} not scored ({reason}); score them "
+                        f"with python jobs/evaluate.py {self.paths.run_dir}, or raise eval.downstream.final_wait_s")
 
     def log_to_trackers(self) -> None:
         """After training: hand the trackers (W&B, MLflow) the downstream results that rank 0 did not,
