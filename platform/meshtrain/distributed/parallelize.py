@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -129,6 +131,10 @@ def parallelize(model: Transformer, mesh: DeviceMesh, plan: MeshPlan, cfg: Paral
     """
     if plan.tensor > 1:
         apply_tensor_parallel(model, mesh["tensor"])
+        # FSDP warns that the TP embedding's sequence-sharded output is a view, which an in-place op could
+        # detach from its pre-backward hook; Transformer._embed copies it before anything else touches it
+        # (TP losses and gradients equal one process's: tests/test_equivalence.py), so the warning says nothing.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
         if cfg.async_tensor:
             enable_async_tensor_parallel(mesh["tensor"])
     data_mesh = fsdp_mesh(mesh, plan)
