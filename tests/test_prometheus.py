@@ -214,7 +214,7 @@ def test_dashboard_queries_return_data_from_a_real_run(prometheus: tuple[Prometh
     [failed] = [r for r in records if r["event"] == "downstream_eval_failed"]
     assert failed["step"] == 20 and failed["error"].startswith("RuntimeError: fault.downstream_fail_step=20"), failed
     assert job.stdout.count("[meshtrain] downstream evaluation of step 20 failed (RuntimeError: ") == 1, job.stdout[-3000:]
-    assert "training goes on" in job.stdout
+    assert "training is not affected" in job.stdout
     assert "[meshtrain] sample step 60: 'import os' -> " in job.stdout, job.stdout[-3000:]
     summary = json.loads((storage / RUN / "summary.json").read_text())
     assert {task: r["step"] for task, r in summary["downstream"].items()} == {"meshtrain_mc": 60, "meshtrain_ppl": 60}

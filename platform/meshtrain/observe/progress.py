@@ -66,7 +66,7 @@ def progress_line(record: dict[str, Any], total_steps: int) -> str:
         return "\n".join(f"[meshtrain] sample step {record['step']}: {sample['prompt']!r} -> {sample['continuation']!r}"
                          for sample in record["samples"])
     if record["event"] == "downstream_eval_failed":
-        return f"[meshtrain] downstream evaluation of step {record['step']} failed ({record['error']}); training goes on"
+        return f"[meshtrain] downstream evaluation of step {record['step']} failed ({record['error']}); training is not affected"
     if record["event"] != "train":  # a record this driver does not know (a newer worker): shown as it is
         details = ", ".join(f"{key}={value}" for key, value in record.items() if key not in ("event", "step"))
         return f"[meshtrain] {record['event']} at step {record.get('step', '?')}: {details}"
