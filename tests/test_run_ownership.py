@@ -125,3 +125,13 @@ def test_a_truncated_tokenizer_json_is_one_line_naming_it(
     code, err = run([f"run.storage_path={tmp_path}", "run.name=r"], capsys)
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert f"run.name=r: {tmp_path / 'r' / 'tokenizer.json'} is damaged (" in err and "delete it" in err
+
+
+@pytest.mark.ray
+def test_the_fault_matrix_round_two_rows_are_right(tmp_path: Path) -> None:
+    """jobs/bench_faults.py's rows for bad input and a busy run folder: each refused in one line, exit 2,
+    before Ray starts, with nothing of the run written or replaced (each row one jobs/pretrain.py)."""
+    from meshtrain_bench.faults import Matrix
+
+    rows = list(Matrix(tmp_path, print).round_two())
+    assert len(rows) == 11 and [row.fault for row in rows if not row.right] == [], [r.wrong for r in rows]

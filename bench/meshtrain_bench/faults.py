@@ -477,6 +477,82 @@ class Matrix:
         yield self.row("8d. relaunch after a failed launch with another data.source", job, target / RUN, 0,
                        {"the failed launch exits 2": failed.returncode == 2, "the relaunch trains": job.returncode == 0})
 
+    def round_two(self) -> Iterator[Row]:
+        """Round two's findings: bad input and a busy run folder, each refused in one line with exit 2
+        before Ray starts, with nothing of the run's written or replaced."""
+        from meshtrain.cluster.run_lease import RunLease
+
+        def refused(fault: str, name: str, *overrides: str, expect: str, prepare: Callable[[Path], None] | None = None,
+                    env: dict[str, str] | None = None) -> Row:
+            storage = self.root / "round-two" / name
+            shutil.rmtree(storage, ignore_errors=True)
+            storage.mkdir(parents=True)
+            if prepare is not None:
+                prepare(storage / RUN)
+            def files() -> list[str]:  # the driver's lock file aside (it is how a run owns its folder)
+                return sorted(str(p.relative_to(storage)) for p in storage.rglob("*") if p.name != "driver.lock")
+
+            before = files()
+            job = run_job(storage, "train.steps=10", *overrides, env=env)
+            after = files()
+            ours = [line for line in job.output.splitlines() if line.startswith("meshtrain:")]
+            checks = {"exit 2": job.returncode == 2, "one line": len(ours) == 1, f"names {expect!r}": expect in job.final_line,
+                      "Ray never started": "Started a local Ray instance" not in job.output,
+                      "nothing written or replaced": before == after}
+            return self.row(fault, job, storage / RUN, 0, checks)
+
+        def committed(*steps: int) -> Callable[[Path], None]:
+            def make(run_dir: Path) -> None:
+                for step in steps:
+                    folder = run_dir / "checkpoints" / f"step-{step:08d}"
+                    folder.mkdir(parents=True)
+                    (folder / "COMMITTED").write_text(json.dumps({"step": step, "files": {}}))
+            return make
+
+        def with_file(name: str, text: str, *steps: int) -> Callable[[Path], None]:
+            def make(run_dir: Path) -> None:
+                committed(*steps)(run_dir)
+                run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / name).write_text(text)
+            return make
+
+        busy = self.root / "round-two" / "busy"
+        shutil.rmtree(busy, ignore_errors=True)
+        with RunLease.take(busy / RUN, RUN, "the first driver"):
+            job = run_job(busy, "train.steps=10")
+            ours = [line for line in job.output.splitlines() if line.startswith("meshtrain:")]
+            yield self.row("R1. a second driver on a live run name", job, busy / RUN, 0, {
+                "exit 2": job.returncode == 2, "one line": len(ours) == 1,
+                "names the holder": f"PID {os.getpid()}" in job.final_line,
+                "nothing written": sorted(p.name for p in (busy / RUN).iterdir()) == ["driver.lock"]})
+        yield refused("R2. checkpoint.resume=false over committed checkpoints", "fresh", "checkpoint.resume=false",
+                      expect="checkpoint.resume=false", prepare=committed(10, 20, 30))
+        yield refused("R3a. a truncated config.yaml", "config", expect="config.yaml is damaged",
+                      prepare=with_file("config.yaml", "model:\n  preset: debug\ndata:\n  seq_l", 10))
+        yield refused("R3b. a truncated tokenizer.json", "tokenizer", expect="tokenizer.json is damaged",
+                      prepare=with_file("tokenizer.json", '{"version": "1.0", "trunc'))
+        yield refused("R6a. metrics.port=65535 with two workers", "port", "metrics.port=65535", expect="metrics.port=65535")
+        yield refused("R6b. metrics.bind_address this machine lacks", "bind", "metrics.bind_address=192.0.2.77",
+                      expect="metrics.bind_address=192.0.2.77", env={"RAY_ADDRESS": ""})
+        options = json.dumps({"client_kwargs": {"endpoint_url": "http://127.0.0.1:1"}})
+        yield refused("R7. an s3 token store at an endpoint that refuses", "s3", "data.source=s3://bucket/store",
+                      f"data.storage_options={options}", expect="data.source: cannot reach",
+                      env={"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"})
+        configs = self.root / "round-two" / "configs"
+        configs.mkdir(parents=True, exist_ok=True)
+        bomb = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+        bomb += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+        (configs / "bomb.yaml").write_text("\n".join(bomb) + "\ntrain:\n  steps: *a8\n")
+        (configs / "twice.yaml").write_text("train:\n  steps: 10\n  steps: 20\n")
+        yield refused("R9a. a YAML alias bomb (10^9 leaves)", "bomb", "--config", str(configs / "bomb.yaml"),
+                      expect="expands to more than 100,000 values")
+        yield refused("R9b. a YAML key set twice", "twice", "--config", str(configs / "twice.yaml"),
+                      expect="twice in one mapping")
+        yield refused("R10a. run.name of 300 characters", "long-name", "run.name=" + "n" * 300, expect="run.name")
+        yield refused("R10b. run.name with a control character", "control-name", "run.name=r\tun",
+                      expect="control character")
+
+
 
 def format_row(row: Row) -> str:
     restarts_text = "-" if row.restarts is None else str(row.restarts)
@@ -495,7 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| fault | restarts | seconds | final line | steps lost | outcome |", flush=True)
     print("|---|---|---|---|---|---|", flush=True)
     matrix = Matrix(args.dir, lambda line: print(line, flush=True))
-    matrix.prepare()
+    if args.only is None or set(args.only) - {"round_two"}:  # round two's rows need no base run
+        matrix.prepare()
     rows: list[Row | None] = []
     steps: list[tuple[str, Callable[[], Any]]] = [
         ("checkpoint_of_another_shape", matrix.checkpoint_of_another_shape),
@@ -515,6 +592,7 @@ def main(argv: list[str] | None = None) -> int:
         ("killed_worker", matrix.killed_worker),
         ("ctrl_c", matrix.ctrl_c),
         ("input_errors", lambda: list(matrix.input_errors())),
+        ("round_two", lambda: list(matrix.round_two())),
     ]
     for name, step in steps:
         if args.only is None or name in args.only:
