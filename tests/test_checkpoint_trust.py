@@ -20,7 +20,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from meshtrain.checkpoint.checksums import SIDECAR_SUFFIX, HashedStream, digest, encode_sidecar
+from meshtrain.checkpoint.checksums import (
+    MARKER_CHECKSUM,
+    SIDECAR_SUFFIX,
+    HashedStream,
+    digest,
+    encode_sidecar,
+    seal_marker,
+)
 from meshtrain.checkpoint.errors import CheckpointNotWritable, CheckpointStorageFull, NoLoadableCheckpoint
 from meshtrain.checkpoint.manager import CheckpointManager
 from meshtrain.checkpoint.state import Progress, TrainState
@@ -123,21 +130,24 @@ def item_span(directory: Path, fqn: str) -> _StorageInfo:
 
 def reseal(directory: Path, changed: dict[str, list[tuple[int, int]]]) -> None:
     """What an attacker who knows the scheme would do after editing files: rewrite the sidecars of
-    the ``changed`` files (their item spans) and the checksums and sizes in the commit marker."""
+    the ``changed`` files (their item spans), the checksums and sizes in the commit marker, and the
+    marker's checksum of itself."""
     marker = json.loads((directory / COMMIT_MARKER).read_text())
+    del marker[MARKER_CHECKSUM]
     for name, spans in changed.items():
         data = (directory / name).read_bytes()
         sidecar = encode_sidecar(name, [(o, n, digest(data[o : o + n])) for o, n in spans])
         (directory / f"{name}{SIDECAR_SUFFIX}").write_bytes(sidecar)
         marker["checksums"]["sidecars"][name] = digest(sidecar)
     marker["files"] = {p.name: p.stat().st_size for p in directory.iterdir() if p.name not in (COMMIT_MARKER, BAD_MARKER)}
-    (directory / COMMIT_MARKER).write_text(json.dumps(marker))
+    (directory / COMMIT_MARKER).write_text(json.dumps(seal_marker(marker)))
 
 
 def strip_checksums(directory: Path) -> None:
-    """Make ``directory`` look like a checkpoint written before meshtrain recorded checksums."""
+    """Make ``directory`` look like a checkpoint written before meshtrain recorded checksums (of its files
+    and of its marker)."""
     marker = json.loads((directory / COMMIT_MARKER).read_text())
-    del marker["checksums"]
+    del marker["checksums"], marker[MARKER_CHECKSUM]
     for sidecar in directory.glob(f"*{SIDECAR_SUFFIX}"):
         del marker["files"][sidecar.name]
         sidecar.unlink()
@@ -507,3 +517,90 @@ def test_s3_checkpoints_are_checksummed_restored_exactly_and_fall_back(monkeypat
         assert len(run.lines) == 1 and "s3://ckpts/run/step-00000008: .metadata at offset 0 (" in run.lines[0]
         assert "does not match its checksum" in json.loads(fs.cat("ckpts/run/step-00000008/BAD"))["reason"]
         assert [c.step for c in run.storage.committed()] == [4]
+
+
+# --- the commit marker checks itself ---------------------------------------------------------------
+
+
+def test_the_marker_carries_the_sha256_of_the_rest_of_it(run: Run) -> None:
+    import hashlib
+
+    run.save(make_state(seed=1, step=4))
+    marker = json.loads((run.step(4) / COMMIT_MARKER).read_text())
+    rest = {key: value for key, value in marker.items() if key != MARKER_CHECKSUM}
+    canonical = json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    assert marker[MARKER_CHECKSUM] == hashlib.sha256(canonical).hexdigest()
+    assert run.storage.read_marker(str(run.step(4))) == rest  # read back without it
+
+
+def _edit_step(marker: dict[str, Any]) -> str:
+    marker["world_size"] = 2  # still valid JSON, still plausible: only the checksum tells
+    return json.dumps(marker, indent=1)
+
+
+def _truncate(marker: dict[str, Any]) -> str:
+    text = json.dumps(marker, indent=1)
+    return text[: text.rindex('"checksums"')].rstrip().rstrip(",") + "\n}"  # a torn write that still parses
+
+
+@pytest.mark.parametrize("damage", [_edit_step, _truncate], ids=["edited field", "torn write"])
+def test_a_marker_that_does_not_match_its_checksum_is_skipped_and_the_previous_one_used(
+    run: Run, damage: Callable[[dict[str, Any]], str]
+) -> None:
+    older = make_state(seed=1, step=4)
+    expected = snapshot(older)
+    run.save(older, make_state(seed=5, step=8))
+    marker = run.step(8) / COMMIT_MARKER
+    marker.write_text(damage(json.loads(marker.read_text())))
+    assert json.loads(marker.read_text())  # valid JSON either way
+
+    reason = f"its {COMMIT_MARKER} does not match its {MARKER_CHECKSUM} (sha256 "
+    assert [(c.step, (c.bad or "")[: len(reason)]) for c in run.storage.all_committed()] == [(8, reason), (4, "")]
+    assert [c.step for c in run.storage.committed()] == [4]
+    target = make_state(seed=2, step=0)
+    assert run.restore(target) == 4
+    assert_bitwise_equal(snapshot(target), expected)
+    assert len(run.lines) == 1
+    assert run.lines[0].startswith(f"[meshtrain] checkpoint {run.step(8)} skipped: it is bad ({reason}")
+    run.save(make_state(seed=1, step=12), keep=1)  # never pruned: kept for inspection
+    assert sorted(p.name for p in run.root.iterdir()) == ["step-00000008", "step-00000012"]
+
+
+def test_a_marker_written_before_its_checksum_still_loads(run: Run) -> None:
+    """Markers from before meshtrain recorded marker_sha256 have none: they load as before (their files'
+    checksums and sizes are still checked)."""
+    saved = make_state(seed=1, step=4)
+    expected = snapshot(saved)
+    run.save(saved)
+    marker = json.loads((run.step(4) / COMMIT_MARKER).read_text())
+    del marker[MARKER_CHECKSUM]
+    (run.step(4) / COMMIT_MARKER).write_text(json.dumps(marker))
+    target = make_state(seed=2, step=0)
+    assert run.restore(target) == 4
+    assert_bitwise_equal(snapshot(target), expected)
+    assert run.lines == []
+
+
+def test_a_marker_that_is_not_an_object_is_skipped(run: Run) -> None:
+    run.save(make_state(seed=1, step=4), make_state(seed=1, step=8))
+    (run.step(8) / COMMIT_MARKER).write_text("[8]")
+    assert [(c.step, c.bad) for c in run.storage.all_committed()] == [
+        (8, f"its {COMMIT_MARKER} is not a JSON object"), (4, None)
+    ]
+    assert run.restore(make_state(seed=2, step=0)) == 4
+
+
+def test_the_export_refuses_a_marker_that_does_not_match_its_checksum_in_one_line(
+    run: Run, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from meshtrain.cli.export import main as export_main
+
+    run.save(make_state(seed=1, step=4))
+    marker = run.step(4) / COMMIT_MARKER
+    marker.write_text(_edit_step(json.loads(marker.read_text())))
+    code = export_main([str(run.step(4)), "--format", "torch", str(tmp_path / "model.pt")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"export: error: checkpoint {run.step(4)}: {COMMIT_MARKER} does not match its "
+                               f"{MARKER_CHECKSUM} (sha256 ") and lines[0].endswith("it changed after the commit")
+    assert not (tmp_path / "model.pt").exists()

@@ -576,3 +576,50 @@ def test_an_unexpected_failure_in_a_dry_run_surfaces_as_itself(monkeypatch: pyte
     monkeypatch.setattr(cli, "dry_run", broken)
     with pytest.raises(RuntimeError, match="the traced step broke"):
         main(["--dry-run"])
+
+
+# --- prepare_data: every failure is one line ----------------------------------------------------
+
+
+def _prepare(
+    failure: BaseException, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> tuple[int, list[str]]:
+    """(exit code, stderr lines) of prepare_data's main in this process, Ray replaced by nothing and the
+    preparation by ``failure``."""
+    import meshtrain.data.pipeline
+    from meshtrain.cli.prepare_data import main as prepare_main
+
+    def failing(*_args: object, **_kwargs: object) -> None:
+        raise failure
+
+    monkeypatch.setattr(meshtrain.cluster.launcher, "init_ray", lambda *_, **__: None)
+    monkeypatch.setattr(meshtrain.data.pipeline, "prepare_data", failing)
+    code = prepare_main([f"run.storage_path={tmp_path}"])
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return code, captured.err.strip().splitlines()
+
+
+def test_prepare_data_ends_an_unexpected_failure_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A Ray task's error: the remote traceback in its message, whose last error line is the one shown.
+    failure = RuntimeError('Traceback (most recent call last):\n  File "x", line 1\nOSError: the object store is full')
+    assert _prepare(failure, tmp_path, capsys, monkeypatch) == (
+        1, ["prepare_data: error: OSError: the object store is full"]
+    )
+
+
+def test_prepare_data_finds_the_config_error_inside_a_tasks_failure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from meshtrain.config import ConfigError
+
+    try:
+        raise ConfigError("data.source: /data/a.jsonl line 3 is not JSON; fix or remove it")
+    except ConfigError as cause:
+        failure = RuntimeError("a prepare task failed")
+        failure.__cause__ = cause
+    assert _prepare(failure, tmp_path, capsys, monkeypatch) == (
+        2, ["meshtrain: config error: data.source: /data/a.jsonl line 3 is not JSON; fix or remove it"]
+    )

@@ -238,3 +238,115 @@ def test_a_checkpoint_on_s3_is_scored_as_the_local_one(
     assert "evaluated s3://evals/scored/checkpoints/step-00000004" in capsys.readouterr().out
     remote = metrics_of(json.loads((tmp_path / "out" / "results.json").read_text()))
     assert remote == local
+
+
+# --- every failure is one line, and a results folder is checked before scoring ----------------------
+
+
+def _evaluate(arguments: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
+    """(exit code, stderr lines) of evaluate's main in this process; no traceback on stderr."""
+    try:
+        code = evaluate_main(arguments)
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return code, captured.err.strip().splitlines()
+
+
+def _no_scoring(monkeypatch: pytest.MonkeyPatch) -> None:
+    import meshtrain.evaluate.checkpoint_eval as checkpoint_eval
+
+    monkeypatch.setattr(checkpoint_eval, "evaluate_checkpoint", lambda *_, **__: pytest.fail("it scored"))
+
+
+TASK_ARGUMENTS = ["--tasks", "meshtrain_mc", "--include-path", str(TASKS), "--limit", "2"]
+
+
+def test_an_out_under_a_file_is_refused_before_scoring(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _no_scoring(monkeypatch)
+    (tmp_path / "file").write_text("")
+    code, lines = _evaluate([str(run_dir), *TASK_ARGUMENTS, "--out", str(tmp_path / "file" / "out")], capsys)
+    assert code == 2 and lines == [
+        f"evaluate: error: --out {tmp_path / 'file' / 'out'}: {tmp_path / 'file'} is a file, not a folder; give a "
+        "writable folder"
+    ]
+
+
+def test_an_out_that_refuses_writes_is_refused_before_scoring(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe creates and removes a file there (a read-only mount or another user's folder refuses it)."""
+    import errno
+    import os
+    import tempfile
+
+    _no_scoring(monkeypatch)
+
+    def refused(*_args: object, dir: str, **_kwargs: object) -> tuple[int, str]:  # noqa: A002 - mkstemp's name
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.path.join(dir, ".meshtrain-probe-x"))
+
+    monkeypatch.setattr(tempfile, "mkstemp", refused)
+    code, lines = _evaluate([str(run_dir), *TASK_ARGUMENTS, "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"evaluate: error: --out {tmp_path / 'out'}: cannot write in {tmp_path} "
+                               "(PermissionError: Permission denied: "), lines
+    assert lines[0].endswith("; give a writable folder")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_folder_whose_results_cannot_be_written_is_refused_before_scoring(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    _no_scoring(monkeypatch)
+    copy = Path(shutil.copytree(run_dir, tmp_path / "run"))
+    shutil.rmtree(copy / "downstream", ignore_errors=True)  # results an earlier test left
+    (copy / "downstream").write_text("")  # a file where the results folder goes
+    code, lines = _evaluate([str(copy), *TASK_ARGUMENTS], capsys)
+    assert code == 2 and lines == [
+        f"evaluate: error: results folder {copy / 'downstream'}: {copy / 'downstream'} is a file, not a folder; "
+        "give --out a writable folder"
+    ]
+
+
+def test_a_task_whose_data_file_is_missing_is_one_line(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    tasks = Path(shutil.copytree(TASKS, tmp_path / "tasks"))
+    (tasks / "mc_test.jsonl").unlink()
+    code, lines = _evaluate([str(run_dir), "--tasks", "meshtrain_mc", "--include-path", str(tasks), "--limit", "2",
+                             "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and lines[-1] == f"evaluate: error: FileNotFoundError: Unable to find '{tasks / 'mc_test.jsonl'}'"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "message"),
+    [
+        (PermissionError("Forbidden"), 2, "evaluate: error: PermissionError: Forbidden; check the path's "
+                                          "permissions, or the storage credentials (environment, instance role or "
+                                          "storage options)"),
+        (ConnectionRefusedError(111, "Connection refused"), 1,
+         "evaluate: error: ConnectionRefusedError: Connection refused; the storage did not answer: check its "
+         "endpoint and the network, then run the command again"),
+        (KeyError("results"), 1, "evaluate: error: KeyError: 'results'"),
+    ],
+    ids=["forbidden", "refused", "unexpected"],
+)
+def test_any_other_evaluation_failure_is_one_line(
+    run_dir: Path, tmp_path: Path, error: Exception, code: int, message: str, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import meshtrain.evaluate.checkpoint_eval as checkpoint_eval
+
+    def failing(*_args: object, **_kwargs: object) -> None:
+        raise error
+
+    monkeypatch.setattr(checkpoint_eval, "evaluate_checkpoint", failing)
+    assert _evaluate([str(run_dir), *TASK_ARGUMENTS, "--out", str(tmp_path / "out")], capsys) == (code, [message])

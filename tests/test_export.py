@@ -401,3 +401,73 @@ def test_a_checkpoint_from_before_checksums_exports_with_a_note_and_damage_is_on
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=f"^checkpoint {re.escape(str(copy))}: [^\n]+$"):
         export_checkpoint(str(copy), "torch", tmp_path / "damaged.pt")
+
+
+# --- every failure of the command line is one line -------------------------------------------------
+
+
+def _export(arguments: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
+    """(exit code, stderr lines) of export's main in this process; no traceback on stderr."""
+    from meshtrain.cli.export import main as export_main
+
+    try:
+        code = export_main(arguments)
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return code, captured.err.strip().splitlines()
+
+
+def test_an_output_in_an_unwritable_place_is_refused_before_the_checkpoint_is_read(
+    runs: dict[str, Run], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import meshtrain.checkpoint.export as export
+
+    monkeypatch.setattr(export, "resolve_checkpoint", lambda *_: pytest.fail("the checkpoint was read"))
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "hf"
+    code, lines = _export([str(runs["tied-gqa"].root), "--format", "hf", str(out)], capsys)
+    assert code == 2 and lines == [
+        f"export: error: output {tmp_path / 'file'}: {tmp_path / 'file'} is a file, not a folder; give an output "
+        "path in a writable folder"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "message"),
+    [
+        (PermissionError("Forbidden"), 2, "export: error: PermissionError: Forbidden; check the path's permissions, "
+                                          "or the storage credentials (environment, instance role or storage options)"),
+        (MemoryError(), 1, "export: error: MemoryError"),
+    ],
+    ids=["forbidden", "out-of-memory"],
+)
+def test_any_other_export_failure_is_one_line(
+    runs: dict[str, Run], tmp_path: Path, error: Exception, code: int, message: str,
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import meshtrain.checkpoint.export as export
+
+    def failing(*_args: object, **_kwargs: object) -> None:
+        raise error
+
+    monkeypatch.setattr(export, "export_checkpoint", failing)
+    arguments = [str(runs["tied-gqa"].root), "--format", "torch", str(tmp_path / "model.pt")]
+    assert _export(arguments, capsys) == (code, [message])
+
+
+def test_a_crafted_model_shape_in_committed_is_refused_in_one_line(
+    runs: dict[str, Run], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """model_args with no attention heads (once a ZeroDivisionError): bounded as model.init_from's config.json is."""
+    from meshtrain.checkpoint.checksums import MARKER_CHECKSUM, seal_marker
+
+    copy = Path(shutil.copytree(runs["tied-gqa"].step(4), tmp_path / "step-00000004"))
+    manifest = json.loads((copy / COMMIT_MARKER).read_text())
+    del manifest[MARKER_CHECKSUM]
+    manifest["model_args"]["n_heads"] = 0
+    (copy / COMMIT_MARKER).write_text(json.dumps(seal_marker(manifest)))
+    code, lines = _export([str(copy), "--format", "torch", str(tmp_path / "model.pt")], capsys)
+    assert code == 2
+    assert lines == [f"export: error: checkpoint {copy}: bad model_args (model.n_heads=0 must be positive)"]

@@ -199,3 +199,140 @@ def test_bad_generation_input_is_one_line(
     assert code == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and error[0].startswith("generate: error: ") and message in error[0], error
+
+
+# --- every failure is one line ------------------------------------------------------------------
+
+
+def _generate(arguments: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
+    """(exit code, stderr lines) of generate's main in this process; no traceback on stderr."""
+    try:
+        code = generate_main(arguments)
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return code, captured.err.strip().splitlines()
+
+
+def _copy_of_run(run_dir: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(run_dir, tmp_path / run_dir.name))
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--temperature", "nan"], "--temperature=nan: give 0 (greedy) or a positive finite temperature"),
+        (["--temperature", "inf"], "--temperature=inf"),
+        (["--top-p", "nan"], "--top-p=nan"),
+        (["--seed", str(2**64)], "--seed=18446744073709551616"),
+    ],
+)
+def test_settings_are_checked_before_the_checkpoint_is_read(
+    run_dir: Path, arguments: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, lines = _generate([str(run_dir), "x", *arguments], capsys)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("generate: error: ") and message in lines[0], lines
+
+
+def test_nan_temperature_is_refused_by_the_library_too(loaded: CheckpointModel) -> None:
+    with pytest.raises(ConfigError, match=r"^temperature=nan: give 0 \(greedy\) or a positive finite temperature$"):
+        continue_prompts(loaded, ["x"], 4, temperature=float("nan"))
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bytes the locale cannot decode reach argv as lone surrogates (``b"\\xff".decode(errors="surrogateescape")``)."""
+    code, lines = _generate([str(run_dir), "ok", "bad \udcff"], capsys)
+    assert code == 2 and lines == [
+        "generate: error: prompt 2 is not UTF-8 text (character 5 is an undecodable byte); give prompts in UTF-8; "
+        "see --help"
+    ]
+
+
+def test_a_malformed_run_tokenizer_is_one_line(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    copy = _copy_of_run(run_dir, tmp_path)
+    (copy / "tokenizer.json").write_text('{"model": 1')
+    code, lines = _generate([str(copy), "x"], capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"generate: error: checkpoint {copy / 'checkpoints' / 'step-00000004'}: its run's "
+                               "tokenizer.json is not a tokenizer (Exception: "), lines
+    assert lines[0].endswith("put back the tokenizer.json the run was trained with")
+
+
+@pytest.mark.parametrize(
+    ("vocab_size", "message"),
+    [(1e9, "model.vocab_size=1000000000.0 is not an integer"),
+     (10**9, "model.vocab_size=1000000000 is above 16,777,216, more than any Llama-family model has")],
+    ids=["float", "huge"],
+)
+def test_a_crafted_model_shape_in_committed_is_refused_before_any_allocation(
+    run_dir: Path, tmp_path: Path, vocab_size: float, message: str, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A COMMITTED whose model_args ask for a 10^9-row embedding (resealed, as a writer who knows the scheme
+    would): bounded as a config.json's shape is, one line, and nothing built."""
+    import json
+
+    import meshtrain.evaluate.hf_model as hf_model
+    from meshtrain.checkpoint.checksums import MARKER_CHECKSUM, seal_marker
+
+    copy = _copy_of_run(run_dir, tmp_path)
+    marker = copy / "checkpoints" / "step-00000004" / "COMMITTED"
+    manifest = json.loads(marker.read_text())
+    del manifest[MARKER_CHECKSUM]
+    manifest["model_args"]["vocab_size"] = vocab_size
+    marker.write_text(json.dumps(seal_marker(manifest)))
+    monkeypatch.setattr(hf_model, "build_model", lambda *_: pytest.fail("a model was built"))
+    code, lines = _generate([str(marker.parent), "x"], capsys)
+    assert code == 2 and lines == [f"generate: error: checkpoint {marker.parent}: bad model_args ({message})"]
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "message"),
+    [
+        (PermissionError("Forbidden"), 2, "generate: error: PermissionError: Forbidden; check the path's permissions, "
+                                          "or the storage credentials (environment, instance role or storage options)"),
+        (FileNotFoundError(2, "No such file or directory", "/runs/x/tokenizer.json"), 2,
+         "generate: error: FileNotFoundError: No such file or directory: /runs/x/tokenizer.json"),
+        (RuntimeError("DefaultCPUAllocator: not enough memory"), 1,
+         "generate: error: RuntimeError: DefaultCPUAllocator: not enough memory"),
+        (ValueError("s3://key:hunter2@bucket/run is odd"), 1,
+         "generate: error: ValueError: s3://key:<redacted>@bucket/run is odd"),
+    ],
+    ids=["forbidden", "missing-file", "allocation", "password-in-message"],
+)
+def test_any_other_failure_is_one_line(
+    run_dir: Path, error: Exception, code: int, message: str, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Exit 2 where the input is what failed (a file, credentials), 1 otherwise; never a traceback."""
+    import meshtrain.evaluate.hf_model as hf_model
+
+    def failing(*_args: Any, **_kwargs: Any) -> Any:
+        raise error
+
+    monkeypatch.setattr(hf_model, "load_checkpoint_model", failing)
+    assert _generate([str(run_dir), "x"], capsys) == (code, [message])
+
+
+def test_a_storage_endpoint_that_refuses_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as probe:  # a loopback port nothing listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code, lines = _generate(
+        ["s3://bucket/run", "x", f"--storage-option=client_kwargs.endpoint_url=http://127.0.0.1:{port}",
+         "--storage-option=key=k", "--storage-option=secret=s",
+         "--storage-option=config_kwargs.retries.max_attempts=1"],
+        capsys,
+    )
+    assert code == 1 and len(lines) == 1, lines
+    assert lines[0].startswith("generate: error: EndpointConnectionError: Could not connect to the endpoint URL: "
+                               f'"http://127.0.0.1:{port}/bucket/run'), lines
+    assert lines[0].endswith("; the storage did not answer: check its endpoint and the network, then run the command "
+                             "again")

@@ -709,3 +709,226 @@ def test_export_job_sizes_and_refusals(capsys: pytest.CaptureFixture[str]) -> No
             job.parse_args(argv)
         assert exit_info.value.code == 2
         assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+# --- an untrusted init_from folder: every value read is checked before Ray starts ----------------
+
+
+def _shard_names(directory: Path) -> list[str]:
+    return sorted(set(json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"].values()))
+
+
+def _edited_shard(edit: Callable[[dict[str, torch.Tensor]], None]) -> Callable[[Trained, Path], list[str]]:
+    """A copy of the export whose first weight file is written again with ``edit`` applied to its tensors."""
+
+    def overrides(trained: Trained, tmp_path: Path) -> list[str]:
+        from safetensors.torch import load_file
+
+        copy = Path(shutil.copytree(trained.hf, tmp_path / "edited"))
+        first = copy / _shard_names(copy)[0]
+        tensors = load_file(first)
+        edit(tensors)
+        save_file(tensors, first)
+        return [f"model.init_from={copy}"]
+
+    return overrides
+
+
+def _truncated_shard(trained: Trained, tmp_path: Path) -> list[str]:
+    """An interrupted download: the last weight file stops half way."""
+    copy = Path(shutil.copytree(trained.hf, tmp_path / "partial"))
+    last = copy / _shard_names(copy)[-1]
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    return [f"model.init_from={copy}"]
+
+
+def _missing_shard(trained: Trained, tmp_path: Path) -> list[str]:
+    copy = Path(shutil.copytree(trained.hf, tmp_path / "partial"))
+    (copy / _shard_names(copy)[-1]).unlink()
+    return [f"model.init_from={copy}"]
+
+
+def _index_edit(value: Any) -> Callable[[Trained, Path], list[str]]:
+    """A copy of the export whose index maps its first tensor to ``value``."""
+
+    def overrides(trained: Trained, tmp_path: Path) -> list[str]:
+        copy = Path(shutil.copytree(trained.hf, tmp_path / "edited"))
+        index = json.loads((copy / "model.safetensors.index.json").read_text())
+        index["weight_map"][next(iter(index["weight_map"]))] = value
+        (copy / "model.safetensors.index.json").write_text(json.dumps(index))
+        return [f"model.init_from={copy}"]
+
+    return overrides
+
+
+def _duplicated_tensor(trained: Trained, tmp_path: Path) -> list[str]:
+    """The second weight file also holds a tensor of the first."""
+    from safetensors.torch import load_file
+
+    copy = Path(shutil.copytree(trained.hf, tmp_path / "edited"))
+    first, second = (copy / name for name in _shard_names(copy)[:2])
+    name, tensor = next(iter(load_file(first).items()))
+    save_file({**load_file(second), name: tensor}, second)
+    return [f"model.init_from={copy}"]
+
+
+def _first_tensor_as_int(tensors: dict[str, torch.Tensor]) -> None:
+    name = next(iter(tensors))
+    tensors[name] = tensors[name].to(torch.int32)
+
+
+def _drop_norm(tensors: dict[str, torch.Tensor]) -> None:
+    del tensors[next(name for name in tensors if name.endswith("norm.weight"))]
+
+
+WHERE = "model.init_from: "
+FIX = "; fix config.json or give other weights"
+UNSOUND = {
+    "negative-hidden-size": (_with_config(hidden_size=-64), "config.json: hidden_size=-64 must be positive" + FIX),
+    "zero-heads": (_with_config(num_attention_heads=0), "config.json: num_attention_heads=0 must be positive" + FIX),
+    "huge-vocab": (
+        _with_config(vocab_size=2**33),
+        "config.json: vocab_size=8589934592 is above 16,777,216, more than any Llama-family model has" + FIX,
+    ),
+    "huge-embedding": (
+        _with_config(vocab_size=2**24, hidden_size=2**15, num_attention_heads=2**8, num_key_value_heads=2**7),
+        "config.json: vocab_size=16777216 x hidden_size=32768 is an embedding of 549,755,813,888 elements, above "
+        "274,877,906,944: training it alone takes 8 TiB (16 bytes an element), more than any machine holds" + FIX,
+    ),
+    "too-many-layers": (_with_config(num_hidden_layers=10**6), "config.json: num_hidden_layers=1000000 is above 4,096"),
+    "string-size": (_with_config(hidden_size="64"), "config.json: hidden_size='64' is not an integer" + FIX),
+    "float-size": (
+        _with_config(intermediate_size=128.5), "config.json: intermediate_size=128.5 is not an integer" + FIX
+    ),
+    "bool-layers": (_with_config(num_hidden_layers=True), "config.json: num_hidden_layers=True is not an integer"),
+    "null-vocab": (_with_config(vocab_size=None), "config.json: vocab_size=None is not an integer" + FIX),
+    "string-eps": (
+        _with_config(rms_norm_eps="1e-5"), "config.json: rms_norm_eps='1e-5' must be a positive finite number"
+    ),
+    "large-eps": (_with_config(rms_norm_eps=2.0), "config.json: rms_norm_eps=2.0 must be below 1"),
+    "nan-theta": (
+        _with_config(rope_parameters={"rope_type": "default", "rope_theta": float("nan")}),
+        "config.json: rope_parameters.rope_theta=nan must be a positive finite number" + FIX,
+    ),
+    "string-tied": (
+        _with_config(tie_word_embeddings="no"), "config.json: tie_word_embeddings='no' must be true or false"
+    ),
+    "kv-heads": (
+        _with_config(num_key_value_heads=3), "config.json: num_key_value_heads=3 must divide num_attention_heads=4"
+    ),
+    "head-dim-type": (_with_config(head_dim="16"), "config.json has head_dim='16', not a positive integer"),
+    # The weights themselves: headers read, nothing loaded.
+    "truncated-weights": (
+        _truncated_shard,
+        "is not a readable safetensors file (SafetensorError: Error while deserializing header: incomplete "
+        "metadata, file not fully covered); an interrupted download leaves such a file: download it again",
+    ),
+    "missing-shard": (_missing_shard, "named by model.safetensors.index.json; complete the download"),
+    "index-not-a-file-name": (
+        _index_edit("../elsewhere/model.safetensors"),
+        "model.safetensors.index.json maps 'model.embed_tokens.weight' to '../elsewhere/model.safetensors', not a "
+        ".safetensors file name in the folder; fix or replace it",
+    ),
+    "index-not-a-string": (
+        _index_edit(["a"]), "model.safetensors.index.json maps 'model.embed_tokens.weight' to ['a']"
+    ),
+    "kv-heads-unlike-the-weights": (  # null means as many as the query heads (4): the files hold 2
+        _with_config(num_key_value_heads=None),
+        "model.layers.0.self_attn.k_proj.weight in model-00002-of-00005.safetensors has shape (32, 64), config.json "
+        "gives (64, 64); give the config.json written with these weights",
+    ),
+    "missing-tensor": (
+        _edited_shard(_drop_norm), "the weights lack model.layers.0.input_layernorm.weight; they do not match"
+    ),
+    "quantized-tensor": (
+        _edited_shard(_first_tensor_as_int),
+        "model.embed_tokens.weight in model-00001-of-00005.safetensors is I32; meshtrain loads F32, BF16, F16, "
+        "F64 weights",
+    ),
+    "duplicated-tensor": (
+        _duplicated_tensor,
+        "model.embed_tokens.weight is stored in both model-00001-of-00005.safetensors and "
+        "model-00002-of-00005.safetensors",
+    ),
+}
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "run"])
+@pytest.mark.parametrize("case", list(UNSOUND))
+def test_an_unsound_init_from_is_one_line_before_ray_starts(
+    trained: Trained, case: str, dry_run: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each config.json value, the index and the safetensors headers are checked by preflight: exit 2 with one
+    line naming the key (or the file) and the fix, and nothing launched, in a run as in its dry run."""
+    make_overrides, fragment = UNSOUND[case]
+    # A run's launch runs preflight first; what follows it (the run lease, Ray) must not be reached.
+    monkeypatch.setattr(meshtrain.cluster.launcher, "_launch", lambda *_: pytest.fail("the run went past preflight"))
+    storage = f"run.storage_path={tmp_path / 'runs'}"
+    code = main([*(["--dry-run"] if dry_run else []), *make_overrides(trained, tmp_path), *DATA, storage])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "", err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"meshtrain: config error: {WHERE}"), lines[0]
+    assert fragment in lines[0], lines[0]
+    assert "Traceback" not in err
+
+
+def test_the_weights_checks_need_no_tensor_read(trained: Trained, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Preflight reads headers only: no tensor of the weights is loaded (they may be hundreds of GB)."""
+    import safetensors
+
+    def no_tensors(*_args: Any, **_kwargs: Any) -> Any:
+        raise AssertionError("a tensor was loaded")
+
+    monkeypatch.setattr(safetensors.torch, "load_file", no_tensors)
+    monkeypatch.setattr(torch, "load", no_tensors)
+    opened = []
+    original = safetensors.safe_open
+
+    class Spy:
+        def __init__(self, path: str, framework: str) -> None:
+            opened.append(Path(path).name)
+            self.handle = original(path, framework=framework)
+
+        def __enter__(self) -> Any:
+            handle = self.handle.__enter__()
+            return type("HeaderOnly", (), {
+                "metadata": handle.metadata, "keys": handle.keys, "get_slice": handle.get_slice,
+                "get_tensor": no_tensors,
+            })()
+
+        def __exit__(self, *exc: Any) -> None:
+            self.handle.__exit__(*exc)
+
+    import meshtrain.checkpoint.hf_weights as hf_weights
+
+    monkeypatch.setattr(hf_weights, "safe_open", Spy)
+    init_from_config(trained.hf)
+    assert opened == _shard_names(trained.hf)
+
+
+def test_a_worker_loading_a_truncated_file_stops_in_one_line_naming_it(trained: Trained, tmp_path: Path) -> None:
+    """Weights damaged after preflight (or on another node's copy): the worker's load names the file too."""
+    from meshtrain.checkpoint.hf_weights import load_hf_weights
+    from meshtrain.config import ConfigError
+
+    cfg = init_from_config(trained.hf)
+    model = build_model(model_args(cfg, None), "cpu")
+    directory = Path(_truncated_shard(trained, tmp_path)[0].split("=", 1)[1])
+    with pytest.raises(ConfigError) as caught:
+        load_hf_weights(model, str(directory))
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"model.init_from: {str(directory)!r}: model-0000")
+    assert "is not a readable safetensors file" in message
+
+
+def test_a_resolved_shape_error_names_its_field() -> None:
+    """ModelConfig.resolved keeps the field of a shape error (pydantic's own message has none)."""
+    from meshtrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^model\.ffn_dim='wide' is not an integer$"):
+        ModelConfig().resolved(300, {"ffn_dim": "wide"})
+    with pytest.raises(ConfigError, match=r"^model\.bogus=1: Extra inputs are not permitted$"):
+        ModelConfig().resolved(300, {"bogus": 1})

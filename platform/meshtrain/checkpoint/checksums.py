@@ -12,6 +12,7 @@ any file or sidecar shows unless the marker is rewritten too.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import IO, Any
 
@@ -78,6 +79,37 @@ def encode_sidecar(name: str, segments: list[Segment]) -> bytes:
 
 
 Index = dict[int, tuple[int, str]]  # offset → (length, digest) of every segment of one file
+
+# The commit marker's checksum of itself: the sha256 of the canonical JSON (sorted keys, no spaces, ASCII) of
+# every other field, stored in the marker as this field. Like the checksums above it guards against damage (a
+# torn write, a flipped bit, an edit by hand), not against a writer who recomputes it.
+MARKER_CHECKSUM = "marker_sha256"
+
+
+def _marker_digest(fields: dict[str, Any]) -> str:
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode("ascii")).hexdigest()
+
+
+def seal_marker(manifest: dict[str, Any]) -> dict[str, Any]:
+    """``manifest`` as JSON reads it back (tuples as lists, keys as strings), with its ``MARKER_CHECKSUM``
+    first (a marker cut short keeps it, and shows as damaged rather than as one from before the checksum)."""
+    fields = json.loads(json.dumps(manifest))
+    return {MARKER_CHECKSUM: _marker_digest(fields), **fields}
+
+
+def unseal_marker(document: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """A read marker's fields without its checksum, and what is wrong (None: it matches). A marker without
+    the field was written before meshtrain recorded it and is taken as it is (its files' checksums and
+    sizes are still checked)."""
+    fields = {key: value for key, value in document.items() if key != MARKER_CHECKSUM}
+    if MARKER_CHECKSUM not in document:
+        return fields, None
+    recorded, actual = document[MARKER_CHECKSUM], _marker_digest(fields)
+    if recorded != actual:
+        shown = str(recorded)[:16]
+        return fields, f"does not match its {MARKER_CHECKSUM} (sha256 {actual[:16]}..., recorded {shown}...)"
+    return fields, None
 
 
 def read_sidecar(data: bytes, name: str, expected: str, where: str) -> Index:

@@ -6,8 +6,10 @@ Layout under the checkpoint root (``{run_dir}/checkpoints`` or ``{checkpoint.pat
     step-00000050/*.xxh3      per DCP file, the checksum of every item in it (see ``checksums``)
     step-00000050/COMMITTED   JSON written by rank 0 after every rank's shards and the metadata are
                               durable: step, tokens, data position, world and mesh, vocabulary, file
-                              sizes (checked before loading), the checksums of the .xxh3 files, and
-                              the config the run had
+                              sizes (checked before loading), the checksums of the .xxh3 files, the
+                              config the run had, and the sha256 of all that (``marker_sha256``; a
+                              marker that does not match it is treated as damaged, one written before
+                              it has none and still loads)
     step-00000050/BAD         JSON written when a committed checkpoint failed to load: the reason
                               and the time; such a checkpoint is skipped from then on and kept
                               for inspection (never pruned)
@@ -37,7 +39,14 @@ from typing import Any
 import fsspec
 import torch.distributed.checkpoint as dcp
 
-from meshtrain.checkpoint.checksums import ALGORITHM, SIDECAR_SUFFIX, read_sidecar, verify_whole
+from meshtrain.checkpoint.checksums import (
+    ALGORITHM,
+    SIDECAR_SUFFIX,
+    read_sidecar,
+    seal_marker,
+    unseal_marker,
+    verify_whole,
+)
 from meshtrain.checkpoint.dcp_files import (
     ChecksummedFileSystemWriter,
     ChecksummedFsspecWriter,
@@ -57,6 +66,15 @@ LEASE_MARKER = "LEASED"
 LEASE_TTL_S = 24 * 3600.0
 _MARKERS = (COMMIT_MARKER, BAD_MARKER, LEASE_MARKER)
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class DamagedMarker(CheckpointError):
+    """A commit marker that cannot be trusted (not JSON, or not matching its own checksum); ``reason`` is why,
+    as a listing shows it."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -94,15 +112,26 @@ class CheckpointStorage:
         return sorted(found, reverse=True)
 
     def read_marker(self, path: str) -> dict[str, Any] | None:
-        """The manifest in ``path``'s commit marker, or None when the checkpoint is not committed."""
+        """The manifest in ``path``'s commit marker, or None when the checkpoint is not committed;
+        DamagedMarker when the marker is not JSON or does not match its own checksum."""
         marker = f"{path}/{COMMIT_MARKER}"
         if not self.fs.exists(marker):
             return None
+        shown = self.display(path)
         try:
             with self.fs.open(marker, "r") as handle:
-                return json.load(handle)
+                document = json.load(handle)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"checkpoint {self.display(path)}: {COMMIT_MARKER} is not valid JSON ({exc})") from None
+            raise DamagedMarker(f"checkpoint {shown}: {COMMIT_MARKER} is not valid JSON ({exc})",
+                                f"its {COMMIT_MARKER} is not valid JSON") from None
+        if not isinstance(document, dict):
+            raise DamagedMarker(f"checkpoint {shown}: {COMMIT_MARKER} is not a JSON object",
+                                f"its {COMMIT_MARKER} is not a JSON object")
+        manifest, problem = unseal_marker(document)  # a marker from before the checksum has none: taken as is
+        if problem is not None:
+            raise DamagedMarker(f"checkpoint {shown}: {COMMIT_MARKER} {problem}; it changed after the commit",
+                                f"its {COMMIT_MARKER} {problem}")
+        return manifest
 
     def bad_reason(self, path: str) -> str | None:
         """Why the checkpoint at ``path`` was marked bad; None when it was not."""
@@ -121,8 +150,8 @@ class CheckpointStorage:
         path = self.step_dir(step)
         try:
             manifest = self.read_marker(path)
-        except CheckpointError:
-            return CommittedCheckpoint(path, step, {}, f"its {COMMIT_MARKER} is not valid JSON")
+        except DamagedMarker as exc:
+            return CommittedCheckpoint(path, step, {}, exc.reason)
         return None if manifest is None else CommittedCheckpoint(path, step, manifest, self.bad_reason(path))
 
     def all_committed(self) -> list[CommittedCheckpoint]:
@@ -174,7 +203,7 @@ class CheckpointStorage:
                 "sidecars": {name: sidecar for name, (_, sidecar) in sorted(written.items())},
             },
         }
-        self._write_json(path, COMMIT_MARKER, manifest)
+        self._write_json(path, COMMIT_MARKER, seal_marker(manifest))  # the marker checks itself, too
         return manifest
 
     def mark_bad(self, checkpoint: CommittedCheckpoint, reason: str) -> str:

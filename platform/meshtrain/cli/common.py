@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 import yaml
@@ -12,7 +14,9 @@ import yaml
 EXIT_TRAINING_FAILED = 1
 EXIT_CONFIG_ERROR = 2  # also bad input of any kind: a missing checkpoint, an existing output
 EXIT_INTERRUPTED = 130  # Ctrl-C or `ray job stop` (128 + SIGINT, as a shell reports it)
+EXIT_FAILED = 1  # any other failure of a command
 CONFIG_ERROR_PREFIX = "meshtrain: config error"
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]+")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -72,8 +76,71 @@ def refuse(command: str, error: BaseException) -> int:
     import sys
 
     message = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    print(f"{command}: error: {message}", file=sys.stderr)
+    print(f"{command}: error: {_redacted(message)}", file=sys.stderr)
     return EXIT_CONFIG_ERROR
+
+
+# Failures of what the user gave: a file missing, refused or of the wrong kind, credentials refused, text that is
+# not UTF-8. Fixing the input fixes them (exit 2); any other failure exits 1.
+_BAD_INPUT = (FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError, PermissionError, UnicodeError)
+_HINTS = (
+    (PermissionError, "check the path's permissions, or the storage credentials (environment, instance role or "
+                      "storage options)"),
+    ((ConnectionError, TimeoutError), "the storage did not answer: check its endpoint and the network, then run "
+                                      "the command again"),
+)
+
+
+def fail(command: str, error: BaseException) -> int:
+    """Any failure a command did not expect, as one line: ``<command>: error: <Type: message>`` on stderr (no
+    traceback; URL passwords redacted); the exit code to return: 2 when it is the input's, else 1."""
+    import sys
+
+    from meshtrain.config import one_line
+
+    hint = next((text for kinds, text in _HINTS if isinstance(error, kinds)), None)
+    if hint is None and "Connect" in type(error).__name__:  # botocore's, aiohttp's: not builtin ConnectionErrors
+        hint = _HINTS[1][1]
+    print(f"{command}: error: {_redacted(one_line(error))}{f'; {hint}' if hint else ''}", file=sys.stderr)
+    return EXIT_CONFIG_ERROR if isinstance(error, _BAD_INPUT) else EXIT_FAILED
+
+
+def interrupted(command: str) -> int:
+    """Ctrl-C: one line, the shell's exit code."""
+    import sys
+
+    print(f"{command}: interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def _redacted(line: str) -> str:
+    """``line`` with the password of every ``scheme://user:password@`` in it redacted (a URL as given)."""
+    from meshtrain.config import redact_url
+
+    return _URL.sub(lambda match: redact_url(match[0]), line)
+
+
+def check_writable_folder(folder: Path, option: str, fix: str = "give a writable folder") -> None:
+    """ConfigError (one line naming ``option``, then ``fix``) unless ``folder`` is, or can be made, a folder this
+    user can write in: a temporary file is created and removed in it or its nearest existing parent, nothing else."""
+    import os
+    import tempfile
+
+    from meshtrain.config import ConfigError, one_line
+
+    existing = folder = folder.expanduser().absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{option} {folder}: {existing} is a file, not a folder; {fix}")
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".meshtrain-probe-", dir=existing)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(
+            f"{option} {folder}: cannot write in {existing} ({one_line(exc, limit=160)}); {fix}"
+        ) from None
 
 
 def run_checkpoint_root(path: str, storage_options: dict[str, Any] | None = None) -> str:

@@ -5,8 +5,10 @@ The checkpoint becomes a ``transformers`` Llama in this process (only model tens
 checked against the checkpoint's checksums) and the harness scores it through its ``HFLM``: the
 numbers are those ``lm_eval --model hf`` gives on the same checkpoint exported with
 ``jobs/export.py --format hf``. The harness's results JSON and per-example samples go to
-``{run}/downstream/step-XXXXXXXX/`` (or ``--out``). Exit code 2 with one line on stderr for unknown
-tasks, a folder without task YAMLs, or a missing, uncommitted or damaged checkpoint.
+``{run}/downstream/step-XXXXXXXX/`` (or ``--out``, checked writable before anything is scored). Exit code
+2 with one line on stderr for unknown tasks, a folder without task YAMLs, a task's missing data file, a
+results folder that cannot be written, or a missing, uncommitted or damaged checkpoint; any other failure
+(storage that does not answer, say) is one line too, with exit code 1.
 """
 
 from __future__ import annotations
@@ -14,7 +16,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from meshtrain.cli.common import OneLineParser, add_storage_options_argument, refuse, run_checkpoint_root
+from meshtrain.cli.common import (
+    OneLineParser,
+    add_storage_options_argument,
+    check_writable_folder,
+    fail,
+    interrupted,
+    refuse,
+    run_checkpoint_root,
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,21 +62,35 @@ def main(argv: list[str] | None = None) -> int:
     from meshtrain.checkpoint.export import resolve_checkpoint
     from meshtrain.checkpoint.storage import CheckpointError
     from meshtrain.config import ConfigError
-    from meshtrain.evaluate.checkpoint_eval import RESULTS_FILE, default_run_dir, evaluate_checkpoint, results_folder
+    from meshtrain.evaluate.checkpoint_eval import (
+        DOWNSTREAM_DIR,
+        RESULTS_FILE,
+        default_run_dir,
+        evaluate_checkpoint,
+        results_folder,
+    )
     from meshtrain.evaluate.harness import HarnessRun
     from meshtrain.observe.progress import progress_line
 
     run = HarnessRun(tuple(task.strip() for task in args.tasks.split(",") if task.strip()), args.include_path,
                      args.num_fewshot, args.limit, args.batch_size, settings=("--tasks", "--include-path"))
     try:
+        if args.out:  # before anything is read or scored: the results must have somewhere to go
+            check_writable_folder(Path(args.out), "--out")
         checkpoint = resolve_checkpoint(run_checkpoint_root(args.checkpoint, options), options)
         run_dir = default_run_dir(checkpoint) or Path.cwd()
+        if not args.out:
+            check_writable_folder(run_dir / DOWNSTREAM_DIR, "results folder", "give --out a writable folder")
         evaluation = evaluate_checkpoint(
             checkpoint, run, (lambda _: Path(args.out)) if args.out else (lambda step: results_folder(run_dir, step)),
             options,
         )
     except (CheckpointError, ConfigError) as exc:
         return refuse("evaluate", exc)
+    except KeyboardInterrupt:
+        return interrupted("evaluate")
+    except Exception as exc:  # storage that refuses or does not answer, a task's missing data file, ...: one line
+        return fail("evaluate", exc)
     for record in evaluation.records:
         print(progress_line(record, 0))
     print(f"[meshtrain] evaluated {checkpoint} in {evaluation.seconds:.1f}s -> {evaluation.folder / RESULTS_FILE}",

@@ -8,15 +8,24 @@ model-0000x-of-0000N.safetensors files with a model.safetensors.index.json, and 
 by tensor instead of holding the whole model). Only model weights are read, in this process.
 Every file of the checkpoint is checked against its checksums before anything is exported.
 Exit code 2 with one line on stderr for a missing, uncommitted, damaged or tampered-with checkpoint
-(naming the file) or an existing output.
+(naming the file), an existing output or one whose folder cannot be written (checked before the checkpoint
+is read); any other failure (storage that does not answer, say) is one line too, with exit code 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 
-from meshtrain.cli.common import OneLineParser, add_storage_options_argument, refuse
+from meshtrain.cli.common import (
+    OneLineParser,
+    add_storage_options_argument,
+    check_writable_folder,
+    fail,
+    interrupted,
+    refuse,
+)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -73,8 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         resolve_checkpoint,
     )
     from meshtrain.checkpoint.storage import CheckpointError
+    from meshtrain.config import ConfigError
 
     try:
+        # Before the checkpoint is read (every byte of it, checked): the output must have somewhere to go.
+        check_writable_folder(Path(args.out).expanduser().absolute().parent, "output", "give an output path in a "
+                              "writable folder")
         checkpoint = resolve_checkpoint(args.checkpoint, options)
         result = export_checkpoint(
             checkpoint,
@@ -84,8 +97,12 @@ def main(argv: list[str] | None = None) -> int:
             max_shard_bytes=args.max_shard_size or DEFAULT_MAX_SHARD_BYTES,
             dtype=args.dtype or "float32",
         )
-    except (CheckpointError, ExportError) as exc:
+    except (CheckpointError, ExportError, ConfigError) as exc:
         return refuse("export", exc)
+    except KeyboardInterrupt:
+        return interrupted("export")
+    except Exception as exc:  # storage that refuses or does not answer, a damaged run file, ...: one line
+        return fail("export", exc)
     written = ", ".join(result.files) if result.path.is_dir() else f"{result.path.stat().st_size:,} bytes"
     print(
         f"[meshtrain] exported step {result.step} of {checkpoint}: {result.parameters:,} parameters, "

@@ -6,15 +6,24 @@ checked against the checkpoint's checksums) and ``transformers``' ``generate`` c
 with a KV cache: greedy by default, sampling with ``--temperature``/``--top-p`` (reproducible with
 ``--seed``), stopping at the run's end-of-document token (see meshtrain.evaluate.generation). Exit
 code 2 with one line on stderr for bad settings, a missing, uncommitted or damaged checkpoint, a run
-without its tokenizer, or a prompt that does not fit the model's context with the new tokens.
+without its tokenizer, or a prompt that does not fit the model's context with the new tokens (or is not
+UTF-8); any other failure (storage that does not answer, say) is one line too, with exit code 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
-from meshtrain.cli.common import OneLineParser, add_storage_options_argument, refuse, run_checkpoint_root
+from meshtrain.cli.common import (
+    OneLineParser,
+    add_storage_options_argument,
+    fail,
+    interrupted,
+    refuse,
+    run_checkpoint_root,
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -38,10 +47,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.max_new_tokens <= 0:
         parser.error(f"--max-new-tokens={args.max_new_tokens}: give a positive number")
-    if args.temperature < 0:
-        parser.error(f"--temperature={args.temperature}: give 0 (greedy) or a positive temperature")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        parser.error(f"--temperature={args.temperature}: give 0 (greedy) or a positive finite temperature")
     if not 0 < args.top_p <= 1:
         parser.error(f"--top-p={args.top_p}: give a probability mass in (0, 1]")
+    if not -(2**63) <= args.seed < 2**64:
+        parser.error(f"--seed={args.seed}: give a seed from -2**63 to 2**64 - 1")
+    for number, prompt in enumerate(args.prompts, 1):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # bytes the locale could not decode reach Python as lone surrogates
+            parser.error(f"prompt {number} is not UTF-8 text (character {exc.start + 1} is an undecodable byte); "
+                         "give prompts in UTF-8")
     return args
 
 
@@ -63,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         seconds = time.perf_counter() - started
     except (CheckpointError, ConfigError) as exc:
         return refuse("generate", exc)
+    except KeyboardInterrupt:
+        return interrupted("generate")
+    except Exception as exc:  # storage that refuses or does not answer, a damaged run file, ...: one line
+        return fail("generate", exc)
     mode = ("greedy" if args.temperature == 0
             else f"sampling at temperature {args.temperature}, top-p {args.top_p}, seed {args.seed}")
     print(f"[meshtrain] step {loaded.step} of {checkpoint}: {mode}, at most {args.max_new_tokens} new tokens")

@@ -11,8 +11,8 @@ import argparse
 import sys
 import time
 
-from meshtrain.cli.common import CONFIG_ERROR_PREFIX, EXIT_CONFIG_ERROR, OneLineParser
-from meshtrain.config import ConfigError, load_config
+from meshtrain.cli.common import CONFIG_ERROR_PREFIX, EXIT_CONFIG_ERROR, OneLineParser, fail, interrupted
+from meshtrain.config import ConfigError, config_error_in, load_config
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -55,6 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"{CONFIG_ERROR_PREFIX}: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except KeyboardInterrupt:
+        return interrupted("prepare_data")
+    except Exception as exc:  # a Ray task's failure carries the ConfigError that stopped it; anything else is one line
+        config_error = config_error_in(exc)
+        if config_error is not None:
+            print(f"{CONFIG_ERROR_PREFIX}: {config_error}", file=sys.stderr)
+            return EXIT_CONFIG_ERROR
+        return fail("prepare_data", exc)
     seconds = time.perf_counter() - started
     for ref in (*plan.stores, *([plan.validation] if plan.validation else [])):
         print(f"[meshtrain] token store {ref.url}: {ref.tokens:,} tokens, {ref.documents:,} documents, fingerprint {ref.fingerprint[:16]}")

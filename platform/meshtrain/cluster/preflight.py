@@ -22,10 +22,13 @@ from typing import Any
 import fsspec
 from fsspec.core import split_protocol
 
+from meshtrain.checkpoint.hf_weights import check_weight_headers
+from meshtrain.checkpoint.storage import CheckpointStorage, checkpoint_root
 from meshtrain.cluster.worker_env import worker_env
 from meshtrain.config import ConfigError, DataConfig, MeshtrainConfig, ModelConfig, one_line, redact_url, require_extra
 from meshtrain.data import expand_local_source, tokenizer_vocab_size
-from meshtrain.data.store import is_token_store, with_timeouts
+from meshtrain.data.location import with_timeouts
+from meshtrain.data.store import is_token_store
 from meshtrain.distributed.float8 import (
     Float8Unavailable,
     accelerator_lacks_float8,
@@ -37,7 +40,7 @@ from meshtrain.distributed.torch_support import check_torch
 from meshtrain.evaluate.harness import HarnessRun, task_manager
 from meshtrain.model.args import model_args
 from meshtrain.model.flops import flops_per_token, highest_peak_flops
-from meshtrain.model.hf_llama import CONFIG_KEYS, init_from_tokenizer, llama_shape
+from meshtrain.model.hf_llama import CONFIG_KEYS, hf_name, init_from_tokenizer, llama_shape
 from meshtrain.model.llama import build_model, count_parameters
 from meshtrain.observe.mlflow_tracker import check_mlflow
 from meshtrain.observe.wandb_tracker import check_wandb
@@ -50,7 +53,7 @@ def preflight(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> Meshtrain
     run; preparing data does not need the model). Calling it again on its result changes nothing."""
     check_torch()
     cfg = cfg.model_copy(deep=True)
-    _check_init_from_shape(cfg.model)
+    _check_init_from_shape(cfg.model, resumes=_resumes_from_checkpoint(cfg))
     _check_data_paths(cfg.data)
     _check_local_directory(Path(cfg.run.storage_path), "run.storage_path")
     if cfg.checkpoint.enabled and cfg.checkpoint.path is not None:
@@ -169,11 +172,13 @@ def _check_preemption_budget(cfg: MeshtrainConfig) -> None:
         )
 
 
-def _check_init_from_shape(model: ModelConfig) -> None:
-    """model.init_from is a Llama directory, and no explicit shape field contradicts its config.json."""
+def _check_init_from_shape(model: ModelConfig, resumes: bool = False) -> None:
+    """model.init_from is a Llama directory, and no explicit shape field contradicts its config.json; unless
+    the run ``resumes`` from a checkpoint (its weights are not read then), the weight files are intact."""
     if model.init_from is None:
         return
-    for name, value in llama_shape(model.init_from).items():
+    shape = llama_shape(model.init_from)  # every config.json value read is checked there, bounds included
+    for name, value in shape.items():
         explicit = getattr(model, name)
         if name == "rope_scaling" and explicit is not None:
             _check_rope_scaling(explicit.model_dump(exclude_none=True), value or {})
@@ -183,6 +188,30 @@ def _check_init_from_shape(model: ModelConfig) -> None:
                 f"model.{name}: {explicit!r} conflicts with {CONFIG_KEYS[name]}={value!r} in "
                 f"model.init_from's config.json; drop model.{name} (the weights fix the shape)"
             )
+    if not resumes:
+        _check_init_from_weights(model, shape)
+
+
+def _resumes_from_checkpoint(cfg: MeshtrainConfig) -> bool:
+    """Whether the run will resume from a committed checkpoint (then, as the trainer decides, it reads no
+    init_from weights). Storage that cannot be listed counts as no: the weights are checked then."""
+    if cfg.model.init_from is None or not (cfg.checkpoint.enabled and cfg.checkpoint.resume) or cfg.run.name is None:
+        return False
+    options = cfg.checkpoint.storage_options
+    if split_protocol(cfg.checkpoint.path or "")[0] in ("s3", "s3a"):
+        options = with_timeouts(options, _PROBE_TIMEOUT_S)  # an unreachable endpoint does not hang the check
+    try:
+        return bool(CheckpointStorage(checkpoint_root(cfg), options).all_committed())
+    except Exception:  # unreachable or refused: _check_checkpoint_root says why, in one line
+        return False
+
+
+def _check_init_from_weights(model: ModelConfig, shape: dict[str, Any]) -> None:
+    """The safetensors headers (not the tensors) hold every weight of the shape config.json gives, intact:
+    a truncated download or mismatched files fail here, not on every worker."""
+    assert model.init_from is not None
+    expected = build_model(model.resolved(None, shape), "meta").named_parameters()  # a tied head is one parameter
+    check_weight_headers(model.init_from, {hf_name(name): tuple(param.shape) for name, param in expected})
 
 
 def _check_rope_scaling(explicit: dict[str, Any], loaded: dict[str, Any]) -> None:
@@ -198,11 +227,27 @@ def _check_rope_scaling(explicit: dict[str, Any], loaded: dict[str, Any]) -> Non
 def _check_data_paths(data: DataConfig) -> None:
     for index, item in enumerate(data.source_list()):
         where = "data.source" if data.sources is None else f"data.sources.{index}.source"
+        _check_remote_source(item.source, where, data)
         _check_source_exists(item.source, where, data)
     if data.validation.source is not None:
+        _check_remote_source(data.validation.source, "data.validation.source", data)
         _check_source_exists(data.validation.source, "data.validation.source", data)
     if data.tokenizer != "train" and not Path(data.tokenizer).expanduser().is_file():
         raise ConfigError(f"data.tokenizer: {data.tokenizer!r} is not a file; give a tokenizer.json path or 'train'")
+
+
+def _check_remote_source(source: str, where: str, data: DataConfig) -> None:
+    """An ``s3://`` source is a token store that answers: asked once for its manifest, with the store's
+    timeouts (``data.read_timeout_s``), so a wrong endpoint, a refusal, wrong credentials or an endpoint
+    that never answers is one line here, before Ray starts (see :func:`is_token_store`); and one that
+    answers without a store is one line too (documents are read from local files only)."""
+    if split_protocol(source)[0] != "s3":
+        return
+    if not is_token_store(source, data.storage_options, setting=where, timeout_s=data.read_timeout_s):
+        raise ConfigError(
+            f"{where}: {redact_url(source)} holds no token store (no manifest.json); fix the bucket and path, or "
+            "prepare one with jobs/prepare_data.py and give the store URL it prints (raw documents must be local)"
+        )
 
 
 def _check_source_exists(source: str, where: str, data: DataConfig) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from meshtrain.config.errors import ConfigError
 from meshtrain.config.presets import MODEL_PRESETS
@@ -122,7 +123,7 @@ class ModelConfig(Section):
         try:
             return ModelArgs(**values)
         except ValidationError as exc:
-            raise ConfigError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+            raise ConfigError(_args_problem(exc.errors()[0])) from None
 
     def _rope_scaling(self, base: Mapping[str, Any] | None) -> dict[str, Any] | None:
         """``base`` (the preset's or init_from's scaling) with model.rope_scaling's set fields over it."""
@@ -137,6 +138,14 @@ class ModelConfig(Section):
                 f"from; set {', '.join(f'model.rope_scaling.{name}' for name in missing)} too"
             )
         return values
+
+
+def _args_problem(error: Any) -> str:
+    """One line for ModelArgs' first validation error, naming the field (pydantic's own messages do not)."""
+    if error["type"] in ("value_error", _SHAPE_ERROR):  # ours, which name the field and value
+        return error["msg"].removeprefix("Value error, ")
+    field = ".".join(str(part) for part in error["loc"])
+    return f"model.{field}={error.get('input')!r}: {error['msg']}"
 
 
 class RopeScaling(BaseModel):
@@ -193,27 +202,101 @@ class ModelArgs(BaseModel):
     init_std: float
     rope_scaling: RopeScaling | None = None  # None: plain RoPE
 
-    @model_validator(mode="after")
-    def _heads_fit(self) -> "ModelArgs":
-        if self.dim % self.n_heads:
-            raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}"
-            )
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(
-                f"model.dim={self.dim}: the head size model.dim / model.n_heads={self.n_heads} is "
-                f"{self.dim // self.n_heads}, which must be even for rotary embeddings; "
-                "change model.dim or model.n_heads"
-            )
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _sane_shape(cls, values: Any) -> Any:
+        # Before pydantic's coercion: "64", 64.5 or true in an integer field is refused, naming the field.
+        problem = shape_problem(values) if isinstance(values, Mapping) else None
+        if problem is not None:  # pydantic's own type keeps the message as it is (a ValueError's gains a prefix)
+            raise PydanticCustomError(_SHAPE_ERROR, problem)
+        return values
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
 
+# Upper bounds of a model shape. The per-field ones lie far above every published Llama-family model
+# (Llama 3.1 405B: dim 16384, 126 layers, 128 heads, ffn 53248, 131072 positions; the largest public
+# vocabularies hold about 262k tokens, head sizes are 64 to 256), so a real model never meets them, yet a
+# typo or a crafted config.json or checkpoint marker is refused in one line instead of failing as an
+# allocation on every worker.
+SHAPE_LIMITS = {
+    "dim": 2**17, "n_layers": 2**12, "n_heads": 2**12, "n_kv_heads": 2**12, "ffn_dim": 2**20,
+    "vocab_size": 2**24, "max_seq_len": 2**21,
+}
+MAX_HEAD_DIM = 2**10  # the RoPE tables are max_seq_len x head size, per rank
+# The embedding is bounded by memory: training keeps 16 bytes per element (fp32 weight, gradient and two
+# AdamW moments), so an embedding of 2**38 elements needs 4 TiB before the rest of the model: more than the
+# accelerator memory of any one machine (8 x 288 GB, the largest GPU node sold: 2.1 TiB).
+MAX_EMBEDDING_ELEMENTS = 2**38
+_TRAINING_BYTES_PER_ELEMENT = 16
+_POSITIVE_FLOATS = ("rope_theta", "norm_eps", "init_std")
+_SHAPE_ERROR = "model_shape"
+
+
+def _model_field(field: str) -> str:
+    return f"model.{field}"
+
+
+def shape_problem(values: Mapping[str, Any], name: Callable[[str], str] = _model_field) -> str | None:
+    """What is wrong with a model shape (``ModelArgs`` field -> value; absent fields are not checked), in
+    one line naming each field as ``name(field)``; None when nothing is. Every shape meshtrain reads is
+    checked with this: a config's (``ModelArgs``), model.init_from's config.json (``llama_shape``), a
+    checkpoint's ``COMMITTED`` model_args (``ModelArgs`` again)."""
+    for field, limit in SHAPE_LIMITS.items():
+        if field not in values:
+            continue
+        value = values[field]
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"{name(field)}={value!r} is not an integer"
+        if value <= 0:
+            return f"{name(field)}={value} must be positive"
+        if value > limit:
+            return f"{name(field)}={value} is above {limit:,}, more than any Llama-family model has"
+    for field in _POSITIVE_FLOATS:
+        value = values.get(field)
+        if field in values and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0
+        ):
+            return f"{name(field)}={value!r} must be a positive finite number"
+    if "norm_eps" in values and values["norm_eps"] >= 1:
+        return f"{name('norm_eps')}={values['norm_eps']!r} must be below 1 (Llama: 1e-5)"
+    if "tie_embeddings" in values and not isinstance(values["tie_embeddings"], bool):
+        return f"{name('tie_embeddings')}={values['tie_embeddings']!r} must be true or false"
+    if "vocab_size" in values and "dim" in values:
+        elements = values["vocab_size"] * values["dim"]
+        if elements > MAX_EMBEDDING_ELEMENTS:
+            tib = elements * _TRAINING_BYTES_PER_ELEMENT / 2**40
+            return (
+                f"{name('vocab_size')}={values['vocab_size']} x {name('dim')}={values['dim']} is an embedding of "
+                f"{elements:,} elements, above {MAX_EMBEDDING_ELEMENTS:,}: training it alone takes {tib:,.0f} TiB "
+                f"({_TRAINING_BYTES_PER_ELEMENT} bytes an element), more than any machine holds"
+            )
+    return _heads_problem(values, name)
+
+
+def _heads_problem(values: Mapping[str, Any], name: Callable[[str], str]) -> str | None:
+    """The attention heads must split the model dimension into even head sizes (checked values only)."""
+    if "dim" not in values or "n_heads" not in values:
+        return None
+    dim, heads = values["dim"], values["n_heads"]
+    if dim % heads:
+        return f"{name('dim')}={dim} must be divisible by {name('n_heads')}={heads}"
+    kv_heads = values.get("n_kv_heads", heads)
+    if heads % kv_heads:
+        return f"{name('n_kv_heads')}={kv_heads} must divide {name('n_heads')}={heads}"
+    if (dim // heads) % 2:
+        return (
+            f"{name('dim')}={dim}: the head size {name('dim')} / {name('n_heads')}={heads} is {dim // heads}, "
+            f"which must be even for rotary embeddings; change {name('dim')} or {name('n_heads')}"
+        )
+    if dim // heads > MAX_HEAD_DIM:
+        return (
+            f"{name('dim')}={dim}: the head size {name('dim')} / {name('n_heads')}={heads} is {dim // heads}, "
+            f"above {MAX_HEAD_DIM:,} (Llama: 128); change {name('dim')} or {name('n_heads')}"
+        )
+    return None
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -22,6 +22,7 @@ end-of-document token.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,8 +36,8 @@ def check_settings(max_new_tokens: int, temperature: float, top_p: float) -> Non
     """ConfigError unless the generation settings make sense."""
     if max_new_tokens <= 0:
         raise ConfigError(f"max_new_tokens={max_new_tokens}: ask for at least 1 new token")
-    if temperature < 0:
-        raise ConfigError(f"temperature={temperature}: give 0 (greedy) or a positive temperature")
+    if not (math.isfinite(temperature) and temperature >= 0):  # nan would pass a plain < 0 and sample greedily
+        raise ConfigError(f"temperature={temperature}: give 0 (greedy) or a positive finite temperature")
     if not 0 < top_p <= 1:
         raise ConfigError(f"top_p={top_p}: give a probability mass in (0, 1]; 1 samples from every token")
 

@@ -103,7 +103,13 @@ def run_harness(loaded: CheckpointModel, run: HarnessRun, manager: Any | None = 
     random generators are left as they were (the harness seeds its few-shot sampling itself)."""
     _quiet_hub()
     import lm_eval
+    import lm_eval.evaluator
     from lm_eval.models.huggingface import HFLM
+
+    # The harness records the git commit of the working directory by running git there, which prints
+    # "fatal: not a git repository" into the job log from a Ray task's folder; the result files record
+    # the checkpoint's step instead.
+    lm_eval.evaluator.get_git_commit_hash = lambda: None
 
     manager = manager if manager is not None else task_manager(run)
     state = random.getstate()

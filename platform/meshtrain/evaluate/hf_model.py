@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from meshtrain.checkpoint.export import CommittedModel, run_tokenizer, tokenizer_files
-from meshtrain.config import ConfigError, ModelArgs
+from meshtrain.config import ConfigError, ModelArgs, one_line
 from meshtrain.model.hf_llama import hf_config, hf_name
 from meshtrain.model.llama import build_model
 
@@ -50,6 +50,13 @@ def load_checkpoint_model(
             f"checkpoint {checkpoint}: its run folder has no tokenizer.json, so text cannot be scored; evaluate a "
             "checkpoint of a meshtrain run (the launcher writes one) or copy the run's tokenizer.json next to checkpoints/"
         )
+    try:
+        Tokenizer.from_str(tokenizer_json)
+    except Exception as exc:  # the tokenizers library raises a bare Exception for a malformed file
+        raise NoTokenizer(
+            f"checkpoint {checkpoint}: its run's tokenizer.json is not a tokenizer ({one_line(exc, limit=160)}); "
+            "put back the tokenizer.json the run was trained with"
+        ) from None
     _, eos_id = tokenizer_files(tokenizer_json, args.max_seq_len)
     if eos_id is None:
         raise NoTokenizer(

@@ -15,11 +15,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from meshtrain.config import ConfigError, ModelArgs, RopeScaling
+from meshtrain.config.model import shape_problem
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+SAFETENSORS_SUFFIX = ".safetensors"
 
 # meshtrain name inside a block → Hugging Face name inside ``model.layers.N``.
 _LAYER_NAMES = {
@@ -137,16 +139,28 @@ def llama_shape(directory: str) -> dict[str, Any]:
         raise ConfigError(f"{where}: {CONFIG_FILE} lacks {', '.join(missing)}; give a complete Llama config")
     values = {**_LLAMA_DEFAULTS, **config}
     values["rope_theta"] = rope.get("rope_theta", values["rope_theta"])
-    values.setdefault("num_key_value_heads", values["num_attention_heads"])
+    if values.get("num_key_value_heads") is None:  # absent or null: multi-head attention, as LlamaConfig reads it
+        values["num_key_value_heads"] = values["num_attention_heads"]
     shape = {field: values[key] for field, key in _VALUE_KEYS.items()}
+    # Every value read is checked (type, sign, bounds, heads) before anything computes with it.
+    problem = shape_problem(shape, lambda field: _config_key(field, rope_key if "rope_theta" in rope else None))
+    if problem is not None:
+        raise ConfigError(f"{where}: {CONFIG_FILE}: {problem}; fix {CONFIG_FILE} or give other weights")
     shape["rope_scaling"] = _rope_scaling(rope, where, rope_key)
     head_dim = config.get("head_dim")
+    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0):
+        raise ConfigError(f"{where}: {CONFIG_FILE} has head_dim={head_dim!r}, not a positive integer; fix or drop it")
     if head_dim is not None and head_dim * shape["n_heads"] != shape["dim"]:
         raise ConfigError(
             f"{where}: {CONFIG_FILE} has head_dim={head_dim}, but meshtrain's model uses hidden_size / "
             f"num_attention_heads = {shape['dim'] / shape['n_heads']:g}; give weights where they agree"
         )
     return shape
+
+
+def _config_key(field: str, rope_key: str | None) -> str:
+    """The config.json key a shape field was read from (rope_theta: from the rope mapping where it has one)."""
+    return f"{rope_key}.rope_theta" if field == "rope_theta" and rope_key else CONFIG_KEYS[field]
 
 
 def _rope_scaling(rope: dict[str, Any], where: str, key: str) -> dict[str, Any] | None:
@@ -200,11 +214,17 @@ def _read_json(path: Path, where: str) -> dict[str, Any]:
 
 def _check_weight_files(root: Path, where: str) -> None:
     """The safetensors files are exactly those the index names (the reader loads every one there)."""
-    present = {path.name for path in root.glob("*.safetensors")}
+    present = set(weight_files(root))
     if (root / INDEX_FILE).is_file():
         weight_map = _read_json(root / INDEX_FILE, where).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ConfigError(f"{where}: {INDEX_FILE} has no weight_map; fix or replace it")
+        for name, file in weight_map.items():
+            if not isinstance(file, str) or Path(file).name != file or not file.endswith(SAFETENSORS_SUFFIX):
+                raise ConfigError(
+                    f"{where}: {INDEX_FILE} maps {name!r} to {file!r}, not a .safetensors file name in the "
+                    "folder; fix or replace it"
+                )
         expected, named_by = set(weight_map.values()), INDEX_FILE
     elif WEIGHTS_FILE in present:
         expected, named_by = {WEIGHTS_FILE}, f"{WEIGHTS_FILE} (there is no {INDEX_FILE})"
@@ -220,6 +240,12 @@ def _check_weight_files(root: Path, where: str) -> None:
             f"{where} holds {', '.join(sorted(present - expected))} beside {named_by}; every *.safetensors "
             "file there is read, so move the others out"
         )
+
+
+def weight_files(root: Path) -> list[str]:
+    """The names of the safetensors files in ``root``: every name ending in .safetensors, hidden ones too,
+    as DCP's HuggingFaceStorageReader lists them (it reads them all)."""
+    return sorted(path.name for path in root.iterdir() if path.name.endswith(SAFETENSORS_SUFFIX))
 
 
 def init_from_tokenizer(directory: str) -> str:
