@@ -178,7 +178,8 @@ def hf_logits_difference(checkpoint: Path, tmp_path: Path) -> float:
     loading it and meshtrain's model holding the checkpoint's weights in one process."""
     from transformers import LlamaForCausalLM
 
-    from meshtrain.checkpoint.export import export_checkpoint, load_model_state
+    from meshtrain.checkpoint.export import export_checkpoint
+    from meshtrain.checkpoint.reading import load_model_state
     from meshtrain.model.llama import build_model
 
     out = tmp_path / f"hf-{checkpoint.parent.parent.name}"

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from corpora import trained_tiny_run
-from meshtrain.checkpoint.export import export_checkpoint, load_model_state
+from meshtrain.checkpoint.export import export_checkpoint
+from meshtrain.checkpoint.reading import load_model_state
 from meshtrain.cli.evaluate import main as evaluate_main
 from meshtrain.config import ConfigError, load_config
 from meshtrain.evaluate.checkpoint_eval import results_folder

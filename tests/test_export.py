@@ -22,12 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, load_model
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from meshtrain.checkpoint.export import (
-    ExportError,
-    export_checkpoint,
-    load_model_state,
-    resolve_checkpoint,
-)
+from meshtrain.checkpoint.export import ExportError, export_checkpoint
+from meshtrain.checkpoint.reading import load_model_state, resolve_checkpoint
 from meshtrain.checkpoint.storage import COMMIT_MARKER, CheckpointError, checkpoint_root
 from meshtrain.config import MeshtrainConfig, ModelArgs, load_config
 from meshtrain.data import DataPlan, prepare_data
@@ -422,9 +418,9 @@ def _export(arguments: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[i
 def test_an_output_in_an_unwritable_place_is_refused_before_the_checkpoint_is_read(
     runs: dict[str, Run], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import meshtrain.checkpoint.export as export
+    import meshtrain.checkpoint.reading as reading
 
-    monkeypatch.setattr(export, "resolve_checkpoint", lambda *_: pytest.fail("the checkpoint was read"))
+    monkeypatch.setattr(reading, "resolve_checkpoint", lambda *_: pytest.fail("the checkpoint was read"))
     (tmp_path / "file").write_text("")
     out = tmp_path / "file" / "hf"
     code, lines = _export([str(runs["tied-gqa"].root), "--format", "hf", str(out)], capsys)

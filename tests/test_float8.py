@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, load_model
 
-from meshtrain.checkpoint.export import export_checkpoint, load_model_state
+from meshtrain.checkpoint.export import export_checkpoint
+from meshtrain.checkpoint.reading import load_model_state
 from meshtrain.cluster.preflight import preflight
 from meshtrain.config import ConfigError, MeshtrainConfig, ModelArgs, load_config
 from meshtrain.data import DataPlan

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from corpora import trained_tiny_run
-from meshtrain.checkpoint.export import load_model_state
+from meshtrain.checkpoint.reading import load_model_state
 from meshtrain.cli.generate import main as generate_main
 from meshtrain.config import ConfigError
 from meshtrain.evaluate.generation import continue_ids, continue_prompts, prompt_ids

@@ -32,7 +32,8 @@ from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 import meshtrain.checkpoint.dcp_files as dcp_files
 import meshtrain.cluster.launcher
 from corpora import short_documents_plan
-from meshtrain.checkpoint.export import export_checkpoint, load_model_state
+from meshtrain.checkpoint.export import export_checkpoint
+from meshtrain.checkpoint.reading import load_model_state
 from meshtrain.checkpoint.storage import checkpoint_root
 from meshtrain.cli.pretrain import main
 from meshtrain.cluster.preflight import preflight

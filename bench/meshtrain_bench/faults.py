@@ -116,7 +116,7 @@ def step_dir(storage: Path, step: int) -> Path:
 
 
 def model_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    from meshtrain.checkpoint.export import load_model_state
+    from meshtrain.checkpoint.reading import load_model_state
 
     state, _, _ = load_model_state(str(checkpoint))
     return state

@@ -25,40 +25,24 @@ end, so a failed export leaves nothing half-written, and an existing non-empty o
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
-import sys
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import torch
-import torch.distributed.checkpoint as dcp
-from pydantic import ValidationError
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.api import CheckpointException
 
-from meshtrain.checkpoint.storage import (
-    BAD_MARKER,
-    COMMIT_MARKER,
-    CheckpointError,
-    CheckpointStorage,
-    CommittedCheckpoint,
-)
-from meshtrain.config import ConfigError, ModelArgs
+from meshtrain.checkpoint.reading import TIED_ALIAS, TIED_SOURCE, CommittedModel, run_tokenizer, tokenizer_files
 from meshtrain.model.hf_llama import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, hf_config, hf_name
-from meshtrain.model.llama import build_model, count_parameters, materialize
+from meshtrain.model.llama import build_model, count_parameters
 
 FORMATS = ("torch", "safetensors", "hf")
 HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # "5GB", as transformers' save_pretrained
-_STATE_PREFIX = "train.model."  # dcp.save({"train": TrainState}) → TrainState's "model" entry
-_TIED_ALIAS, _TIED_SOURCE = "output.weight", "tok_embeddings.weight"
 
 
 class ExportError(ValueError):
@@ -77,203 +61,7 @@ class ExportResult:
 # --- reading ------------------------------------------------------------------------------------
 
 
-def resolve_checkpoint(path: str, storage_options: dict[str, Any] | None = None) -> str:
-    """``path`` itself if it is a committed checkpoint, else the newest committed step under it (a root)."""
-    storage = CheckpointStorage(path, storage_options)
-    if storage.fs.exists(f"{storage.root.rstrip('/')}/{COMMIT_MARKER}"):
-        return path
-    committed = storage.all_committed()
-    loadable = [checkpoint for checkpoint in committed if checkpoint.bad is None]
-    if loadable:
-        return storage.display(loadable[0].path)
-    if committed:
-        newest = committed[0]
-        raise CheckpointError(
-            f"no loadable checkpoint under {storage.display(storage.root)}: every committed one is bad (step "
-            f"{newest.step}: {newest.bad}); give a step directory once it is repaired and its {BAD_MARKER} file removed"
-        )
-    interrupted = storage.uncommitted()
-    if interrupted:
-        raise CheckpointError(
-            f"no committed checkpoint under {storage.display(storage.root)} (step {interrupted[0][0]} has no "
-            f"{COMMIT_MARKER} marker: an interrupted save); wait for a save to commit or give another run"
-        )
-    _read_committed(storage)  # raises the error that says what is wrong with ``path``
-    return path
-
-
-def _read_committed(storage: CheckpointStorage) -> CommittedCheckpoint:
-    path = storage.root.rstrip("/")
-    shown = storage.display(path)
-    if not storage.fs.exists(path):
-        raise CheckpointError(
-            f"checkpoint {shown} does not exist; give a step-XXXXXXXX directory or a checkpoint root"
-        )
-    manifest = storage.read_marker(path)
-    if manifest is None:
-        raise CheckpointError(
-            f"{shown} is not a committed checkpoint (no {COMMIT_MARKER} marker: an interrupted save or "
-            "another directory); give a committed step-XXXXXXXX directory or the run's checkpoint root"
-        )
-    if "model_args" not in manifest:
-        raise CheckpointError(
-            f"checkpoint {shown}: {COMMIT_MARKER} has no model_args; it was not written by meshtrain"
-        )
-    bad = storage.bad_reason(path)
-    if bad is not None:
-        raise CheckpointError(
-            f"checkpoint {shown} is marked bad ({bad}); repair it and remove its {BAD_MARKER} file, "
-            "or give another step"
-        )
-    checkpoint = CommittedCheckpoint(path, int(manifest.get("step", -1)), manifest)
-    storage.validate(checkpoint)
-    if not storage.verify_files(checkpoint):  # every byte, whole files: an export reads the checkpoint once
-        print(
-            f"[meshtrain] checkpoint {shown} has no checksums (written before meshtrain recorded them): "
-            "checked its file sizes only",
-            file=sys.stderr,
-        )
-    return checkpoint
-
-
-def _state_to_load(
-    model_state: dict[str, torch.Tensor], stored: dict[str, Any], args: ModelArgs, shown: str
-) -> dict[str, torch.Tensor]:
-    """The model tensors to request from DCP, checked against the checkpoint's metadata.
-
-    A tied embedding is one tensor under two names; meshtrain checkpoints store both, and one is
-    enough (loading it fills the other). Either name is accepted in case only one was stored.
-    """
-    wanted = dict(model_state)
-    if args.tie_embeddings:
-        drop = _TIED_ALIAS if _STATE_PREFIX + _TIED_SOURCE in stored else _TIED_SOURCE
-        del wanted[drop]
-    missing = [name for name in wanted if _STATE_PREFIX + name not in stored]
-    if missing:
-        raise CheckpointError(
-            f"checkpoint {shown} lacks model tensors {', '.join(missing[:5])}; "
-            "it does not match its model_args"
-        )
-    for name, tensor in wanted.items():
-        size = tuple(stored[_STATE_PREFIX + name].size)
-        if size != tuple(tensor.shape):
-            raise CheckpointError(
-                f"checkpoint {shown}: {name} has shape {size}, model_args give {tuple(tensor.shape)}"
-            )
-    return wanted
-
-
-@dataclass(frozen=True)
-class CommittedModel:
-    """A committed checkpoint opened for reading its model tensors (into any tensors of their shapes)."""
-
-    storage: CheckpointStorage
-    committed: CommittedCheckpoint
-    args: ModelArgs
-
-    @classmethod
-    def open(cls, checkpoint: str, storage_options: dict[str, Any] | None) -> "CommittedModel":
-        storage = CheckpointStorage(checkpoint, storage_options)
-        committed = _read_committed(storage)
-        try:
-            args = ModelArgs(**committed.manifest["model_args"])
-        except ValidationError as exc:
-            shown = storage.display(committed.path)
-            raise CheckpointError(f"checkpoint {shown}: bad model_args ({exc.errors()[0]['msg']})") from None
-        return cls(storage, committed, args)
-
-    @property
-    def manifest(self) -> dict[str, Any]:
-        return self.committed.manifest
-
-    @functools.cached_property
-    def reader(self) -> dcp.StorageReader:
-        """Reads ``.metadata`` once, and checks each tensor it reads against the checkpoint's checksums."""
-        return self.storage.reader(self.committed.path, self.storage.sidecars(self.committed))
-
-    def to_load(self, model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The entries of ``model_state`` (a model's state dict) to read, checked against the metadata."""
-        stored = self.reader.read_metadata().state_dict_metadata
-        return _state_to_load(model_state, stored, self.args, self.storage.display(self.committed.path))
-
-    def load(self, state: dict[str, torch.Tensor]) -> None:
-        """Fill ``state``'s tensors (meshtrain names) from the checkpoint, reading nothing else."""
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-                dcp.load({"train": {"model": state}}, storage_reader=self.reader, no_dist=True)
-        except CheckpointException as exc:  # DCP's wrapper (a BaseException) around this process's failure
-            failure = next(iter(exc.failures.values()))[0]
-            if isinstance(failure, CheckpointError):
-                raise failure from None
-            first = (str(failure).strip().splitlines() or [type(failure).__name__])[0]
-            raise CheckpointError(f"checkpoint {self.storage.display(self.committed.path)}: {first}") from None
-
-    def full_state(self) -> dict[str, torch.Tensor]:
-        """The whole model as fp32 CPU tensors (a tied embedding is one tensor under both names)."""
-        model = materialize(build_model(self.args, "meta"), "cpu")
-        self.load(self.to_load(model.state_dict()))
-        return model.state_dict()
-
-
-def load_model_state(
-    checkpoint: str, storage_options: dict[str, Any] | None = None
-) -> tuple[dict[str, torch.Tensor], ModelArgs, dict[str, Any]]:
-    """The model's full fp32 state dict (meshtrain names, CPU), its ModelArgs and the checkpoint's manifest.
-
-    ``checkpoint`` is a committed ``step-XXXXXXXX`` directory (local path or fsspec URL). With tied
-    embeddings, ``output.weight`` and ``tok_embeddings.weight`` are the same tensor.
-    """
-    source = CommittedModel.open(checkpoint, storage_options)
-    return source.full_state(), source.args, source.manifest
-
-
 # --- Hugging Face layout ------------------------------------------------------------------------
-
-
-def run_tokenizer(
-    checkpoint: str, manifest: dict[str, Any], storage_options: dict[str, Any] | None
-) -> str | None:
-    """The run's ``tokenizer.json`` text, if the run directory has one."""
-    config = manifest.get("config", {})
-    run = config.get("run", {})
-    candidates = []
-    storage = CheckpointStorage(checkpoint, storage_options)
-    parts = storage.root.rstrip("/").rsplit("/", 2)
-    if not config.get("checkpoint", {}).get("path") and len(parts) == 3 and parts[1] == "checkpoints":
-        # Default layout {run dir}/checkpoints/step-N: found even when run.storage_path was relative.
-        candidates.append((storage.fs, f"{parts[0]}/tokenizer.json"))
-    if run.get("storage_path") and run.get("name"):
-        fs, path = fsspec.core.url_to_fs(f"{run['storage_path'].rstrip('/')}/{run['name']}/tokenizer.json")
-        candidates.append((fs, path))
-    for fs, path in candidates:
-        if fs.exists(path):
-            with fs.open(path, "r", encoding="utf-8") as handle:
-                return handle.read()
-    return None
-
-
-def tokenizer_files(tokenizer_json: str, max_length: int) -> tuple[dict[str, str], int | None]:
-    """Files for the HF directory and the end-of-document token id (None if it has none)."""
-    from tokenizers import Tokenizer
-
-    from meshtrain.data import eos_token_id
-
-    tokenizer = Tokenizer.from_str(tokenizer_json)
-    try:
-        eos_id: int | None = eos_token_id(tokenizer)
-    except ConfigError:
-        eos_id = None
-    # Names the generic class, so AutoTokenizer loads tokenizer.json as it is rather than a
-    # Llama-specific class picked by model_type, and tells it which token ends a document.
-    tokenizer_config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": max_length,
-    }
-    if eos_id is not None:
-        tokenizer_config["eos_token"] = tokenizer.id_to_token(eos_id)
-    config_text = json.dumps(tokenizer_config, indent=2) + "\n"
-    return {"tokenizer.json": tokenizer_json, "tokenizer_config.json": config_text}, eos_id
 
 
 # --- writing ------------------------------------------------------------------------------------
@@ -342,7 +130,7 @@ def _save_safetensors(target: Path, export: _Export) -> None:
     state = {
         name: tensor
         for name, tensor in export.source.full_state().items()
-        if not (args.tie_embeddings and name == _TIED_ALIAS)
+        if not (args.tie_embeddings and name == TIED_ALIAS)
     }
     save_file(state, target, metadata=metadata)
 
@@ -377,8 +165,8 @@ def _write_hf_weights(target: Path, export: _Export) -> None:
             tensor = torch.empty(wanted[name].shape, dtype=wanted[name].dtype)
             source.load({name: tensor})
             # A tied embedding read under its alias is still the embedding (no lm_head.weight when tied).
-            tied_alias = source.args.tie_embeddings and name == _TIED_ALIAS
-            tensors[hf_name(_TIED_SOURCE if tied_alias else name)] = tensor.to(dtype)
+            tied_alias = source.args.tie_embeddings and name == TIED_ALIAS
+            tensors[hf_name(TIED_SOURCE if tied_alias else name)] = tensor.to(dtype)
         save_file(tensors, target / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
     if count > 1:
@@ -449,12 +237,7 @@ __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "FORMATS",
     "HF_DTYPES",
-    "CommittedModel",
     "ExportError",
     "ExportResult",
     "export_checkpoint",
-    "load_model_state",
-    "resolve_checkpoint",
-    "run_tokenizer",
-    "tokenizer_files",
 ]

@@ -75,12 +75,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     options = args.storage_option
-    from meshtrain.checkpoint.export import (
-        DEFAULT_MAX_SHARD_BYTES,
-        ExportError,
-        export_checkpoint,
-        resolve_checkpoint,
-    )
+    from meshtrain.checkpoint.export import DEFAULT_MAX_SHARD_BYTES, ExportError, export_checkpoint
+    from meshtrain.checkpoint.reading import resolve_checkpoint
     from meshtrain.checkpoint.storage import CheckpointError
     from meshtrain.config import ConfigError
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from meshtrain.checkpoint.export import CommittedModel, run_tokenizer, tokenizer_files
+from meshtrain.checkpoint.reading import CommittedModel, run_tokenizer, tokenizer_files
 from meshtrain.config import ConfigError, ModelArgs, one_line
 from meshtrain.model.hf_llama import hf_config, hf_name
 from meshtrain.model.llama import build_model
