@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshtrain.data import expand_local_source
 from meshtrain.observe.run_folder import RunPaths, read_records, read_worker_starts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -552,6 +553,41 @@ class Matrix:
         yield refused("R10b. run.name with a control character", "control-name", "run.name=r\tun",
                       expect="control character")
 
+        weights = self.root / "round-two" / "hf-negative-hidden"
+        shutil.rmtree(weights, ignore_errors=True)
+        _tiny_llama(weights, hidden_size=-64)
+        yield refused("R5. model.init_from whose config.json says hidden_size -64", "init-from",
+                      f"model.init_from={weights}", expect="config.json: hidden_size=-64 must be positive")
+
+        versions = self.root / "round-two" / "glob" / "ver"
+        shutil.rmtree(versions.parent, ignore_errors=True)
+        (versions / "v2").mkdir(parents=True)
+        (versions / "v2" / "a.jsonl").write_text('{"text": "one document"}\n')
+        (versions / "latest").symlink_to("v2")
+        (versions / "v2" / "loop").symlink_to("..")
+        started = time.perf_counter()
+        listed = expand_local_source(str(versions / "**" / "*.jsonl"))
+        job = Job(0, time.perf_counter() - started, f"listed {len(listed)} file(s): {', '.join(map(str, listed))}")
+        yield self.row("R11. a ** glob through a folder link and a link loop", job, versions, 0,
+                       {"each file once": len(listed) == 1})
+
+        generate = subprocess.run([sys.executable, "jobs/generate.py", str(self.root / "no-run"), "def ",
+                                   "--temperature", "nan"], cwd=REPO, capture_output=True, text=True)
+        job = Job(generate.returncode, 0.0, generate.stderr)
+        yield self.row("R12. generate --temperature nan", job, self.root / "no-run", 0, {
+            "exit 2": generate.returncode == 2, "one line": len(generate.stderr.strip().splitlines()) == 1,
+            "names --temperature": "--temperature=nan" in generate.stderr})
+
+
+
+def _tiny_llama(folder: Path, **config_overrides: Any) -> None:
+    """A two-layer Hugging Face Llama saved by transformers, then its config.json edited as a user might."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **config_overrides}))
 
 
 def format_row(row: Row) -> str:
