@@ -478,6 +478,39 @@ class Matrix:
         yield self.row("8d. relaunch after a failed launch with another data.source", job, target / RUN, 0,
                        {"the failed launch exits 2": failed.returncode == 2, "the relaunch trains": job.returncode == 0})
 
+    def downstream_not_waited_for(self) -> Row:
+        """Finding 4: text samples of every checkpoint with eval.downstream.final_wait_s=0: what the driver
+        does not wait for is cancelled, its leases released, and the last line names the steps."""
+        storage = self.root / "downstream-0"
+        shutil.rmtree(storage, ignore_errors=True)
+        job = run_job(storage, "train.steps=20", "eval.samples.prompts=['def ']", "eval.samples.max_new_tokens=8",
+                      "eval.downstream.final_wait_s=0")
+        run_dir = storage / RUN
+        leases = sorted(str(p) for p in (run_dir / "checkpoints").glob("*/LEASED"))
+        unscored = [r["step"] for r in records(run_dir) if r.get("event") == "downstream_eval_failed"]
+        scored = [r["step"] for r in records(run_dir) if r.get("event") == "text_samples"]
+        checks = {"exit 0": job.returncode == 0, "no lease left": not leases,
+                  "every checkpoint scored or named unscored": sorted(unscored + scored) == [10, 20],
+                  "the unscored steps in one line": not unscored or "not scored" in job.output}
+        return self.row("4. eval.downstream.final_wait_s=0", job, run_dir, 0, checks)
+
+    def oversized_document(self) -> Row:
+        """Finding 8: one JSONL line of 20 million characters is prepared in bounded memory, in pieces."""
+        data = self.root / "oversized"
+        shutil.rmtree(data, ignore_errors=True)
+        data.mkdir(parents=True)
+        words = " ".join(f"word{i % 997}" for i in range(2_500_000))[:20_000_000]
+        (data / "one-line.jsonl").write_text(json.dumps({"text": words}) + "\n")
+        started = time.perf_counter()
+        prepare = subprocess.run([sys.executable, "jobs/prepare_data.py", f"data.source={data / 'one-line.jsonl'}",
+                                  f"run.storage_path={data / 'runs'}", "data.vocab_size=512"],
+                                 cwd=REPO, capture_output=True, text=True, timeout=900)
+        job = Job(prepare.returncode, time.perf_counter() - started, prepare.stdout + prepare.stderr)
+        return self.row("8. one JSONL line of 20M characters", job, data, 0, {
+            "exit 0": prepare.returncode == 0, "no retry": "killed" not in job.output})
+
+
+
     def round_two(self) -> Iterator[Row]:
         """Round two's findings: bad input and a busy run folder, each refused in one line with exit 2
         before Ray starts, with nothing of the run's written or replaced."""
@@ -607,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| fault | restarts | seconds | final line | steps lost | outcome |", flush=True)
     print("|---|---|---|---|---|---|", flush=True)
     matrix = Matrix(args.dir, lambda line: print(line, flush=True))
-    if args.only is None or set(args.only) - {"round_two"}:  # round two's rows need no base run
+    if args.only is None or set(args.only) - {"round_two", "downstream_not_waited_for", "oversized_document"}:
         matrix.prepare()
     rows: list[Row | None] = []
     steps: list[tuple[str, Callable[[], Any]]] = [
@@ -628,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
         ("killed_worker", matrix.killed_worker),
         ("ctrl_c", matrix.ctrl_c),
         ("input_errors", lambda: list(matrix.input_errors())),
+        ("downstream_not_waited_for", matrix.downstream_not_waited_for),
+        ("oversized_document", matrix.oversized_document),
         ("round_two", lambda: list(matrix.round_two())),
     ]
     for name, step in steps:
