@@ -161,19 +161,20 @@ class Crafted:
 
 def rewrite_marker_for(checkpoint: Path, name: str) -> None:
     """What a writer of the storage who knows the checksum scheme would do after replacing ``name``:
-    its sidecar says the new bytes are one item, and ``COMMITTED`` records the new sidecar checksum
-    and file sizes. The file must then be refused for what it is, not for a checksum."""
-    from meshtrain.checkpoint.checksums import SIDECAR_SUFFIX, digest, encode_sidecar
+    its sidecar says the new bytes are one item, and ``COMMITTED`` records the new sidecar checksum,
+    file sizes and its own checksum. The file must then be refused for what it is, not for a checksum."""
+    from meshtrain.checkpoint.checksums import MARKER_CHECKSUM, SIDECAR_SUFFIX, digest, encode_sidecar, seal_marker
     from meshtrain.checkpoint.storage import BAD_MARKER, COMMIT_MARKER
 
     data = (checkpoint / name).read_bytes()
     sidecar = encode_sidecar(name, [(0, len(data), digest(data))])
     (checkpoint / f"{name}{SIDECAR_SUFFIX}").write_bytes(sidecar)
     marker = json.loads((checkpoint / COMMIT_MARKER).read_text())
+    marker.pop(MARKER_CHECKSUM, None)  # and the marker's checksum of itself, recomputed below
     marker["checksums"]["sidecars"][name] = digest(sidecar)
     marker["files"] = {p.name: p.stat().st_size for p in checkpoint.iterdir() if p.name not in (COMMIT_MARKER, BAD_MARKER)}
     marker["bytes"] = sum(marker["files"].values())
-    (checkpoint / COMMIT_MARKER).write_text(json.dumps(marker, indent=1))
+    (checkpoint / COMMIT_MARKER).write_text(json.dumps(seal_marker(marker), indent=1))
 
 
 def s3_client(s3: Any) -> Any:
