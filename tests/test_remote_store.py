@@ -4,9 +4,13 @@ stops answering reported in one line."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import random
+import socket
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +48,31 @@ def _random_reads(store: TokenStore, count: int, seed: int, longest: int = 5000)
         start = picker.randrange(0, len(store) - longest)
         spans.append((start, start + picker.randrange(1, longest)))
     return spans
+
+
+
+@contextlib.contextmanager
+def black_hole() -> Iterator[tuple[int, list[socket.socket]]]:
+    """An endpoint that accepts connections and never answers: its port, and the connections it held."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield server.getsockname()[1], held
+    finally:
+        server.close()
+        for connection in held:
+            connection.close()
 
 
 def test_remote_reads_equal_local_reads_and_download_only_what_they_read(tmp_path, monkeypatch) -> None:
@@ -173,33 +202,13 @@ def test_storage_that_stops_answering_is_named_in_one_line(tmp_path, monkeypatch
 def test_an_endpoint_that_accepts_and_never_answers_is_named_in_one_line(tmp_path, monkeypatch) -> None:
     """A black hole (connections accepted, no reply ever): per-request timeouts end every try, the
     retries end at data.read_timeout_s, and the run gets one line, not a hang."""
-    import socket
-    import threading
-
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(16)
-    held: list[socket.socket] = []
-
-    def accept() -> None:
-        while True:
-            try:
-                held.append(server.accept()[0])
-            except OSError:
-                return
-
-    threading.Thread(target=accept, daemon=True).start()
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{server.getsockname()[1]}", "region_name": "us-east-1"}}
-    started = time.monotonic()
-    try:
+    with black_hole() as (port, _):
+        options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"}}
+        started = time.monotonic()
         with pytest.raises(StorageUnavailable, match=r"^data.source: s3://data/store did not answer for 2s \(Read timeout") as info:
             TokenStore("s3://data/store", options, reading=ReadSettings(read_timeout_s=2, local_cache_dir=str(tmp_path)))
-    finally:
-        server.close()
-        for connection in held:
-            connection.close()
     assert time.monotonic() - started < 60 and "\n" not in str(info.value)
 
 
@@ -262,7 +271,6 @@ def _with_credentials(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _free_port() -> int:
-    import socket
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -277,7 +285,6 @@ def test_an_s3_source_that_refuses_denies_or_holds_no_store_is_one_line_before_r
     (exit 2, before Ray starts), and never show a credential; a real store passes."""
     import http.server
     import re
-    import threading
 
     class Denied(http.server.BaseHTTPRequestHandler):
         def _deny(self) -> None:
@@ -333,38 +340,18 @@ def test_an_s3_source_that_never_answers_fails_preflight_within_its_timeouts(tmp
     """A black hole (connections accepted, never answered): preflight's question times out per request
     (data.read_timeout_s / 10, at least 1 s) and s3fs's own tries end, so the launch gets one line and
     the endpoint saw a bounded number of connections."""
-    import socket
-    import threading
-
     from meshtrain.cluster.preflight import preflight
     from meshtrain.config import load_config
 
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(16)
-    held: list[socket.socket] = []
-
-    def accept() -> None:
-        while True:
-            try:
-                held.append(server.accept()[0])
-            except OSError:
-                return
-
-    threading.Thread(target=accept, daemon=True).start()
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     cfg = load_config(None, [f"run.storage_path={tmp_path}", "data.source=s3://data/store", "data.read_timeout_s=2"])
-    cfg.data.storage_options = _with_credentials(
-        {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{server.getsockname()[1]}", "region_name": "us-east-1"}})
-    try:
+    with black_hole() as (port, held):
+        cfg.data.storage_options = _with_credentials(
+            {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"}})
         with pytest.raises(ConfigError, match=r"^data.source: s3://data/store did not answer \(bucket 'data' at "
                            r"http://127.0.0.1:\d+: ReadTimeoutError: .*\); check the endpoint in data.storage_options "
                            r"and that it is up, or raise data.read_timeout_s \(now 2\)$") as info:
             preflight(cfg)
-    finally:
-        server.close()
-        for connection in held:
-            connection.close()
     # One question, which s3fs tries 5 times (10 connections here): a bounded count, not a wait without end.
     assert 1 <= len(held) <= 20 and LIVE_SECRET not in str(info.value)

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtrain_bench.gpu import Window, device_peak, timed_figures
+from meshtrain_bench.gpu import Window, build_config, device_peak, timed_figures
 from meshtrain.config import ConfigError, MeshtrainConfig, one_line
 from meshtrain.data import DataPlan, prepare_data
 from meshtrain.distributed.layout import WorkerLayout
@@ -183,12 +183,6 @@ def run_length(check: Check, window: Window) -> dict[str, Any]:
     if check.kind == "throughput":
         return {"train.steps": window.total, "train.log_every": window.log_every}
     return {"train.steps": CORRECTNESS_STEPS, "train.log_every": 1}
-
-
-def build_config(settings: dict[str, Any]) -> MeshtrainConfig:
-    from meshtrain_bench.gpu import build_config as from_settings
-
-    return from_settings(settings)
 
 
 # --- one configuration ----------------------------------------------------------------------

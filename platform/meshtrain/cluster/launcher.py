@@ -91,10 +91,11 @@ def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
 
 def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: float) -> dict[str, Any]:
     check_fresh_start(cfg, paths)
-    read_run_tokenizer(paths)  # a damaged one stops the launch before anything is written
+    cached_tokenizer = read_run_tokenizer(paths)  # a damaged one stops the launch before anything is written
     cfg = resolve_schedule_horizon(cfg, paths)  # after preflight: it lists the (reachable) checkpoints
     write_run_config(cfg, paths)
-    cached_tokenizer = read_run_tokenizer(paths)  # None when a fresh start set the earlier one aside
+    if not paths.tokenizer.exists():  # a fresh start with another config set the earlier one aside
+        cached_tokenizer = None
     local_ray = init_ray()
     check_capacity(cfg.scaling, local_ray)  # before data preparation, which may take long
     if cfg.scaling.elastic:

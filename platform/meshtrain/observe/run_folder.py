@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
@@ -129,17 +129,21 @@ def append_records(path: Path, records: Iterable[dict[str, Any]]) -> None:
         appender.close()
 
 
-def _parsed(lines: Iterable[bytes | str], events: Iterable[str] | None) -> list[Record]:
-    wanted = set(events) if events is not None else None
-    found = []
+def _json_objects(lines: Iterable[bytes | str]) -> Iterator[dict[str, Any]]:
+    """The JSON objects of whole lines; a torn line of a killed writer is skipped."""
     for line in lines:
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a torn line of a killed writer
+            document = json.loads(line)
+        except json.JSONDecodeError:
             continue
-        if isinstance(record, dict) and "event" in record and (wanted is None or record["event"] in wanted):
-            found.append(record)
-    return found
+        if isinstance(document, dict):
+            yield document
+
+
+def _parsed(lines: Iterable[bytes | str], events: Iterable[str] | None) -> list[Record]:
+    wanted = set(events) if events is not None else None
+    return [record for record in _json_objects(lines)
+            if "event" in record and (wanted is None or record["event"] in wanted)]
 
 
 def read_records(path: Path, events: Iterable[str] | None = None) -> list[Record]:
@@ -245,15 +249,7 @@ def read_worker_starts(paths: RunPaths) -> list[WorkerStart]:
         data = paths.worker_starts.read_bytes()
     except FileNotFoundError:
         return []
-    starts = []
-    for line in data.split(b"\n"):
-        try:
-            start = json.loads(line)
-        except json.JSONDecodeError:  # a torn line of a killed writer
-            continue
-        if isinstance(start, dict) and "launch" in start:
-            starts.append(start)
-    return starts
+    return [start for start in _json_objects(data.split(b"\n")) if "launch" in start]  # type: ignore[misc]
 
 
 # --- stop_request.json ---------------------------------------------------------------------------
