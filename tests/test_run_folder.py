@@ -17,7 +17,7 @@ from meshtrain.observe.run_folder import (
     read_worker_starts,
     write_summary,
 )
-from meshtrain.observe.trackers import DOWNSTREAM_LOGGED, DRIVER_EVENTS
+from meshtrain.observe.trackers import DRIVER_EVENTS
 
 PACKAGE = Path(__file__).resolve().parents[1] / "platform" / "meshtrain"
 
@@ -26,7 +26,7 @@ def test_every_record_kind_written_anywhere_is_in_the_protocol() -> None:
     written = {match for path in PACKAGE.rglob("*.py")
                for match in re.findall(r'"event": "([a-z_]+)"', path.read_text())}
     assert written and written <= RECORD_KINDS.keys(), written - RECORD_KINDS.keys()
-    assert {*DRIVER_EVENTS, DOWNSTREAM_LOGGED} <= RECORD_KINDS.keys()
+    assert {*DRIVER_EVENTS, "group_start"} <= RECORD_KINDS.keys()
     assert all(RECORD_KINDS[kind][0] == "the driver" for kind in DRIVER_EVENTS)
 
 

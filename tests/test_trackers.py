@@ -1,4 +1,4 @@
-"""Experiment trackers: what rank 0 hands W&B and MLflow, checked without Ray (the Ray job that is
+"""Experiment trackers: what the driver hands W&B and MLflow, checked without Ray (the Ray job that is
 killed and resumed with both trackers on is in test_recovery.py)."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from jobs import REPO
 from meshtrain.cluster.preflight import preflight
 from meshtrain.config import ConfigError, MeshtrainConfig, load_config
 from meshtrain.observe.progress import StepRecorder
-from meshtrain.observe.run_folder import RecordFollower, RunPaths, append_records
-from meshtrain.observe.trackers import TrackerSink, logged_marker, logged_records, tracker_run_id, tracker_values
+from meshtrain.observe.run_folder import RecordFollower, RunPaths, append_records, read_records
+from meshtrain.observe.tracker_relay import TrackerRelay
+from meshtrain.observe.trackers import TrackerSink, logged_keys, tracker_run_id, tracker_values
 
 
 class Recording:
@@ -67,10 +68,11 @@ def test_each_step_is_logged_once_across_restarts_and_a_failing_tracker_never_ra
     metrics = tmp_path / "metrics.jsonl"
     earlier = [{**TRAIN, "step": s} for s in (1, 2, 3)] + [{"event": "checkpoint_save", "step": 2, "total_s": 1.0}]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in earlier) + '{"event": "train", "st')  # a torn last line
-    assert logged_records(metrics) == {("train", 1), ("train", 2), ("train", 3), ("checkpoint_save", 2)}
+    assert logged_keys(read_records(metrics)) == {("train", 1), ("train", 2), ("train", 3), ("checkpoint_save", 2)}
 
     backend = Recording(fail_at={5})
-    sink = TrackerSink(backend, logged_records(metrics), restarts=1)
+    sink = TrackerSink(backend, logged_keys(read_records(metrics)))
+    sink.record({"event": "group_start", "restarts": 1, "workers": 2})
     sink.record({"event": "resize", "from_workers": 4, "to_workers": 2, "reason": "capacity lost"})
     sink.record({"event": "checkpoint_load", "step": 2, "rng_restored": True})
     for step in (3, 4, 5, 6):  # step 3 was logged before the restart; the tracker fails at step 5
@@ -88,51 +90,58 @@ def test_each_step_is_logged_once_across_restarts_and_a_failing_tracker_never_ra
     ]
 
 
-def test_each_downstream_task_of_a_step_is_logged_once_and_rank_0_finds_the_drivers_records(tmp_path: Path) -> None:
-    """The driver appends downstream evaluations to metrics.jsonl (one record per task); rank 0 reads
-    them from there and logs each (task, step) once, also after a restart."""
+def test_the_driver_relays_every_record_once_across_group_restarts_and_relaunches(tmp_path: Path) -> None:
+    """The driver follows metrics.jsonl while rank 0 and its own downstream evaluations append to it:
+    each (event, step) and each downstream task reaches the tracker once, a restarted group's retrained
+    steps are skipped, a line torn by a killed rank 0 costs nothing of the next group's, the records
+    left after training are handed over on exit, and a relaunch logs only what is new."""
     metrics = tmp_path / "metrics.jsonl"
-    StepRecorder(metrics).record({**TRAIN, "step": 1})
-    scored = [{"event": "downstream_eval", "step": 20, "task": "mc/x", "acc": 0.25, "acc_norm": 0.5, "samples": 8},
-              {"event": "downstream_eval", "step": 20, "task": "ppl", "bits_per_byte": 2.5, "samples": 8}]
-    append_records(metrics, scored)
-    with metrics.open("ab") as file:
-        file.write(b'{"event": "downstream_eval", "st')  # a line being written
-    follower = RecordFollower(metrics, {"downstream_eval"})
-    assert follower.new_records() == scored and follower.new_records() == []
-    assert tracker_values(scored[0]) == {"downstream/mc_x/acc": 0.25, "downstream/mc_x/acc_norm": 0.5}
-    backend = Recording()
-    sink = TrackerSink(backend, set(), restarts=0)
-    for record in scored + scored:
-        sink.record(record)
-    assert backend.rows == [(20, {"run/restarts": 0.0, "downstream/mc_x/acc": 0.25, "downstream/mc_x/acc_norm": 0.5}),
-                            (20, {"downstream/ppl/bits_per_byte": 2.5})]
-    # The driver wrote them: without their markers, a restarted group's trackers still log them...
-    restarted = Recording()
-    sink = TrackerSink(restarted, logged_records(metrics), restarts=1)
-    for record in scored:
-        sink.record(record)
-    assert [step for step, _ in restarted.rows] == [20, 20]
-    # ... and once marked logged, never again.
-    with metrics.open("ab") as file:
-        file.write(b"\n")  # the torn line ends
-    append_records(metrics, [logged_marker(record) for record in scored])
-    assert {("downstream_eval/mc/x", 20), ("downstream_eval/ppl", 20)} <= logged_records(metrics)
-    again = Recording()
-    sink = TrackerSink(again, logged_records(metrics), restarts=2)
-    for record in scored:
-        sink.record(record)
-    assert again.rows == []
-    # Text samples: a table per step, once, with the same markers.
-    samples = {"event": "text_samples", "step": 20, "samples": [
+
+    def relay(backend: Recording) -> TrackerRelay:
+        follower = RecordFollower(metrics)
+        return TrackerRelay([TrackerSink(backend, logged_keys(follower.new_records()))], follower, poll_s=0.01)
+
+    scored = [{"event": "downstream_eval", "step": 2, "task": "mc/x", "acc": 0.25, "acc_norm": 0.5, "samples": 8},
+              {"event": "downstream_eval", "step": 2, "task": "ppl", "bits_per_byte": 2.5, "samples": 8}]
+    samples = {"event": "text_samples", "step": 2, "samples": [
         {"prompt": "def", "continuation": " f():", "new_tokens": 3, "stopped_at_eos": False}]}
-    texts = Recording()
-    sink = TrackerSink(texts, logged_records(metrics), restarts=None)
-    sink.record(samples)
-    sink.record(samples)
-    assert texts.rows == [(20, {"samples": [{"prompt": "def", "continuation": " f():"}]})]
-    append_records(metrics, [logged_marker(samples)])
-    assert ("text_samples", 20) in logged_records(metrics)
+    first = Recording()
+    with relay(first) as running:
+        group = StepRecorder(metrics)
+        group.record({"event": "group_start", "restarts": 0, "workers": 2})
+        for step in (1, 2, 3):
+            group.record({**TRAIN, "step": step})
+        append_records(metrics, [*scored, samples])  # the driver's evaluations of step 2
+        with metrics.open("ab") as file:
+            file.write(b'{"event": "train", "st')  # rank 0 killed mid-line
+        group = StepRecorder(metrics)  # the restarted group resumes from step 2
+        group.record({"event": "group_start", "restarts": 1, "workers": 2})
+        group.record({"event": "checkpoint_load", "step": 2, "path": "x", "load_s": 0.1})
+        for step in (3, 4):
+            group.record({**TRAIN, "step": step})
+        running.poll()
+        append_records(metrics, [{**scored[0], "step": 4}])  # lands after training: handed over on exit
+    assert first.closed is True
+    assert [(step, sorted(values)) for step, values in first.rows] == [
+        (1, ["run/restarts", *sorted(tracker_values(TRAIN))]),
+        (2, sorted(tracker_values(TRAIN))),
+        (3, sorted(tracker_values(TRAIN))),
+        (2, ["downstream/mc_x/acc", "downstream/mc_x/acc_norm"]),
+        (2, ["downstream/ppl/bits_per_byte"]),
+        (2, ["samples"]),
+        (2, ["run/restarts", "run/resumed_from_step"]),
+        (4, sorted(tracker_values(TRAIN))),
+        (4, ["downstream/mc_x/acc", "downstream/mc_x/acc_norm"]),
+    ]
+    assert first.rows[6][1]["run/restarts"] == 1.0
+
+    again = Recording()  # a relaunch: everything above was logged by the first driver
+    with pytest.raises(KeyboardInterrupt):
+        with relay(again):
+            StepRecorder(metrics).record({**TRAIN, "step": 4})
+            StepRecorder(metrics).record({**TRAIN, "step": 5})
+            raise KeyboardInterrupt
+    assert [step for step, _ in again.rows] == [5] and again.closed is False
 
 
 def test_the_tracker_run_id_is_stable_per_run_directory(tmp_path: Path) -> None:
@@ -193,17 +202,17 @@ def test_a_tracker_that_cannot_work_is_refused_before_ray(tmp_path: Path, monkey
 
 @pytest.mark.processes
 def test_a_run_without_trackers_imports_neither_package(tmp_path: Path) -> None:
-    """The worker's sink setup and the launch checks of a default config load neither W&B nor MLflow."""
+    """The driver's tracker setup and the launch checks of a default config load neither W&B nor MLflow."""
     code = f"""
 import sys
 from pathlib import Path
 from meshtrain.cli.pretrain import main
 from meshtrain.cluster.preflight import preflight
-from meshtrain.observe.trackers import open_trackers
+from meshtrain.observe.tracker_relay import TrackerRelay
 from meshtrain.config import load_config
 from meshtrain.observe.run_folder import RunPaths
 cfg = preflight(load_config(None, ["run.storage_path={tmp_path}", "run.name=plain"]))
-assert open_trackers(cfg, RunPaths("plain", Path("{tmp_path}")), 0) == []
+assert TrackerRelay.open(cfg, RunPaths("plain", Path("{tmp_path}"))) is None
 loaded = sorted(name for name in sys.modules if name.split(".")[0] in ("wandb", "mlflow"))
 assert not loaded, loaded
 print("neither")

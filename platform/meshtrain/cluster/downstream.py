@@ -45,7 +45,6 @@ from meshtrain.observe.metrics import (
     write_targets,
 )
 from meshtrain.observe.run_folder import RecordFollower, RunPaths, append_records
-from meshtrain.observe.trackers import DRIVER_EVENTS, logged_marker, logged_records, record_key
 
 POLL_S = 5.0
 
@@ -230,21 +229,3 @@ class DownstreamEvaluations:
         steps = ", ".join(str(c.step) for c in cancelled)
         self.print_line(f"[meshtrain] downstream evaluation of step(s) {steps} not scored ({reason}); score them "
                         f"with python jobs/evaluate.py {self.paths.run_dir}, or raise eval.downstream.final_wait_s")
-
-    def log_to_trackers(self) -> None:
-        """After training: hand the trackers (W&B, MLflow) the downstream results that rank 0 did not,
-        those that landed after it stopped, and mark them logged in metrics.jsonl."""
-        if not (self.cfg.metrics.wandb or self.cfg.metrics.mlflow):
-            return
-        from meshtrain.observe.trackers import open_trackers
-
-        already = logged_records(self.paths.metrics)
-        missing = [record for record in RecordFollower(self.paths.metrics, set(DRIVER_EVENTS)).new_records()
-                   if record_key(record) not in already]
-        if not missing:
-            return
-        for sink in open_trackers(self.cfg, self.paths, restarts=None):
-            for record in missing:
-                sink.record(record)
-            sink.close(finished=True)
-        append_records(self.paths.metrics, [logged_marker(record) for record in missing])

@@ -38,6 +38,7 @@ from meshtrain.data.local_files import write_atomically
 from meshtrain.observe.metrics import targets_path, write_targets
 from meshtrain.observe.run_folder import RunPaths, StopRequest, read_summary, write_summary
 from meshtrain.observe.progress import ProgressMonitor
+from meshtrain.observe.tracker_relay import TrackerRelay
 from meshtrain.train.spec import RunSpec
 
 
@@ -119,14 +120,15 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
     )
     trainer = build_trainer(RunSpec.resolve(cfg, data, paths, launch_id))
     downstream = DownstreamEvaluations(cfg, paths) if cfg.eval.downstream.enabled or cfg.eval.samples.prompts else None
+    trackers = TrackerRelay.open(cfg, paths)
     try:
         with DriverInterrupts(StopRequest(str(paths.stop_request), launch_id), cfg.run.preemption_save_s), \
+                trackers if trackers is not None else contextlib.nullcontext(), \
                 ProgressMonitor(paths.metrics, cfg.train.steps, cfg.metrics.progress_interval_s), \
                 downstream if downstream is not None else contextlib.nullcontext():
             trainer.fit()
             if downstream is not None:  # the job log shows the results as they land
                 downstream.finish(cfg.eval.downstream.final_wait_s)
-                downstream.log_to_trackers()
     except KeyboardInterrupt:
         raise Interrupted(_interrupted_message(cfg, None)) from None
     except Exception as exc:

@@ -41,7 +41,7 @@ from meshtrain.observe.run_folder import (
     read_worker_starts,
     write_summary,
 )
-from meshtrain.observe.trackers import DRIVER_EVENTS, TrackerSink, logged_marker, open_trackers, record_key
+from meshtrain.observe.trackers import DRIVER_EVENTS
 from meshtrain.train.spec import RunSpec
 from meshtrain.train.trainer import train
 
@@ -227,32 +227,27 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
     restarts, workers, resize = record_worker_start(paths, spec.launch_id, layout, cfg)
     metrics = start_metrics(cfg, layout, device, spec.model, restarts) if cfg.metrics.port else None
     sinks: list[Any] = []
-    trackers: list[TrackerSink] = []
-    recorder = None
+    board = None
     if layout.world_rank == 0:
-        trackers = open_trackers(cfg, paths, restarts)  # before this group appends to metrics.jsonl
         recorder = StepRecorder(paths.metrics)
+        # The driver relays metrics.jsonl to the trackers; this tells them which start of the group it is.
+        recorder.record({"event": "group_start", "restarts": restarts, "workers": layout.world_size, "time": time.time()})
         sinks.append(recorder)
         if cfg.metrics.tensorboard:
-            sinks.append(TensorBoardWriter(paths.run_dir / "tensorboard"))
+            board = TensorBoardWriter(paths.run_dir / "tensorboard")
+            sinks.append(board)
 
     # The driver appends its downstream evaluations to metrics.jsonl; at each logged step rank 0 hands
-    # those it has not seen to TensorBoard and the trackers (the file has them already; the driver
-    # serves them to Prometheus).
+    # those it has not seen to TensorBoard (the driver serves them to Prometheus and the trackers).
     downstream = (RecordFollower(paths.metrics, set(DRIVER_EVENTS))
-                  if layout.world_rank == 0 and (cfg.eval.downstream.enabled or cfg.eval.samples.prompts) else None)
+                  if board is not None and (cfg.eval.downstream.enabled or cfg.eval.samples.prompts) else None)
 
     def on_record(record: dict[str, Any]) -> None:
-        for sink in (*sinks, *trackers):
+        for sink in sinks:
             sink.record(record)
-        if downstream is not None and record["event"] == "train":
+        if downstream is not None and board is not None and record["event"] == "train":
             for scored in downstream.new_records():
-                unlogged = any(record_key(scored) not in tracker.logged for tracker in trackers)
-                for sink in (*sinks, *trackers):
-                    if sink is not recorder:
-                        sink.record(scored)
-                if unlogged and recorder is not None:
-                    recorder.record(logged_marker(scored))  # metrics.jsonl: the trackers have it
+                board.record(scored)
 
     if resize is not None:
         on_record(resize)
@@ -261,19 +256,15 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
     eviction = None
     if cfg.scaling.evict_stragglers and layout.world_rank == 0:
         eviction = StragglerEviction(workers, cfg.scaling.required_workers, on_record)
-    finished = False
     try:
         stop_request = StopRequest(str(paths.stop_request), spec.launch_id)
-        result = train(cfg, data, layout, device, on_record if sinks or trackers else None, metrics, reporter, eviction,
+        result = train(cfg, data, layout, device, on_record if sinks else None, metrics, reporter, eviction,
                        stop_request, model=spec.model)
-        finished = True
         if metrics is not None:
             metrics.await_final_scrape(cfg.metrics.final_scrape_timeout_s)
     finally:
         for sink in sinks:
             sink.close()
-        for tracker in trackers:
-            tracker.close(finished)
         if metrics is not None:
             metrics.close()
     memory = peak_memory(device)

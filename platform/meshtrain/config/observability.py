@@ -69,7 +69,7 @@ class MetricsConfig(Section):
     tensorboard: bool = Field(False, description="Also write TensorBoard event files to <run dir>/tensorboard.")
     wandb: bool = Field(
         False,
-        description="Log to Weights & Biases from rank 0 (pip install -e '.[wandb]'); one W&B run per meshtrain run, "
+        description="Log to Weights & Biases from the driver (pip install -e '.[wandb]'); one W&B run per meshtrain run, "
         "continued across restarts. WANDB_MODE=offline writes it under <run dir>/wandb for `wandb sync`.",
     )
     wandb_project: str = Field("meshtrain", min_length=1, description="W&B project of the run.")
@@ -77,7 +77,7 @@ class MetricsConfig(Section):
     wandb_tags: list[str] = Field(default_factory=list, description="Tags of the W&B run.")
     mlflow: bool = Field(
         False,
-        description="Log to MLflow from rank 0 (pip install -e '.[mlflow]'); one MLflow run per meshtrain run, "
+        description="Log to MLflow from the driver (pip install -e '.[mlflow]'); one MLflow run per meshtrain run, "
         "continued across restarts.",
     )
     mlflow_tracking_uri: OptionalLocation = Field(

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from meshtrain.observe.run_folder import LineAppender, RecordFollower
-from meshtrain.observe.trackers import DOWNSTREAM_LOGGED, downstream_scores
+from meshtrain.observe.trackers import downstream_scores
 
 
 def format_duration(seconds: float) -> str:
@@ -131,7 +131,7 @@ class ProgressMonitor:
             self.show(record)
 
     def show(self, record: dict[str, Any]) -> None:
-        if record["event"] == DOWNSTREAM_LOGGED:  # bookkeeping of the trackers, nothing to show
+        if record["event"] == "group_start":  # for the trackers; Ray's own log tells of a restart
             return
         line = progress_line(record, self.total_steps)
         if record["event"] != "train":

@@ -57,7 +57,7 @@ RECORD_KINDS: dict[str, tuple[str, str]] = {
     "downstream_eval": ("the driver", "one checkpoint's lm-evaluation-harness scores per task"),
     "downstream_eval_failed": ("the driver", "one checkpoint's evaluation failed, and why"),
     "text_samples": ("the driver", "one checkpoint's continuations of the fixed prompts"),
-    "downstream_logged": ("rank 0", "the trackers hold a driver record (so a restart does not log it twice)"),
+    "group_start": ("rank 0", "a worker group started: how many times Ray restarted this launch's group before"),
 }
 
 
@@ -109,6 +109,8 @@ class LineAppender:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if _ends_torn(path):  # a writer killed mid-line: end it, or this writer's first line joins it
+            os.write(self._fd, b"\n")
 
     def record(self, record: dict[str, Any]) -> None:
         if self._fd is not None:
@@ -118,6 +120,14 @@ class LineAppender:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def _ends_torn(path: Path) -> bool:
+    with path.open("rb") as file:
+        if file.seek(0, os.SEEK_END) == 0:
+            return False
+        file.seek(-1, os.SEEK_END)
+        return file.read(1) != b"\n"
 
 
 def append_records(path: Path, records: Iterable[dict[str, Any]]) -> None:
@@ -158,7 +168,7 @@ def read_records(path: Path, events: Iterable[str] | None = None) -> list[Record
 
 class RecordFollower:
     """The records of some kinds appended since the last call (another process's): the driver's progress
-    line, and rank 0 passing the driver's downstream results to its trackers."""
+    line and tracker relay, and rank 0 passing the driver's downstream results to TensorBoard."""
 
     def __init__(self, path: Path, events: Iterable[str] | None = None, from_end: bool = False) -> None:
         """``from_end``: only records appended after now (a resumed run's earlier lines are not new)."""

@@ -1,11 +1,11 @@
-"""Experiment trackers (Weights & Biases, MLflow): rank 0's records, one tracker run per meshtrain run.
+"""Experiment trackers (Weights & Biases, MLflow): the run's records, one tracker run per meshtrain run.
 
 A tracker sees the records ``metrics.jsonl`` gets, as numbers named ``train/loss``, ``eval/loss``,
-``checkpoint/save_s``... keyed by the training step. A restarted worker group continues the same
-tracker run (its id is derived from the run's directory) and skips every (event, step) that the
-run's ``metrics.jsonl`` already holds, so a step retrained after a restart is logged once. A tracker
-that fails mid-run never stops training: the first failure is printed, failed records are dropped,
-and each later record tries again.
+``checkpoint/save_s``... keyed by the training step. The driver hands them over
+(:mod:`meshtrain.observe.tracker_relay`); each launch continues the same tracker run (its id is
+derived from the run's directory) and logs each (event, step) once, so a step retrained after a
+restart or a relaunch is not logged twice. A tracker that fails mid-run never stops training: the
+first failure is printed, failed records are dropped, and each later record tries again.
 """
 
 from __future__ import annotations
@@ -13,12 +13,11 @@ from __future__ import annotations
 import hashlib
 import re
 import sys
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 from meshtrain.config import MeshtrainConfig, one_line
-from meshtrain.observe.run_folder import RunPaths, read_records
+from meshtrain.observe.run_folder import RunPaths
 
 # The numbers of each kind of record, as (record key, tracker name).
 _TRAIN = [
@@ -46,6 +45,8 @@ def tracker_values(record: dict[str, Any]) -> dict[str, float]:
         return {"run/resumed_from_step": float(record["step"])}
     if event == "resize":
         return {"run/workers": float(record["to_workers"])}
+    if event == "group_start":
+        return {"run/restarts": float(record["restarts"])}
     if event == "downstream_eval":
         task = _metric_name(record["task"])
         return {f"downstream/{task}/{_metric_name(key)}": value for key, value in downstream_scores(record).items()}
@@ -58,25 +59,15 @@ def downstream_scores(record: dict[str, Any]) -> dict[str, float]:
             if key not in ("step", "samples", "seconds", "time") and isinstance(value, float)}
 
 
-# The driver appends downstream evaluations and text samples to metrics.jsonl, so a record there
-# does not mean that a tracker logged it: whoever hands one to the trackers appends this marker of it.
 DRIVER_EVENTS = ("downstream_eval", "text_samples")
-DOWNSTREAM_LOGGED = "downstream_logged"
 
 
 def record_key(record: dict[str, Any]) -> tuple[str, int]:
     """What a tracker logs once per run: (event, step); a downstream evaluation per task too."""
     event = record["event"]
-    if event == DOWNSTREAM_LOGGED:
-        return record["key"], record["step"]
     if event == "downstream_eval":
         event = f"downstream_eval/{record.get('task')}"
     return event, record["step"]
-
-
-def logged_marker(record: dict[str, Any]) -> dict[str, Any]:
-    """The metrics.jsonl line saying that the trackers logged the driver's record ``record``."""
-    return {"event": DOWNSTREAM_LOGGED, "step": record["step"], "key": record_key(record)[0]}
 
 
 def _pick(record: dict[str, Any], names: list[tuple[str, str]]) -> dict[str, float]:
@@ -95,11 +86,10 @@ def tracker_run_id(paths: RunPaths) -> str:
     return f"{_metric_name(paths.name)[:48]}-{digest}"
 
 
-def logged_records(metrics_path: Path) -> set[tuple[str, int]]:
-    """(event, step) of every record the run's ``metrics.jsonl`` already holds, which rank 0 logged to
-    its trackers when it wrote it (a downstream evaluation: when its marker is there)."""
-    return {record_key(record) for record in read_records(metrics_path)
-            if isinstance(record.get("step"), int) and record["event"] not in DRIVER_EVENTS}
+def logged_keys(records: Iterable[dict[str, Any]]) -> set[tuple[str, int]]:
+    """(event, step) of each record with a step: those of a run's ``metrics.jsonl`` when a launch
+    starts were handed to the trackers by an earlier launch's driver."""
+    return {record_key(record) for record in records if isinstance(record.get("step"), int)}
 
 
 def unreachable(url: str) -> str | None:
@@ -133,18 +123,17 @@ class TrackerBackend(Protocol):
 
 
 class TrackerSink:
-    """Rank 0's record sink in front of one tracker: names the numbers, logs each (event, step) once,
-    and keeps training going when the tracker fails.
+    """The record sink in front of one tracker: names the numbers, logs each (event, step) once, and
+    keeps training going when the tracker fails.
 
-    Records without a step (a resize) are carried into the next logged row, as is the number of
-    times Ray restarted this launch's worker group (``restarts``).
+    Records without a step (a worker group's start with its restart count, a resize) are carried
+    into the next logged row.
     """
 
-    def __init__(self, backend: TrackerBackend, already_logged: set[tuple[str, int]], restarts: int | None) -> None:
+    def __init__(self, backend: TrackerBackend, already_logged: set[tuple[str, int]]) -> None:
         self.backend = backend
         self.logged = set(already_logged)
-        # None: not a worker group's sink (the driver's, after training), which has no restart to count.
-        self.pending: dict[str, float] = {} if restarts is None else {"run/restarts": float(restarts)}
+        self.pending: dict[str, float] = {}
         self.failures = 0
 
     def record(self, record: dict[str, Any]) -> None:
@@ -191,7 +180,7 @@ class TrackerSink:
             )
 
     def close(self, finished: bool = False) -> None:
-        """``finished``: the worker group trained to the end (not a failure a restart may follow)."""
+        """``finished``: the launch trained to the end (not a failure a relaunch may follow)."""
         try:
             self.backend.close(finished)
         except Exception as exc:
@@ -200,9 +189,9 @@ class TrackerSink:
             print(f"[meshtrain] {self.backend.name}: {self.failures} records not logged", file=sys.stderr, flush=True)
 
 
-def open_trackers(cfg: MeshtrainConfig, paths: RunPaths, restarts: int | None) -> list[TrackerSink]:
-    """Rank 0's W&B and MLflow sinks, as configured. One that cannot open its run is reported in one
-    line and left out: a tracker never stops training (the launch checked them before Ray started)."""
+def open_trackers(cfg: MeshtrainConfig, paths: RunPaths, already_logged: set[tuple[str, int]]) -> list[TrackerSink]:
+    """The driver's W&B and MLflow sinks, as configured. One that cannot open its run is reported in
+    one line and left out: a tracker never stops training (preflight checked them before Ray started)."""
     makers: list[tuple[str, Callable[[], TrackerBackend]]] = []
     if cfg.metrics.wandb:
         from meshtrain.observe.wandb_tracker import WandbTracker
@@ -212,13 +201,10 @@ def open_trackers(cfg: MeshtrainConfig, paths: RunPaths, restarts: int | None) -
         from meshtrain.observe.mlflow_tracker import MlflowTracker
 
         makers.append(("mlflow", lambda: MlflowTracker(cfg, paths)))
-    if not makers:
-        return []
-    already_logged = logged_records(paths.metrics)
     sinks = []
     for name, make in makers:
         try:
-            sinks.append(TrackerSink(make(), already_logged, restarts))
+            sinks.append(TrackerSink(make(), already_logged))
         except Exception as exc:
             print(f"[meshtrain] {name}: could not open the run ({one_line(exc)}); training goes on without it",
                   file=sys.stderr, flush=True)
