@@ -51,6 +51,6 @@ def trained_tiny_run(storage: Path, stores: Path, name: str, checkpoint_interval
     ])
     corpus = prepare_data(cfg.data, str(stores), cfg.data.seq_len, use_ray=False, log=lambda _: None)
     train(cfg, corpus, WorkerLayout(), torch.device("cpu"))
-    run_dir = Path(checkpoint_root(cfg)).parent
+    run_dir = Path(checkpoint_root(cfg.checkpoint, cfg.run)).parent
     (run_dir / "tokenizer.json").write_text(corpus.tokenizer_json)
     return run_dir

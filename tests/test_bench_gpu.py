@@ -134,7 +134,7 @@ def test_a_gpu_run_is_measured_against_the_h100_peak_and_its_memory_plan(tmp_pat
     window = bench.Window.for_request(6, 20)
     cfg = bench.build_config(bench.run_settings(config, window, "fake", str(tmp_path)))
     fake_gpu_run(tmp_path / "fake", window, step_s=0.5, global_tokens=4 * 4096, flops=9e9)
-    planned = memory_plan(cfg, model_args(cfg, 300), MeshPlan(1, 1, True), use_gpu=True).total
+    planned = memory_plan(cfg, model_args(cfg.model, 300), MeshPlan(1, 1, True), use_gpu=True).total
     summary = {
         "run_dir": str(tmp_path / "fake"), "world_size": 1, "mesh_shape": [1, 1], "parameters": 1_235_814_400,
         "workers": [{"rank": 0, "node_rank": 0}], "wall_time_s": 100.0, "train_time_s": 40.5,
@@ -143,7 +143,7 @@ def test_a_gpu_run_is_measured_against_the_h100_peak_and_its_memory_plan(tmp_pat
     row = bench.measure(bench.Row("1b-mb4-sel", "failed"), cfg, summary, window)
     assert row.status == "ok" and row.device == "NVIDIA H100 80GB HBM3"
     assert row.tokens_per_s_per_worker == pytest.approx(4 * 4096 / 0.5)
-    full = flops_per_token(model_args(load_config(None, ["model.preset=llama3_1b"]), 300), 4096)
+    full = flops_per_token(model_args(load_config(None, ["model.preset=llama3_1b"]).model, 300), 4096)
     assert row.flops_per_token_full_attention == full
     # The timed steps 7-27 are logged at 9, 12, ..., 27: four odd steps (x 1.01) and three even ones.
     assert row.flops_per_token == pytest.approx(9e9 * (1 + 0.01 * 4 / 7))

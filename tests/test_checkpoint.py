@@ -124,7 +124,7 @@ def _restore_and_gather(rank: int, world: int, cfg: MeshtrainConfig, shard: int)
     from meshtrain.checkpoint.storage import checkpoint_root
 
     manager = CheckpointManager(
-        CheckpointStorage(checkpoint_root(cfg)), rank=rank, world_size=world, interval=4, keep=10, asynchronous=True
+        CheckpointStorage(checkpoint_root(cfg.checkpoint, cfg.run)), rank=rank, world_size=world, interval=4, keep=10, asynchronous=True
     )
     manager.restore(TrainState(model, optimizer, scheduler, progress, rank))
     manager.close()

@@ -298,7 +298,7 @@ def test_a_newest_checkpoint_that_will_not_load_is_marked_bad_and_the_previous_o
     assert run.lines == [f"[meshtrain] checkpoint {run.step(8)} skipped: it is bad ({bad['reason']})"]
     assert [c.step for c in run.storage.committed()] == [4]
     cfg = load_config(None, [f"checkpoint.path={run.root.parent}", f"run.name={run.root.name}"])
-    assert newest_committed(cfg)[1].step == 4
+    assert newest_committed(cfg.checkpoint, cfg.run)[1].step == 4
 
 
 def test_a_commit_marker_that_is_not_json_is_skipped_and_kept(run: Run) -> None:

@@ -294,7 +294,7 @@ def test_workers_get_the_flight_recorder_and_the_allocator_setting_through_rays_
 
     def env_vars(*overrides: str) -> dict[str, str]:
         cfg = load_config(None, [f"run.storage_path={tmp_path}", "run.name=env", *overrides])
-        spec = RunSpec(cfg, model_args(cfg, 512), None, RunPaths("env", tmp_path), "x")
+        spec = RunSpec(cfg, model_args(cfg.model, 512), None, RunPaths("env", tmp_path), "x")
         return build_trainer(spec).run_config.worker_runtime_env["env_vars"]
 
     assert env_vars() == {"TORCH_FR_BUFFER_SIZE": "2000"}  # CPU workers: no allocator setting

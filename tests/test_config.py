@@ -48,7 +48,7 @@ def test_defaults_validate() -> None:
     # The defaults must also describe a runnable batch layout and model.
     micro, accumulation = cfg.batch_layout(cfg.scaling.num_workers)
     assert micro * cfg.scaling.num_workers * accumulation == cfg.train.global_batch_size
-    args = model_args(cfg, cfg.data.vocab_size)
+    args = model_args(cfg.model, cfg.data.vocab_size)
     assert isinstance(args, ModelArgs)
     assert cfg.data.seq_len <= args.max_seq_len
 
@@ -525,7 +525,7 @@ def test_preset_table_covers_every_preset() -> None:
 def test_preset_builds_on_meta_with_expected_size(preset: str) -> None:
     (low, high), tied = PRESETS[preset]
     cfg = load_config(None, [f"model.preset={preset}"])
-    args = model_args(cfg, 2048)
+    args = model_args(cfg.model, 2048)
     assert args == ModelConfig(preset=preset).resolved(2048)
     model = build_model(args, "meta")
     assert all(p.device.type == "meta" for p in model.parameters())
@@ -559,7 +559,7 @@ def test_tokenizer_vocab_is_rounded_up_when_the_preset_has_none() -> None:
 
 def test_explicit_fields_override_the_preset() -> None:
     cfg = load_config(None, ["model.preset=125m", "model.n_layers=2", "model.vocab_size=50304"])
-    args = model_args(cfg, 50257)
+    args = model_args(cfg.model, 50257)
     assert (args.dim, args.n_layers, args.vocab_size) == (768, 2, 50304)
     assert count_parameters(build_model(args, "meta")) < 100_000_000
 
@@ -580,7 +580,7 @@ def test_tokenizer_larger_than_the_preset_vocab() -> None:
 
 def test_longer_sequences_need_a_longer_rope_table() -> None:
     cfg = load_config(None, ["data.seq_len=2048", "model.max_seq_len=2048"])
-    assert model_args(cfg, 2048).max_seq_len == 2048
+    assert model_args(cfg.model, 2048).max_seq_len == 2048
     assert load_config(None, ["model.preset=llama3_8b", "data.seq_len=8192"]).data.seq_len == 8192
 
 

@@ -21,7 +21,7 @@ def test_evaluations_not_waited_for_are_cancelled_and_release_their_checkpoints(
 
     cfg = load_config(None, [f"run.storage_path={tmp_path}", "run.name=r", "eval.samples.prompts=['def ']",
                              "eval.downstream.final_wait_s=0"])
-    storage = run_checkpoints(cfg)
+    storage = run_checkpoints(cfg.checkpoint, cfg.run)
     for step in (10, 20):
         folder = tmp_path / "r" / "checkpoints" / f"step-{step:08d}"
         folder.mkdir(parents=True)

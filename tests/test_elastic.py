@@ -158,7 +158,7 @@ def test_the_trainer_hands_ray_the_policy_for_elastic_runs(tmp_path) -> None:
     from meshtrain.train.spec import RunSpec
 
     def spec(cfg: MeshtrainConfig, name: str) -> RunSpec:
-        return RunSpec(cfg, model_args(cfg, 512), None, RunPaths(name, tmp_path), "x")
+        return RunSpec(cfg, model_args(cfg.model, 512), None, RunPaths(name, tmp_path), "x")
 
     cfg = load_config(None, [*BATCH, "scaling.min_workers=2", f"run.storage_path={tmp_path}", "run.name=elastic"])
     trainer = build_trainer(spec(cfg, "elastic"))

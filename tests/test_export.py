@@ -83,7 +83,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, corpus: DataPlan) -> dict[str
     for variant in VARIANTS:
         cfg = config(storage, variant)
         train(cfg, corpus, WorkerLayout(), torch.device("cpu"))
-        run = Run(cfg, corpus, Path(checkpoint_root(cfg)))
+        run = Run(cfg, corpus, Path(checkpoint_root(cfg.checkpoint, cfg.run)))
         (run.run_dir / "tokenizer.json").write_text(corpus.tokenizer_json)  # as the launcher does
         result[variant] = run
     return result
@@ -135,7 +135,7 @@ def test_load_model_state_reads_only_model_tensors(
     state, args, manifest = load_model_state(str(run.step(4)))
 
     assert requested and all(fqn.startswith("train.model.") for fqn in requested)
-    assert args == model_args(run.cfg, run.corpus.vocab_size)
+    assert args == model_args(run.cfg.model, run.corpus.vocab_size)
     assert manifest["step"] == 4
     reference = consolidated_model(run.step(4), tmp_path)
     assert state.keys() == reference.keys()

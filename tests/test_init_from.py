@@ -135,7 +135,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
         cfg.data, str(tmp_path_factory.mktemp("stores")), cfg.data.seq_len, use_ray=False, log=lambda _: None
     )
     train(cfg, corpus, WorkerLayout(), torch.device("cpu"))
-    root = Path(checkpoint_root(cfg))
+    root = Path(checkpoint_root(cfg.checkpoint, cfg.run))
     (root.parent / "tokenizer.json").write_text(corpus.tokenizer_json)  # as the launcher does
     step = root / "step-00000004"
     state, args, _ = load_model_state(str(step))
@@ -203,7 +203,7 @@ def test_init_from_loads_the_exported_weights_and_logits(trained: Trained) -> No
     assert cfg.data.tokenizer == str(trained.hf / "tokenizer.json")  # data.tokenizer=train → the weights'
     vocab = tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size)
     assert vocab == trained.corpus.vocab_size
-    assert model_args(cfg, vocab) == trained.args  # the shape came from config.json
+    assert model_args(cfg.model, vocab) == trained.args  # the shape came from config.json
     loaded = load_in_one_process(cfg, vocab)
     state = loaded.state_dict()
     assert state.keys() == trained.state.keys()
@@ -248,7 +248,7 @@ def test_transformers_llama3_checkpoints_load_with_their_rope_scaling(
     assert len(list(directory.glob("*.safetensors"))) >= 3
     cfg = init_from_config(directory)
     vocab = trained.corpus.vocab_size
-    args = model_args(cfg, vocab)
+    args = model_args(cfg.model, vocab)
     assert args.rope_scaling == RopeScaling(
         factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=ORIGINAL_CONTEXT,
@@ -471,7 +471,8 @@ def test_transformers_llama3_checkpoints_train_on_a_2x2_mesh_and_export_the_same
     # The mask changes what the 2 steps computed (several documents share each window).
     losses = {m: on_a_2x2_mesh.ranks[0]["trained"][style, m]["losses"][1] for m in (True, False)}
     assert losses[True] != losses[False]
-    step = Path(checkpoint_root(on_a_2x2_mesh.runs[style, mask])) / "step-00000002"
+    trained = on_a_2x2_mesh.runs[style, mask]
+    step = Path(checkpoint_root(trained.checkpoint, trained.run)) / "step-00000002"
     dtype = "bfloat16" if tied else "float32"  # either export dtype
     export_checkpoint(str(step), "hf", tmp_path / "hf", max_shard_bytes=SHARD_BYTES, dtype=dtype)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -916,7 +917,7 @@ def test_a_worker_loading_a_truncated_file_stops_in_one_line_naming_it(trained: 
     from meshtrain.config import ConfigError
 
     cfg = init_from_config(trained.hf)
-    model = build_model(model_args(cfg, None), "cpu")
+    model = build_model(model_args(cfg.model, None), "cpu")
     directory = Path(_truncated_shard(trained, tmp_path)[0].split("=", 1)[1])
     with pytest.raises(ConfigError) as caught:
         load_hf_weights(model, str(directory))

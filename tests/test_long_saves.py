@@ -91,7 +91,7 @@ def test_a_save_three_times_the_hang_timeout_commits_while_it_keeps_writing(
     took = time.monotonic() - started
     assert fired == [], fired
     assert took > 3 * HANG_TIMEOUT_S  # the final (synchronous) save alone took that long
-    committed = CheckpointStorage(checkpoint_root(cfg)).committed()
+    committed = CheckpointStorage(checkpoint_root(cfg.checkpoint, cfg.run)).committed()
     assert [c.step for c in committed] == [3] and committed[0].manifest["bytes"] > 0.9 * state_bytes
     assert write_progress.bytes_written() >= committed[0].manifest["bytes"]
 

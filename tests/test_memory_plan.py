@@ -35,7 +35,7 @@ LLAMA3_8B = [
 
 def plan_for(*overrides: str, plan: MeshPlan = MeshPlan(1, 8, True)) -> MemoryPlan:
     cfg = load_config(None, [*LLAMA3_8B, *overrides])
-    return memory_plan(cfg, model_args(cfg, VOCAB), plan, use_gpu=True)
+    return memory_plan(cfg, model_args(cfg.model, VOCAB), plan, use_gpu=True)
 
 
 def test_block_shape_is_the_8b_one() -> None:

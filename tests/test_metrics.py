@@ -240,7 +240,7 @@ def test_training_leaves_the_logged_values_in_the_metrics(tmp_path: Path) -> Non
             "checkpoint.interval=3", f"run.storage_path={tmp_path}", "run.name=metrics",
         ],
     )
-    metrics = new_metrics(flops_per_token=flops_per_token(model_args(cfg, corpus.vocab_size), 32))
+    metrics = new_metrics(flops_per_token=flops_per_token(model_args(cfg.model, corpus.vocab_size), 32))
     port = metrics.serve("127.0.0.1", 0)
     records: list[dict[str, Any]] = []
     try:

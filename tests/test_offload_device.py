@@ -36,7 +36,7 @@ def tiny_config(offload: bool, tied: bool = False) -> MeshtrainConfig:
 
 
 def meta_model(tied: bool = False) -> Transformer:
-    return build_model(model_args(tiny_config(False, tied), VOCAB), "meta")
+    return build_model(model_args(tiny_config(False, tied).model, VOCAB), "meta")
 
 
 def reference_weights(tied: bool = False) -> dict[str, torch.Tensor]:

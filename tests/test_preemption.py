@@ -52,7 +52,7 @@ def test_sigterm_saves_the_step_and_the_resumed_run_matches_an_unbroken_one(
     with pytest.raises(Preempted, match=r"^rank 0: stopped at step 6 on a preemption notice \(SIGTERM\); "
                        r"checkpoint of step 6 committed$"):
         run(cfg, corpus)
-    assert [c.step for c in CheckpointStorage(checkpoint_root(cfg)).committed()] == [6]
+    assert [c.step for c in CheckpointStorage(checkpoint_root(cfg.checkpoint, cfg.run)).committed()] == [6]
 
     monkeypatch.setattr(trainer_module.FaultInjection, "before_step", original)
     resumed, events = run(cfg, corpus)
@@ -89,7 +89,7 @@ def test_the_drivers_stop_request_saves_the_step_and_finishes_without_a_restart(
         trainer.close()
     assert result.interrupted == {"step": 4, "saved": True, "reason": "SIGINT to the driver"}
     assert [e for e in events if e["event"] == "interrupted"] == [{"event": "interrupted", **result.interrupted}]
-    assert [c.step for c in CheckpointStorage(checkpoint_root(cfg)).committed()] == [4]
+    assert [c.step for c in CheckpointStorage(checkpoint_root(cfg.checkpoint, cfg.run)).committed()] == [4]
 
     monkeypatch.setattr(trainer_module.FaultInjection, "before_step", original)
     request.clear()

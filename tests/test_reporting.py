@@ -321,7 +321,7 @@ def test_a_step_out_of_cuda_memory_writes_a_snapshot_and_fails_the_run_and_a_run
     assert allocator.history == [5000] and steps == [1, 2]
     snapshot = tmp_path / "oom" / "memory" / "rank0.step2.pickle"
     assert snapshot.read_bytes() == b"snapshot"
-    planned = memory_plan(cfg, model_args(cfg, corpus.vocab_size), planned_mesh(cfg)[0], False).total
+    planned = memory_plan(cfg, model_args(cfg.model, corpus.vocab_size), planned_mesh(cfg.scaling, cfg.parallel)[0], False).total
     assert str(failed.value) == (
         f"rank 0 ran out of CUDA memory at step 2 (plan estimate {planned / GIB:.2f} GiB per rank, real peak 1.50 GiB "
         f"allocated); memory snapshot {snapshot} (open it at https://pytorch.org/memory_viz); lower "

@@ -156,7 +156,7 @@ def test_checkpoint_marker_holds_no_credential_while_s3_gets_them(
     with moto_s3(monkeypatch, "ckpts") as s3_options:
         cfg, _ = resolve_run(config_with_secrets(tmp_path, credentials(s3_options), *TINY))
         train(cfg, corpus, WorkerLayout(), torch.device("cpu"))
-        storage = run_checkpoints(cfg)
+        storage = run_checkpoints(cfg.checkpoint, cfg.run)
         [checkpoint] = storage.committed()
         marker = storage.fs.cat_file(f"{checkpoint.path}/{COMMIT_MARKER}").decode()
     assert_no_secret(marker, "the COMMITTED marker")

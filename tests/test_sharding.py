@@ -55,7 +55,7 @@ def _shard_and_gather(rank: int, world: int, shard: int) -> dict[str, Any]:
 
 
 def reference_weights(tied: bool) -> dict[str, torch.Tensor]:
-    args = model_args(tiny_config(1, 1, tied), VOCAB)
+    args = model_args(tiny_config(1, 1, tied).model, VOCAB)
     model = materialize(build_model(args, "meta"), "cpu")
     init_weights(model, seed=7)
     return dict(model.named_parameters())

@@ -118,7 +118,7 @@ def test_bad_steps_are_never_checkpointed_and_too_many_in_a_row_stop_the_run(
     assert "train.max_bad_steps=3: 3 steps in a row up to step 6 were skipped" in trainer.result.stopped
     assert [e["step"] for e in events if e["event"] == "checkpoint_skipped"] == [4]
     assert max(e["step"] for e in events if e["event"] == "train") == 5  # stopped before logging step 6
-    storage = CheckpointStorage(checkpoint_root(cfg))
+    storage = CheckpointStorage(checkpoint_root(cfg.checkpoint, cfg.run))
     assert [c.step for c in storage.committed()] == [2]
     assert metrics.registry.get_sample_value(
         "meshtrain_skipped_steps_total", {"run": "guard", "rank": "0", "node": "127.0.0.1"}

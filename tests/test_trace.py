@@ -23,8 +23,8 @@ GPU_RUN = ["scaling.use_gpu=true", "scaling.num_workers=32", "scaling.workers_pe
 
 def test_a_32_rank_step_is_traced_on_one_cpu_process_and_the_plan_holds_within_10_percent() -> None:
     cfg = load_config(None, GPU_RUN)
-    args = model_args(cfg, cfg.data.vocab_size)
-    plan, _ = planned_mesh(cfg)
+    args = model_args(cfg.model, cfg.data.vocab_size)
+    plan, _ = planned_mesh(cfg.scaling, cfg.parallel)
     assert plan.shape == (4, 8)
     peak = trace_step(cfg, args, plan)
     # The sharded state is exact: fp32 parameters and two AdamW moments, one eighth each (rows padded to 8).

@@ -94,7 +94,7 @@ def main() -> None:
     args = parser.parse_args()
 
     cfg = load_config(None, [f"model.preset={args.preset}", f"model.vocab_size={args.vocab_size}", "scaling.num_workers=1"])
-    model = materialize(build_model(model_args(cfg, args.vocab_size)), "cpu")
+    model = materialize(build_model(model_args(cfg.model, args.vocab_size)), "cpu")
     init_weights(model, 0)
     optimizer = build_optimizer(model, cfg.optim)
     tokens = torch.randint(0, args.vocab_size, (1, 33))

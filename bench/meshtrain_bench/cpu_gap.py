@@ -45,7 +45,7 @@ def plain_loop(overrides: list[str], steps: int, warmup: int, workdir: str) -> f
     plan = prepare_data(cfg.data, workdir, cfg.data.seq_len, use_ray=False, log=lambda _: None)
     data = open_data(plan, cfg.data.seq_len, cfg.train.seed)
     document_eos = data.eos_id if cfg.model.document_mask else None
-    model = materialize(build_model(model_args(cfg, data.vocab_size), "meta", document_eos=document_eos), "cpu")
+    model = materialize(build_model(model_args(cfg.model, data.vocab_size), "meta", document_eos=document_eos), "cpu")
     init_weights(model, cfg.train.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, fused=True)
     batches = DataParallelBatches(data.train, cfg.train.global_batch_size, cfg.train.global_batch_size, 0, 1,

@@ -350,7 +350,7 @@ def dry_run(
             cfg = for_plan(
                 build_config(run_settings(config, window, "dry-run", "runs/bench_gpu", profile)), device_type
             )
-            args = model_args(cfg, tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size))
+            args = model_args(cfg.model, tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size))
             report = describe_plan(cfg, args)
         except ConfigError as exc:
             print(f"config error: {exc}\n")
@@ -359,7 +359,7 @@ def dry_run(
             continue
         print(f"model FLOPs per token: {flops_per_token(args, cfg.data.seq_len):.4g} ({FLOPS_FORMULA})")
         print(report + "\n")
-        plan, _ = planned_mesh(cfg)
+        plan, _ = planned_mesh(cfg.scaling, cfg.parallel)
         memory = memory_plan(cfg, args, plan, cfg.scaling.use_gpu)
         verdict = short_verdict(cfg, memory)
         row = (config.name, f"{memory.total / GIB:.1f}", f"{cfg.scaling.num_workers}", verdict)
@@ -453,7 +453,7 @@ def device_peak(cfg: MeshtrainConfig, device: str) -> tuple[float | None, str]:
 
 def run_model_args(cfg: MeshtrainConfig, run_dir: Path) -> ModelArgs:
     """The trained shape: the run's own tokenizer fixes the vocabulary when the preset leaves it open."""
-    return model_args(cfg, tokenizer_vocab_size(str(run_dir / "tokenizer.json"), cfg.data.vocab_size))
+    return model_args(cfg.model, tokenizer_vocab_size(str(run_dir / "tokenizer.json"), cfg.data.vocab_size))
 
 
 def measure(row: Row, cfg: MeshtrainConfig, summary: dict[str, Any], window: Window) -> Row:

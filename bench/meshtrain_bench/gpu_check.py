@@ -256,7 +256,7 @@ class Runner:
             cfg = build_config(self.settings(check, cpu))
             shutil.rmtree(self.work / "runs" / check.name, ignore_errors=True)
             data = self.data(cfg)
-            args = model_args(cfg, data.vocab_size)
+            args = model_args(cfg.model, data.vocab_size)
             plan = resolve_mesh_shape(1, 1, cfg.parallel.strategy, cfg.parallel.shard, cfg.parallel.context,
                                       cfg.parallel.tensor)
             planned = memory_plan(cfg, args, plan, device.type == "cuda").total

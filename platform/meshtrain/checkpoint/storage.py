@@ -55,7 +55,7 @@ from meshtrain.checkpoint.dcp_files import (
     VerifiedFsspecReader,
 )
 from meshtrain.checkpoint.errors import CheckpointError
-from meshtrain.config import MeshtrainConfig
+from meshtrain.config import CheckpointConfig, RunConfig
 from meshtrain.data.local_files import write_atomically
 
 COMMIT_MARKER = "COMMITTED"
@@ -331,23 +331,23 @@ class CheckpointStorage:
         return VerifiedFsspecReader(self.display(path), where=where, sidecars=sidecars, **self.storage_options)
 
 
-def checkpoint_root(cfg: MeshtrainConfig) -> str:
+def checkpoint_root(checkpoint: CheckpointConfig, run: RunConfig) -> str:
     """Where this run's checkpoints live (``checkpoint.path/<run.name>`` or ``<run dir>/checkpoints``)."""
-    if cfg.run.name is None:
+    if run.name is None:
         raise ValueError("run.name must be resolved before training (the launcher does this)")
-    if cfg.checkpoint.path:
-        return f"{cfg.checkpoint.path.rstrip('/')}/{cfg.run.name}"
-    return str(Path(cfg.run.storage_path) / cfg.run.name / "checkpoints")
+    if checkpoint.path:
+        return f"{checkpoint.path.rstrip('/')}/{run.name}"
+    return str(Path(run.storage_path) / run.name / "checkpoints")
 
 
-def run_checkpoints(cfg: MeshtrainConfig) -> CheckpointStorage:
+def run_checkpoints(checkpoint: CheckpointConfig, run: RunConfig) -> CheckpointStorage:
     """This run's checkpoint storage."""
-    return CheckpointStorage(checkpoint_root(cfg), cfg.checkpoint.storage_options)
+    return CheckpointStorage(checkpoint_root(checkpoint, run), checkpoint.storage_options)
 
 
-def newest_committed(cfg: MeshtrainConfig) -> tuple[CheckpointStorage, CommittedCheckpoint | None]:
+def newest_committed(checkpoint: CheckpointConfig, run: RunConfig) -> tuple[CheckpointStorage, CommittedCheckpoint | None]:
     """This run's checkpoint storage and its newest committed checkpoint not marked bad (None: none, or
     checkpoints disabled): the one a restart would resume from."""
-    storage = run_checkpoints(cfg)
-    committed = storage.committed() if cfg.checkpoint.enabled else []
+    storage = run_checkpoints(checkpoint, run)
+    committed = storage.committed() if checkpoint.enabled else []
     return storage, committed[0] if committed else None

@@ -53,7 +53,7 @@ def dry_run(cfg: MeshtrainConfig, trace: bool = False) -> None:
     from meshtrain.distributed.plan import describe_plan
     from meshtrain.model.args import model_args
 
-    args = model_args(cfg, tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size))
+    args = model_args(cfg.model, tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size))
     report = describe_plan(cfg, args)  # may raise ConfigError: then nothing goes to stdout
     print(config_yaml(cfg), end="")
     print("---")
@@ -67,7 +67,7 @@ def traced_report(cfg: MeshtrainConfig, args: ModelArgs) -> str:
     from meshtrain.distributed.plan import GIB, memory_plan, planned_mesh
     from meshtrain.train.trace import trace_step
 
-    plan, _ = planned_mesh(cfg)
+    plan, _ = planned_mesh(cfg.scaling, cfg.parallel)
     planned = memory_plan(cfg, args, plan, cfg.scaling.use_gpu).total
     peak = trace_step(cfg, args, plan)
     traced = peak.on_device(cfg.parallel.cpu_offload)

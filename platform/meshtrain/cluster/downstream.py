@@ -95,7 +95,7 @@ class DownstreamEvaluations:
         self.cfg, self.paths, self.print_line, self.poll_s = cfg, paths, print_line, poll_s
         self.harness = HarnessRun.of(cfg.eval.downstream) if cfg.eval.downstream.enabled else None
         self.samples = SampleRun.of(cfg.eval.samples)
-        self.storage = run_checkpoints(cfg)
+        self.storage = run_checkpoints(cfg.checkpoint, cfg.run)
         self.task = ray.remote(max_retries=0, **task_resources(cfg))(_score)
         self.pending: dict[Any, CommittedCheckpoint] = {}  # task -> the checkpoint it scores
         self.latest: dict[str, dict[str, Any]] = {}  # task -> its newest downstream_eval record

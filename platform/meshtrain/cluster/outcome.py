@@ -29,7 +29,7 @@ class Interrupted(RuntimeError):
 
 
 def _last_committed(cfg: MeshtrainConfig) -> str:
-    storage, newest = newest_committed(cfg)
+    storage, newest = newest_committed(cfg.checkpoint, cfg.run)
     if newest is not None:
         return f"last committed checkpoint: {storage.display(newest.path)} (step {newest.step})"
     bad = len(storage.all_committed()) if cfg.checkpoint.enabled else 0
@@ -52,7 +52,7 @@ def _failure_message(cfg: MeshtrainConfig, failure: Failure, restarts: int) -> s
 
 
 def _interrupted_message(cfg: MeshtrainConfig, interrupted: dict[str, Any] | None) -> str:
-    storage, newest = newest_committed(cfg)
+    storage, newest = newest_committed(cfg.checkpoint, cfg.run)
     if interrupted is None:
         at = "stopped at once without saving"
     else:

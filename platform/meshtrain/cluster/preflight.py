@@ -62,8 +62,9 @@ def preflight(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> Meshtrain
         if cfg.data.tokenizer == "train":
             # Continued pretraining keeps the tokenizer the weights were trained with.
             cfg.data.tokenizer = init_from_tokenizer(cfg.model.init_from)
-        cfg.check_seq_len(model_args(cfg, None))
-        cfg.check_model_parallel(model_args(cfg, None))
+        shape = model_args(cfg.model, None)
+        cfg.check_seq_len(shape)
+        cfg.check_model_parallel(shape)
     if cfg.parallel.shard != "auto" or cfg.scaling.workers_per_node is not None:
         resolve_mesh_shape(
             cfg.scaling.num_workers,
@@ -75,7 +76,7 @@ def preflight(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> Meshtrain
         )
     if tokenizer_fits and cfg.data.tokenizer != "train":
         # A broken tokenizer file, or one too large for the model, fails here, before Ray starts.
-        cfg.check_model_parallel(model_args(cfg, tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size)))
+        cfg.check_model_parallel(model_args(cfg.model, tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size)))
     _check_preemption_budget(cfg)
     _check_metrics_address(cfg)
     _check_float8(cfg)
@@ -123,7 +124,7 @@ def _check_downstream(cfg: MeshtrainConfig) -> None:
     if downstream.memory_gb is not None:
         on_gpu = (downstream.num_gpus if downstream.num_gpus is not None else float(cfg.scaling.use_gpu)) > 0
         vocab = cfg.model.vocab_size or cfg.data.vocab_size
-        weights = count_parameters(build_model(model_args(cfg, None if cfg.model.init_from else vocab), "meta"))
+        weights = count_parameters(build_model(model_args(cfg.model, None if cfg.model.init_from else vocab), "meta"))
         weights *= 2 if on_gpu else 4
         if weights > downstream.memory_gb * 2**30:
             raise ConfigError(
@@ -161,7 +162,7 @@ def _check_preemption_budget(cfg: MeshtrainConfig) -> None:
     if peak is None:
         return
     vocab = cfg.data.vocab_size if cfg.data.tokenizer == "train" else (cfg.model.vocab_size or cfg.data.vocab_size)
-    args = model_args(cfg, vocab)
+    args = model_args(cfg.model, vocab)
     tokens_per_rank = cfg.train.global_batch_size * cfg.data.seq_len / cfg.scaling.num_workers
     floor_s = tokens_per_rank * flops_per_token(args, cfg.data.seq_len) / peak
     if budget < floor_s:
@@ -201,7 +202,7 @@ def _resumes_from_checkpoint(cfg: MeshtrainConfig) -> bool:
     if split_protocol(cfg.checkpoint.path or "")[0] in ("s3", "s3a"):
         options = with_timeouts(options, _PROBE_TIMEOUT_S)  # an unreachable endpoint does not hang the check
     try:
-        return bool(CheckpointStorage(checkpoint_root(cfg), options).all_committed())
+        return bool(CheckpointStorage(checkpoint_root(cfg.checkpoint, cfg.run), options).all_committed())
     except Exception:  # unreachable or refused: _check_checkpoint_root says why, in one line
         return False
 

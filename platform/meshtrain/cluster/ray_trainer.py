@@ -110,7 +110,7 @@ def build_trainer(spec: RunSpec) -> Any:
         elastic_policy = functools.partial(
             TrainableSizesPolicy,
             sizes=cfg.elastic_sizes(),
-            newest_checkpoint_step=NewestCommittedStep(checkpoint_root(cfg), cfg.checkpoint.storage_options),
+            newest_checkpoint_step=NewestCommittedStep(checkpoint_root(cfg.checkpoint, cfg.run), cfg.checkpoint.storage_options),
             grow_save_timeout_s=scaling.grow_save_timeout_s if cfg.checkpoint.enabled else 0.0,
         )
     return trainer_class()(

@@ -25,7 +25,7 @@ def resolve_schedule_horizon(cfg: MeshtrainConfig, paths: RunPaths) -> Meshtrain
     train.steps on the first launch and on a re-run that has nothing to resume."""
     if cfg.optim.schedule_steps is not None:
         return cfg
-    if paths.config.exists() and run_checkpoints(cfg).committed():
+    if paths.config.exists() and run_checkpoints(cfg.checkpoint, cfg.run).committed():
         previous = read_run_config(paths)
         # A config.yaml written before optim.schedule_steps existed spanned its train.steps.
         horizon = previous["optim"].get("schedule_steps") or previous["train"]["steps"]
@@ -112,7 +112,7 @@ def check_fresh_start(cfg: MeshtrainConfig, paths: RunPaths) -> None:
     training that a later plain relaunch could mix up with them: refused."""
     if not cfg.checkpoint.enabled or cfg.checkpoint.resume:
         return
-    storage = run_checkpoints(cfg)
+    storage = run_checkpoints(cfg.checkpoint, cfg.run)
     committed = storage.committed()
     if committed:
         steps = ", ".join(str(c.step) for c in sorted(committed, key=lambda c: c.step))
@@ -130,7 +130,7 @@ def write_run_config(cfg: MeshtrainConfig, paths: RunPaths) -> None:
     text = config_yaml(cfg)
     paths.run_dir.mkdir(parents=True, exist_ok=True)
     stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
-    if paths.metrics.exists() and not run_checkpoints(cfg).committed():
+    if paths.metrics.exists() and not run_checkpoints(cfg.checkpoint, cfg.run).committed():
         # An earlier launch's steps that no checkpoint kept: this launch trains them again from step 0,
         # and its records (and the trackers fed from them) start a fresh history.
         paths.metrics.rename(paths.run_dir / f"metrics.{stamp}.jsonl")
@@ -142,7 +142,7 @@ def write_run_config(cfg: MeshtrainConfig, paths: RunPaths) -> None:
         change = _unresumable_change(previous_text, text)
         if change is not None:
             key, before, after = change
-            if run_checkpoints(cfg).committed():
+            if run_checkpoints(cfg.checkpoint, cfg.run).committed():
                 raise ConfigError(
                     f"{key}: run {paths.name} was started with {before!r}, not {after!r}, and has committed "
                     "checkpoints; a re-run resumes the same training, so keep it or choose another run.name"
@@ -164,7 +164,7 @@ def data_for_resume(cfg: MeshtrainConfig, plan: DataPlan) -> DataPlan:
     the data order never changes mid-run. A run without checkpoints gets the plan as it is."""
     if not (cfg.checkpoint.enabled and cfg.checkpoint.resume):
         return plan
-    committed = run_checkpoints(cfg).committed()
+    committed = run_checkpoints(cfg.checkpoint, cfg.run).committed()
     if not committed:
         return plan
     manifest = committed[0].manifest

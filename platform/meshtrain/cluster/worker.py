@@ -188,7 +188,7 @@ def peak_memory(device: torch.device) -> dict[str, Any]:
 
 def result_pointer(cfg: MeshtrainConfig, paths: RunPaths) -> dict[str, Any]:
     """What the run's last Ray report points at: the run directory and the newest committed checkpoint."""
-    storage, newest = newest_committed(cfg)
+    storage, newest = newest_committed(cfg.checkpoint, cfg.run)
     return {
         "run_dir": str(paths.run_dir),
         "checkpoint": storage.display(newest.path) if newest is not None else None,

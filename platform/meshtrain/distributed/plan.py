@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtrain.config import MeshtrainConfig, ModelArgs, ScalingConfig
+from meshtrain.config import MeshtrainConfig, ModelArgs, ParallelConfig, ScalingConfig
 from meshtrain.distributed.layout import MeshPlan
 from meshtrain.distributed.mesh import resolve_mesh_shape
 from meshtrain.model.llama import Transformer, build_model, count_parameters
@@ -94,20 +94,20 @@ class Device:
         return self.memory_gib * (1 - FRAGMENTATION_SHARE) - CONTEXT_RESERVE_GIB
 
 
-def planned_mesh(cfg: MeshtrainConfig) -> tuple[MeshPlan, str]:
+def planned_mesh(scaling: ScalingConfig, parallel: ParallelConfig) -> tuple[MeshPlan, str]:
     """The mesh the run will use, and a note when workers per node had to be assumed."""
     note = ""
-    per_node = cfg.scaling.workers_per_node
+    per_node = scaling.workers_per_node
     if per_node is None:
-        if cfg.scaling.use_gpu:
-            per_node = min(cfg.scaling.num_workers, _ASSUMED_GPUS_PER_NODE)
+        if scaling.use_gpu:
+            per_node = min(scaling.num_workers, _ASSUMED_GPUS_PER_NODE)
             note = f"assuming {per_node} workers per node; set scaling.workers_per_node to be sure"
         else:
-            per_node = cfg.scaling.num_workers
+            per_node = scaling.num_workers
             note = "assuming all workers on one node; set scaling.workers_per_node to be sure"
-    plan = resolve_mesh_shape(cfg.scaling.num_workers, per_node, cfg.parallel.strategy, cfg.parallel.shard,
-                              cfg.parallel.context, cfg.parallel.tensor)
-    if cfg.parallel.shard != "auto" or cfg.parallel.strategy not in ("hybrid_shard", "hybrid_shard_zero2"):
+    plan = resolve_mesh_shape(scaling.num_workers, per_node, parallel.strategy, parallel.shard,
+                              parallel.context, parallel.tensor)
+    if parallel.shard != "auto" or parallel.strategy not in ("hybrid_shard", "hybrid_shard_zero2"):
         note = ""
     return plan, note
 
@@ -285,7 +285,7 @@ def _elastic_lines(cfg: MeshtrainConfig) -> list[str]:
 
 def describe_plan(cfg: MeshtrainConfig, args: ModelArgs) -> str:
     """The human-readable dry-run report (config excluded)."""
-    plan, note = planned_mesh(cfg)
+    plan, note = planned_mesh(cfg.scaling, cfg.parallel)
     total = count_parameters(build_model(args, "meta"))
     micro, accumulation = cfg.batch_layout(plan.data_parallel_size)
     memory = memory_plan(cfg, args, plan, cfg.scaling.use_gpu)

@@ -24,7 +24,7 @@ def checkpoint_manager(
     if not cfg.checkpoint.enabled:
         return None
     return CheckpointManager(
-        run_checkpoints(cfg),
+        run_checkpoints(cfg.checkpoint, cfg.run),
         rank=layout.world_rank,
         world_size=layout.world_size,
         interval=cfg.checkpoint.interval,

@@ -55,7 +55,7 @@ def sharded_meta_model(
     """The model on meta, sharded on ``plan``'s mesh of ``device`` when distributed (no storage yet),
     and the layout of ``worker`` (rank 0 when not given) on that mesh. The mesh comes first: the model
     is built knowing its context-parallel group, its recompute mode and its document mask."""
-    args = model if isinstance(model, ModelArgs) else model_args(cfg, model)
+    args = model if isinstance(model, ModelArgs) else model_args(cfg.model, model)
     cfg.check_model_parallel(args)
     mesh = build_mesh(plan, device.type) if dist.is_initialized() else None
     built = build_model(

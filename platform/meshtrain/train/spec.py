@@ -26,4 +26,4 @@ class RunSpec:
 
     @classmethod
     def resolve(cls, config: MeshtrainConfig, data: DataPlan, paths: RunPaths, launch_id: str) -> RunSpec:
-        return cls(config, model_args(config, data.vocab_size), data, paths, launch_id)
+        return cls(config, model_args(config.model, data.vocab_size), data, paths, launch_id)

@@ -131,7 +131,7 @@ class Trainer:
         model: ModelArgs | None = None,
     ) -> None:
         self.cfg = cfg
-        args = model if model is not None else model_args(cfg, data.vocab_size)  # the driver resolved it once
+        args = model if model is not None else model_args(cfg.model, data.vocab_size)  # the driver resolved it once
         self.outputs = LoopOutputs(on_record, metrics, reporter)
         torch.manual_seed(cfg.train.seed)
         run_dir = Path(cfg.run.storage_path) / (cfg.run.name or "")
