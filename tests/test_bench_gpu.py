@@ -4,13 +4,11 @@ back from a trace, and the tiny CPU set end to end through Ray."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -21,11 +19,6 @@ from jobs import REPO, job_env, read_metrics
 BENCH = REPO / "jobs" / "bench_gpu.py"
 MATRIX = yaml.safe_load((REPO / "jobs" / "bench_gpu.yaml").read_text())["sets"]
 VERDICT = re.compile(r"^verdict: (fits|does not fit) H100 \(79\.6 GiB\): [\d.]+ GiB planned", re.MULTILINE)
-
-
-def bench_module() -> ModuleType:
-    """What jobs/bench_gpu.py runs."""
-    return importlib.import_module("meshtrain_bench.gpu")
 
 
 def run_bench(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
@@ -52,18 +45,19 @@ def test_dry_run_plans_every_gpu_configuration_with_an_h100_verdict() -> None:
 
 
 def test_window_rounds_warmup_and_timed_steps_to_whole_logging_intervals() -> None:
-    bench = bench_module()
-    assert bench.Window.for_request(6, 20) == bench.Window(warmup=6, timed=21, log_every=3)
-    assert bench.Window.for_request(5, 12) == bench.Window(warmup=6, timed=12, log_every=3)
-    assert bench.Window.for_request(1, 3).total == 5  # warm-up 2: the first logged step (1) is not timed
+    from meshtrain_bench.gpu_configs import Window
+
+    assert Window.for_request(6, 20) == Window(warmup=6, timed=21, log_every=3)
+    assert Window.for_request(5, 12) == Window(warmup=6, timed=12, log_every=3)
+    assert Window.for_request(1, 3).total == 5  # warm-up 2: the first logged step (1) is not timed
 
 
 def test_a_failed_configuration_is_one_line_naming_the_rank_that_failed_first() -> None:
     from ray.train import WorkerGroupError
 
     from meshtrain.cluster.outcome import TrainingFailed
+    from meshtrain_bench.gpu_launch import failure_reason
 
-    bench = bench_module()
     peer = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer.")
     oom = RuntimeError("CUDA out of memory. Tried to allocate 3.91 GiB. GPU 0 has a total capacity of 79.19 GiB")
     try:
@@ -73,28 +67,38 @@ def test_a_failed_configuration_is_one_line_naming_the_rank_that_failed_first() 
             # What the launcher raises over Ray's error.
             raise TrainingFailed("training failed (run.max_failures=0): Training failed due to worker errors") from None
     except TrainingFailed as exc:
-        reason = bench.failure_reason(exc)
+        reason = failure_reason(exc)
     assert reason == f"rank 1: RuntimeError: {oom} (+1 other rank(s) failed)"
-    long = bench.failure_reason(RuntimeError("x" * 1000 + "\nsecond line"))
+    long = failure_reason(RuntimeError("x" * 1000 + "\nsecond line"))
     assert "\n" not in long and len(long) <= 240
 
 
 def test_the_profiled_steps_follow_the_timed_ones_and_allocator_history_is_set_on_gpu_only() -> None:
-    bench = bench_module()
-    sets = bench.load_matrix(bench.DEFAULT_MATRIX)
-    window = bench.Window.for_request(6, 20)
-    gpu = bench.select(sets, "gpu", ["1b-mb1"], {})[0]
-    cpu = bench.select(sets, "tiny", ["tiny-2w-mb2"], {})[0]
-    settings = bench.run_settings(gpu, window, "run", "runs")
+    from meshtrain_bench.gpu_configs import (
+        DEFAULT_MATRIX,
+        HISTORY_ENTRIES,
+        PROFILED_STEPS,
+        Window,
+        build_config,
+        load_matrix,
+        run_settings,
+        select,
+    )
+
+    sets = load_matrix(DEFAULT_MATRIX)
+    window = Window.for_request(6, 20)
+    gpu = select(sets, "gpu", ["1b-mb1"], {})[0]
+    cpu = select(sets, "tiny", ["tiny-2w-mb2"], {})[0]
+    settings = run_settings(gpu, window, "run", "runs")
     # Step window.total is the timed window's last; the next one starts the profiler, the one after is traced.
     assert settings["profile.start_step"] == window.total + 2 == settings["train.steps"]
-    assert settings["profile.active_steps"] == bench.PROFILED_STEPS == 1 and settings["profile.ranks"] == [0]
-    assert settings["memory.history_entries"] == bench.HISTORY_ENTRIES
-    assert bench.build_config(settings).memory.history_entries == bench.HISTORY_ENTRIES
-    cpu_cfg = bench.build_config(bench.run_settings(cpu, window, "run", "runs"))
+    assert settings["profile.active_steps"] == PROFILED_STEPS == 1 and settings["profile.ranks"] == [0]
+    assert settings["memory.history_entries"] == HISTORY_ENTRIES
+    assert build_config(settings).memory.history_entries == HISTORY_ENTRIES
+    cpu_cfg = build_config(run_settings(cpu, window, "run", "runs"))
     assert cpu_cfg.memory.history_entries is None and cpu_cfg.profile.start_step == window.total + 2
     for config in (gpu, cpu):
-        plain = bench.run_settings(config, window, "run", "runs", profile=False)
+        plain = run_settings(config, window, "run", "runs", profile=False)
         assert plain["train.steps"] == window.total
         assert not [key for key in plain if key.startswith(("profile.", "memory."))]
 
@@ -128,11 +132,14 @@ def test_a_gpu_run_is_measured_against_the_h100_peak_and_its_memory_plan(tmp_pat
     from meshtrain.distributed.plan import memory_plan
     from meshtrain.model.args import model_args
     from meshtrain.model.flops import flops_per_token
+    from meshtrain_bench.gpu_configs import DEFAULT_MATRIX, Window, build_config, load_matrix, run_settings, select
+    from meshtrain_bench.gpu_launch import read_diagnostics
+    from meshtrain_bench.gpu_measure import Row, measure
+    from meshtrain_bench.gpu_report import table_row
 
-    bench = bench_module()
-    config = bench.select(bench.load_matrix(bench.DEFAULT_MATRIX), "gpu", ["1b-mb4-sel"], {})[0]
-    window = bench.Window.for_request(6, 20)
-    cfg = bench.build_config(bench.run_settings(config, window, "fake", str(tmp_path)))
+    config = select(load_matrix(DEFAULT_MATRIX), "gpu", ["1b-mb4-sel"], {})[0]
+    window = Window.for_request(6, 20)
+    cfg = build_config(run_settings(config, window, "fake", str(tmp_path)))
     fake_gpu_run(tmp_path / "fake", window, step_s=0.5, global_tokens=4 * 4096, flops=9e9)
     planned = memory_plan(cfg, model_args(cfg.model, 300), MeshPlan(1, 1, True), use_gpu=True).total
     summary = {
@@ -140,7 +147,7 @@ def test_a_gpu_run_is_measured_against_the_h100_peak_and_its_memory_plan(tmp_pat
         "workers": [{"rank": 0, "node_rank": 0}], "wall_time_s": 100.0, "train_time_s": 40.5,
         "device": "NVIDIA H100 80GB HBM3", "peak_device_memory_bytes": int(0.9 * planned), "num_alloc_retries": 3,
     }
-    row = bench.measure(bench.Row("1b-mb4-sel", "failed"), cfg, summary, window)
+    row = measure(Row("1b-mb4-sel", "failed"), cfg, summary, window)
     assert row.status == "ok" and row.device == "NVIDIA H100 80GB HBM3"
     assert row.tokens_per_s_per_worker == pytest.approx(4 * 4096 / 0.5)
     full = flops_per_token(model_args(load_config(None, ["model.preset=llama3_1b"]).model, 300), 4096)
@@ -154,7 +161,7 @@ def test_a_gpu_run_is_measured_against_the_h100_peak_and_its_memory_plan(tmp_pat
     assert row.alloc_retries == 3
     assert (row.step_ms, row.data_wait_ms, row.warmup_ms_per_step) == pytest.approx((500.0, 2.0, 5000.0))
     assert row.setup_s == pytest.approx(59.5)
-    line = bench.table_row(row)
+    line = table_row(row)
     assert line.startswith(f"| 1b-mb4-sel | 32,768 | {100 * row.mfu:.1f}% | {100 * row.mfu_full_attention:.1f}% | "
                            "NVIDIA H100") and "| 0.90 | 3 |" in line
 
@@ -171,7 +178,7 @@ def test_a_gpu_run_is_measured_against_the_h100_peak_and_its_memory_plan(tmp_pat
                 "top_ms_per_step": [["sm90_gemm", 4.0], ["Memcpy HtoD", 0.5]],
                 "trace": str(run_dir / "profile" / f"rank{rank}.29.pt.trace.json"),
             }) + "\n")
-    bench.read_diagnostics(row, run_dir)
+    read_diagnostics(row, run_dir)
     assert row.memory_snapshots == ["memory/rank0.step29.end.pickle", "memory/rank1.step29.end.pickle"]
     assert row.profile_trace == "profile/rank0.29.pt.trace.json"
     assert row.profile_summary == ("[meshtrain] profile rank 0 step 29: top device kernels by self ms/step: sm90_gemm "

@@ -47,7 +47,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtrain_bench.gpu import Window, build_config, device_peak, timed_figures
+from meshtrain_bench.gpu_configs import Window, build_config
+from meshtrain_bench.gpu_measure import device_peak, timed_figures
 from meshtrain.config import ConfigError, MeshtrainConfig, one_line
 from meshtrain.data import DataPlan, prepare_data
 from meshtrain.distributed.layout import WorkerLayout
