@@ -44,7 +44,12 @@ from meshtrain.observe.metrics import (
     downstream_targets_path,
     write_targets,
 )
-from meshtrain.observe.run_folder import RecordFollower, RunPaths, append_records
+from meshtrain.observe.run_folder import (
+    DownstreamEvalFailedRecord,
+    RecordFollower,
+    RunPaths,
+    append_records,
+)
 
 POLL_S = 5.0
 
@@ -188,8 +193,8 @@ class DownstreamEvaluations:
         cause = getattr(exc, "cause", None) or exc
         message = (str(cause).strip().splitlines() or [type(cause).__name__])[-1]
         line = f"{type(cause).__name__}: {message}"
-        append_records(self.paths.metrics, [{"event": "downstream_eval_failed", "step": step, "error": line,
-                                             "time": time.time()}])
+        append_records(self.paths.metrics, [DownstreamEvalFailedRecord(event="downstream_eval_failed", step=step,
+                                                                       error=line, time=time.time())])
 
     def finish(self, timeout_s: float) -> None:
         """After training: score the checkpoints committed since the last poll, and wait up to
@@ -224,8 +229,8 @@ class DownstreamEvaluations:
             self.storage.release(checkpoint.path)
         self.pending.clear()
         reason = f"cancelled: the driver waited eval.downstream.final_wait_s={timeout_s:g}s after training"
-        append_records(self.paths.metrics, [{"event": "downstream_eval_failed", "step": c.step, "error": reason,
-                                             "time": time.time()} for c in cancelled])
+        append_records(self.paths.metrics, [DownstreamEvalFailedRecord(event="downstream_eval_failed", step=c.step,
+                                                                       error=reason, time=time.time()) for c in cancelled])
         steps = ", ".join(str(c.step) for c in cancelled)
         self.print_line(f"[meshtrain] downstream evaluation of step(s) {steps} not scored ({reason}); score them "
                         f"with python jobs/evaluate.py {self.paths.run_dir}, or raise eval.downstream.final_wait_s")

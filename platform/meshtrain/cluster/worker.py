@@ -32,8 +32,11 @@ from meshtrain.observe.metrics import (
 from meshtrain.observe.progress import StepRecorder
 from meshtrain.observe.reporting import RayTrainReporter, TensorBoardWriter
 from meshtrain.observe.run_folder import (
+    GroupStartRecord,
+    MetricsRecord,
     Placement,
     RecordFollower,
+    ResizeRecord,
     RunPaths,
     StopRequest,
     WorkerStart,
@@ -54,7 +57,7 @@ def _gather(value: Any) -> list[Any]:
     return gathered
 
 
-def resize_record(previous: dict[str, Any] | None, launch_id: str, world_size: int, cfg: MeshtrainConfig) -> dict[str, Any] | None:
+def resize_record(previous: WorkerStart | None, launch_id: str, world_size: int, cfg: MeshtrainConfig) -> ResizeRecord | None:
     """The ``resize`` event when this group's size differs from the run's previous start, else None."""
     if previous is None:
         return None
@@ -73,7 +76,7 @@ def resize_record(previous: dict[str, Any] | None, launch_id: str, world_size: i
             f"capacity returned: Ray's check every scaling.resize_check_interval_s={cfg.scaling.resize_check_interval_s:g}s "
             f"found room for {world_size} workers"
         )
-    return {"event": "resize", "time": time.time(), "from_workers": before, "to_workers": world_size, "reason": reason}
+    return ResizeRecord(event="resize", time=time.time(), from_workers=before, to_workers=world_size, reason=reason)
 
 
 def resizes(paths: RunPaths) -> list[dict[str, Any]]:
@@ -110,7 +113,7 @@ def check_group_size(cfg: MeshtrainConfig, world_size: int) -> None:
 
 def record_worker_start(
     paths: RunPaths, launch_id: str, layout: WorkerLayout, cfg: MeshtrainConfig
-) -> tuple[int, list[dict[str, Any]], dict[str, Any] | None]:
+) -> tuple[int, list[dict[str, Any]], ResizeRecord | None]:
     """Log this worker group's start, with where every rank runs, in the run directory.
 
     Returns the restarts of this launch (earlier starts with the same launch id), the placements,
@@ -231,7 +234,7 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
     if layout.world_rank == 0:
         recorder = StepRecorder(paths.metrics)
         # The driver relays metrics.jsonl to the trackers; this tells them which start of the group it is.
-        recorder.record({"event": "group_start", "restarts": restarts, "workers": layout.world_size, "time": time.time()})
+        recorder.record(GroupStartRecord(event="group_start", restarts=restarts, workers=layout.world_size, time=time.time()))
         sinks.append(recorder)
         if cfg.metrics.tensorboard:
             board = TensorBoardWriter(paths.run_dir / "tensorboard")
@@ -242,7 +245,7 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
     downstream = (RecordFollower(paths.metrics, set(DRIVER_EVENTS))
                   if board is not None and (cfg.eval.downstream.enabled or cfg.eval.samples.prompts) else None)
 
-    def on_record(record: dict[str, Any]) -> None:
+    def on_record(record: MetricsRecord) -> None:
         for sink in sinks:
             sink.record(record)
         if downstream is not None and board is not None and record["event"] == "train":

@@ -19,8 +19,8 @@ file                   written by                                  read by
 
 ``config.yaml``, ``tokenizer.json`` and ``driver.lock`` are the driver's own (``cluster.launcher``,
 ``cluster.run_lease``). Every record of ``metrics.jsonl`` is a JSON object with an ``event`` among
-:data:`RECORD_KINDS`; a reader skips a torn last line (a writer killed mid-line) and keeps kinds it
-does not know (a newer writer).
+:data:`RECORD_KINDS` and the keys of that kind's TypedDict (:func:`check_record`); a reader skips a torn
+last line (a writer killed mid-line) and keeps kinds it does not know (a newer writer).
 """
 
 from __future__ import annotations
@@ -28,37 +28,273 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, Literal, NamedTuple, TypedDict
 
 from meshtrain.data.local_files import write_atomically
 
 Record = dict[str, Any]
 
-# Every kind of metrics.jsonl record: who writes it, and what it says.
-RECORD_KINDS: dict[str, tuple[str, str]] = {
-    "train": ("rank 0", "a logged step: loss, lr, grad norm, tokens, throughput, step and data-wait time, FLOPs"),
-    "eval": ("rank 0", "validation loss and perplexity, overall and per source"),
-    "checkpoint_save": ("rank 0", "a committed checkpoint: path, blocking and total seconds, bytes, mode"),
-    "checkpoint_load": ("rank 0", "the checkpoint a start resumed from, and how long the load took"),
-    "checkpoint_skipped": ("rank 0", "a save step the step guard skipped"),
-    "stopped": ("rank 0", "the step guard stopped the run, and why"),
-    "warning": ("rank 0", "a setting that measurement shows cannot work, named"),
-    "preempted": ("rank 0", "a preemption notice: the ranks, the save and its seconds"),
-    "interrupted": ("rank 0", "the driver's stop request: the step saved"),
-    "resize": ("rank 0", "the worker group changed size: from, to, why"),
-    "resize_save": ("rank 0", "the save made before Ray grows the group"),
-    "straggler": ("rank 0", "a rank slower than its peers: rank, node, slowdown"),
-    "eviction": ("rank 0", "a straggler's node drained: accepted or why not"),
-    "profile": ("rank 0", "a profiler window: its trace and top ops"),
-    "memory_snapshot": ("rank 0", "a CUDA allocator snapshot written at the end of the steps"),
-    "downstream_eval": ("the driver", "one checkpoint's lm-evaluation-harness scores per task"),
-    "downstream_eval_failed": ("the driver", "one checkpoint's evaluation failed, and why"),
-    "text_samples": ("the driver", "one checkpoint's continuations of the fixed prompts"),
-    "group_start": ("rank 0", "a worker group started: how many times Ray restarted this launch's group before"),
+# --- the records of metrics.jsonl: one TypedDict per kind, with exactly the keys its writer writes ---
+
+
+class FlopsPerToken(TypedDict, total=False):
+    flops_per_token: float  # when the steps count the attention they compute
+    flops_per_token_full_attention: float
+
+
+class TrainRecord(FlopsPerToken):
+    event: Literal["train"]
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int
+    tokens_per_s: float
+    step_time_s: float
+    data_wait_s: float
+    elapsed_s: float
+    skipped_steps: int
+    world_size: int
+    time: float
+    samples: list[int]  # the global samples the step read: [first, end)
+
+
+class SourceEval(TypedDict):
+    loss: float | None
+    tokens: int
+
+
+class EvalRecord(TypedDict):
+    event: Literal["eval"]
+    step: int
+    loss: float
+    perplexity: float
+    samples: int
+    tokens: int
+    sources: dict[str, SourceEval]
+    seconds: float
+
+
+class CheckpointSaveRecord(TypedDict):
+    event: Literal["checkpoint_save"]
+    step: int
+    path: str
+    blocking_s: float
+    total_s: float
+    bytes: int
+    mode: Literal["async", "sync"]
+
+
+class CheckpointLoadRecord(TypedDict):
+    event: Literal["checkpoint_load"]
+    step: int
+    path: str
+    load_s: float
+    rng_restored: bool
+
+
+class CheckpointSkippedRecord(TypedDict):
+    event: Literal["checkpoint_skipped"]
+    step: int
+    reason: str
+
+
+class StoppedRecord(TypedDict):
+    event: Literal["stopped"]
+    step: int
+    reason: str
+
+
+class WarningRecord(TypedDict):
+    event: Literal["warning"]
+    step: int
+    setting: str
+    message: str
+
+
+class _PreemptedRequired(TypedDict):
+    event: Literal["preempted"]
+    step: int
+    reason: str
+    ranks: list[int]
+    saved: bool
+    save_s: float
+
+
+class PreemptedRecord(_PreemptedRequired, total=False):
+    notice_to_commit_s: float  # when some rank knows its notice's age
+
+
+class Interrupted(TypedDict):
+    """Where the driver's stop request left the run (also ``summary.json``'s ``interrupted``)."""
+
+    step: int
+    saved: bool
+    reason: str | None
+
+
+class InterruptedRecord(Interrupted):
+    event: Literal["interrupted"]
+
+
+class ResizeRecord(TypedDict):
+    event: Literal["resize"]
+    time: float
+    from_workers: int
+    to_workers: int
+    reason: str
+
+
+class ResizeSaveRecord(TypedDict):
+    event: Literal["resize_save"]
+    step: int
+    saved: bool
+    save_s: float
+
+
+class StragglerRecord(TypedDict):
+    event: Literal["straggler"]
+    step: int
+    rank: int
+    node: str
+    slowdown: float
+    compute_s: float
+    median_others_s: float
+    logged_steps: int
+
+
+class _EvictionRequired(TypedDict):
+    event: Literal["eviction"]
+    step: int
+    rank: int
+    node: str
+    evicted: bool
+    reason: str
+
+
+class EvictionRecord(_EvictionRequired, total=False):
+    node_id: str  # when Ray knows the node
+
+
+class ProfileRecord(TypedDict):
+    event: Literal["profile"]
+    step: int
+    rank: int
+    first_step: int
+    device: Literal["cuda", "cpu"]
+    top_ms_per_step: list[list[str | float]]  # [op name, ms per step]
+    trace: str
+
+
+class MemorySnapshotRecord(TypedDict):
+    event: Literal["memory_snapshot"]
+    step: int
+    rank: int
+    path: str
+
+
+class DownstreamEvalRecord(TypedDict):
+    """Besides these keys, one float per lm-evaluation-harness metric (``acc``, ``acc_norm``, ...)."""
+
+    event: Literal["downstream_eval"]
+    step: int
+    task: str
+    samples: int | None
+    seconds: float
+    time: float
+
+
+class DownstreamEvalFailedRecord(TypedDict):
+    event: Literal["downstream_eval_failed"]
+    step: int
+    error: str
+    time: float
+
+
+class TextSample(TypedDict):
+    prompt: str
+    continuation: str
+    new_tokens: int
+    stopped_at_eos: bool
+
+
+class TextSamplesRecord(TypedDict):
+    event: Literal["text_samples"]
+    step: int
+    samples: list[TextSample]
+    seconds: float
+    time: float
+
+
+class GroupStartRecord(TypedDict):
+    event: Literal["group_start"]
+    restarts: int
+    workers: int
+    time: float
+
+
+MetricsRecord = (
+    TrainRecord | EvalRecord | CheckpointSaveRecord | CheckpointLoadRecord | CheckpointSkippedRecord | StoppedRecord
+    | WarningRecord | PreemptedRecord | InterruptedRecord | ResizeRecord | ResizeSaveRecord | StragglerRecord
+    | EvictionRecord | ProfileRecord | MemorySnapshotRecord | DownstreamEvalRecord | DownstreamEvalFailedRecord
+    | TextSamplesRecord | GroupStartRecord
+)
+
+
+class RecordKind(NamedTuple):
+    writer: str
+    description: str
+    schema: type  # the kind's TypedDict
+    extra_values: type | None = None  # the type of any other key's value, where a kind allows others
+
+
+# Every kind of metrics.jsonl record: who writes it, what it says, and its keys.
+RECORD_KINDS: dict[str, RecordKind] = {
+    "train": RecordKind("rank 0", "a logged step: loss, lr, grad norm, tokens, throughput, step and data-wait time, FLOPs",
+                        TrainRecord),
+    "eval": RecordKind("rank 0", "validation loss and perplexity, overall and per source", EvalRecord),
+    "checkpoint_save": RecordKind("rank 0", "a committed checkpoint: path, blocking and total seconds, bytes, mode",
+                                  CheckpointSaveRecord),
+    "checkpoint_load": RecordKind("rank 0", "the checkpoint a start resumed from, and how long the load took",
+                                  CheckpointLoadRecord),
+    "checkpoint_skipped": RecordKind("rank 0", "a save step the step guard skipped", CheckpointSkippedRecord),
+    "stopped": RecordKind("rank 0", "the step guard stopped the run, and why", StoppedRecord),
+    "warning": RecordKind("rank 0", "a setting that measurement shows cannot work, named", WarningRecord),
+    "preempted": RecordKind("rank 0", "a preemption notice: the ranks, the save and its seconds", PreemptedRecord),
+    "interrupted": RecordKind("rank 0", "the driver's stop request: the step saved", InterruptedRecord),
+    "resize": RecordKind("rank 0", "the worker group changed size: from, to, why", ResizeRecord),
+    "resize_save": RecordKind("rank 0", "the save made before Ray grows the group", ResizeSaveRecord),
+    "straggler": RecordKind("rank 0", "a rank slower than its peers: rank, node, slowdown", StragglerRecord),
+    "eviction": RecordKind("rank 0", "a straggler's node drained: accepted or why not", EvictionRecord),
+    "profile": RecordKind("rank 0", "a profiler window: its trace and top ops", ProfileRecord),
+    "memory_snapshot": RecordKind("rank 0", "a CUDA allocator snapshot written at the end of the steps",
+                                  MemorySnapshotRecord),
+    "downstream_eval": RecordKind("the driver", "one checkpoint's lm-evaluation-harness scores per task",
+                                  DownstreamEvalRecord, extra_values=float),
+    "downstream_eval_failed": RecordKind("the driver", "one checkpoint's evaluation failed, and why",
+                                         DownstreamEvalFailedRecord),
+    "text_samples": RecordKind("the driver", "one checkpoint's continuations of the fixed prompts", TextSamplesRecord),
+    "group_start": RecordKind("rank 0", "a worker group started: how many times Ray restarted this launch's group "
+                              "before", GroupStartRecord),
 }
+
+
+def check_record(record: Mapping[str, Any]) -> list[str]:
+    """Where one record departs from the protocol: an unknown kind, a missing key of its kind, a key its
+    kind does not have; [] when it conforms. Values are not checked, but for a kind's other keys."""
+    event = record.get("event")
+    kind = RECORD_KINDS.get(event) if isinstance(event, str) else None
+    if kind is None:
+        return [f"unknown kind {event!r}"]
+    schema: Any = kind.schema
+    known = schema.__required_keys__ | schema.__optional_keys__
+    return [f"{event}: missing {key!r}" for key in sorted(schema.__required_keys__ - record.keys())] + [
+        f"{event}: unknown {key!r}" for key, value in record.items()
+        if key not in known and (kind.extra_values is None or not isinstance(value, kind.extra_values))
+    ]
 
 
 @dataclass(frozen=True)
@@ -112,7 +348,7 @@ class LineAppender:
         if _ends_torn(path):  # a writer killed mid-line: end it, or this writer's first line joins it
             os.write(self._fd, b"\n")
 
-    def record(self, record: dict[str, Any]) -> None:
+    def record(self, record: Mapping[str, Any]) -> None:
         if self._fd is not None:
             os.write(self._fd, (json.dumps(record) + "\n").encode())
 
@@ -130,7 +366,7 @@ def _ends_torn(path: Path) -> bool:
         return file.read(1) != b"\n"
 
 
-def append_records(path: Path, records: Iterable[dict[str, Any]]) -> None:
+def append_records(path: Path, records: Iterable[Mapping[str, Any]]) -> None:
     appender = LineAppender(path)
     try:
         for record in records:
@@ -202,7 +438,7 @@ class Summary(TypedDict, total=False):
     eval_loss_by_source: dict[str, float | None]
     skipped_steps: int
     stopped: str | None
-    interrupted: dict[str, Any] | None
+    interrupted: Interrupted | None
     mean_tokens_per_s: float | None
     tokens: int
     train_time_s: float

@@ -12,13 +12,14 @@ from meshtrain.checkpoint.state import Progress, TrainState
 from meshtrain.checkpoint.storage import run_checkpoints
 from meshtrain.config import MeshtrainConfig
 from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.observe.run_folder import CheckpointLoadRecord, CheckpointSaveRecord, CheckpointSkippedRecord
 from meshtrain.train.faults import FaultInjection
 from meshtrain.train.guard import BadStepLimit
 from meshtrain.train.records import LoopOutputs
 
 
 def checkpoint_manager(
-    cfg: MeshtrainConfig, layout: WorkerLayout, on_event: Callable[[dict[str, Any]], None]
+    cfg: MeshtrainConfig, layout: WorkerLayout, on_event: Callable[[CheckpointSaveRecord | CheckpointLoadRecord], None]
 ) -> CheckpointManager | None:
     """This run's checkpoint manager, or None with checkpoints off."""
     if not cfg.checkpoint.enabled:
@@ -65,7 +66,8 @@ class Checkpointing:
         if bad_in_a_row is None:
             return False
         if bad_in_a_row:
-            self.outputs.emit({"event": "checkpoint_skipped", "step": step, "reason": "the step was skipped by the guard"})
+            self.outputs.emit(CheckpointSkippedRecord(event="checkpoint_skipped", step=step,
+                                                      reason="the step was skipped by the guard"))
             return True
         saving_since = time.perf_counter()
         self.beat(f"saving the checkpoint of step {step}")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from meshtrain.checkpoint.state import Progress
+from meshtrain.observe.run_folder import StoppedRecord
 from meshtrain.train.records import LoopOutputs
 
 
@@ -110,5 +111,5 @@ class BadStepLimit:
             f"train.max_bad_steps={self.max_bad_steps}: {reading.longest_streak} steps in a row {ending} "
             "were skipped (non-finite or spiking loss or gradient norm)"
         )
-        self.outputs.emit({"event": "stopped", "step": step, "reason": self.stopped})
+        self.outputs.emit(StoppedRecord(event="stopped", step=step, reason=self.stopped))
         return None

@@ -43,7 +43,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from meshtrain.observe.run_folder import StopRequest
+from meshtrain.observe.run_folder import (
+    Interrupted,
+    InterruptedRecord,
+    PreemptedRecord,
+    ResizeSaveRecord,
+    StopRequest,
+    TrainRecord,
+    WarningRecord,
+)
 from meshtrain.train.watchdog import _exit_worker
 
 if TYPE_CHECKING:
@@ -252,7 +260,7 @@ class NoticeHandling:
         self.rank, self.budget_s, self.resize_check_interval_s, self.beat = rank, budget_s, resize_check_interval_s, beat
         self._budget_checked = False
 
-    def after_step(self, step: int) -> dict[str, Any] | None:
+    def after_step(self, step: int) -> Interrupted | None:
         """Act on this step's vote; the interrupt record when the driver asked the run to stop (the loop
         then ends), else None. A preemption raises :class:`Preempted` after its save."""
         decision = self.vote.result()
@@ -264,7 +272,7 @@ class NoticeHandling:
             self._save_for_resize(step)
         return None
 
-    def check_budget(self, step: int, records: list[dict[str, Any]]) -> None:
+    def check_budget(self, step: int, records: list[TrainRecord]) -> None:
         """Once, when measured: a preemption budget that cannot hold a step and a save is a setting to fix."""
         if self._budget_checked or len(records) < 2:
             return
@@ -273,7 +281,7 @@ class NoticeHandling:
         if self.budget_s < step_s:
             warning = (f"run.preemption_save_s={self.budget_s:g} is shorter than one step ({step_s:.1f}s at step "
                        f"{step}): a preempted run cannot save in time; raise it toward the notice period (AWS spot: 120 s)")
-            self.outputs.emit({"event": "warning", "step": step, "setting": "run.preemption_save_s", "message": warning})
+            self.outputs.emit(WarningRecord(event="warning", step=step, setting="run.preemption_save_s", message=warning))
 
     def _stop_on_notice(self, step: int) -> None:
         """Every rank agreed that a notice came: save this step, then leave so Ray restarts the group."""
@@ -284,8 +292,8 @@ class NoticeHandling:
         save_s = time.perf_counter() - started
         noticed = [rank for rank, (reason, _) in enumerate(notices) if reason is not None]
         reason = "; ".join(sorted({notices[rank][0] or "" for rank in noticed})) or "a notice"
-        record = {"event": "preempted", "step": step, "reason": reason, "ranks": noticed, "saved": saved,
-                  "save_s": save_s}
+        record: PreemptedRecord = {"event": "preempted", "step": step, "reason": reason, "ranks": noticed,
+                                   "saved": saved, "save_s": save_s}
         known = [age for age in ages if age is not None]
         if known:  # from the earliest notice to the commit
             record["notice_to_commit_s"] = max(known) + save_s
@@ -294,13 +302,14 @@ class NoticeHandling:
         kept = f"checkpoint of step {step} committed" if saved else "no checkpoint saved (checkpoints off, or a skipped step)"
         raise Preempted(f"rank {self.rank}: stopped at step {step} on a preemption notice ({reason}); {kept}")
 
-    def _stop_on_interrupt(self, step: int) -> dict[str, Any]:
+    def _stop_on_interrupt(self, step: int) -> Interrupted:
         """The driver was interrupted (Ctrl-C, ``ray job stop``): save this step and finish normally,
         so Ray does not restart the group and the driver can say where to resume from."""
         saved = self.checkpointing.save_now(step)
         self.notice.done()
-        interrupted = {"step": step, "saved": saved, "reason": self.notice.reason}
-        self.outputs.emit({"event": "interrupted", **interrupted})
+        interrupted: Interrupted = {"step": step, "saved": saved, "reason": self.notice.reason}
+        record: InterruptedRecord = {"event": "interrupted", **interrupted}
+        self.outputs.emit(record)
         return interrupted
 
     def _save_for_resize(self, step: int) -> None:
@@ -309,7 +318,8 @@ class NoticeHandling:
         restart not come, training goes on."""
         started = time.perf_counter()
         saved = self.checkpointing.save_now(step)
-        self.outputs.emit({"event": "resize_save", "step": step, "saved": saved, "save_s": time.perf_counter() - started})
+        self.outputs.emit(ResizeSaveRecord(event="resize_save", step=step, saved=saved,
+                                           save_s=time.perf_counter() - started))
         self.notice.clear_resize_request()
         waiting_until = time.monotonic() + self.resize_check_interval_s + 60
         while time.monotonic() < waiting_until:

@@ -31,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule
 from torch.utils.hooks import RemovableHandle
 
 from meshtrain.config.observability import ProfileConfig
+from meshtrain.observe.run_folder import ProfileRecord
 
 _LONGEST_NAME = 60  # characters of an op's name in the summary line (CUDA kernel names run to hundreds)
 
@@ -105,7 +106,7 @@ class StepProfiler:
 
     def __init__(
         self, cfg: ProfileConfig, folder: Path, rank: int, last_step: int, blocks: Sequence[nn.Module],
-        compiled: bool, device: torch.device, on_record: Callable[[dict[str, Any]], None] | None = None,
+        compiled: bool, device: torch.device, on_record: Callable[[ProfileRecord], None] | None = None,
     ) -> None:
         assert cfg.start_step is not None, "profiling is off: build no StepProfiler"
         self.cfg, self.folder, self.rank, self.last_step = cfg, folder, rank, last_step
@@ -121,7 +122,7 @@ class StepProfiler:
     @classmethod
     def of(
         cls, cfg: ProfileConfig, folder: Path, rank: int, last_step: int, blocks: Sequence[nn.Module],
-        compiled: bool, device: torch.device, on_record: Callable[[dict[str, Any]], None] | None = None,
+        compiled: bool, device: torch.device, on_record: Callable[[ProfileRecord], None] | None = None,
     ) -> StepProfiler | None:
         """The profiler of this rank, or None when profiling is off or traces only other ranks.
         ``on_record`` gets a ``profile`` record per window (the summary line's figures)."""
@@ -187,11 +188,12 @@ class StepProfiler:
         sys.stdout.write(summary_line(self.rank, self._first, last, self._device, ops, trace) + "\n")
         sys.stdout.flush()
         if self.on_record is not None:
-            self.on_record({
+            record: ProfileRecord = {
                 "event": "profile", "step": last, "rank": self.rank, "first_step": self._first,
                 "device": "cuda" if self._device else "cpu", "top_ms_per_step": [[name, ms] for name, ms in ops],
                 "trace": str(trace),
-            })
+            }
+            self.on_record(record)
 
     def close(self) -> None:
         """The loop ended: a window it cut short is saved with the steps it traced."""

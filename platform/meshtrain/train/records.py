@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from meshtrain.checkpoint.state import Progress
 from meshtrain.observe.metrics import TrainingMetrics
 from meshtrain.observe.reporting import RayTrainReporter
-
-Record = dict[str, Any]
+from meshtrain.observe.run_folder import (
+    CheckpointLoadRecord,
+    CheckpointSaveRecord,
+    EvalRecord,
+    MetricsRecord,
+    TrainRecord,
+)
 
 
 class LoopOutputs:
@@ -18,13 +22,13 @@ class LoopOutputs:
 
     def __init__(
         self,
-        on_record: Callable[[Record], None] | None,
+        on_record: Callable[[MetricsRecord], None] | None,
         metrics: TrainingMetrics | None,
         reporter: RayTrainReporter | None,
     ) -> None:
         self.on_record, self.metrics, self.reporter = on_record, metrics, reporter
 
-    def emit(self, record: Record) -> None:
+    def emit(self, record: MetricsRecord) -> None:
         if self.on_record is not None:
             self.on_record(record)
 
@@ -37,7 +41,7 @@ class LoopOutputs:
         if self.metrics is not None:
             self.metrics.step_done(step, worker_tokens, data_wait_s)
 
-    def logged(self, record: Record, world_size: int, final: bool) -> None:
+    def logged(self, record: TrainRecord, world_size: int, final: bool) -> None:
         """A logged step; ``final``: the last one this run reports (the last step, or a stop)."""
         if self.metrics is not None:
             self.metrics.logged(record, world_size)
@@ -45,7 +49,7 @@ class LoopOutputs:
             self.reporter.logged(record, final)
         self.emit(record)
 
-    def evaluated(self, record: Record) -> None:
+    def evaluated(self, record: EvalRecord) -> None:
         if self.metrics is not None:
             self.metrics.evaluated(record)
         if self.reporter is not None:
@@ -56,7 +60,7 @@ class LoopOutputs:
         if self.metrics is not None:
             self.metrics.skipped(skipped_total)
 
-    def checkpoint_event(self, event: Record) -> None:
+    def checkpoint_event(self, event: CheckpointSaveRecord | CheckpointLoadRecord) -> None:
         if self.metrics is not None:
             self.metrics.checkpoint_event(event)
         self.emit(event)

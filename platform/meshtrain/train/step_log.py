@@ -4,11 +4,11 @@ time, throughput, data wait and model FLOPs per token, where the guard is read t
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from meshtrain.checkpoint.state import Progress
 from meshtrain.config import ModelArgs
 from meshtrain.model.flops import AttentionWork, ModelFlops
+from meshtrain.observe.run_folder import FlopsPerToken, TrainRecord
 from meshtrain.train.guard import BadStepLimit
 from meshtrain.train.records import LoopOutputs
 from meshtrain.train.step import StepOutput
@@ -23,7 +23,7 @@ class StepLog:
         progress: Progress,
         bad_steps: BadStepLimit,
         outputs: LoopOutputs,
-        records: list[dict[str, Any]],
+        records: list[TrainRecord],
         attention: tuple[AttentionWork, ModelArgs] | None = None,
     ) -> None:
         """``attention``: what the training steps count of the attention they compute, and the model's
@@ -38,7 +38,7 @@ class StepLog:
         if self.attention is not None:
             self.attention[0].take()  # what forwards before the loop counted is not the first interval's
 
-    def _flops(self) -> dict[str, float]:
+    def _flops(self) -> FlopsPerToken:
         """The interval's training FLOPs per token (MFU's numerator per token): ``flops_per_token`` with
         attention over the (query, key) pairs its masks allowed, counted exactly (causal, and within each
         document under model.document_mask); ``flops_per_token_full_attention`` with every query against
@@ -62,7 +62,7 @@ class StepLog:
         now = time.perf_counter()
         step_time = (now - self.interval_start) / self.interval_steps
         allowed = self.bad_steps.check(step) is not None
-        record = {
+        record: TrainRecord = {
             "event": "train",
             "step": step,
             "loss": output.loss_sum.item() / output.tokens,

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshtrain.observe.run_folder import StragglerRecord
 from meshtrain.train.records import LoopOutputs
 
 
@@ -104,7 +105,7 @@ class StragglerWatch:
         outputs: LoopOutputs,
         group: Any,
         set_gauges: Callable[[float, float, bool], None] | None = None,
-        on_straggler: Callable[[dict[str, Any]], None] | None = None,
+        on_straggler: Callable[[StragglerRecord], None] | None = None,
     ) -> None:
         self.timer, self.factor, self.patience = timer, factor, patience
         self.rank, self.node, self.outputs, self.group = rank, node, outputs, group
@@ -146,7 +147,7 @@ class StragglerWatch:
 
     def _report(self, step: int, rank: int, node: str, ratio: float, times: list[float]) -> None:
         others = times[:rank] + times[rank + 1 :]
-        record = {
+        record: StragglerRecord = {
             "event": "straggler", "step": step, "rank": rank, "node": node, "slowdown": ratio,
             "compute_s": times[rank], "median_others_s": statistics.median(others),
             "logged_steps": self.streaks[rank],

@@ -25,7 +25,14 @@ from meshtrain.model.args import model_args
 from meshtrain.model.flops import AttentionWork
 from meshtrain.model.llama import count_parameters
 from meshtrain.observe.metrics import TrainingMetrics
-from meshtrain.observe.run_folder import StopRequest
+from meshtrain.observe.run_folder import (
+    Interrupted,
+    MemorySnapshotRecord,
+    MetricsRecord,
+    StopRequest,
+    StragglerRecord,
+    TrainRecord,
+)
 from meshtrain.observe.reporting import RayTrainReporter
 from meshtrain.train.checkpointing import Checkpointing, checkpoint_manager
 from meshtrain.train.evaluation import Evaluation
@@ -47,7 +54,7 @@ from meshtrain.train.watchdog import HangWatchdog
 
 @dataclass
 class TrainResult:
-    records: list[dict[str, Any]] = field(default_factory=list)
+    records: list[TrainRecord] = field(default_factory=list)
     mesh_shape: tuple[int, int] = (1, 1)
     world_size: int = 1
     parameters: int = 0
@@ -57,7 +64,7 @@ class TrainResult:
     eval_loss_by_source: dict[str, float | None] = field(default_factory=dict)  # the last evaluation's
     skipped_steps: int = 0
     stopped: str | None = None  # why the run stopped before train.steps (the step guard)
-    interrupted: dict[str, Any] | None = None  # the driver was interrupted: at which step, what was saved
+    interrupted: Interrupted | None = None  # the driver was interrupted: at which step, what was saved
 
     @property
     def final_loss(self) -> float | None:
@@ -91,10 +98,10 @@ def train(
     data: DataPlan | TrainingData,
     worker: WorkerLayout,
     device: torch.device,
-    on_record: Callable[[dict[str, Any]], None] | None = None,
+    on_record: Callable[[MetricsRecord], None] | None = None,
     metrics: TrainingMetrics | None = None,
     reporter: RayTrainReporter | None = None,
-    on_straggler: Callable[[dict[str, Any]], None] | None = None,
+    on_straggler: Callable[[StragglerRecord], None] | None = None,
     stop_request: StopRequest | None = None,
     model: ModelArgs | None = None,
 ) -> TrainResult:
@@ -123,10 +130,10 @@ class Trainer:
         data: TrainingData,
         worker: WorkerLayout,
         device: torch.device,
-        on_record: Callable[[dict[str, Any]], None] | None,
+        on_record: Callable[[MetricsRecord], None] | None,
         metrics: TrainingMetrics | None,
         reporter: RayTrainReporter | None = None,
-        on_straggler: Callable[[dict[str, Any]], None] | None = None,
+        on_straggler: Callable[[StragglerRecord], None] | None = None,
         stop_request: StopRequest | None = None,
         model: ModelArgs | None = None,
     ) -> None:
@@ -274,8 +281,8 @@ class Trainer:
         self.checkpointing.close()
         snapshot = self.memory.finished(progress.step)
         if snapshot is not None:
-            self.outputs.emit({"event": "memory_snapshot", "step": progress.step, "rank": self.layout.rank,
-                               "path": str(snapshot)})
+            self.outputs.emit(MemorySnapshotRecord(event="memory_snapshot", step=progress.step, rank=self.layout.rank,
+                                                   path=str(snapshot)))
         self.result.tokens = progress.tokens
         self.result.skipped_steps = self.guard.read().skipped_total
         self.result.train_time_s = time.perf_counter() - self.log.started
