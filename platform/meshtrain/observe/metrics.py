@@ -15,6 +15,7 @@ import socket
 import socketserver
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -299,7 +300,7 @@ class TrainingMetrics(_Exporter):
         self.tokens.inc(worker_tokens)
         self.data_wait.inc(data_wait_s)
 
-    def logged(self, record: dict[str, Any], world_size: int) -> None:
+    def logged(self, record: Mapping[str, Any], world_size: int) -> None:
         """At logging steps, from the record rank 0 also writes to metrics.jsonl."""
         for seconds in self._clock.drain():
             self.step_duration.observe(seconds)
@@ -316,7 +317,7 @@ class TrainingMetrics(_Exporter):
             self.mfu.set(worker_tokens_per_s * computed / self.peak_flops_per_s)
             self.mfu_full_attention.set(worker_tokens_per_s * full / self.peak_flops_per_s)
 
-    def evaluated(self, record: dict[str, Any]) -> None:
+    def evaluated(self, record: Mapping[str, Any]) -> None:
         self.eval_loss.labels(**self._label_values, source=OVERALL_LABEL).set(record["loss"])
         for name, scores in record.get("sources", {}).items():
             if scores["loss"] is not None:
@@ -328,7 +329,7 @@ class TrainingMetrics(_Exporter):
         self.skipped_steps.inc(max(0, skipped_total - self._skipped_seen))
         self._skipped_seen = max(self._skipped_seen, skipped_total)
 
-    def checkpoint_event(self, event: dict[str, Any]) -> None:
+    def checkpoint_event(self, event: Mapping[str, Any]) -> None:
         if event["event"] == "checkpoint_save":
             self.checkpoint_duration.set(event["total_s"])
             self.checkpoint_size.set(event["bytes"])

@@ -20,6 +20,7 @@ import math
 import shutil
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +45,10 @@ class RayTrainReporter:
         self._last_report = -math.inf
         self._eval: dict[str, Any] = {}
 
-    def evaluated(self, record: dict[str, Any]) -> None:
+    def evaluated(self, record: Mapping[str, Any]) -> None:
         self._eval = {"eval_loss": record["loss"], "eval_perplexity": record["perplexity"], "eval_step": record["step"]}
 
-    def logged(self, record: dict[str, Any], last: bool) -> None:
+    def logged(self, record: Mapping[str, Any], last: bool) -> None:
         """Called by every worker at every logged step."""
         now = time.monotonic()
         due = torch.tensor(int(self.rank == 0 and (last or now - self._last_report >= self.interval_s)),
