@@ -479,7 +479,7 @@ def _walk(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str | Non
 def test_every_field_has_a_description() -> None:
     rows = _walk(MeshtrainConfig)
     assert {name for name, _, is_section in rows if is_section} == {
-        "model", "data", "optim", "train", "parallel", "scaling", "run", "checkpoint", "metrics", "fault", "eval",
+        "model", "data", "optim", "train", "parallel", "scaling", "run", "checkpoint", "metrics", "fault", "fault_tolerance", "eval",
         "data.validation", "eval.downstream", "eval.samples", "profile", "memory",
     }
     assert len(rows) > 50
@@ -711,3 +711,39 @@ def test_metrics_ports_past_the_range_are_refused() -> None:
         load_config(None, ["metrics.port=65535"])
     assert load_config(None, ["metrics.port=65534"]).metrics.port == 65534
     assert load_config(None, ["metrics.port=65535", "scaling.num_workers=1"]).metrics.port == 65535
+
+
+REPLICAS = ("fault_tolerance.mode=replica", "scaling.num_workers=4", "parallel.strategy=hybrid_shard",
+            "parallel.shard=2", "train.global_batch_size=8", "train.micro_batch_size=2")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("parallel.shard=4",), r"^fault_tolerance.mode=replica needs at least 2 replica groups: scaling.num_workers=4 "
+                            r"over groups of 4 workers \(parallel.shard x context x tensor\) makes 1; "),
+    (("parallel.strategy=full_shard", "parallel.shard=auto"),
+     r"^fault_tolerance.mode=replica replaces whole model copies, .* parallel.strategy=full_shard has none"),
+    (("parallel.shard=auto",), r"^fault_tolerance.mode=replica needs the size of a replica group: set parallel.shard"),
+    (("fault_tolerance.min_replicas=3",), r"^fault_tolerance.min_replicas=3 exceeds the run's 2 replica groups; use 1..2$"),
+    (("fault_tolerance.heartbeat_timeout_s=0",), r"^fault_tolerance.heartbeat_timeout_s: .*greater than 0"),
+    (("fault_tolerance.heartbeat_timeout_s=-1",), r"^fault_tolerance.heartbeat_timeout_s: .*greater than 0"),
+    (("scaling.min_workers=2",), r"^scaling.min_workers \(elastic worker groups\) and fault_tolerance.mode=replica"),
+    (("scaling.num_workers=6", "train.global_batch_size=12"),
+     r"^fault_tolerance.data=strict splits each step over the live replica groups; with 2 of 3 live: "),
+])
+def test_replica_mode_settings_that_cannot_work_are_one_line(overrides: tuple[str, ...], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [*REPLICAS, *overrides])
+
+
+def test_replica_mode_counts_its_groups_and_needs_the_ft_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    cfg = load_config(None, [*REPLICAS, f"run.storage_path={tmp_path}"])
+    assert cfg.replica_groups() == 2
+    assert load_config(None, [*REPLICAS, "scaling.num_workers=6", "train.global_batch_size=12",
+                              "fault_tolerance.data=fast"]).replica_groups() == 3
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"^fault_tolerance.mode=replica needs torchft: pip install -e '.\[ft\]', "
+                                           r"or set fault_tolerance.mode=restart$"):
+        preflight(cfg)

@@ -24,6 +24,7 @@ from meshtrain.cluster.outcome import (
 )
 from meshtrain.cluster.preflight import preflight
 from meshtrain.cluster.ray_trainer import build_trainer
+from meshtrain.cluster.replica_groups import fit_replica_groups
 from meshtrain.cluster.resume import (
     check_fresh_start,
     data_for_resume,
@@ -35,7 +36,7 @@ from meshtrain.cluster.run_lease import RunLease
 from meshtrain.config import MeshtrainConfig, config_error_in, redact_url
 from meshtrain.data import prepare_data
 from meshtrain.data.local_files import write_atomically
-from meshtrain.observe.metrics import targets_path, write_targets
+from meshtrain.observe.metrics import targets_name, targets_path, write_targets
 from meshtrain.observe.run_folder import RunPaths, StopRequest, read_summary, write_summary
 from meshtrain.observe.progress import ProgressMonitor
 from meshtrain.observe.tracker_relay import TrackerRelay
@@ -118,7 +119,7 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
         f"vocab {data.vocab_size} from {stores}; outputs in {paths.run_dir}",
         flush=True,
     )
-    trainer = build_trainer(RunSpec.resolve(cfg, data, paths, launch_id))
+    spec = RunSpec.resolve(cfg, data, paths, launch_id)
     downstream = DownstreamEvaluations(cfg, paths) if cfg.eval.downstream.enabled or cfg.eval.samples.prompts else None
     trackers = TrackerRelay.open(cfg, paths)
     try:
@@ -126,7 +127,10 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
                 trackers if trackers is not None else contextlib.nullcontext(), \
                 ProgressMonitor(paths.metrics, cfg.train.steps, cfg.metrics.progress_interval_s), \
                 downstream if downstream is not None else contextlib.nullcontext():
-            trainer.fit()
+            if cfg.fault_tolerance.mode == "replica":
+                fit_replica_groups(spec, build_trainer)
+            else:
+                build_trainer(spec).fit()
             if downstream is not None:  # the job log shows the results as they land
                 downstream.finish(cfg.eval.downstream.final_wait_s)
     except KeyboardInterrupt:
@@ -138,9 +142,11 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
         failure = root_failure(exc)
         raise TrainingFailed(_failure_message(cfg, failure, restarts_used(paths, launch_id)), failure) from None
     finally:
-        targets = targets_path(cfg.metrics.targets_dir, cfg.run.storage_path, paths.name)
-        if targets.exists():
-            write_targets(targets, [])  # the workers are gone: Prometheus stops scraping them
+        groups = range(cfg.replica_groups()) if cfg.fault_tolerance.mode == "replica" else [None]
+        for group in groups:
+            targets = targets_path(cfg.metrics.targets_dir, cfg.run.storage_path, targets_name(paths.name, group))
+            if targets.exists():
+                write_targets(targets, [])  # the workers are gone: Prometheus stops scraping them
     # The workers wrote the run outputs; the driver adds the job's wall time.
     summary = read_summary(paths)
     summary["wall_time_s"] = time.perf_counter() - started

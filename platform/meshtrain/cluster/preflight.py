@@ -37,6 +37,7 @@ from meshtrain.distributed.float8 import (
 )
 from meshtrain.distributed.mesh import resolve_mesh_shape
 from meshtrain.distributed.torch_support import check_torch
+from meshtrain.distributed.replicas import check_torchft
 from meshtrain.evaluate.harness import HarnessRun, task_manager
 from meshtrain.model.args import model_args
 from meshtrain.model.flops import flops_per_token, highest_peak_flops
@@ -77,6 +78,8 @@ def preflight(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> Meshtrain
     if tokenizer_fits and cfg.data.tokenizer != "train":
         # A broken tokenizer file, or one too large for the model, fails here, before Ray starts.
         cfg.check_model_parallel(model_args(cfg.model, tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size)))
+    if cfg.fault_tolerance.mode == "replica":
+        check_torchft()
     _check_preemption_budget(cfg)
     _check_metrics_address(cfg)
     _check_float8(cfg)

@@ -24,6 +24,7 @@ from meshtrain.cluster.elastic_policy import TrainableSizesPolicy
 from meshtrain.cluster.failures import root_failure
 from meshtrain.cluster.worker_env import worker_env
 from meshtrain.config import ConfigError, one_line
+from meshtrain.distributed.replicas import ReplicaPlacement
 from meshtrain.train.spec import RunSpec
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,8 @@ def load_ray_callbacks(specs: list[str]) -> list[Any]:
     return callbacks
 
 
-def build_trainer(spec: RunSpec) -> Any:
+def build_trainer(spec: RunSpec, replica: ReplicaPlacement | None = None) -> Any:
+    """The run's Ray Train trainer; with ``replica`` (fault_tolerance.mode=replica), one replica group's."""
     import ray.train
     from ray.train.torch import TorchConfig
 
@@ -118,12 +120,13 @@ def build_trainer(spec: RunSpec) -> Any:
         elastic_policy=elastic_policy,
         # The resolved objects themselves: re-validating on workers would re-check data paths that exist
         # only where the driver runs; the data plan holds store locations, workers map the shards themselves.
-        train_loop_config={"spec": spec},
+        train_loop_config={"spec": spec, "replica": replica},
         torch_config=TorchConfig(backend=backend, timeout_s=scaling.timeout_s),
         scaling_config=ray.train.ScalingConfig(
             # Elastic: Ray starts the group on as many workers as the cluster holds in this range,
             # and restarts it larger when a check every resize_check_interval_s finds more.
-            num_workers=(scaling.min_workers, scaling.num_workers) if scaling.elastic else scaling.num_workers,
+            num_workers=(scaling.min_workers, scaling.num_workers) if scaling.elastic
+            else scaling.num_workers // replica.replicas if replica is not None else scaling.num_workers,
             elastic_resize_monitor_interval_s=scaling.resize_check_interval_s,
             use_gpu=scaling.use_gpu,
             resources_per_worker=worker_resources(scaling),
@@ -131,7 +134,7 @@ def build_trainer(spec: RunSpec) -> Any:
             accelerator_type=scaling.accelerator_type,
         ),
         run_config=ray.train.RunConfig(
-            name=paths.name,
+            name=paths.name if replica is None else f"{paths.name}.replica{replica.index}",
             storage_path=str(paths.storage_path),
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
             callbacks=load_ray_callbacks(cfg.metrics.ray_callbacks),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import sys
@@ -19,6 +20,7 @@ from meshtrain.config import MeshtrainConfig, ModelArgs
 from meshtrain.cluster.eviction import StragglerEviction
 from meshtrain.cluster.failures import stamp
 from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.distributed.replicas import ReplicaPlacement
 from meshtrain.distributed.parallelize import param_dtype, set_matmul_precision, use_tf32
 from meshtrain.distributed.torch_support import check_torch
 from meshtrain.model.flops import device_peak_flops, flops_per_token
@@ -26,6 +28,7 @@ from meshtrain.observe.metrics import (
     Endpoint,
     TrainingMetrics,
     advertised_host,
+    targets_name,
     targets_path,
     write_targets,
 )
@@ -98,11 +101,11 @@ class UntrainableGroupSize(RuntimeError):
     """Ray started an elastic group of a size the run cannot train on; its next start may fit."""
 
 
-def check_group_size(cfg: MeshtrainConfig, world_size: int) -> None:
+def check_group_size(cfg: MeshtrainConfig, world_size: int, replica: ReplicaPlacement | None = None) -> None:
     """An elastic group of a size the run cannot train on (a partial shard group, or a global batch
     it does not divide) fails its start with one line; Ray then retries (not a permanent failure:
-    the cluster's capacity changes)."""
-    sizes = cfg.elastic_sizes()
+    the cluster's capacity changes). A replica group has the one size of a replica."""
+    sizes = [cfg.scaling.num_workers // replica.replicas] if replica is not None else cfg.elastic_sizes()
     if world_size not in sizes:
         raise UntrainableGroupSize(
             f"Ray started {world_size} workers, but scaling.min_workers={cfg.scaling.required_workers} to "
@@ -112,12 +115,13 @@ def check_group_size(cfg: MeshtrainConfig, world_size: int) -> None:
 
 
 def record_worker_start(
-    paths: RunPaths, launch_id: str, layout: WorkerLayout, cfg: MeshtrainConfig
+    paths: RunPaths, launch_id: str, layout: WorkerLayout, cfg: MeshtrainConfig, replica: int | None = None
 ) -> tuple[int, list[dict[str, Any]], ResizeRecord | None]:
     """Log this worker group's start, with where every rank runs, in the run directory.
 
-    Returns the restarts of this launch (earlier starts with the same launch id), the placements,
-    and the resize from the run's previous start (rank 0; None elsewhere or when the size is the same).
+    Returns the restarts of this launch (earlier starts with the same launch id, of the same replica
+    group in replica mode), the placements, and the resize from the run's previous start (rank 0; None
+    elsewhere, in replica mode, or when the size is the same).
     """
     placement: Placement = {
         "rank": layout.world_rank,
@@ -130,21 +134,28 @@ def record_worker_start(
     restarts, resize = 0, None
     if layout.world_rank == 0:
         earlier = read_worker_starts(paths)
-        resize = resize_record(earlier[-1] if earlier else None, launch_id, layout.world_size, cfg)
+        if replica is None:
+            resize = resize_record(earlier[-1] if earlier else None, launch_id, layout.world_size, cfg)
         start: WorkerStart = {"launch": launch_id, "time": time.time(), "world_size": layout.world_size,
                               "workers": workers}
+        if replica is not None:
+            start["replica"] = replica
         if resize is not None:
             start["resized_from"], start["resize_reason"] = resize["from_workers"], resize["reason"]
         append_worker_start(paths, start)
-        restarts = sum(entry["launch"] == launch_id for entry in earlier)
+        restarts = sum(entry["launch"] == launch_id and entry.get("replica") == replica for entry in earlier)
     return _gather(restarts)[0], workers, resize
 
 
 def start_metrics(
-    cfg: MeshtrainConfig, layout: WorkerLayout, device: torch.device, args: ModelArgs, restarts: int
+    cfg: MeshtrainConfig, layout: WorkerLayout, device: torch.device, args: ModelArgs, restarts: int,
+    replica: int | None = None,
 ) -> TrainingMetrics:
-    """Serve this worker's /metrics and (rank 0) publish every worker's endpoint for Prometheus."""
+    """Serve this worker's /metrics and (rank 0) publish every worker's endpoint for Prometheus.
+
+    Replica groups may share a node: each serves on ports of its own, and publishes its own targets file."""
     assert cfg.run.name is not None
+    offset = layout.local_rank if replica is None else replica * layout.world_size + layout.local_rank
     node_ip = ray.util.get_node_ip_address()
     peak = device_peak_flops(
         device,
@@ -168,10 +179,11 @@ def start_metrics(
     )
     metrics.restarts.set(restarts)
     metrics.set_plan(cfg.scaling.num_workers, cfg.checkpoint.interval if cfg.checkpoint.enabled else None)
-    port = metrics.serve(cfg.metrics.bind_address, cfg.metrics.port + layout.local_rank)
+    port = metrics.serve(cfg.metrics.bind_address, cfg.metrics.port + offset)
     endpoints = _gather(Endpoint(advertised_host(cfg.metrics.bind_address, node_ip), port))
     if layout.world_rank == 0:
-        write_targets(targets_path(cfg.metrics.targets_dir, cfg.run.storage_path, cfg.run.name), endpoints)
+        write_targets(targets_path(cfg.metrics.targets_dir, cfg.run.storage_path, targets_name(cfg.run.name, replica)),
+                      endpoints)
     return metrics
 
 
@@ -224,11 +236,15 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
     )
     device = ray.train.torch.get_device()
     check_torch()  # this node's torch: the driver checked only its own
-    check_group_size(cfg, layout.world_size)
+    check_group_size(cfg, layout.world_size, loop_config.get("replica"))
     if device.type == "cuda":
         set_matmul_precision(use_tf32(cfg.train.tf32, cfg.parallel.mixed_precision, device.type))
-    restarts, workers, resize = record_worker_start(paths, spec.launch_id, layout, cfg)
-    metrics = start_metrics(cfg, layout, device, spec.model, restarts) if cfg.metrics.port else None
+    replica: ReplicaPlacement | None = loop_config.get("replica")
+    index = replica.index if replica is not None else None
+    restarts, workers, resize = record_worker_start(paths, spec.launch_id, layout, cfg, index)
+    if replica is not None:
+        replica = dataclasses.replace(replica, joining=restarts > 0)  # Ray restarted this group: it replaces one
+    metrics = start_metrics(cfg, layout, device, spec.model, restarts, index) if cfg.metrics.port else None
     sinks: list[Any] = []
     board = None
     if layout.world_rank == 0:
@@ -262,7 +278,7 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
     try:
         stop_request = StopRequest(str(paths.stop_request), spec.launch_id)
         result = train(cfg, data, layout, device, on_record if sinks else None, metrics, reporter, eviction,
-                       stop_request, model=spec.model)
+                       stop_request, model=spec.model, replica=replica)
         if metrics is not None:
             metrics.await_final_scrape(cfg.metrics.final_scrape_timeout_s)
     finally:

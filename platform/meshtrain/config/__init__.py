@@ -28,6 +28,7 @@ from meshtrain.config.evaluation import EvalConfig
 from meshtrain.config.observability import MetricsConfig
 from meshtrain.config.parallelism import ParallelConfig, ScalingConfig, StrategyName, check_parallel_groups
 from meshtrain.config.run import SHARED_FOLDERS, CheckpointConfig, FaultConfig, RunConfig
+from meshtrain.config.fault_tolerance import FaultToleranceConfig
 from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.config.training import OptimConfig, TrainConfig
 
@@ -46,6 +47,7 @@ __all__ = [
     "DataConfig",
     "EvalConfig",
     "FaultConfig",
+    "FaultToleranceConfig",
     "MeshtrainConfig",
     "MetricsConfig",
     "ModelArgs",

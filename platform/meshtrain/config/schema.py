@@ -14,6 +14,7 @@ from meshtrain.config.data import DataConfig
 from meshtrain.config.errors import ConfigError
 from meshtrain.config.model import ModelArgs, ModelConfig
 from meshtrain.config.evaluation import EvalConfig
+from meshtrain.config.fault_tolerance import FaultToleranceConfig, check_replica_mode
 from meshtrain.config.observability import MemoryConfig, MetricsConfig, ProfileConfig
 from meshtrain.config.parallelism import ParallelConfig, ScalingConfig, check_parallel_groups
 from meshtrain.config.run import CheckpointConfig, FaultConfig, RunConfig
@@ -32,6 +33,9 @@ class MeshtrainConfig(Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Where and under which name outputs go.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Sharded checkpoints and resume.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus metrics and progress output.")
+    fault_tolerance: FaultToleranceConfig = Field(
+        default_factory=FaultToleranceConfig, description="What a lost worker costs: a restart, or one replica group."
+    )
     fault: FaultConfig = Field(default_factory=FaultConfig, description="Fault injection for tests and demos.")
     profile: ProfileConfig = Field(
         default_factory=ProfileConfig, description="torch.profiler traces of chosen training steps, per rank."
@@ -58,6 +62,8 @@ class MeshtrainConfig(Section):
         # TP and CP peers read the same samples: the data-parallel ranks are the workers over TP x CP.
         self.batch_layout(self.scaling.num_workers // self.parallel_group_size)
         sizes = self.elastic_sizes()
+        if self.fault_tolerance.mode == "replica":
+            self.replica_groups()
         if self.scaling.evict_stragglers:
             self._check_eviction_can_happen(sizes)
         # A re-run may resolve another horizon (the launcher keeps the first launch's); it checks again.
@@ -91,6 +97,31 @@ class MeshtrainConfig(Section):
                 )
         return self
 
+    def replica_groups(self) -> int:
+        """fault_tolerance.mode=replica: how many replica groups (model copies) the workers form; ValueError
+        when the layout cannot form two or the global batch does not split over the live ones."""
+        parallel, scaling = self.parallel, self.scaling
+        if parallel.strategy not in ("hybrid_shard", "hybrid_shard_zero2", "no_shard"):
+            raise ValueError(
+                f"fault_tolerance.mode=replica replaces whole model copies, the replicate dimension of HSDP; "
+                f"parallel.strategy={parallel.strategy} has none: use hybrid_shard (with parallel.shard) or no_shard"
+            )
+        if parallel.strategy == "no_shard":
+            shard = 1
+        elif parallel.shard != "auto":
+            shard = parallel.shard
+        elif scaling.workers_per_node is not None:
+            shard = max(1, scaling.workers_per_node // self.parallel_group_size)
+        else:
+            raise ValueError(
+                "fault_tolerance.mode=replica needs the size of a replica group: set parallel.shard (data-parallel "
+                "ranks per replica), or scaling.workers_per_node (one replica per node)"
+            )
+        return check_replica_mode(
+            self.fault_tolerance, scaling.num_workers, shard * self.parallel_group_size, shard,
+            scaling.min_workers not in (None, scaling.num_workers), self.batch_layout,
+        )
+
     @property
     def parallel_group_size(self) -> int:
         """Workers that share one data-parallel rank: a tensor- and context-parallel group."""
@@ -99,6 +130,8 @@ class MeshtrainConfig(Section):
     def _check_metrics_ports(self) -> None:
         """Each worker serves /metrics on metrics.port + its local rank: the highest must be a port."""
         on_a_node = min(self.scaling.num_workers, self.scaling.workers_per_node or self.scaling.num_workers)
+        if self.fault_tolerance.mode == "replica":  # each replica group serves on ports of its own
+            on_a_node = self.scaling.num_workers
         highest = self.metrics.port + on_a_node - 1
         if self.metrics.port and highest > 65535:
             raise ValueError(f"metrics.port={self.metrics.port}: the {on_a_node} workers of a node serve on ports "

@@ -46,16 +46,28 @@ class DataParallelBatches:
         read_ahead_steps: int = 0,
         read_threads: int = 4,
     ) -> None:
-        if global_batch_size % (micro_batch_size * dp_size):
-            raise ValueError("global batch must be a multiple of micro batch x data-parallel size")
         self.samples, self.global_batch_size, self.micro_batch_size = samples, global_batch_size, micro_batch_size
-        self.dp_rank, self.dp_size, self.device = dp_rank, dp_size, device
-        self.accumulation = global_batch_size // (micro_batch_size * dp_size)
+        self.device = device
+        self._split(dp_rank, dp_size)
         self.position = position
         self.read_ahead_steps = read_ahead_steps
         self._reader = ThreadPoolExecutor(read_threads, thread_name_prefix="meshtrain-read") if read_ahead_steps else None
         # Per step being read: a task that submits its reads, returning them per micro-step.
         self._pending: OrderedDict[int, Future[list[list[Future[np.ndarray]]]]] = OrderedDict()
+
+    def _split(self, dp_rank: int, dp_size: int) -> None:
+        if self.global_batch_size % (self.micro_batch_size * dp_size):
+            raise ValueError("global batch must be a multiple of micro batch x data-parallel size")
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.accumulation = self.global_batch_size // (self.micro_batch_size * dp_size)
+
+    def resplit(self, dp_rank: int, dp_size: int, position: int) -> None:
+        """From ``position`` on, this rank is ``dp_rank`` of ``dp_size``: the live replica groups of a
+        replica-mode step split its samples (the same samples, over more or fewer ranks)."""
+        if (dp_rank, dp_size, position) != (self.dp_rank, self.dp_size, self.position):
+            self._drop_pending()  # what was read ahead is another rank's share, or another step's
+            self._split(dp_rank, dp_size)
+            self.position = position
 
     def _rows_of(self, base: int) -> list[list[WindowRef]]:
         """Where each of this rank's samples of the step starting at ``base`` is, per micro-step."""

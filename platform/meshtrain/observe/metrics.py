@@ -433,6 +433,11 @@ def targets_path(targets_dir: str | None, storage_path: str, run: str) -> Path:
     return Path(targets_dir or Path(storage_path) / "prometheus") / f"{run}.json"
 
 
+def targets_name(run: str, replica: int | None = None) -> str:
+    """A targets file's name: the run's, or (replica mode) one per replica group."""
+    return run if replica is None else f"{run}.replica{replica}"
+
+
 def downstream_targets_path(targets_dir: str | None, storage_path: str, run: str) -> Path:
     """The targets file of a run's driver (downstream scores): a subfolder, named after the run too."""
     return targets_path(targets_dir, storage_path, run).parent / DOWNSTREAM_TARGETS_DIR / f"{run}.json"

@@ -56,6 +56,12 @@ def progress_line(record: dict[str, Any], total_steps: int) -> str:
                 f"{record['save_s']:.1f}s; the group restarts from it")
     if record["event"] == "resize_save":
         return f"[meshtrain] growing the group: step {record['step']} saved in {record['save_s']:.1f}s, waiting for Ray to restart it"
+    if record["event"] == "replica_lost":
+        return (f"[meshtrain] step {record['step']} trains on {record['participants']} of {record['replicas']} replica "
+                "groups: a replica group was lost; Ray replaces it while the others go on")
+    if record["event"] == "replica_joined":
+        return (f"[meshtrain] replica group {record['replica']} joined at step {record['step']} with a live peer's "
+                f"state ({record['seconds']:.1f}s); {record['participants']} replica groups train")
     if record["event"] == "warning":
         return f"[meshtrain] warning: {record['message']}"
     if record["event"] == "downstream_eval":

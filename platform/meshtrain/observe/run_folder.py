@@ -236,11 +236,28 @@ class GroupStartRecord(TypedDict):
     time: float
 
 
+class ReplicaJoinedRecord(TypedDict):
+    event: Literal["replica_joined"]
+    step: int  # the step it joined at: the steps committed before it
+    replica: int  # the joining replica group's index
+    participants: int  # live replica groups with it
+    seconds: float  # from its first quorum request to its state received
+    time: float
+
+
+class ReplicaLostRecord(TypedDict):
+    event: Literal["replica_lost"]
+    step: int  # the first step trained without it
+    participants: int  # live replica groups left
+    replicas: int  # the run's replica groups
+    time: float
+
+
 MetricsRecord = (
     TrainRecord | EvalRecord | CheckpointSaveRecord | CheckpointLoadRecord | CheckpointSkippedRecord | StoppedRecord
     | WarningRecord | PreemptedRecord | InterruptedRecord | ResizeRecord | ResizeSaveRecord | StragglerRecord
     | EvictionRecord | ProfileRecord | MemorySnapshotRecord | DownstreamEvalRecord | DownstreamEvalFailedRecord
-    | TextSamplesRecord | GroupStartRecord
+    | TextSamplesRecord | GroupStartRecord | ReplicaJoinedRecord | ReplicaLostRecord
 )
 
 
@@ -279,6 +296,10 @@ RECORD_KINDS: dict[str, RecordKind] = {
     "text_samples": RecordKind("the driver", "one checkpoint's continuations of the fixed prompts", TextSamplesRecord),
     "group_start": RecordKind("rank 0", "a worker group started: how many times Ray restarted this launch's group "
                               "before", GroupStartRecord),
+    "replica_joined": RecordKind("rank 0", "fault_tolerance.mode=replica (rank 0 of the joining group): a replica "
+                                 "group joined by receiving a live peer's state", ReplicaJoinedRecord),
+    "replica_lost": RecordKind("rank 0", "fault_tolerance.mode=replica (rank 0 of the first live group): a step "
+                               "trained with fewer live replica groups than the one before", ReplicaLostRecord),
 }
 
 
@@ -484,6 +505,7 @@ class WorkerStart(TypedDict, total=False):
     workers: list[Placement]
     resized_from: int  # when this start's size differs from the run's previous one
     resize_reason: str
+    replica: int  # fault_tolerance.mode=replica: the replica group that started
 
 
 def append_worker_start(paths: RunPaths, start: WorkerStart) -> None:

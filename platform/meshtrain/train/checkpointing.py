@@ -54,6 +54,7 @@ class Checkpointing:
         self.manager, self.state, self.progress, self.manifest = manager, state, progress, manifest
         self.last_step, self.bad_steps, self.outputs, self.faults, self.beat = last_step, bad_steps, outputs, faults, beat
         self.saved_step: int | None = None  # the newest step this worker group saved
+        self.writer = True  # fault_tolerance.mode=replica: only the first live replica group saves
 
     def after_step(self, step: int) -> bool:
         """False when the run must stop (the guard's limit was reached at a checkpoint step)."""
@@ -69,6 +70,8 @@ class Checkpointing:
             self.outputs.emit(CheckpointSkippedRecord(event="checkpoint_skipped", step=step,
                                                       reason="the step was skipped by the guard"))
             return True
+        if not self.writer:
+            return True
         saving_since = time.perf_counter()
         self.beat(f"saving the checkpoint of step {step}")
         self.manager.save(self.state, {**self.manifest, **vars(self.progress)}, wait=step == self.last_step)
@@ -81,7 +84,7 @@ class Checkpointing:
     def save_now(self, step: int) -> bool:
         """Save ``step`` and wait for its commit, unless the newest save is already of this step (then
         wait for that one); False with checkpoints off, or when the step was skipped by the guard."""
-        if self.manager is None:
+        if self.manager is None or not self.writer:  # replica mode: the first live group saves
             return False
         if self.saved_step == step:  # already saved (maybe still writing): never rewrite a checkpoint
             self.manager.finish_pending()

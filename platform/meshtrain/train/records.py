@@ -27,9 +27,11 @@ class LoopOutputs:
         reporter: RayTrainReporter | None,
     ) -> None:
         self.on_record, self.metrics, self.reporter = on_record, metrics, reporter
+        self.writes = True  # fault_tolerance.mode=replica: only the first live replica group writes
 
-    def emit(self, record: MetricsRecord) -> None:
-        if self.on_record is not None:
+    def emit(self, record: MetricsRecord, *, any_replica: bool = False) -> None:
+        """``any_replica``: written by whichever replica group says it (a group's own joining)."""
+        if self.on_record is not None and (self.writes or any_replica):
             self.on_record(record)
 
     def started(self, world_size: int, mesh_sizes: tuple[int, ...], progress: Progress) -> None:

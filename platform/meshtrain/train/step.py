@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from meshtrain.distributed.layout import RankLayout
 from meshtrain.distributed.parallelize import clip_grad_norm_
+from meshtrain.distributed.replicas import ReplicaPeers
 from meshtrain.distributed.torch_support import reset_iteration
 from meshtrain.model.flops import AttentionWork
 from meshtrain.model.llama import Transformer
@@ -37,6 +38,14 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | N
     vocab_start = local.shape[-1] * mesh.get_local_rank()
     return vocab_parallel_cross_entropy_sum(local if rows is None else local[rows], targets, vocab_start,
                                             mesh.get_group())
+
+
+@dataclass(frozen=True)
+class LiveReplicas:
+    """The replica groups that train this step (fault_tolerance.mode=replica)."""
+
+    peers: ReplicaPeers
+    participants: int
 
 
 @dataclass
@@ -80,7 +89,8 @@ def train_step(
     grad_clip: float,
     defer_all_reduce: bool = True,
     attention_work: AttentionWork | None = None,
-) -> StepOutput:
+    replicas: LiveReplicas | None = None,
+) -> StepOutput | None:
     """One optimizer step over this rank's micro-batches, skipped by ``guard`` when it goes bad.
 
     The loss is the mean over every target token of the global batch. Each micro-batch contributes
@@ -95,13 +105,19 @@ def train_step(
 
     ``attention_work`` (when given) counts the (query, key) pairs each micro-batch's forward attends.
 
+    ``replicas`` (fault_tolerance.mode=replica): the live replica groups, each holding its share of the
+    step's samples. Gradients and the loss sum are summed over them before the guard sees them, and the
+    step is applied only when every live group votes to commit; None is returned when it is not (the
+    caller trains the step again under the next quorum).
+
     With tensor or context parallel, the gradient ranks are replicate x shard x context (context peers
     hold different tokens of the same samples); the loss sums are added over ``layout.loss_group``
     (not over TP peers, which hold the same sum).
     """
     device = micro_batches[0][1].device
     gradient_ranks = layout.gradient_ranks
-    global_tokens = sum(model.local_targets(targets).numel() for _, targets in micro_batches) * gradient_ranks
+    live = replicas.participants if replicas is not None else 1
+    global_tokens = sum(model.local_targets(targets).numel() for _, targets in micro_batches) * gradient_ranks * live
     scale = gradient_ranks / global_tokens
     total = torch.zeros((), dtype=torch.float32, device=device)
     hsdp = _deferrable_hsdp(model, len(micro_batches), layout, device) if defer_all_reduce else None
@@ -125,6 +141,13 @@ def train_step(
             _abandon_deferred_reduction(hsdp)
         raise
     total = _sum_over_ranks(total, layout.loss_group)
+    if replicas is not None:
+        with region("replica sum"):
+            replicas.peers.sum_gradients(list(model.parameters()))
+            replicas.peers.sum(total)
+        if not replicas.peers.commit():
+            guard.optimizer.zero_grad(set_to_none=True)
+            return None
     with region("grad clip"):
         grad_norm = clip_grad_norm_(list(model.parameters()), grad_clip)
     with region("optimizer step"):

@@ -21,6 +21,7 @@ from meshtrain.config import ConfigError, MeshtrainConfig, ModelArgs
 from meshtrain.data import DataParallelBatches, DataPlan, TrainingData, checkpoint_sampling, open_data
 from meshtrain.distributed.layout import RankLayout, WorkerLayout
 from meshtrain.distributed.plan import memory_plan
+from meshtrain.distributed.replicas import ReplicaPeers, ReplicaPlacement
 from meshtrain.model.args import model_args
 from meshtrain.model.flops import AttentionWork
 from meshtrain.model.llama import count_parameters
@@ -44,7 +45,9 @@ from meshtrain.train.memory_snapshot import OutOfMemorySnapshots, cuda_allocator
 from meshtrain.train.optim import build_lr_scheduler, build_optimizer
 from meshtrain.train.preemption import NoticeHandling, PreemptionNotice, StopRequestWatch, StopVote, defer_sigterm
 from meshtrain.train.profiling import StepProfiler, region
+from meshtrain.train.healing import HealingState
 from meshtrain.train.records import LoopOutputs
+from meshtrain.train.replica_steps import ReplicaSteps
 from meshtrain.train.setup import build_sharded_model
 from meshtrain.train.step import train_step
 from meshtrain.train.step_log import StepLog
@@ -104,17 +107,20 @@ def train(
     on_straggler: Callable[[StragglerRecord], None] | None = None,
     stop_request: StopRequest | None = None,
     model: ModelArgs | None = None,
+    replica: ReplicaPlacement | None = None,
 ) -> TrainResult:
     """Train until ``cfg.train.steps``, resuming from the newest committed checkpoint if any.
 
     ``on_record`` receives every logged step, evaluation and checkpoint event (rank 0 emits the save
     events); ``metrics`` (when given) is updated every step; ``reporter`` (every rank, or none) hands
     logged steps to Ray Train; ``stop_request`` is where the driver asks the ranks to save and stop;
-    ``model`` is the model's shape as the driver resolved it (``RunSpec.model``; resolved here when not given).
+    ``model`` is the model's shape as the driver resolved it (``RunSpec.model``; resolved here when not given);
+    ``replica`` (fault_tolerance.mode=replica) places this worker's group among the run's replica groups.
     """
     if isinstance(data, DataPlan):
         data = open_data(data, cfg.data.seq_len, cfg.train.seed)
-    trainer = Trainer(cfg, data, worker, device, on_record, metrics, reporter, on_straggler, stop_request, model)
+    trainer = Trainer(cfg, data, worker, device, on_record, metrics, reporter, on_straggler, stop_request, model,
+                      replica)
     try:
         return trainer.run()
     finally:
@@ -136,6 +142,7 @@ class Trainer:
         on_straggler: Callable[[StragglerRecord], None] | None = None,
         stop_request: StopRequest | None = None,
         model: ModelArgs | None = None,
+        replica: ReplicaPlacement | None = None,
     ) -> None:
         self.cfg = cfg
         args = model if model is not None else model_args(cfg.model, data.vocab_size)  # the driver resolved it once
@@ -160,11 +167,17 @@ class Trainer:
         self.guard = StepGuard(self.optimizer, device, cfg.train.loss_spike_factor, cfg.train.loss_spike_window)
         self.progress = Progress()
         state = TrainState(self.model, self.optimizer, self.scheduler, self.progress, layout.rank)
-        if resuming:
+
+        def restore() -> None:
             assert checkpoints is not None
             restored = checkpoints.restore(state)
             if restored is not None:
                 check_sampling(restored.manifest, data.sampling, restored.step)
+
+        # A replica group that replaces a lost one receives its state from a live peer, not from storage.
+        joining = replica is not None and replica.joining
+        if resuming and not joining:
+            restore()
         self.guard.skipped_before = self.progress.skipped_steps
         micro_batch, _ = cfg.batch_layout(layout.data_ranks)
         self.batches = DataParallelBatches(
@@ -183,7 +196,8 @@ class Trainer:
             "sampling": data.sampling,
             "config": cfg.model_dump(mode="json"),
         }
-        self.faults = FaultInjection(cfg.fault, layout.rank, run_dir / "faults", worker.node)
+        fault_rank = layout.rank if replica is None else replica.index * layout.world_size + layout.rank
+        self.faults = FaultInjection(cfg.fault, fault_rank, run_dir / "faults", worker.node)
         self.bad_steps = BadStepLimit(self.guard, cfg.train.max_bad_steps, self.progress, self.outputs)
         self.checkpointing = Checkpointing(
             checkpoints, state, self.progress, manifest, cfg.train.steps, self.bad_steps, self.outputs,
@@ -216,6 +230,15 @@ class Trainer:
             cfg.profile, run_dir / "profile", layout.rank, cfg.train.steps, self.model.layers, cfg.parallel.compile,
             device, self.outputs.emit,
         )
+        self.replicas: ReplicaSteps | None = None
+        if replica is not None:
+            healing = HealingState(state, self.guard)
+            peers = ReplicaPeers(cfg.fault_tolerance, replica, layout.rank, layout.world_size, device,
+                                 healing.state_dict, healing.load_state_dict, host=worker.node or None)
+            if not joining:
+                peers.set_step(self.progress.step)
+            self.replicas = ReplicaSteps(peers, cfg.fault_tolerance.data == "strict", layout, self.batches,
+                                         self.progress, self.outputs, self.checkpointing, joining)
         # Last, so a setup that fails leaves neither a thread, a signal route nor the collector switched off.
         timeout_s = cfg.run.hang_timeout_s
         self.watchdog = (
@@ -236,7 +259,8 @@ class Trainer:
         self.log.start(time.perf_counter())
         first_step = progress.step + 1
         try:
-            for step in range(first_step, cfg.train.steps + 1):
+            while progress.step < cfg.train.steps:
+                step = progress.step + 1
                 self._beat(f"training step {step}", arm=step > first_step)
                 if self.profiler is not None:
                     self.profiler.step(step)
@@ -244,6 +268,10 @@ class Trainer:
                     self.stop_vote.cast()
                 self.faults.before_step(step, self.model)
                 self.collection.step(step)
+                live = None
+                if self.replicas is not None:
+                    live = self.replicas.begin()
+                    step = progress.step + 1  # a group that joined has its peer's progress
                 lr = self.scheduler.get_last_lr()[0]
                 waiting_since = time.perf_counter()
                 with region("data wait"):
@@ -251,14 +279,17 @@ class Trainer:
                 data_wait = time.perf_counter() - waiting_since
                 with self.memory.step(step):
                     output = train_step(self.model, self.guard, micro_batches, self.layout, cfg.optim.grad_clip,
-                                        attention_work=self.attention_work)
+                                        attention_work=self.attention_work, replicas=live)
+                if output is None:  # a live replica group failed during the step: train it again
+                    continue
                 self.scheduler.step()
                 progress.step, progress.tokens = step, progress.tokens + output.tokens
                 progress.data_position = self.batches.position
                 last = step == cfg.train.steps
                 if not self.checkpointing.after_step(step):
                     break
-                self.outputs.step_done(step, output.tokens // self.layout.world_size, data_wait)
+                workers = self.layout.world_size * (live.participants if live is not None else 1)
+                self.outputs.step_done(step, output.tokens // workers, data_wait)
                 self.stragglers.step_done()
                 if self.evaluation.due(step, last):
                     self.result.eval_loss = self.evaluation.run(step)
@@ -294,6 +325,8 @@ class Trainer:
             self.watchdog.beat(doing, arm)
 
     def close(self) -> None:
+        if self.replicas is not None:
+            self.replicas.peers.close()
         if self.stop_watch is not None:
             self.stop_watch.close()
         if self._restore_sigterm is not None:

@@ -1,0 +1,59 @@
+"""fault_tolerance.mode=replica on Ray: one Ray Train run per replica group, under one lighthouse that
+the driver keeps for the run's life.
+
+Each replica group is its own ``TorchTrainer`` (its own placement group, rendezvous and
+``FailureConfig``), so Ray restarts only the group that lost a worker; the restarted group joins the
+others by receiving a live peer's state. The lighthouse lives in the driver: the driver's end is the
+job's end anyway, and a relaunch resumes from the newest checkpoint as in restart mode.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from meshtrain.distributed.replicas import LighthouseServer, ReplicaPlacement
+from meshtrain.train.spec import RunSpec
+
+
+def fit_replica_groups(spec: RunSpec, build: Callable[[RunSpec, ReplicaPlacement], Any]) -> None:
+    """Train with every replica group; return once one group trained to the end, or raise the first
+    group's failure once every group has failed (Ray restarts each up to run.max_failures times).
+
+    ``build`` makes a group's trainer. Groups still restarting when the run ends (a replacement
+    waiting for capacity) are left to Ray, which ends them with the job; those still stepping finish
+    the same last step and are waited for, up to fault_tolerance.quorum_timeout_s."""
+    cfg = spec.config
+    replicas = cfg.replica_groups()
+    lighthouse = LighthouseServer(cfg.fault_tolerance, replicas)
+    outcomes: dict[int, BaseException | None] = {}
+    changed = threading.Condition()
+
+    def fit(index: int) -> None:
+        error: BaseException | None = None
+        try:
+            build(spec, ReplicaPlacement(index, replicas, lighthouse.address)).fit()
+        except BaseException as exc:  # handed to the driver's thread
+            error = exc
+        with changed:
+            outcomes[index] = error
+            changed.notify_all()
+
+    threads = [threading.Thread(target=fit, args=(index,), name=f"meshtrain-replica-{index}", daemon=True)
+               for index in range(replicas)]
+    try:
+        for thread in threads:
+            thread.start()
+        with changed:
+            while not any(error is None for error in outcomes.values()):
+                if len(outcomes) == replicas:
+                    first_failure = next(error for error in outcomes.values() if error is not None)
+                    raise first_failure
+                changed.wait()
+        deadline = time.monotonic() + cfg.fault_tolerance.quorum_timeout_s
+        for thread in threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        lighthouse.close()

@@ -1,0 +1,94 @@
+"""How a run survives a lost worker: the whole group restarts from a checkpoint, or only the lost
+replica group is replaced while the others keep stepping (``fault_tolerance``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+from pydantic import Field
+
+from meshtrain.config.section import Section
+
+
+class FaultToleranceConfig(Section):
+    mode: Literal["restart", "replica"] = Field(
+        "restart",
+        description=(
+            "restart: a lost worker ends its whole worker group; Ray Train restarts every rank from the newest "
+            "committed checkpoint. replica: each replica group (a shard x context x tensor group of workers, one "
+            "copy of the model) trains under a per-step quorum (torchft, pip install -e '.[ft]'); a lost replica "
+            "stops only its own group, the others keep stepping, and its replacement receives the model and "
+            "optimizer state from a live peer's memory."
+        ),
+    )
+    data: Literal["strict", "fast"] = Field(
+        "strict",
+        description=(
+            "fault_tolerance.mode=replica: strict trains every sample of every step (the live replicas take a lost "
+            "one's share as extra micro-batches, so each step equals an unbroken run's); fast skips the lost "
+            "replica's share and records the skipped sample ranges."
+        ),
+    )
+    min_replicas: int = Field(
+        1, ge=1, description="fault_tolerance.mode=replica: the fewest live replica groups a step may commit with."
+    )
+    heartbeat_timeout_s: float = Field(
+        5.0, gt=0, description="fault_tolerance.mode=replica: a replica silent this long is dropped from the next quorum."
+    )
+    quorum_timeout_s: float = Field(
+        120.0, gt=0,
+        description="fault_tolerance.mode=replica: how long a step waits for a quorum of fault_tolerance.min_replicas.",
+    )
+    join_timeout_s: float = Field(
+        10.0, ge=0,
+        description="fault_tolerance.mode=replica: how long a quorum waits for replica groups that have not joined yet.",
+    )
+    max_uncommitted_steps: int = Field(
+        10, ge=1,
+        description="fault_tolerance.mode=replica: a replica group whose step fails to commit this many times in a row "
+        "stops (Ray then replaces it).",
+    )
+    timeout_s: float = Field(
+        60.0, gt=0,
+        description="fault_tolerance.mode=replica: the cross-replica collectives' and healing transfer's timeout.",
+    )
+
+
+def check_replica_mode(
+    ft: FaultToleranceConfig, num_workers: int, group_workers: int, group_data_ranks: int, elastic: bool,
+    batch_layout: Callable[[int], object],
+) -> int:
+    """The number of replica groups of a replica-mode run, or ValueError naming the setting to change.
+
+    ``group_workers``: the workers of one replica group (shard x context x tensor); ``group_data_ranks``:
+    its data-parallel ranks; ``batch_layout(data_ranks)`` raises when the global batch does not split.
+    """
+    if num_workers % group_workers or num_workers // group_workers < 2:
+        raise ValueError(
+            f"fault_tolerance.mode=replica needs at least 2 replica groups: scaling.num_workers={num_workers} over "
+            f"groups of {group_workers} workers (parallel.shard x context x tensor) makes "
+            f"{num_workers / group_workers:g}; use a multiple of {group_workers} of at least {2 * group_workers} workers, "
+            "or a smaller parallel.shard"
+        )
+    replicas = num_workers // group_workers
+    if ft.min_replicas > replicas:
+        raise ValueError(
+            f"fault_tolerance.min_replicas={ft.min_replicas} exceeds the run's {replicas} replica groups; "
+            f"use 1..{replicas}"
+        )
+    if elastic:
+        raise ValueError(
+            "scaling.min_workers (elastic worker groups) and fault_tolerance.mode=replica both shrink the run; "
+            "replica mode goes on with fewer replica groups down to fault_tolerance.min_replicas: unset scaling.min_workers"
+        )
+    if ft.data == "strict":
+        for live in range(ft.min_replicas, replicas + 1):  # the live replicas split each step's samples
+            try:
+                batch_layout(live * group_data_ranks)
+            except ValueError as exc:
+                raise ValueError(
+                    f"fault_tolerance.data=strict splits each step over the live replica groups; with {live} of "
+                    f"{replicas} live: {exc} (or raise fault_tolerance.min_replicas, or use fault_tolerance.data=fast)"
+                ) from None
+    return replicas

@@ -1,0 +1,205 @@
+"""Replica groups under a per-step quorum (``fault_tolerance.mode=replica``): the one module that speaks
+to torchft.
+
+Each replica group is one copy of the model (its workers shard it with FSDP2, and split it with
+tensor and context parallel, on their own mesh). Worker ``r`` of every group is linked to worker
+``r`` of the others by a process group that torchft rebuilds at each quorum, so a lost group costs the
+others no restart: each step asks the lighthouse who is alive, the live groups split the step's
+samples, sum their gradients and vote to commit; a group that joins receives the state of a live peer,
+rank to same rank, from its memory.
+
+Only the manager, its reconfigurable process group and its transport are used, not torchft's DDP or
+optimizer wrappers, so torch's own reconfigurable process groups can replace it later.
+
+Gradients are summed over the replicas explicitly after the backward pass, not in FSDP2's all-reduce
+hook: FSDP2 calls that hook only when it reduces over more than one rank, so a replica group of one
+worker would train on its own share alone (measured: each replica's gradient was its half's, norm
+0.71 of the batch's). torchft's own average (``ReduceOp.AVG``) divides in a future's callback that
+``wait`` does not wait for; sums with meshtrain's own scale avoid it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.config import ConfigError, FaultToleranceConfig
+
+FT_EXTRA = "pip install -e '.[ft]'"
+
+
+def check_torchft() -> None:
+    """ConfigError (one line) when replica mode cannot run here: torchft is not installed."""
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError(f"fault_tolerance.mode=replica needs torchft: {FT_EXTRA}, or set fault_tolerance.mode=restart")
+
+
+@dataclass(frozen=True)
+class ReplicaPlacement:
+    """Where a worker's replica group sits among the run's: shipped to every worker of the group."""
+
+    index: int  # this group's index, 0..replicas-1 (a replacement takes the lost group's)
+    replicas: int  # the run's replica groups
+    lighthouse: str  # the lighthouse's address (http://host:port)
+    joining: bool = False  # replaces a lost group: receives a live peer's state, reads no checkpoint
+
+
+@dataclass(frozen=True)
+class StepQuorum:
+    """Who trains the next step: the live replica groups and this group's place among them."""
+
+    participants: int  # live replica groups taking part
+    rank: int  # this group's rank among them (0 writes the run's records and checkpoints)
+    step: int  # steps committed before this one (a healed group has its peer's)
+    healed: bool  # this group just received a peer's state
+
+
+class LighthouseServer:
+    """The run's quorum service (torchft's Rust lighthouse), kept by the driver for the run's life."""
+
+    def __init__(self, settings: FaultToleranceConfig, replicas: int, bind: str = "[::]:0") -> None:
+        from torchft._torchft import LighthouseServer as Server
+
+        self._server = Server(
+            bind=bind,
+            min_replicas=settings.min_replicas,
+            # The first quorum waits this long for every replica group before going on with fewer.
+            join_timeout_ms=int(settings.join_timeout_s * 1000),
+            heartbeat_timeout_ms=int(settings.heartbeat_timeout_s * 1000),
+        )
+        self.replicas = replicas
+
+    @property
+    def address(self) -> str:
+        return self._server.address()
+
+    def close(self) -> None:
+        self._server.shutdown()
+
+
+class ReplicaPeers:
+    """This worker's link to the same-rank workers of the other replica groups.
+
+    ``state`` and ``load_state`` give and take everything a joining group needs (model and optimizer
+    shards, schedule, counters) as plain tensors and numbers; torchft sends them rank to same rank.
+    """
+
+    def __init__(
+        self,
+        settings: FaultToleranceConfig,
+        placement: ReplicaPlacement,
+        group_rank: int,
+        group_size: int,
+        device: torch.device,
+        state: Callable[[], dict[str, Any]],
+        load_state: Callable[[dict[str, Any]], None],
+        host: str | None = None,
+    ) -> None:
+        from torchft.manager import Manager
+
+        self.placement = placement
+        self._healed = False
+
+        def heal(received: dict[str, Any]) -> None:
+            load_state(received)
+            self._healed = True
+
+        host = host or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+        self._store = _GroupStore(host, group_rank, group_size)
+        timeout = timedelta(seconds=settings.timeout_s)
+        self._manager = Manager(
+            pg=_process_group(device, timeout),
+            load_state_dict=heal,
+            state_dict=state,
+            min_replica_size=settings.min_replicas,
+            use_async_quorum=False,  # a joining group trains in its first step: its samples follow the quorum
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
+            connect_timeout=timeout,
+            rank=group_rank,
+            world_size=group_size,
+            store_addr=host,
+            store_port=self._store.port,
+            lighthouse_addr=placement.lighthouse,
+            replica_id=f"replica_{placement.index}",
+            hostname=host,
+            # Every group initializes the same weights from the seed, or loads the same checkpoint.
+            init_sync=False,
+            max_retries=settings.max_uncommitted_steps,
+        )
+
+    def quorum(self) -> StepQuorum:
+        """Join the next step's quorum; a group behind its peers receives a live peer's state first."""
+        manager = self._manager
+        self._healed = False
+        manager.start_quorum()
+        rank = manager.participating_rank()
+        if rank is None:  # only a group that healed may sit out a step; with a synchronous quorum it takes part
+            raise RuntimeError(f"replica group {self.placement.index} is not taking part in step {manager.current_step() + 1}")
+        return StepQuorum(manager.num_participants(), rank, manager.current_step(), self._healed)
+
+    def sum_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
+        """Sum each gradient (this rank's shard) over the live replica groups, in one flat buffer per dtype."""
+        local = [_local(p.grad) for p in parameters if p.grad is not None]
+        for dtype in {grad.dtype for grad in local}:
+            grads = [grad for grad in local if grad.dtype == dtype]
+            flat = torch.cat([grad.reshape(-1) for grad in grads])
+            self.sum(flat)
+            offset = 0
+            for grad in grads:
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+
+    def sum(self, tensor: torch.Tensor) -> None:
+        """``tensor`` summed over the live replica groups, in place (zeros after a failed collective:
+        that step is not committed)."""
+        self._manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM).wait()
+
+    def commit(self) -> bool:
+        """Every live group's vote: True when the step's collectives succeeded everywhere (then apply it)."""
+        return self._manager.should_commit()
+
+    def set_step(self, step: int) -> None:
+        """The committed steps so far, after a checkpoint load (every live group loads the same one)."""
+        self._manager.load_state_dict({"step": step, "batches_committed": step})
+
+    def close(self) -> None:
+        self._manager.shutdown(wait=False)
+        self._store.close()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _process_group(device: torch.device, timeout: timedelta) -> Any:
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    return ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+
+
+class _GroupStore:
+    """The replica group's own key-value store for its manager: served by group rank 0, its port
+    handed to the group's other ranks over the group's process group."""
+
+    def __init__(self, host: str, group_rank: int, group_size: int) -> None:
+        port = torch.zeros(1, dtype=torch.int64)
+        self._store: dist.TCPStore | None = None
+        if group_rank == 0:
+            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            port[0] = self._store.port
+        if group_size > 1:
+            dist.broadcast(port, src=0)
+        self.port = int(port.item())
+
+    def close(self) -> None:
+        self._store = None

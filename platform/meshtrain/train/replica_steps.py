@@ -1,0 +1,77 @@
+"""The replica-mode part of the training loop (``fault_tolerance.mode=replica``): each step's quorum,
+this group's share of the step's samples, and which group writes the run's records and checkpoints."""
+
+from __future__ import annotations
+
+import time
+
+from meshtrain.checkpoint.state import Progress
+from meshtrain.config import PermanentError
+from meshtrain.data import DataParallelBatches
+from meshtrain.distributed.layout import RankLayout
+from meshtrain.distributed.replicas import ReplicaPeers
+from meshtrain.observe.run_folder import ReplicaJoinedRecord, ReplicaLostRecord
+from meshtrain.train.checkpointing import Checkpointing
+from meshtrain.train.records import LoopOutputs
+from meshtrain.train.step import LiveReplicas
+
+
+class NoPeerToHeal(PermanentError):
+    """A replacement replica group found no live peer to receive the run's state from."""
+
+
+class ReplicaSteps:
+    """Before each step: join the quorum (a group behind its peers receives a live peer's state then),
+    take this group's share of the step's samples, and let only the first live group write.
+
+    ``strict``: the live groups split every sample of the step between them; otherwise each trains the
+    share it has when all groups live, and the shares of the missing ones are skipped.
+    ``joining``: this group replaces a lost one, so it must receive a live peer's state at its first
+    quorum; it never reads a checkpoint (when every group was lost, the relaunched run does).
+    """
+
+    def __init__(
+        self,
+        peers: ReplicaPeers,
+        strict: bool,
+        layout: RankLayout,
+        batches: DataParallelBatches,
+        progress: Progress,
+        outputs: LoopOutputs,
+        checkpointing: Checkpointing,
+        joining: bool,
+    ) -> None:
+        self.peers, self.strict, self.layout, self.batches = peers, strict, layout, batches
+        self.progress, self.outputs, self.checkpointing, self.joining = progress, outputs, checkpointing, joining
+        self.participants: int | None = None
+
+    def begin(self) -> LiveReplicas:
+        asked = time.perf_counter()
+        quorum = self.peers.quorum()
+        placement = self.peers.placement
+        if self.joining and not quorum.healed:
+            raise NoPeerToHeal(
+                f"replica group {placement.index} replaces a lost one but no live replica group is ahead of it "
+                f"(step {quorum.step}): every group was lost, or the run has ended; run the same command again "
+                "to resume from the newest checkpoint"
+            )
+        self.joining = False
+        writer = quorum.rank == 0
+        self.outputs.writes = writer
+        self.checkpointing.writer = writer
+        if quorum.healed:
+            self.outputs.emit(ReplicaJoinedRecord(
+                event="replica_joined", step=self.progress.step, replica=placement.index,
+                participants=quorum.participants, seconds=time.perf_counter() - asked, time=time.time(),
+            ), any_replica=True)
+        elif self.participants is not None and quorum.participants < self.participants:
+            self.outputs.emit(ReplicaLostRecord(
+                event="replica_lost", step=self.progress.step + 1, participants=quorum.participants,
+                replicas=placement.replicas, time=time.time(),
+            ))
+        self.participants = quorum.participants
+        group_ranks = self.layout.data_ranks
+        sharing = quorum.participants if self.strict else placement.replicas
+        self.batches.resplit(quorum.rank * group_ranks + self.layout.data_rank, sharing * group_ranks,
+                             self.progress.data_position)
+        return LiveReplicas(self.peers, quorum.participants)
