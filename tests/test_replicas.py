@@ -6,6 +6,7 @@ same losses and weights."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import multiprocessing
 import time
@@ -21,7 +22,8 @@ from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.observe.run_folder import read_records
 
 pytestmark = pytest.mark.processes
-pytest.importorskip("torchft")
+if importlib.util.find_spec("torchft") is None:  # not importorskip: importing it here would set its log level
+    pytest.skip("torchft (the ft extra) is not installed", allow_module_level=True)
 
 STEPS, KILL_AT, HEARTBEAT_S = 24, 5, 1.0
 STEP_S = 0.25  # each replica's step time, so a replacement starts while the survivor still trains
@@ -50,8 +52,19 @@ def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def replica_process(cfg: MeshtrainConfig, corpus: DataPlan, index: int, lighthouse: str, joining: bool,
-                    out: str) -> None:
-    """One replica group's only worker: the real trainer, each step taking at least STEP_S."""
+                    out: str, die_in_backward_at: int | None = None, die_while_healing: bool = False,
+                    started: Any = None) -> None:
+    """One replica group's only worker: the real trainer, each step taking at least STEP_S.
+
+    ``started`` (a barrier): the groups of a launch take their first step together, as groups started
+    at once on a cluster would; on a loaded machine one could otherwise train alone for steps.
+
+    ``die_in_backward_at``: SIGKILL in the backward pass of that step (when the first block's gradient
+    is being computed); ``die_while_healing``: SIGKILL while the received state is being loaded."""
+    import os
+    import signal
+
+    from meshtrain.train.healing import HealingState
     import meshtrain.train.trainer as trainer_module
     from meshtrain.distributed.replicas import ReplicaPlacement
     from meshtrain.observe.progress import StepRecorder
@@ -70,8 +83,21 @@ def replica_process(cfg: MeshtrainConfig, corpus: DataPlan, index: int, lighthou
     from meshtrain.data import open_data
 
     recorder = StepRecorder(Path(cfg.run.storage_path) / cfg.run.name / "metrics.jsonl")
+    if die_while_healing:
+        def load_and_die(self: HealingState, received: dict[str, Any]) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        HealingState.load_state_dict = load_and_die  # type: ignore[method-assign]
     trainer = Trainer(cfg, open_data(corpus, cfg.data.seq_len, cfg.train.seed), WorkerLayout(), torch.device("cpu"),
                       recorder.record, None, replica=ReplicaPlacement(index, 2, lighthouse, joining))
+    if die_in_backward_at is not None:
+        def in_backward(*_: Any) -> None:
+            if trainer.progress.step + 1 == die_in_backward_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        trainer.model.layers[0].register_full_backward_hook(in_backward)
+    if started is not None:
+        started.wait(timeout=120)
     try:
         trainer.run()
     finally:
@@ -100,27 +126,39 @@ def reference(corpus: DataPlan, tmp_path_factory: pytest.TempPathFactory) -> tup
     return {r["step"]: r["loss"] for r in records if r["event"] == "train"}, weights(trainer.model)
 
 
-@pytest.mark.parametrize("killed", [1, 0], ids=["the-other-replica", "the-replica-writing-the-records"])
+@pytest.mark.parametrize("killed, how", [(1, "before"), (0, "before"), (1, "backward"), (1, "healing")],
+                         ids=["the-other-replica", "the-replica-writing-the-records", "mid-backward",
+                              "and-its-first-replacement-while-healing"])
 def test_a_killed_replica_costs_the_survivor_no_restart_and_its_replacement_heals_from_memory(
-    corpus: DataPlan, tmp_path: Path, reference: tuple[dict[int, float], dict[str, torch.Tensor]], killed: int
+    corpus: DataPlan, tmp_path: Path, reference: tuple[dict[int, float], dict[str, torch.Tensor]], killed: int,
+    how: str,
 ) -> None:
     from meshtrain.distributed.replicas import LighthouseServer
 
     expected_losses, expected_weights = reference
-    cfg = replica_config(tmp_path, "replicas", f"fault.kill_rank={killed}", f"fault.at_step={KILL_AT}")
+    fault = [f"fault.kill_rank={killed}", f"fault.at_step={KILL_AT}"] if how != "backward" else []
+    cfg = replica_config(tmp_path, "replicas", *fault)
     run_dir = tmp_path / "replicas"
     lighthouse = LighthouseServer(cfg.fault_tolerance, replicas=2)
     spawn = multiprocessing.get_context("spawn")
     out = {index: str(tmp_path / f"replica{index}.pt") for index in (0, 1)}
-    processes = {index: spawn.Process(target=replica_process, args=(cfg, corpus, index, lighthouse.address, False,
-                                                                     out[index]))
-                 for index in (0, 1)}
+    started = spawn.Barrier(2)
+    processes = {index: spawn.Process(target=replica_process, args=(
+        cfg, corpus, index, lighthouse.address, False, out[index],
+        KILL_AT if how == "backward" and index == killed else None, False, started))
+        for index in (0, 1)}
     try:
         for process in processes.values():
             process.start()
         processes[killed].join(timeout=120)
         assert processes[killed].exitcode == -9, processes[killed].exitcode  # SIGKILL at step KILL_AT
         killed_at = time.time()
+        if how == "healing":  # the first replacement dies loading what it received; a second one joins
+            doomed = spawn.Process(target=replica_process, args=(cfg, corpus, killed, lighthouse.address, True,
+                                                                 out[killed], None, True))
+            doomed.start()
+            doomed.join(timeout=120)
+            assert doomed.exitcode == -9, doomed.exitcode
         replacement = spawn.Process(target=replica_process, args=(cfg, corpus, killed, lighthouse.address, True,
                                                                   out[killed]))
         replacement.start()
@@ -144,8 +182,10 @@ def test_a_killed_replica_costs_the_survivor_no_restart_and_its_replacement_heal
     # The survivor stalled about one heartbeat timeout, not a restart.
     times = [r["time"] for r in trained]
     assert max(b - a for a, b in zip(times, times[1:])) <= HEARTBEAT_S + 2 + STEP_S
-    lost = [r for r in records if r["event"] == "replica_lost"]
-    assert [(r["step"], r["participants"]) for r in lost] == [(KILL_AT, 1)]
+    lost = [(r["step"], r["participants"]) for r in records if r["event"] == "replica_lost"]
+    assert lost[0] == (KILL_AT, 1)
+    # The replacement that died while loading its state was in one quorum: that step was trained again.
+    assert len(lost) == (2 if how == "healing" else 1) and all(live == 1 for _, live in lost)
     joined = [r for r in records if r["event"] == "replica_joined"]
     assert len(joined) == 1 and joined[0]["replica"] == killed and joined[0]["participants"] == 2
     assert KILL_AT <= joined[0]["step"] < STEPS
@@ -161,3 +201,65 @@ def test_a_killed_replica_costs_the_survivor_no_restart_and_its_replacement_heal
     summary = {"joined_after_kill_s": round(joined[0]["time"] - killed_at, 1),
                "longest_gap_s": round(max(b - a for a, b in zip(times, times[1:])), 2)}
     print(json.dumps(summary))
+
+
+def run_replicas(cfg: MeshtrainConfig, corpus: DataPlan, tmp_path: Path) -> None:
+    from meshtrain.distributed.replicas import LighthouseServer
+
+    lighthouse = LighthouseServer(cfg.fault_tolerance, replicas=2)
+    spawn = multiprocessing.get_context("spawn")
+    started = spawn.Barrier(2)
+    processes = [spawn.Process(target=replica_process, args=(cfg, corpus, index, lighthouse.address, False,
+                                                              str(tmp_path / f"replica{index}.pt"), None, False, started))
+                 for index in (0, 1)]
+    try:
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(timeout=180)
+            assert process.exitcode == 0, process.exitcode
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+        lighthouse.close()
+
+
+def run_one_worker(cfg: MeshtrainConfig, corpus: DataPlan) -> None:
+    from meshtrain.data import open_data
+    from meshtrain.observe.progress import StepRecorder
+    from meshtrain.train.trainer import Trainer
+
+    recorder = StepRecorder(Path(cfg.run.storage_path) / cfg.run.name / "metrics.jsonl")
+    trainer = Trainer(cfg, open_data(corpus, cfg.data.seq_len, cfg.train.seed), WorkerLayout(), torch.device("cpu"),
+                      recorder.record, None)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("first", ["replica", "restart"])
+def test_a_checkpoint_of_either_mode_resumes_in_the_other_with_the_unbroken_losses(
+    corpus: DataPlan, tmp_path: Path, reference: tuple[dict[int, float], dict[str, torch.Tensor]], first: str
+) -> None:
+    """Half the steps in one mode, the rest resumed from its step-12 checkpoint in the other: every
+    replica group of a replica-mode start loads it (none replaces a lost one), one worker loads a
+    replica group's."""
+    expected_losses, _ = reference
+    half = f"train.steps={STEPS // 2}"
+    one_worker = lambda *o: config(tmp_path, "switched", "scaling.num_workers=1", *o)  # noqa: E731
+    replicas = lambda *o: replica_config(tmp_path, "switched", *o)  # noqa: E731
+    if first == "replica":
+        run_replicas(replicas(half), corpus, tmp_path)
+        run_one_worker(one_worker(), corpus)
+    else:
+        run_one_worker(one_worker(half), corpus)
+        run_replicas(replicas(), corpus, tmp_path)
+    records = read_records(tmp_path / "switched" / "metrics.jsonl")
+    loaded_by = 1 if first == "replica" else 2  # each replica group of a start reads it
+    assert [r["step"] for r in records if r["event"] == "checkpoint_load"] == [STEPS // 2] * loaded_by
+    trained = [r for r in records if r["event"] == "train"]
+    assert [r["step"] for r in trained] == list(range(1, STEPS + 1))
+    for record in trained:
+        assert record["loss"] == pytest.approx(expected_losses[record["step"]], rel=1e-4), record["step"]

@@ -45,7 +45,7 @@ def config_yaml(cfg: MeshtrainConfig) -> str:
 # the model, data, optimizer, seed and global batch must stay as they were. Where the token stores
 # are cached and how storage is reached do not change the tokens (their fingerprint is checked).
 RESUMABLE_CHANGES = (
-    "train.steps", "train.log_every", "train.micro_batch_size", "parallel", "scaling", "run", "checkpoint",
+    "train.steps", "train.log_every", "train.micro_batch_size", "parallel", "scaling", "run", "checkpoint", "fault_tolerance",
     "metrics", "fault", "data.cache_dir", "data.storage_options", "data.allow_fingerprint_change",
     "optim.schedule_steps", "eval", "train.max_bad_steps", "train.loss_spike_factor", "train.loss_spike_window",
     "train.gc_every", "memory",

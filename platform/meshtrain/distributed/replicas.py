@@ -61,10 +61,17 @@ class StepQuorum:
     healed: bool  # this group just received a peer's state
 
 
+def _quiet_torchft() -> None:
+    """torchft's servers log every quorum and commit at info level (several lines per step and replica
+    group); warnings and errors stay. RUST_LOG set by the user wins."""
+    os.environ.setdefault("RUST_LOG", "warn")
+
+
 class LighthouseServer:
     """The run's quorum service (torchft's Rust lighthouse), kept by the driver for the run's life."""
 
     def __init__(self, settings: FaultToleranceConfig, replicas: int, bind: str = "[::]:0") -> None:
+        _quiet_torchft()
         from torchft._torchft import LighthouseServer as Server
 
         self._server = Server(
@@ -102,6 +109,7 @@ class ReplicaPeers:
         load_state: Callable[[dict[str, Any]], None],
         host: str | None = None,
     ) -> None:
+        _quiet_torchft()
         from torchft.manager import Manager
 
         self.placement = placement
