@@ -262,16 +262,17 @@ class Trainer:
             while progress.step < cfg.train.steps:
                 step = progress.step + 1
                 self._beat(f"training step {step}", arm=step > first_step)
+                live = None
+                if self.replicas is not None:
+                    live = self.replicas.begin()
+                    step = progress.step + 1  # a group that joined has its peer's progress
+                    self._beat(f"training step {step}")
                 if self.profiler is not None:
                     self.profiler.step(step)
                 if self.stop_vote is not None:
                     self.stop_vote.cast()
                 self.faults.before_step(step, self.model)
                 self.collection.step(step)
-                live = None
-                if self.replicas is not None:
-                    live = self.replicas.begin()
-                    step = progress.step + 1  # a group that joined has its peer's progress
                 lr = self.scheduler.get_last_lr()[0]
                 waiting_since = time.perf_counter()
                 with region("data wait"):
