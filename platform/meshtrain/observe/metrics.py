@@ -243,6 +243,14 @@ class TrainingMetrics(_Exporter):
         )
         self._skipped_seen = 0
         self.restarts = gauge("meshtrain_run_restarts", "Times Ray restarted this run's worker group in the current job.")
+        self.replicas_live = gauge(
+            "meshtrain_replicas_live",
+            "fault_tolerance.mode=replica: replica groups in this worker's last step's quorum (0 in restart mode).",
+        )
+        self.replica_heal = gauge(
+            "meshtrain_replica_heal_seconds",
+            "fault_tolerance.mode=replica: seconds this worker's group took to join by receiving a live peer's state.",
+        )
         self.workers = gauge("meshtrain_workers", "Workers (world size) in the group.")
         self.rank_compute = gauge(
             "meshtrain_rank_step_compute_seconds",
@@ -323,6 +331,11 @@ class TrainingMetrics(_Exporter):
             if scores["loss"] is not None:
                 self.eval_loss.labels(**self._label_values, source=name).set(scores["loss"])
         self.eval_step.set(record["step"])
+
+    def replicas(self, live: int, heal_s: float | None) -> None:
+        self.replicas_live.set(live)
+        if heal_s is not None:
+            self.replica_heal.set(heal_s)
 
     def skipped(self, skipped_total: int) -> None:
         """The run's skipped steps so far (counted in this process from what it started with)."""

@@ -58,6 +58,11 @@ class LoopOutputs:
             self.reporter.evaluated(record)
         self.emit(record)
 
+    def replicas(self, live: int, heal_s: float | None) -> None:
+        """fault_tolerance.mode=replica: the step's live replica groups, and this group's healing time."""
+        if self.metrics is not None:
+            self.metrics.replicas(live, heal_s)
+
     def skipped(self, skipped_total: int) -> None:
         if self.metrics is not None:
             self.metrics.skipped(skipped_total)

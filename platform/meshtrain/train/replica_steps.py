@@ -59,10 +59,12 @@ class ReplicaSteps:
         writer = quorum.rank == 0
         self.outputs.writes = writer
         self.checkpointing.writer = writer
-        if quorum.healed:
+        heal_s = time.perf_counter() - asked if quorum.healed else None
+        self.outputs.replicas(quorum.participants, heal_s)
+        if heal_s is not None:
             self.outputs.emit(ReplicaJoinedRecord(
                 event="replica_joined", step=self.progress.step, replica=placement.index,
-                participants=quorum.participants, seconds=time.perf_counter() - asked, time=time.time(),
+                participants=quorum.participants, seconds=heal_s, time=time.time(),
             ), any_replica=True)
         elif self.participants is not None and quorum.participants < self.participants:
             self.outputs.emit(ReplicaLostRecord(
