@@ -62,7 +62,8 @@ def test_the_inputs_are_printed() -> None:
 
 
 def train(step: int, time: float, step_time_s: float = 0.2) -> dict[str, Any]:
-    return {"event": "train", "step": step, "time": time, "step_time_s": step_time_s, "tokens_per_s": 2048 / step_time_s}
+    return {"event": "train", "step": step, "time": time, "step_time_s": step_time_s,
+            "tokens_per_s": 2048 / step_time_s}
 
 
 def restart_records(checkpoint: Path) -> list[dict[str, Any]]:
@@ -101,7 +102,8 @@ def test_replica_mode_records() -> None:
     records = [train(step, 100.0 + step) for step in range(1, 7)]
     records.append({"event": "replica_lost", "step": 7, "participants": 1, "replicas": 2, "time": 107.5})
     records += [train(7, 109.5, step_time_s=3.3), train(8, 110.0, step_time_s=0.4)]
-    records.append({"event": "replica_joined", "step": 8, "replica": 1, "participants": 2, "seconds": 0.3, "time": 115.0})
+    records.append({"event": "replica_joined", "step": 8, "replica": 1, "participants": 2, "seconds": 0.3,
+                    "time": 115.0})
     records.append(train(9, 116.0))
     assert kill_gap(records, 7) == (3.5, 3.5)
     assert steps_redone(records) == 0
