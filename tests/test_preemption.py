@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -176,7 +177,16 @@ def test_rays_notices_are_a_preemption_when_they_name_nodes_and_a_resize_request
     notice.done()
 
 
-def test_the_driver_asks_once_then_a_second_interrupt_stops_at_once(tmp_path: Path) -> None:
+@pytest.fixture
+def python_sigint() -> Iterator[None]:
+    """Python's own SIGINT handler, as in a foreground terminal (a shell starts a background job with
+    SIGINT ignored, and the handler the driver restores is the one it found)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_the_driver_asks_once_then_a_second_interrupt_stops_at_once(tmp_path: Path, python_sigint: None) -> None:
     from meshtrain.cluster.interrupts import DriverInterrupts
 
     request = StopRequest(str(tmp_path / "stop_request.json"), "launch-7")

@@ -193,6 +193,7 @@ def test_replica_mode_loses_a_replica_without_a_restart_and_trains_what_restart_
                   f"fault_tolerance.heartbeat_timeout_s={heartbeat_s}", "fault.kill_rank=3", "fault.at_step=12")
     assert job.returncode == 0, job.stderr[-3000:]
     assert "fault injection: rank 3 sends itself SIGKILL at step 12" in job.stdout + job.stderr
+    assert "mesh (1, 2) on 2 workers x 2 replica groups" in job.stdout
     records = read_metrics(run_dir)
     trained = [r for r in records if r["event"] == "train"]
     assert [r["step"] for r in trained] == list(range(1, 41))

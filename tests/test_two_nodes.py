@@ -317,8 +317,13 @@ def test_a_straggler_node_is_evicted_and_the_run_goes_on_without_it(cluster: Clu
     assert stragglers and all(r["node"] == cluster.worker_ip and r["slowdown"] >= 2 for r in stragglers), stragglers
     straggler = stragglers[0]
     assert eviction["evicted"] and eviction["node"] == cluster.worker_ip, eviction
-    [preempted] = [r for r in records if r["event"] == "preempted"]
-    assert preempted["saved"] and preempted["reason"].startswith("Ray drains node(s)"), preempted
+    # Ray ends the drained node's share in one of two ways, whichever comes first: its PreemptionWatcher's
+    # notice naming the node (a "preempted" save), or its elastic monitor finding the capacity gone (a
+    # "resize_save", seen once in CI). Either way the ranks save the step they are at and restart from it.
+    preempted = next(r for r in records[records.index(eviction):] if r["event"] in ("preempted", "resize_save"))
+    assert preempted["saved"], preempted
+    if preempted["event"] == "preempted":
+        assert preempted["reason"].startswith("Ray drains node(s)"), preempted
     # The group may have started on the head alone and grown first: the load after the drain is the one checked.
     after = records[records.index(preempted):]
     assert [r["step"] for r in after if r["event"] == "checkpoint_load"][0] == preempted["step"], output[-3000:]
@@ -339,8 +344,8 @@ def test_a_straggler_node_is_evicted_and_the_run_goes_on_without_it(cluster: Clu
     evicted_at = next(r["time"] for r in records if r["event"] == "train" and r["step"] == straggler["step"])
     resumed = min(r["time"] for r in steps.values() if r["world_size"] == 2)
     print(f"straggler named at step {straggler['step']} ({straggler['slowdown']:.2f}x); node drained; step "
-          f"{preempted['step']} committed {preempted['notice_to_commit_s']:.1f}s after Ray's notice; training on the head "
-          f"{resumed - evicted_at:.1f}s after the straggler was named; steps lost: 0")
+          f"{preempted['step']} committed ({preempted['event']}, {preempted['save_s']:.1f}s to save); training on the "
+          f"head {resumed - evicted_at:.1f}s after the straggler was named; steps lost: 0")
 
 
 def test_elastic_run_grows_back_when_the_node_returns(cluster: Cluster) -> None:

@@ -119,5 +119,7 @@ def done_line(summary: dict) -> str:
     return (
         f"[meshtrain] done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
         f"{summary['mean_tokens_per_s']:,.0f} tok/s, wall {summary['wall_time_s']:.1f}s, "
-        f"mesh {tuple(summary['mesh_shape'])} on {summary['world_size']} workers -> {summary['run_dir']}"
+        f"mesh {tuple(summary['mesh_shape'])} on {summary['world_size']} workers"
+        + (f" x {summary['replica_groups']} replica groups" if summary.get("replica_groups") else "")
+        + f" -> {summary['run_dir']}"
     )

@@ -150,6 +150,8 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
     # The workers wrote the run outputs; the driver adds the job's wall time.
     summary = read_summary(paths)
     summary["wall_time_s"] = time.perf_counter() - started
+    if cfg.fault_tolerance.mode == "replica":
+        summary["replica_groups"] = cfg.replica_groups()  # world_size and mesh_shape are one group's
     if downstream is not None:
         summary["downstream"] = downstream.latest
     write_summary(paths, summary)

@@ -475,6 +475,7 @@ class Summary(TypedDict, total=False):
     peak_host_rss_bytes: int
     wall_time_s: float
     downstream: dict[str, Any]
+    replica_groups: int  # fault_tolerance.mode=replica (the driver's): mesh_shape and world_size are one group's
 
 
 def write_summary(paths: RunPaths, summary: Summary) -> None:
