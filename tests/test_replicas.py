@@ -11,13 +11,14 @@ import json
 import multiprocessing
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
 from meshtrain.config import MeshtrainConfig, load_config
-from meshtrain.data import DataPlan
+from meshtrain.data import DataPlan, open_data
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.observe.run_folder import read_records
 
@@ -80,7 +81,6 @@ def replica_process(cfg: MeshtrainConfig, corpus: DataPlan, index: int, lighthou
         return output
 
     trainer_module.train_step = paced
-    from meshtrain.data import open_data
 
     recorder = StepRecorder(Path(cfg.run.storage_path) / cfg.run.name / "metrics.jsonl")
     if die_while_healing:
@@ -112,17 +112,9 @@ def train_records(run_dir: Path) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def reference(corpus: DataPlan, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
     """The same steps on one worker in restart mode: the losses and weights replica mode must give."""
-    from meshtrain.train.trainer import Trainer
-    from meshtrain.data import open_data
-
     cfg = config(tmp_path_factory.mktemp("reference"), "reference", "scaling.num_workers=1")
     records: list[dict[str, Any]] = []
-    trainer = Trainer(cfg, open_data(corpus, cfg.data.seq_len, cfg.train.seed), WorkerLayout(), torch.device("cpu"),
-                      records.append, None)
-    try:
-        trainer.run()
-    finally:
-        trainer.close()
+    trainer = run_one_worker(cfg, corpus, records.append)
     return {r["step"]: r["loss"] for r in records if r["event"] == "train"}, weights(trainer.model)
 
 
@@ -225,18 +217,21 @@ def run_replicas(cfg: MeshtrainConfig, corpus: DataPlan, tmp_path: Path) -> None
         lighthouse.close()
 
 
-def run_one_worker(cfg: MeshtrainConfig, corpus: DataPlan) -> None:
-    from meshtrain.data import open_data
+def run_one_worker(cfg: MeshtrainConfig, corpus: DataPlan, on_record: Callable[[Any], None] | None = None) -> Any:
+    """The trainer of one worker in restart mode, run to its end; records go to the run's metrics.jsonl
+    unless ``on_record`` is given."""
     from meshtrain.observe.progress import StepRecorder
     from meshtrain.train.trainer import Trainer
 
-    recorder = StepRecorder(Path(cfg.run.storage_path) / cfg.run.name / "metrics.jsonl")
+    if on_record is None:
+        on_record = StepRecorder(Path(cfg.run.storage_path) / cfg.run.name / "metrics.jsonl").record
     trainer = Trainer(cfg, open_data(corpus, cfg.data.seq_len, cfg.train.seed), WorkerLayout(), torch.device("cpu"),
-                      recorder.record, None)
+                      on_record, None)
     try:
         trainer.run()
     finally:
         trainer.close()
+    return trainer
 
 
 @pytest.mark.parametrize("first", ["replica", "restart"])
