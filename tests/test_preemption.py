@@ -177,6 +177,40 @@ def test_rays_notices_are_a_preemption_when_they_name_nodes_and_a_resize_request
     notice.done()
 
 
+def test_a_drain_notice_during_the_resize_wait_leaves_at_once_from_the_saved_step(monkeypatch) -> None:
+    """A drained node reaches the ranks twice: the elastic policy's resize request (save, then wait for
+    Ray to resize) and Ray's own drain notice. The notice that lands during the wait ends it: the step is
+    already saved, so the rank leaves now instead of sleeping out the wait and training on."""
+    import meshtrain.train.preemption as preemption
+    from meshtrain.cluster.elastic_policy import RESIZE_REQUEST
+    from meshtrain.train.preemption import NoticeHandling
+    from ray.train.v2.api.preemption import PreemptionInfo
+
+    context = type("Context", (), {})()
+    context.preemption_context = type("PreemptionContext", (), {"preemption_info": RESIZE_REQUEST})()
+    monkeypatch.setattr(preemption, "_ray_context", lambda: context)
+    notice = PreemptionNotice(60.0, rank=0)
+    vote = type("Vote", (), {"result": lambda self: notice.local()})()
+    saves: list[int] = []
+    checkpointing = type("Checkpointing", (), {"save_now": lambda self, step: saves.append(step) or True})()
+    records: list[dict] = []
+    outputs = type("Outputs", (), {"emit": lambda self, record: records.append(record)})()
+    beats: list[str] = []
+
+    def drained_while_waiting(message: str) -> None:
+        beats.append(message)
+        if len(beats) == 2:
+            context.preemption_context.preemption_info = PreemptionInfo(deadline_ms=None, preempted_node_to_ranks={"ab12": [1]})
+
+    handling = NoticeHandling(notice, vote, checkpointing, outputs, rank=0, budget_s=60.0,
+                              resize_check_interval_s=300.0, beat=drained_while_waiting)
+    started = time.monotonic()
+    with pytest.raises(Preempted, match="stopped at step 7 .*Ray drains node.s. ab12.*checkpoint of step 7 committed"):
+        handling.after_step(7)
+    assert time.monotonic() - started < 5 and saves == [7] and len(beats) == 2
+    assert [(r["event"], r["step"], r["saved"]) for r in records] == [("resize_save", 7, True), ("preempted", 7, True)]
+
+
 @pytest.fixture
 def python_sigint() -> Iterator[None]:
     """Python's own SIGINT handler, as in a foreground terminal (a shell starts a background job with

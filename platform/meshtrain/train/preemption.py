@@ -323,5 +323,19 @@ class NoticeHandling:
         self.notice.clear_resize_request()
         waiting_until = time.monotonic() + self.resize_check_interval_s + 60
         while time.monotonic() < waiting_until:
-            self.beat(f"waiting for Ray to grow the group after the checkpoint of step {step}")
+            if self.notice.local() == PREEMPT:
+                self._leave_saved(step, saved)
+            self.beat(f"waiting for Ray to resize the group after the checkpoint of step {step}")
             time.sleep(0.5)
+
+    def _leave_saved(self, step: int, saved: bool) -> None:
+        """A preemption notice came while the group waited to be resized (a drained node: Ray's
+        PreemptionWatcher and the elastic policy both act on it): this step is already saved, so leave
+        now rather than sleep out the wait and train on a node that is going away."""
+        reason = self.notice.reason or "a notice"
+        self.outputs.emit(PreemptedRecord(event="preempted", step=step, reason=reason, ranks=[self.rank],
+                                          saved=saved, save_s=0.0))
+        self.notice.done()
+        kept = f"checkpoint of step {step} committed" if saved else "no checkpoint saved"
+        raise Preempted(f"rank {self.rank}: stopped at step {step} on a preemption notice ({reason}) while waiting "
+                        f"for a resize; {kept}")
