@@ -103,7 +103,7 @@ def test_replica_mode_records() -> None:
     records.append({"event": "replica_lost", "step": 7, "participants": 1, "replicas": 2, "time": 107.5})
     records += [train(7, 109.5, step_time_s=3.3), train(8, 110.0, step_time_s=0.4)]
     records.append({"event": "replica_joined", "step": 8, "replica": 1, "participants": 2, "seconds": 0.3,
-                    "time": 115.0})
+                    "source": 0, "bytes": 4096, "time": 115.0})
     records.append(train(9, 116.0))
     assert kill_gap(records, 7) == (3.5, 3.5)
     assert steps_redone(records) == 0

@@ -24,8 +24,9 @@ from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.model.args import model_args
 from meshtrain.model.flops import device_peak_flops, flops_per_token, gpu_peak_flops, highest_peak_flops
 from meshtrain.model.loss import token_cross_entropy_sum
+from meshtrain.observe.goodput import goodput_of
 from meshtrain.observe.metrics import (
-    DownstreamMetrics,
+    DriverMetrics,
     Endpoint,
     StepClock,
     TrainingMetrics,
@@ -150,12 +151,14 @@ def test_exposition_follows_prometheus_conventions_and_shows_only_known_values()
     assert value["meshtrain_checkpoint_load_duration_seconds"] == 0.125
 
 
-def test_downstream_scores_are_exported_per_task_and_metric() -> None:
-    metrics = DownstreamMetrics("r1")
+def test_the_driver_exports_goodput_and_downstream_scores_per_task_and_metric() -> None:
+    metrics = DriverMetrics("r1")
     port = metrics.serve("127.0.0.1", 0)
     try:
         metrics.scored({"event": "downstream_eval", "step": 40, "task": "arc_easy", "acc": 0.5,
                         "acc_norm": 0.25, "samples": 8, "seconds": 3.0, "time": 1.0})
+        metrics.goodput(goodput_of([{"event": "train", "step": 1, "time": 3.0, "interval_steps": 1, "step_time_s": 1.0,
+                                     "data_wait_s": 0.25}], started=0.0, ended=4.0))
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
             families = {family.name: family for family in text_string_to_metric_families(response.read().decode())}
     finally:
@@ -164,6 +167,10 @@ def test_downstream_scores_are_exported_per_task_and_metric() -> None:
     assert scores == {("arc_easy", "acc"): 0.5, ("arc_easy", "acc_norm"): 0.25}  # counts and times are not scores
     [step] = families["meshtrain_downstream_step"].samples
     assert step.labels["task"] == "arc_easy" and step.labels["run"] == "r1" and step.value == 40
+    [ratio] = families["meshtrain_goodput_ratio"].samples
+    assert ratio.labels == {"run": "r1"} and ratio.value == 0.75 / 4.0
+    lost = {s.labels["cause"]: s.value for s in families["meshtrain_lost_seconds"].samples}
+    assert (lost["start_up"], lost["data_wait"], lost["finishing"], lost["redone"]) == (2.0, 0.25, 1.0, 0.0)
 
 
 def test_a_taken_port_falls_back_to_a_free_one() -> None:

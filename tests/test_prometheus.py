@@ -171,7 +171,7 @@ def test_dashboard_queries_return_data_from_a_real_run(prometheus: tuple[Prometh
     loads = [r for r in records if r["event"] == "checkpoint_load"]
     assert logged[-1]["step"] == 60 and len(loads) == 1 and loads[0]["step"] == 20
     assert json.loads((storage / "prometheus" / f"{RUN}.json").read_text()) == []  # the job ended
-    assert json.loads((storage / "prometheus" / "downstream" / f"{RUN}.json").read_text()) == []
+    assert json.loads((storage / "prometheus" / "driver" / f"{RUN}.json").read_text()) == []
 
     scored = [r for r in records if r["event"] == "downstream_eval"]
     empty = []
@@ -222,6 +222,16 @@ def test_dashboard_queries_return_data_from_a_real_run(prometheus: tuple[Prometh
         assert last(f'meshtrain_downstream_step{{task="{task}"') == {"": 60.0}, task
     [final] = [r for r in scored if r["step"] == 60 and r["task"] == "meshtrain_mc"]
     assert last('meshtrain_downstream_score{task="meshtrain_mc", metric="acc"') == {"": pytest.approx(final["acc"], rel=1e-12)}
+
+    # The driver's goodput: live while the run trained, and its final value (summary.json's) scraped before
+    # the driver closed its endpoint. The restart cost this run its gap and the steps after step 20 once more.
+    goodput = summary["goodput"]
+    assert last("meshtrain_goodput_ratio") == {"": pytest.approx(goodput["goodput"], rel=1e-12)}
+    lost = {cause: seconds for cause, seconds in goodput["lost_s"].items()}
+    assert lost["restarts"] > 0 and lost["redone"] > 0 and lost["start_up"] > 0, goodput
+    assert last('meshtrain_lost_seconds{cause="redone"') == {"": pytest.approx(lost["redone"], rel=1e-12)}
+    assert goodput["productive_s"] + sum(lost.values()) == pytest.approx(goodput["wall_s"], rel=1e-3)
+    assert f"[meshtrain] goodput {goodput['goodput']:.1%} of {goodput['wall_s']:.1f}s (lost: " in job.stdout
 
     # Ray's own metrics flow through Ray's service discovery file in the same Prometheus.
     # Ray lists several targets (each node's metrics agent, the dashboard's): one answering is enough.

@@ -145,6 +145,16 @@ def test_sigterm_then_sigkill_from_outside_lose_nothing_then_only_since_the_chec
     assert step in [r["step"] for r in records if r["event"] == "checkpoint_save"]
     assert loads(run_dir)[0] == step and len(loads(run_dir)) == 2  # the notice lost no step; the SIGKILL a few
     assert loads(run_dir)[1] >= 20
+    # The run's own account of what the two restarts cost: their gaps, and the steps after the checkpoint
+    # the SIGKILLed group had logged, trained a second time (the notice's restart redid none).
+    first_runs, redone = {}, 0.0
+    for record in (r for r in records if r["event"] == "train"):
+        redone += first_runs.get(record["step"], 0.0)
+        first_runs[record["step"]] = record["step_time_s"]
+    goodput = json.loads((run_dir / "summary.json").read_text())["goodput"]
+    assert redone > 0 and goodput["lost_s"]["redone"] == pytest.approx(redone, abs=2e-3), goodput
+    assert goodput["lost_s"]["restarts"] > 1.0 and goodput["lost_s"]["replica_waits"] == 0.0, goodput
+    assert goodput["productive_s"] + sum(goodput["lost_s"].values()) == pytest.approx(goodput["wall_s"], rel=1e-3)
     assert_same_weights(model_weights(final_checkpoint(run_dir), tmp_path), unbroken)
 
 
@@ -203,13 +213,19 @@ def test_replica_mode_loses_a_replica_without_a_restart_and_trains_what_restart_
     lost = [r for r in records if r["event"] == "replica_lost"]
     assert [(r["step"], r["participants"]) for r in lost] == [(12, 1)]
     joined = [r for r in records if r["event"] == "replica_joined" and r["replica"] == 1 and r["step"] >= 12]
-    assert len(joined) == 1 and joined[0]["participants"] == 2
+    assert len(joined) == 1 and joined[0]["participants"] == 2 and joined[0]["source"] == 0
+    assert "[meshtrain] replica group 1 joined at step" in job.stdout and "with replica group 0's state (" in job.stdout
     assert joined[0]["time"] - lost[0]["time"] <= 60
     times = [r["time"] for r in trained]
     # The survivor's stall, not a restart: the lost group's other worker keeps its group heartbeating until
     # Ray ends the group (measured 5.5 s in all with a 2 s heartbeat timeout; 1.1-1.5 s for groups of one).
     assert max(b - a for a, b in zip(times, times[1:])) <= heartbeat_s + 6
     assert loads(run_dir) == []  # nothing was read back from storage
+    # The run's own account: no restart gap and nothing redone; the survivor's stall is its replica waits.
+    goodput = json.loads((run_dir / "summary.json").read_text())["goodput"]
+    assert goodput["lost_s"]["redone"] == 0.0 and goodput["lost_s"]["restarts"] < 0.5, goodput
+    assert goodput["lost_s"]["replica_waits"] >= heartbeat_s / 2, goodput
+    assert goodput["productive_s"] + sum(goodput["lost_s"].values()) == pytest.approx(goodput["wall_s"], rel=1e-3)
     assert [r["step"] for r in records if r["event"] == "checkpoint_save"] == [10, 20, 30, 40]
     starts = [entry.get("replica") for entry in map(json.loads, (run_dir / "worker_starts.jsonl").read_text().splitlines())]
     assert sorted(starts) == [0, 1, 1]  # only replica 1's group was restarted

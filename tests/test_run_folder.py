@@ -164,7 +164,8 @@ def test_the_kinds_a_cpu_run_does_not_write_conform() -> None:
         {"event": "resize_save", "step": 8, "saved": True, "save_s": 0.3},
         {"event": "resize", "time": now, "from_workers": 4, "to_workers": 2, "reason": "capacity lost"},
         {"event": "group_start", "restarts": 1, "workers": 2, "time": now},
-        {"event": "replica_joined", "step": 7, "replica": 1, "participants": 2, "seconds": 1.5, "time": now},
+        {"event": "replica_joined", "step": 7, "replica": 1, "participants": 2, "seconds": 1.5, "source": 0,
+         "bytes": 4096, "time": now},
         {"event": "replica_lost", "step": 5, "participants": 1, "replicas": 2, "time": now},
         {"event": "memory_snapshot", "step": 3, "rank": 0, "path": "memory/rank0.step3.end.pickle"},
     ]

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from jobs import REPO, assert_same_weights, model_weights, read_metrics
+from meshtrain.observe.goodput import goodput_line
 from raynodes import RayNode, ray_env, wait_until
 
 pytestmark = pytest.mark.ray
@@ -389,3 +390,68 @@ def test_elastic_run_grows_back_when_the_node_returns(cluster: Cluster) -> None:
     assert list(steps) == list(range(1, steps_total + 1))
     assert all(r["samples"] == [(s - 1) * 16, s * 16] for s, r in steps.items())
     wait_until(lambda: cluster.alive_nodes() == 2, 180, "two live Ray nodes", interval=2)
+
+
+def test_replica_mode_loses_a_node_trains_on_without_it_and_the_group_rejoins_when_it_returns(cluster: Cluster) -> None:
+    """fault_tolerance.mode=replica with two replica groups of two workers (shard 2), one group per node.
+    The worker node's Ray is killed: the head's group trains on alone (strict: the same samples), while
+    the other group cannot restart, no node having room for it. Once the node is back, Ray starts that
+    group there and it joins by receiving the head group's state over the nodes' network (torchft's
+    transport at the node's address). Every step is logged once, no checkpoint is read, and the steps
+    the 2x2 HSDP run also trains (1-30, the same schedule) have its losses."""
+    pytest.importorskip("torchft")
+    if cluster.worker is None:
+        cluster.start_worker()
+    wait_until(lambda: cluster.alive_nodes() == 2, 180, "two live Ray nodes", interval=2)
+    unbroken = cluster.storage / "hsdp"
+    if not (unbroken / "checkpoints" / "step-00000030" / "COMMITTED").exists():
+        finish(cluster.job("hsdp"))
+    steps_total = 70
+    run_dir = cluster.storage / "replicas"
+    job = cluster.job("replicas", "fault_tolerance.mode=replica", "parallel.shard=2", "fault_tolerance.heartbeat_timeout_s=2",
+                      f"train.steps={steps_total}", "optim.schedule_steps=30", "checkpoint.interval=20")
+    try:
+        wait_until(lambda: max(losses(run_dir), default=0) >= 6 or job.poll() is not None, 300, "step 6", interval=0.2)
+        assert job.poll() is None, "the job ended before the node could be lost"
+        starts = [json.loads(line) for line in (run_dir / "worker_starts.jsonl").read_text().splitlines()]
+        nodes = {s["replica"]: {w["node_ip"] for w in s["workers"]} for s in starts}
+        assert sorted(nodes.values(), key=sorted) == sorted([{cluster.head_ip}, {cluster.worker_ip}], key=sorted), starts
+        [away] = [index for index, ips in nodes.items() if ips == {cluster.worker_ip}]
+        assert cluster.worker is not None
+        cluster.worker.kill()
+        cluster.worker = None
+        lost_at = time.time()
+
+        def trained_alone() -> bool:
+            records = read_metrics(run_dir)
+            lost = [i for i, r in enumerate(records) if r["event"] == "replica_lost"]
+            return bool(lost) and sum(r["event"] == "train" for r in records[lost[0]:]) >= 5
+
+        wait_until(lambda: trained_alone() or job.poll() is not None, 120, "5 steps without the lost group", interval=0.2)
+        assert job.poll() is None, "the run ended before the node came back"
+        cluster.start_worker()
+        output = finish(job)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    records = read_metrics(run_dir)
+    trained = [r for r in records if r["event"] == "train"]
+    assert [r["step"] for r in trained] == list(range(1, steps_total + 1)), output[-3000:]
+    [lost] = [r for r in records if r["event"] == "replica_lost"]
+    assert lost["participants"] == 1 and lost["time"] - lost_at < 30, lost
+    joined = [r for r in records if r["event"] == "replica_joined" and r["step"] >= lost["step"]]
+    assert len(joined) == 1, output[-3000:]
+    assert joined[0]["replica"] == away and joined[0]["source"] == 1 - away and joined[0]["participants"] == 2
+    assert joined[0]["bytes"] > 0 and joined[0]["step"] < steps_total
+    assert not [r for r in records if r["event"] == "checkpoint_load"]  # no checkpoint was read
+    restarted = [json.loads(line) for line in (run_dir / "worker_starts.jsonl").read_text().splitlines()]
+    assert [s["replica"] for s in restarted].count(away) >= 2 and [s["replica"] for s in restarted].count(1 - away) == 1
+    hsdp = losses(unbroken)
+    for record in trained[:30]:
+        assert record["loss"] == pytest.approx(hsdp[record["step"]], rel=1e-4), record["step"]
+    goodput = json.loads((run_dir / "summary.json").read_text())["goodput"]
+    assert goodput["lost_s"]["redone"] == 0.0, goodput
+    alone = [r["step"] for r in trained if lost["step"] <= r["step"] < joined[0]["step"]]
+    print(f"replica mode, node lost at step {lost['step']}: {len(alone)} steps on one group, "
+          f"rejoined at step {joined[0]['step']} ({joined[0]['bytes'] / 2**20:.1f} MiB in {joined[0]['seconds']:.1f}s), "
+          f"{goodput_line(goodput)}")

@@ -21,6 +21,9 @@ SIGKILLs rank 1 before step ``--kill-at``; and once more in each mode without a 
   ``--quick``: of the run's own steps before the kill). So a run's stall, its redone steps and its steps
   slowed by a missing replica group all count as lost. Summing each first-time step's own ``step_time_s``
   would count the survivors' stall as productive: it lies inside the next step's time;
+* goodput (run's account): ``summary.json``'s ``goodput``, which the driver keeps from the records
+  (meshtrain.observe.goodput: productive step time less data, replica, evaluation and checkpoint waits,
+  over the wall time to the end of training), printed with its lost time by cause;
 * fault cost: the run's wall time, and its training window, less those of the same mode's run without
   a fault;
 * tokens/s: the step tokens of the first-time steps after warm-up (and before the kill, in a run with
@@ -47,6 +50,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from meshtrain.observe.goodput import goodput_line
 from meshtrain_bench.recovery_scale import scale
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,6 +83,7 @@ class RealRow:
     bytes_read: int | None = None
     goodput_job: float | None = None
     goodput_training: float | None = None
+    goodput_run: dict[str, Any] | None = None  # the run's own account: summary.json's goodput
     rejoined_s: float | None = None
     fault_cost_s: float | None = None  # wall time over the run without a fault
     window_cost_s: float | None = None  # training window over the run without a fault
@@ -209,6 +214,7 @@ def measure(root: Path, mode: str, steps: int, kill_at: int | None, timeout_s: f
     records = read_jsonl(storage / RUN / "metrics.jsonl")
     summary = json.loads((storage / RUN / "summary.json").read_text())
     row.wall_s = summary["wall_time_s"]
+    row.goodput_run = summary.get("goodput")
     row.steps_redone = steps_redone(records)
     row.bytes_read = bytes_read(records, readers=summary["mesh_shape"][0])
     row.tokens_per_s = tokens_per_s(records, kill_at)
@@ -238,6 +244,10 @@ def real(root: Path, steps: int, kill_at: int, clean: bool, timeout_s: float) ->
     rows = [row for row, _ in runs]
     print("\n".join([*format_real_header(), *map(format_real_row, rows)]), flush=True)
     for row in rows:
+        if row.goodput_run is not None:
+            fault = f"rank {KILLED_RANK} killed before step {row.kill_at}" if row.kill_at else "no fault"
+            print(f"{row.mode} mode, {fault}: {goodput_line(row.goodput_run)}", flush=True)
+    for row in rows:
         if row.rejoined_s is not None:
             print(f"\n{row.mode} mode: the replacement group joined {row.rejoined_s:.1f} s after the kill", flush=True)
     speed = {row.mode: row.tokens_per_s for row in rows if row.kill_at is None or not clean}
@@ -252,13 +262,13 @@ def real(root: Path, steps: int, kill_at: int, clean: bool, timeout_s: float) ->
 
 def format_real_header() -> list[str]:
     return ["| mode | fault | wall s | fault cost s (wall / training) | stall s | to new step s | steps redone | "
-            "bytes read | goodput (job) | goodput (training) | tokens/s |", "|---" * 11 + "|"]
+            "bytes read | goodput (job) | goodput (training) | goodput (run's account) | tokens/s |", "|---" * 12 + "|"]
 
 
 def format_real_row(row: RealRow) -> str:
     fault = f"rank {KILLED_RANK} killed before step {row.kill_at}" if row.kill_at else "none"
     if row.error:
-        return f"| {row.mode} | {fault} | - | - | - | - | - | - | - | - | FAILED: {row.error} |"
+        return f"| {row.mode} | {fault} | - | - | - | - | - | - | - | - | - | FAILED: {row.error} |"
 
     def number(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
@@ -268,6 +278,7 @@ def format_real_row(row: RealRow) -> str:
             f"{number(row.stall_s, '.1f')} | "
             f"{number(row.to_new_step_s, '.1f')} | {row.steps_redone} | {(row.bytes_read or 0) / 2**20:.1f} MiB | "
             f"{number(row.goodput_job, '.1%')} | {number(row.goodput_training, '.1%')} | "
+            f"{number(row.goodput_run['goodput'] if row.goodput_run else None, '.1%')} | "
             f"{number(row.tokens_per_s, ',.0f')} |")
 
 

@@ -13,6 +13,7 @@ from meshtrain.cli.common import (
     OneLineParser,
 )
 from meshtrain.config import ConfigError, MeshtrainConfig, ModelArgs, describe_fields, load_config
+from meshtrain.observe.goodput import goodput_line
 
 
 def _settings_help() -> str:
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{CONFIG_ERROR_PREFIX}: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     print(done_line(summary), flush=True)
+    if summary.get("goodput") and summary["final_loss"] is not None:
+        print(f"[meshtrain] {goodput_line(summary['goodput'])}", flush=True)
     return 0
 
 

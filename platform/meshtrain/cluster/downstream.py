@@ -7,7 +7,7 @@ which loads it as a ``transformers`` Llama, runs lm-evaluation-harness on it and
 harness's results JSON into ``{run}/downstream/step-N/``. The driver appends each task's
 ``downstream_eval`` records to ``metrics.jsonl`` (one line per task, from which rank 0 passes them to
 the trackers while it trains) and prints them in the job log. The driver serves the newest scores to
-Prometheus itself (``meshtrain_downstream_*``, through ``{targets}/downstream/{run}.json``), so the
+Prometheus itself (``meshtrain_downstream_*``, on :mod:`meshtrain.cluster.driver_endpoint`), so the
 results that land after training, the last checkpoint's always, reach it too. A task that fails is one line in the
 job log and a ``downstream_eval_failed`` record; training goes on and the next checkpoint is scored.
 Steps whose results JSON exists are not scored again, so a relaunch picks up where the run was.
@@ -37,13 +37,7 @@ from meshtrain.evaluate.checkpoint_eval import (
     results_folder,
 )
 from meshtrain.evaluate.harness import HarnessRun
-from meshtrain.observe.metrics import (
-    DownstreamMetrics,
-    Endpoint,
-    advertised_host,
-    downstream_targets_path,
-    write_targets,
-)
+from meshtrain.observe.metrics import DriverMetrics
 from meshtrain.observe.run_folder import (
     DownstreamEvalFailedRecord,
     RecordFollower,
@@ -94,7 +88,8 @@ class DownstreamEvaluations:
     """The driver's evaluations of a run's checkpoints (see the module's docstring)."""
 
     def __init__(self, cfg: MeshtrainConfig, paths: RunPaths, print_line: Callable[[str], None] = print,
-                 poll_s: float = POLL_S) -> None:
+                 poll_s: float = POLL_S, exporter: DriverMetrics | None = None) -> None:
+        """``exporter``: the driver's Prometheus endpoint, which serves the newest scores."""
         import ray
 
         self.cfg, self.paths, self.print_line, self.poll_s = cfg, paths, print_line, poll_s
@@ -105,8 +100,7 @@ class DownstreamEvaluations:
         self.pending: dict[Any, CommittedCheckpoint] = {}  # task -> the checkpoint it scores
         self.latest: dict[str, dict[str, Any]] = {}  # task -> its newest downstream_eval record
         self.started: set[int] = {step for step in self._scored_steps()}
-        self.exporter = DownstreamMetrics(paths.name) if self.harness is not None and cfg.metrics.port else None
-        self.targets = downstream_targets_path(cfg.metrics.targets_dir, cfg.run.storage_path, paths.name)
+        self.exporter = exporter if self.harness is not None else None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="meshtrain-downstream", daemon=True)
@@ -124,21 +118,12 @@ class DownstreamEvaluations:
         return steps
 
     def __enter__(self) -> DownstreamEvaluations:
-        if self.exporter is not None:
-            import ray
-
-            bind = self.cfg.metrics.bind_address
-            port = self.exporter.serve(bind, 0)  # the driver may share a node with workers on metrics.port + i
-            write_targets(self.targets, [Endpoint(advertised_host(bind, ray.util.get_node_ip_address()), port)])
         self._thread.start()
         return self
 
     def __exit__(self, *_: object) -> None:
         self._stop.set()
         self._thread.join(timeout=self.poll_s + 5)
-        if self.exporter is not None:
-            write_targets(self.targets, [])  # Prometheus stops scraping the driver
-            self.exporter.close()
 
     def _follow(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -211,8 +196,6 @@ class DownstreamEvaluations:
                 self._collect(timeout_s=min(self.poll_s, max(0.0, deadline - time.monotonic())))
             if self.pending:
                 self._cancel_pending(timeout_s)
-        if self.exporter is not None:
-            self.exporter.await_final_scrape(self.cfg.metrics.final_scrape_timeout_s)
 
     def _cancel_pending(self, timeout_s: float) -> None:
         """The driver will not wait for these: their tasks would die with the job's Ray anyway. Cancel

@@ -11,6 +11,7 @@ from typing import Any
 
 
 from meshtrain.cluster.capacity import START_TIMEOUT_ENV, check_capacity
+from meshtrain.cluster.driver_endpoint import DriverEndpoint
 from meshtrain.cluster.downstream import DownstreamEvaluations
 from meshtrain.cluster.failures import root_failure
 from meshtrain.cluster.interrupts import DriverInterrupts
@@ -36,6 +37,7 @@ from meshtrain.cluster.run_lease import RunLease
 from meshtrain.config import MeshtrainConfig, config_error_in, redact_url
 from meshtrain.data import prepare_data
 from meshtrain.data.local_files import write_atomically
+from meshtrain.observe.goodput import GoodputLedger
 from meshtrain.observe.metrics import targets_name, targets_path, write_targets
 from meshtrain.observe.run_folder import RunPaths, StopRequest, read_summary, write_summary
 from meshtrain.observe.progress import ProgressMonitor
@@ -84,14 +86,15 @@ def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
     """Run the whole job; returns the summary also written to ``summary.json``."""
 
     started = time.perf_counter()
+    started_at = time.time()  # goodput's wall time runs from here
     cfg, paths = resolve_run(cfg)
     cfg = preflight(cfg)  # the config against the world, before anything is written or started
     launch_id = f"{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"
     with RunLease.take(paths.run_dir, paths.name, launch_id):  # before any file of the run is read or written
-        return _launch(cfg, paths, launch_id, started)
+        return _launch(cfg, paths, launch_id, started, started_at)
 
 
-def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: float) -> dict[str, Any]:
+def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: float, started_at: float) -> dict[str, Any]:
     check_fresh_start(cfg, paths)
     cached_tokenizer = read_run_tokenizer(paths)  # a damaged one stops the launch before anything is written
     cfg = resolve_schedule_horizon(cfg, paths)  # after preflight: it lists the (reachable) checkpoints
@@ -120,36 +123,54 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
         flush=True,
     )
     spec = RunSpec.resolve(cfg, data, paths, launch_id)
-    downstream = DownstreamEvaluations(cfg, paths) if cfg.eval.downstream.enabled or cfg.eval.samples.prompts else None
+    endpoint = DriverEndpoint.open(cfg.metrics, cfg.run.storage_path, paths.name)
+    exporter = endpoint.metrics if endpoint is not None else None
+    downstream = (DownstreamEvaluations(cfg, paths, exporter=exporter)
+                  if cfg.eval.downstream.enabled or cfg.eval.samples.prompts else None)
     trackers = TrackerRelay.open(cfg, paths)
-    try:
-        with DriverInterrupts(StopRequest(str(paths.stop_request), launch_id), cfg.run.preemption_save_s), \
-                trackers if trackers is not None else contextlib.nullcontext(), \
-                ProgressMonitor(paths.metrics, cfg.train.steps, cfg.metrics.progress_interval_s), \
-                downstream if downstream is not None else contextlib.nullcontext():
-            if cfg.fault_tolerance.mode == "replica":
-                fit_replica_groups(spec, build_trainer)
-            else:
-                build_trainer(spec).fit()
-            if downstream is not None:  # the job log shows the results as they land
-                downstream.finish(cfg.eval.downstream.final_wait_s)
-    except KeyboardInterrupt:
-        raise Interrupted(_interrupted_message(cfg, None)) from None
-    except Exception as exc:
-        config_error = config_error_in(exc)
-        if config_error is not None:
-            raise config_error from None
-        failure = root_failure(exc)
-        raise TrainingFailed(_failure_message(cfg, failure, restarts_used(paths, launch_id)), failure) from None
-    finally:
-        groups = range(cfg.replica_groups()) if cfg.fault_tolerance.mode == "replica" else [None]
-        for group in groups:
-            targets = targets_path(cfg.metrics.targets_dir, cfg.run.storage_path, targets_name(paths.name, group))
-            if targets.exists():
-                write_targets(targets, [])  # the workers are gone: Prometheus stops scraping them
+    goodput = GoodputLedger(started_at)
+    trained_at = None
+
+    def follow_goodput(record: dict[str, Any]) -> None:
+        goodput.add(record)
+        if exporter is not None and record["event"] == "train":
+            exporter.goodput(goodput.report(time.time()))
+
+    with endpoint if endpoint is not None else contextlib.nullcontext():
+        try:
+            with DriverInterrupts(StopRequest(str(paths.stop_request), launch_id), cfg.run.preemption_save_s), \
+                    trackers if trackers is not None else contextlib.nullcontext(), \
+                    ProgressMonitor(paths.metrics, cfg.train.steps, cfg.metrics.progress_interval_s,
+                                    listeners=[follow_goodput]), \
+                    downstream if downstream is not None else contextlib.nullcontext():
+                if cfg.fault_tolerance.mode == "replica":
+                    fit_replica_groups(spec, build_trainer)
+                else:
+                    build_trainer(spec).fit()
+                trained_at = time.time()
+                if downstream is not None:  # the job log shows the results as they land
+                    downstream.finish(cfg.eval.downstream.final_wait_s)
+        except KeyboardInterrupt:
+            raise Interrupted(_interrupted_message(cfg, None)) from None
+        except Exception as exc:
+            config_error = config_error_in(exc)
+            if config_error is not None:
+                raise config_error from None
+            failure = root_failure(exc)
+            raise TrainingFailed(_failure_message(cfg, failure, restarts_used(paths, launch_id)), failure) from None
+        finally:
+            groups = range(cfg.replica_groups()) if cfg.fault_tolerance.mode == "replica" else [None]
+            for group in groups:
+                targets = targets_path(cfg.metrics.targets_dir, cfg.run.storage_path, targets_name(paths.name, group))
+                if targets.exists():
+                    write_targets(targets, [])  # the workers are gone: Prometheus stops scraping them
+        report = goodput.report(trained_at if trained_at is not None else time.time())
+        if endpoint is not None:
+            endpoint.finish(report)
     # The workers wrote the run outputs; the driver adds the job's wall time.
     summary = read_summary(paths)
     summary["wall_time_s"] = time.perf_counter() - started
+    summary["goodput"] = report
     if cfg.fault_tolerance.mode == "replica":
         summary["replica_groups"] = cfg.replica_groups()  # world_size and mesh_shape are one group's
     if downstream is not None:

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import ray
+
 from meshtrain.distributed.replicas import LighthouseServer, ReplicaPlacement
 from meshtrain.train.spec import RunSpec
 
@@ -28,13 +30,14 @@ def fit_replica_groups(spec: RunSpec, build: Callable[[RunSpec, ReplicaPlacement
     cfg = spec.config
     replicas = cfg.replica_groups()
     lighthouse = LighthouseServer(cfg.fault_tolerance, replicas)
+    address = lighthouse.address_on(ray.util.get_node_ip_address())
     outcomes: dict[int, BaseException | None] = {}
     changed = threading.Condition()
 
     def fit(index: int) -> None:
         error: BaseException | None = None
         try:
-            build(spec, ReplicaPlacement(index, replicas, lighthouse.address)).fit()
+            build(spec, ReplicaPlacement(index, replicas, address)).fit()
         except BaseException as exc:  # handed to the driver's thread
             error = exc
         with changed:

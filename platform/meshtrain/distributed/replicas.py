@@ -59,6 +59,8 @@ class StepQuorum:
     rank: int  # this group's rank among them (0 writes the run's records and checkpoints)
     step: int  # steps committed before this one (a healed group has its peer's)
     healed: bool  # this group just received a peer's state
+    source: int | None = None  # healed: the replica group it came from
+    received_bytes: int = 0  # healed: the tensor bytes this worker received
 
 
 def _quiet_torchft() -> None:
@@ -87,6 +89,11 @@ class LighthouseServer:
     def address(self) -> str:
         return self._server.address()
 
+    def address_on(self, host: str) -> str:
+        """Its address at ``host`` (the driver's node address): torchft advertises the machine's hostname,
+        which other nodes may not resolve, or resolve to their own loopback."""
+        return f"http://{_url_host(host)}:{self.address.rsplit(':', 1)[1]}"
+
     def close(self) -> None:
         self._server.shutdown()
 
@@ -113,19 +120,24 @@ class ReplicaPeers:
         from torchft.manager import Manager
 
         self.placement = placement
-        self._healed = False
+        self._healed_from: tuple[int, int] | None = None  # (source replica group, bytes received)
+        self._closed = False
+
+        def send() -> dict[str, Any]:
+            return {"state": state(), "replica": placement.index}
 
         def heal(received: dict[str, Any]) -> None:
-            load_state(received)
-            self._healed = True
+            load_state(received["state"])
+            self._healed_from = (int(received["replica"]), tensor_bytes(received["state"]))
 
         host = host or os.environ.get("MASTER_ADDR") or "127.0.0.1"
         self._store = _GroupStore(host, group_rank, group_size)
         timeout = timedelta(seconds=settings.timeout_s)
         self._manager = Manager(
             pg=_process_group(device, timeout),
+            checkpoint_transport=_transport(host, timeout),
             load_state_dict=heal,
-            state_dict=state,
+            state_dict=send,
             min_replica_size=settings.min_replicas,
             use_async_quorum=False,  # a joining group trains in its first step: its samples follow the quorum
             timeout=timeout,
@@ -146,12 +158,14 @@ class ReplicaPeers:
     def quorum(self) -> StepQuorum:
         """Join the next step's quorum; a group behind its peers receives a live peer's state first."""
         manager = self._manager
-        self._healed = False
+        self._healed_from = None
         manager.start_quorum()
         rank = manager.participating_rank()
         if rank is None:  # only a group that healed may sit out a step; with a synchronous quorum it takes part
             raise RuntimeError(f"replica group {self.placement.index} is not taking part in step {manager.current_step() + 1}")
-        return StepQuorum(manager.num_participants(), rank, manager.current_step(), self._healed)
+        healed = self._healed_from
+        return StepQuorum(manager.num_participants(), rank, manager.current_step(), healed is not None,
+                          *(healed if healed is not None else (None, 0)))
 
     def sum_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
         """Sum each gradient (this rank's shard) over the live replica groups, in one flat buffer per dtype."""
@@ -179,14 +193,46 @@ class ReplicaPeers:
         self._manager.load_state_dict({"step": step, "batches_committed": step})
 
     def close(self) -> None:
+        """Leave: heartbeats stop, so the lighthouse drops this group from the next quorum (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
         self._manager.shutdown(wait=False)
         self._store.close()
+
+
+def tensor_bytes(value: Any) -> int:
+    """The bytes of every tensor in a nested state (what a healing transfer carries)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(item) for item in value)
+    return 0
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _transport(host: str, timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport, advertising this worker's node address: its own advertises
+    the machine's hostname, which other nodes may not resolve (or resolve to their own loopback)."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class NodeAddressedTransport(HTTPTransport):
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            return f"http://{_url_host(host)}:{port}/checkpoint/"
+
+    return NodeAddressedTransport(timeout=timeout, num_chunks=0)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _process_group(device: torch.device, timeout: timedelta) -> Any:

@@ -33,6 +33,7 @@ from prometheus_client import (
 )
 
 from meshtrain.config import OVERALL_LABEL, PermanentError
+from meshtrain.observe.goodput import GoodputReport
 from meshtrain.observe.trackers import downstream_scores
 
 # Counters and histograms would otherwise add a *_created series each; nothing here reads them.
@@ -40,7 +41,7 @@ disable_created_metrics()
 
 LABELS = ("run", "rank", "node")
 # The subfolder of the targets folder holding the drivers' targets files.
-DOWNSTREAM_TARGETS_DIR = "downstream"
+DRIVER_TARGETS_DIR = "driver"
 
 # Step times run from milliseconds (small models) to a minute (70B with deep accumulation).
 STEP_DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2.5, 4, 6, 10, 15, 25, 40, 60, 120)
@@ -117,13 +118,26 @@ class _Exporter:
             self._server = None
 
 
-class DownstreamMetrics(_Exporter):
-    """The driver's downstream evaluation results. The driver learns of every result, also those
-    that land after the workers have stopped (the last checkpoint's, always), so it exports them."""
+class DriverMetrics(_Exporter):
+    """What the job's driver knows and no worker does: the run's goodput, from every worker group's
+    records since the launch, and the downstream evaluation results (those that land after the workers
+    have stopped too: the last checkpoint's, always)."""
 
     def __init__(self, run: str) -> None:
         super().__init__()
         self._run = run
+        self.goodput_ratio = Gauge(
+            "meshtrain_goodput_ratio",
+            "Productive step time over wall time since the job's launch (restarts, redone steps, replica waits, "
+            "checkpoint stalls, evaluation and data waits are not productive), exported by the job's driver.",
+            ("run",), registry=self.registry,
+        ).labels(run=run)
+        self.lost_seconds = Gauge(
+            "meshtrain_lost_seconds",
+            "Wall time since the job's launch not spent on productive steps, by cause (start_up, restarts, "
+            "redone, data_wait, replica_waits, evaluation, checkpoints, finishing, other).",
+            ("run", "cause"), registry=self.registry,
+        )
         self.score = Gauge(
             "meshtrain_downstream_score",
             "The newest downstream evaluation's result per lm-evaluation-harness task and metric (acc, acc_norm, "
@@ -135,6 +149,11 @@ class DownstreamMetrics(_Exporter):
             "meshtrain_downstream_step", "Checkpoint step of the newest downstream evaluation per task.", ("run", "task"),
             registry=self.registry,
         )
+
+    def goodput(self, report: GoodputReport) -> None:
+        self.goodput_ratio.set(report["goodput"])
+        for cause, seconds in report["lost_s"].items():
+            self.lost_seconds.labels(run=self._run, cause=cause).set(seconds)
 
     def scored(self, record: dict[str, Any]) -> None:
         """A ``downstream_eval`` record, the newest of its task."""
@@ -251,6 +270,10 @@ class TrainingMetrics(_Exporter):
             "meshtrain_replica_heal_seconds",
             "fault_tolerance.mode=replica: seconds this worker's group took to join by receiving a live peer's state.",
         )
+        self.replica_heal_bytes = gauge(
+            "meshtrain_replica_heal_bytes",
+            "fault_tolerance.mode=replica: tensor bytes this worker received from its peer when its group joined.",
+        )
         self.workers = gauge("meshtrain_workers", "Workers (world size) in the group.")
         self.rank_compute = gauge(
             "meshtrain_rank_step_compute_seconds",
@@ -332,10 +355,12 @@ class TrainingMetrics(_Exporter):
                 self.eval_loss.labels(**self._label_values, source=name).set(scores["loss"])
         self.eval_step.set(record["step"])
 
-    def replicas(self, live: int, heal_s: float | None) -> None:
+    def replicas(self, live: int, heal_s: float | None, heal_bytes: int | None) -> None:
         self.replicas_live.set(live)
         if heal_s is not None:
             self.replica_heal.set(heal_s)
+        if heal_bytes is not None:
+            self.replica_heal_bytes.set(heal_bytes)
 
     def skipped(self, skipped_total: int) -> None:
         """The run's skipped steps so far (counted in this process from what it started with)."""
@@ -451,9 +476,9 @@ def targets_name(run: str, replica: int | None = None) -> str:
     return run if replica is None else f"{run}.replica{replica}"
 
 
-def downstream_targets_path(targets_dir: str | None, storage_path: str, run: str) -> Path:
-    """The targets file of a run's driver (downstream scores): a subfolder, named after the run too."""
-    return targets_path(targets_dir, storage_path, run).parent / DOWNSTREAM_TARGETS_DIR / f"{run}.json"
+def driver_targets_path(targets_dir: str | None, storage_path: str, run: str) -> Path:
+    """The targets file of a run's driver (goodput, downstream scores): a subfolder, named after the run too."""
+    return targets_path(targets_dir, storage_path, run).parent / DRIVER_TARGETS_DIR / f"{run}.json"
 
 
 def write_targets(path: Path, endpoints: list[Endpoint]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -60,8 +61,9 @@ def progress_line(record: dict[str, Any], total_steps: int) -> str:
         return (f"[meshtrain] step {record['step']} trains on {record['participants']} of {record['replicas']} replica "
                 "groups: a replica group was lost; Ray replaces it while the others go on")
     if record["event"] == "replica_joined":
-        return (f"[meshtrain] replica group {record['replica']} joined at step {record['step']} with a live peer's "
-                f"state ({record['seconds']:.1f}s); {record['participants']} replica groups train")
+        return (f"[meshtrain] replica group {record['replica']} joined at step {record['step']} with replica group "
+                f"{record['source']}'s state ({record['bytes'] / 2**20:,.1f} MiB in {record['seconds']:.1f}s); "
+                f"{record['participants']} replica groups train")
     if record["event"] == "warning":
         return f"[meshtrain] warning: {record['message']}"
     if record["event"] == "downstream_eval":
@@ -101,9 +103,17 @@ class ProgressMonitor:
     """
 
     def __init__(
-        self, path: Path, total_steps: int, interval_s: float, stream: TextIO = sys.stdout, poll_s: float = 1.0
+        self,
+        path: Path,
+        total_steps: int,
+        interval_s: float,
+        stream: TextIO = sys.stdout,
+        poll_s: float = 1.0,
+        listeners: Sequence[Callable[[dict[str, Any]], None]] = (),
     ) -> None:
+        """``listeners`` see every record this launch's workers write, in order (the goodput ledger)."""
         self.path, self.total_steps, self.interval_s = path, total_steps, interval_s
+        self.listeners = listeners
         self.stream, self.poll_s = stream, poll_s
         self.tty = stream.isatty()
         self._records = RecordFollower(path, from_end=True)  # a resumed run's earlier lines stay unprinted
@@ -134,6 +144,8 @@ class ProgressMonitor:
     def poll(self) -> None:
         """Show what the records appended since the last poll say."""
         for record in self._records.new_records():
+            for listener in self.listeners:
+                listener(record)
             self.show(record)
 
     def show(self, record: dict[str, Any]) -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypedDict
 
 from meshtrain.data.local_files import write_atomically
+from meshtrain.observe.goodput import GoodputReport
 
 Record = dict[str, Any]
 
@@ -45,7 +46,11 @@ class FlopsPerToken(TypedDict, total=False):
     flops_per_token_full_attention: float
 
 
-class TrainRecord(FlopsPerToken):
+class _ReplicaWait(FlopsPerToken, total=False):
+    replica_wait_s: float  # fault_tolerance.mode=replica: mean per step in the quorum and in uncommitted attempts
+
+
+class TrainRecord(_ReplicaWait):
     event: Literal["train"]
     step: int
     loss: float
@@ -55,6 +60,7 @@ class TrainRecord(FlopsPerToken):
     tokens_per_s: float
     step_time_s: float
     data_wait_s: float
+    interval_steps: int  # the steps since the writer's previous record: step_time_s is their mean
     elapsed_s: float
     skipped_steps: int
     world_size: int
@@ -126,6 +132,7 @@ class _PreemptedRequired(TypedDict):
 
 class PreemptedRecord(_PreemptedRequired, total=False):
     notice_to_commit_s: float  # when some rank knows its notice's age
+    replica_peers_live: int  # fault_tolerance.mode=replica: live replica groups it left the training to (no save then)
 
 
 class Interrupted(TypedDict):
@@ -242,6 +249,8 @@ class ReplicaJoinedRecord(TypedDict):
     replica: int  # the joining replica group's index
     participants: int  # live replica groups with it
     seconds: float  # from its first quorum request to its state received
+    source: int  # the live replica group it received the state from
+    bytes: int  # the tensor bytes its workers received, all together
     time: float
 
 
@@ -449,8 +458,8 @@ class RecordFollower:
 
 
 class Summary(TypedDict, total=False):
-    """``summary.json``: rank 0 writes it when training ends; the driver adds ``wall_time_s`` and
-    ``downstream`` and writes it again."""
+    """``summary.json``: rank 0 writes it when training ends; the driver adds ``wall_time_s``,
+    ``goodput`` and ``downstream`` and writes it again."""
 
     run: str
     steps: int
@@ -476,6 +485,7 @@ class Summary(TypedDict, total=False):
     wall_time_s: float
     downstream: dict[str, Any]
     replica_groups: int  # fault_tolerance.mode=replica (the driver's): mesh_shape and world_size are one group's
+    goodput: GoodputReport  # the driver's, from this launch's records (meshtrain.observe.goodput)
 
 
 def write_summary(paths: RunPaths, summary: Summary) -> None:

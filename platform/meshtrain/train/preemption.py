@@ -255,9 +255,13 @@ class NoticeHandling:
         budget_s: float,
         resize_check_interval_s: float,
         beat: Callable[[str], None],
+        hand_over: Callable[[], int] | None = None,
     ) -> None:
+        """``hand_over`` (replica mode): leave the run's quorum if other replica groups are live, and
+        return how many are (0: none, so this group saves before it leaves)."""
         self.notice, self.vote, self.checkpointing, self.outputs = notice, vote, checkpointing, outputs
         self.rank, self.budget_s, self.resize_check_interval_s, self.beat = rank, budget_s, resize_check_interval_s, beat
+        self.hand_over = hand_over
         self._budget_checked = False
 
     def after_step(self, step: int) -> Interrupted | None:
@@ -284,11 +288,14 @@ class NoticeHandling:
             self.outputs.emit(WarningRecord(event="warning", step=step, setting="run.preemption_save_s", message=warning))
 
     def _stop_on_notice(self, step: int) -> None:
-        """Every rank agreed that a notice came: save this step, then leave so Ray restarts the group."""
+        """Every rank agreed that a notice came: save this step, then leave so Ray restarts the group.
+        A replica group whose peers live leaves without saving: they hold the state it would save, and
+        they stop waiting for it as soon as it has left their quorum."""
         notices = self.vote.notices()
         ages = [age for _, age in notices]
         started = time.perf_counter()
-        saved = self.checkpointing.save_now(step)
+        peers_live = self.hand_over() if self.hand_over is not None else 0
+        saved = self.checkpointing.save_now(step) if not peers_live else False
         save_s = time.perf_counter() - started
         noticed = [rank for rank, (reason, _) in enumerate(notices) if reason is not None]
         reason = "; ".join(sorted({notices[rank][0] or "" for rank in noticed})) or "a notice"
@@ -297,9 +304,16 @@ class NoticeHandling:
         known = [age for age in ages if age is not None]
         if known:  # from the earliest notice to the commit
             record["notice_to_commit_s"] = max(known) + save_s
-        self.outputs.emit(record)
+        if self.hand_over is not None:
+            record["replica_peers_live"] = peers_live
+        self.outputs.emit(record, any_replica=True)
         self.notice.done()
-        kept = f"checkpoint of step {step} committed" if saved else "no checkpoint saved (checkpoints off, or a skipped step)"
+        if peers_live:
+            kept = f"the {peers_live} live replica group(s) hold its state and train on"
+        elif saved:
+            kept = f"checkpoint of step {step} committed"
+        else:
+            kept = "no checkpoint saved (checkpoints off, or a skipped step)"
         raise Preempted(f"rank {self.rank}: stopped at step {step} on a preemption notice ({reason}); {kept}")
 
     def _stop_on_interrupt(self, step: int) -> Interrupted:

@@ -58,10 +58,10 @@ class LoopOutputs:
             self.reporter.evaluated(record)
         self.emit(record)
 
-    def replicas(self, live: int, heal_s: float | None) -> None:
-        """fault_tolerance.mode=replica: the step's live replica groups, and this group's healing time."""
+    def replicas(self, live: int, heal_s: float | None, heal_bytes: int | None) -> None:
+        """fault_tolerance.mode=replica: the step's live replica groups, and this worker's healing time and bytes."""
         if self.metrics is not None:
-            self.metrics.replicas(live, heal_s)
+            self.metrics.replicas(live, heal_s, heal_bytes)
 
     def skipped(self, skipped_total: int) -> None:
         if self.metrics is not None:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import time
 
+import torch
+import torch.distributed as dist
+
 from meshtrain.checkpoint.state import Progress
 from meshtrain.config import PermanentError
 from meshtrain.data import DataParallelBatches
@@ -60,11 +63,12 @@ class ReplicaSteps:
         self.outputs.writes = writer
         self.checkpointing.writer = writer
         heal_s = time.perf_counter() - asked if quorum.healed else None
-        self.outputs.replicas(quorum.participants, heal_s)
+        self.outputs.replicas(quorum.participants, heal_s, quorum.received_bytes if quorum.healed else None)
         if heal_s is not None:
             self.outputs.emit(ReplicaJoinedRecord(
                 event="replica_joined", step=self.progress.step, replica=placement.index,
-                participants=quorum.participants, seconds=heal_s, time=time.time(),
+                participants=quorum.participants, seconds=heal_s, source=quorum.source,
+                bytes=self._group_bytes(quorum.received_bytes), time=time.time(),
             ), any_replica=True)
         elif self.participants is not None and quorum.participants < self.participants:
             self.outputs.emit(ReplicaLostRecord(
@@ -77,3 +81,20 @@ class ReplicaSteps:
         self.batches.resplit(quorum.rank * group_ranks + self.layout.data_rank, sharing * group_ranks,
                              self.progress.data_position)
         return LiveReplicas(self.peers, quorum.participants)
+
+    def hand_over(self) -> int:
+        """This group is leaving (a preemption notice): the live replica groups besides it in the last
+        quorum; when there are any, leave the quorum now (no more heartbeats), so they go on without it."""
+        peers = (self.participants or 1) - 1
+        if peers:
+            self.peers.close()
+        return peers
+
+    def _group_bytes(self, mine: int) -> int:
+        """What every worker of this group received while healing (they heal together, rank to same rank)."""
+        group = self.layout.control_group
+        if group is None:
+            return mine
+        total = torch.tensor([mine], dtype=torch.int64)
+        dist.all_reduce(total, group=group)
+        return int(total.item())

@@ -25,16 +25,18 @@ class StepLog:
         outputs: LoopOutputs,
         records: list[TrainRecord],
         attention: tuple[AttentionWork, ModelArgs] | None = None,
+        replicas: bool = False,
     ) -> None:
         """``attention``: what the training steps count of the attention they compute, and the model's
-        shape, for the record's FLOPs per token; None leaves them out."""
+        shape, for the record's FLOPs per token; None leaves them out. ``replicas``: replica mode, whose
+        records say how long the steps waited for the other replica groups."""
         self.log_every, self.global_batch_size, self.world_size = log_every, global_batch_size, world_size
         self.progress, self.bad_steps, self.outputs, self.records = progress, bad_steps, outputs, records
-        self.attention = attention
+        self.attention, self.replicas = attention, replicas
 
     def start(self, now: float) -> None:
         self.started = self.interval_start = now
-        self.interval_steps, self.interval_wait = 0, 0.0
+        self.interval_steps, self.interval_wait, self.interval_replica_wait = 0, 0.0, 0.0
         if self.attention is not None:
             self.attention[0].take()  # what forwards before the loop counted is not the first interval's
 
@@ -49,6 +51,11 @@ class StepLog:
         keys_per_query, window = attended
         flops = ModelFlops.of(self.attention[1])
         return {"flops_per_token": flops.per_token(keys_per_query), "flops_per_token_full_attention": flops.per_token(window)}
+
+    def waited_for_replicas(self, seconds: float) -> None:
+        """fault_tolerance.mode=replica: time this step spent in its quorum (healing a joining peer
+        included) or in an attempt a failed peer left uncommitted."""
+        self.interval_replica_wait += seconds
 
     def logged_at(self, step: int, last: bool) -> bool:
         return last or step % self.log_every == 0
@@ -72,6 +79,7 @@ class StepLog:
             "tokens_per_s": output.tokens / step_time,
             "step_time_s": step_time,
             "data_wait_s": self.interval_wait / self.interval_steps,  # mean per step, this rank waiting for its batch
+            "interval_steps": self.interval_steps,  # the steps since the previous record, which step_time_s averages
             "elapsed_s": now - self.started,
             "skipped_steps": self.progress.skipped_steps,
             "world_size": self.world_size,
@@ -80,7 +88,9 @@ class StepLog:
             "samples": [self.progress.data_position - self.global_batch_size, self.progress.data_position],
             **self._flops(),
         }
+        if self.replicas:
+            record["replica_wait_s"] = self.interval_replica_wait / self.interval_steps
         self.records.append(record)
         self.outputs.logged(record, self.world_size, last or not allowed)
-        self.interval_start, self.interval_steps, self.interval_wait = now, 0, 0.0
+        self.interval_start, self.interval_steps, self.interval_wait, self.interval_replica_wait = now, 0, 0.0, 0.0
         return allowed

@@ -209,7 +209,7 @@ class Trainer:
         )
         self.log = StepLog(
             cfg.train.log_every, cfg.train.global_batch_size, layout.world_size, self.progress, self.bad_steps,
-            self.outputs, self.result.records, (self.attention_work, self.model.args),
+            self.outputs, self.result.records, (self.attention_work, self.model.args), replicas=replica is not None,
         )
         # The loop's own small collectives (notice votes, straggler times) go on the layout's control
         # group; every rank issues them in the same order.
@@ -218,7 +218,8 @@ class Trainer:
         self.stop_vote = StopVote(self.notice, layout.control_group) if self.notice is not None else None
         self.notices = (
             NoticeHandling(self.notice, self.stop_vote, self.checkpointing, self.outputs, layout.rank, budget,
-                           cfg.scaling.resize_check_interval_s, self._beat)
+                           cfg.scaling.resize_check_interval_s, self._beat,
+                           hand_over=self._hand_over if replica is not None else None)
             if self.notice is not None and self.stop_vote is not None else None
         )
         self.stragglers = StragglerWatch(
@@ -263,8 +264,11 @@ class Trainer:
                 step = progress.step + 1
                 self._beat(f"training step {step}", arm=step > first_step)
                 live = None
+                attempt_started = time.perf_counter()
                 if self.replicas is not None:
                     live = self.replicas.begin()
+                    self.log.waited_for_replicas(time.perf_counter() - attempt_started)
+                    attempt_started = time.perf_counter()
                     step = progress.step + 1  # a group that joined has its peer's progress
                     self._beat(f"training step {step}")
                 if self.profiler is not None:
@@ -282,6 +286,7 @@ class Trainer:
                     output = train_step(self.model, self.guard, micro_batches, self.layout, cfg.optim.grad_clip,
                                         attention_work=self.attention_work, replicas=live)
                 if output is None:  # a live replica group failed during the step: train it again
+                    self.log.waited_for_replicas(time.perf_counter() - attempt_started)
                     continue
                 self.scheduler.step()
                 progress.step, progress.tokens = step, progress.tokens + output.tokens
@@ -320,6 +325,9 @@ class Trainer:
         self.result.train_time_s = time.perf_counter() - self.log.started
         self.result.stopped = self.bad_steps.stopped
         return self.result
+
+    def _hand_over(self) -> int:
+        return self.replicas.hand_over() if self.replicas is not None else 0
 
     def _beat(self, doing: str, arm: bool = False) -> None:
         if self.watchdog is not None:
