@@ -193,6 +193,8 @@ def test_a_killed_replica_costs_the_survivor_no_restart_and_its_replacement_heal
     assert [r["step"] for r in trained] == list(range(1, STEPS + 1))
     for record in trained:
         assert record["loss"] == pytest.approx(expected_losses[record["step"]], rel=1e-4), record["step"]
+    # Each record names the replica groups that trained its step: both, the survivor alone, both again.
+    assert trained[0]["replicas"] == trained[-1]["replicas"] == 2 and {r["replicas"] for r in trained} == {1, 2}
     # The survivor stalled about one heartbeat timeout, not a restart.
     times = [r["time"] for r in trained]
     assert max(b - a for a, b in zip(times, times[1:])) <= HEARTBEAT_S + 2 + max(step_s.values())

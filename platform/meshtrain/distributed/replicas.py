@@ -21,6 +21,7 @@ worker would train on its own share alone (measured: each replica's gradient was
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -134,7 +135,7 @@ class ReplicaPeers:
         self._store = _GroupStore(host, group_rank, group_size)
         timeout = timedelta(seconds=settings.timeout_s)
         self._manager = Manager(
-            pg=_process_group(device, timeout),
+            pg=_process_group(device, timeout, host),
             checkpoint_transport=_transport(host, timeout),
             load_state_dict=heal,
             state_dict=send,
@@ -235,10 +236,20 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def _process_group(device: torch.device, timeout: timedelta) -> Any:
+def _process_group(device: torch.device, timeout: timedelta, host: str) -> Any:
+    """torchft's reconfigurable process group, its rendezvous store advertised at this worker's node
+    address (torchft advertises the machine's hostname, as its HTTP transport does)."""
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-    return ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+    base = ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo
+
+    class NodeAddressedProcessGroup(base):  # type: ignore[misc, valid-type]
+        def get_reconfigure_handle(self) -> str:
+            handle = json.loads(super().get_reconfigure_handle())
+            handle["store"] = f"{_url_host(host)}:{handle['store'].rsplit(':', 1)[1]}"
+            return json.dumps(handle)
+
+    return NodeAddressedProcessGroup(timeout=timeout)
 
 
 class _GroupStore:

@@ -48,6 +48,7 @@ class FlopsPerToken(TypedDict, total=False):
 
 class _ReplicaWait(FlopsPerToken, total=False):
     replica_wait_s: float  # fault_tolerance.mode=replica: mean per step in the quorum and in uncommitted attempts
+    replicas: int  # fault_tolerance.mode=replica: the replica groups that trained the record's step
 
 
 class TrainRecord(_ReplicaWait):

@@ -33,6 +33,7 @@ class StepLog:
         self.log_every, self.global_batch_size, self.world_size = log_every, global_batch_size, world_size
         self.progress, self.bad_steps, self.outputs, self.records = progress, bad_steps, outputs, records
         self.attention, self.replicas = attention, replicas
+        self.replicas_live = 1
 
     def start(self, now: float) -> None:
         self.started = self.interval_start = now
@@ -51,6 +52,10 @@ class StepLog:
         keys_per_query, window = attended
         flops = ModelFlops.of(self.attention[1])
         return {"flops_per_token": flops.per_token(keys_per_query), "flops_per_token_full_attention": flops.per_token(window)}
+
+    def replicas_in_step(self, live: int) -> None:
+        """fault_tolerance.mode=replica: the replica groups that trained this step."""
+        self.replicas_live = live
 
     def waited_for_replicas(self, seconds: float) -> None:
         """fault_tolerance.mode=replica: time this step spent in its quorum (healing a joining peer
@@ -90,6 +95,7 @@ class StepLog:
         }
         if self.replicas:
             record["replica_wait_s"] = self.interval_replica_wait / self.interval_steps
+            record["replicas"] = self.replicas_live
         self.records.append(record)
         self.outputs.logged(record, self.world_size, last or not allowed)
         self.interval_start, self.interval_steps, self.interval_wait, self.interval_replica_wait = now, 0, 0.0, 0.0

@@ -294,6 +294,8 @@ class Trainer:
                 last = step == cfg.train.steps
                 if not self.checkpointing.after_step(step):
                     break
+                if live is not None:
+                    self.log.replicas_in_step(live.participants)
                 workers = self.layout.world_size * (live.participants if live is not None else 1)
                 self.outputs.step_done(step, output.tokens // workers, data_wait)
                 self.stragglers.step_done()
