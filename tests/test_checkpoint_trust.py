@@ -70,10 +70,10 @@ class Run:
             manager.save(state, {"world_size": 1})
         manager.close()
 
-    def restore(self, state: TrainState) -> int | None:
+    def restore(self, state: TrainState, at_most: int | None = None) -> int | None:
         manager = self.manager()
         try:
-            restored = manager.restore(state)
+            restored = manager.restore(state, at_most)
         finally:
             manager.close()
         return None if restored is None else restored.step
@@ -309,6 +309,16 @@ def test_a_commit_marker_that_is_not_json_is_skipped_and_kept(run: Run) -> None:
     assert run.lines == [f"[meshtrain] checkpoint {run.step(8)} skipped: it is bad (its {COMMIT_MARKER} is not valid JSON)"]
     run.save(make_state(seed=1, step=12), keep=1)
     assert sorted(p.name for p in run.root.iterdir()) == ["step-00000008", "step-00000012"]
+
+
+def test_a_launch_resume_point_loads_that_step_not_a_newer_one(run: Run) -> None:
+    """Replica mode: a group starting late in a launch loads the checkpoint the launch resumed from
+    (or none), not one a peer saved since; it heals from that peer anyway."""
+    run.save(make_state(seed=1, step=4), make_state(seed=1, step=8))
+    assert run.restore(make_state(seed=2, step=0), at_most=4) == 4
+    assert run.restore(make_state(seed=2, step=0), at_most=7) == 4
+    assert run.restore(make_state(seed=2, step=0), at_most=0) is None
+    assert run.restore(make_state(seed=2, step=0)) == 8
 
 
 def test_pruning_keeps_the_loadable_checkpoint_and_never_counts_or_deletes_bad_ones(run: Run) -> None:

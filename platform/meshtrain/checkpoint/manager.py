@@ -214,8 +214,9 @@ class CheckpointManager:
         with only bad ones the run must stop in ``restore``, not start over and overwrite them."""
         return bool(self._broadcast(bool(self.storage.all_committed()) if self.rank == 0 else None))
 
-    def restore(self, state: TrainState) -> CommittedCheckpoint | None:
-        """Load the newest loadable committed checkpoint into ``state``, falling back past broken ones.
+    def restore(self, state: TrainState, at_most: int | None = None) -> CommittedCheckpoint | None:
+        """Load the newest loadable committed checkpoint into ``state`` (of step ``at_most`` or older,
+        when given), falling back past broken ones.
 
         A checkpoint that fails to load on any rank (missing or damaged files, a checksum mismatch,
         other shapes or keys, metadata that is unreadable or refused) is marked bad, with one line,
@@ -225,6 +226,7 @@ class CheckpointManager:
         listing: list[CommittedCheckpoint] = self._broadcast(
             self.storage.all_committed() if self.rank == 0 else None
         )
+        listing = [checkpoint for checkpoint in listing if at_most is None or checkpoint.step <= at_most]
         if not listing:
             return None
         tried = []

@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 
+from meshtrain.checkpoint.storage import newest_committed
 from meshtrain.distributed.replicas import LighthouseServer, ReplicaPlacement
 from meshtrain.train.spec import RunSpec
 
@@ -31,13 +32,15 @@ def fit_replica_groups(spec: RunSpec, build: Callable[[RunSpec, ReplicaPlacement
     replicas = cfg.replica_groups()
     lighthouse = LighthouseServer(cfg.fault_tolerance, replicas)
     address = lighthouse.address_on(ray.util.get_node_ip_address())
+    _, newest = newest_committed(cfg.checkpoint, cfg.run)
+    resume_step = newest.step if newest is not None else 0
     outcomes: dict[int, BaseException | None] = {}
     changed = threading.Condition()
 
     def fit(index: int) -> None:
         error: BaseException | None = None
         try:
-            build(spec, ReplicaPlacement(index, replicas, address)).fit()
+            build(spec, ReplicaPlacement(index, replicas, address, resume_step=resume_step)).fit()
         except BaseException as exc:  # handed to the driver's thread
             error = exc
         with changed:

@@ -50,6 +50,9 @@ class ReplicaPlacement:
     replicas: int  # the run's replica groups
     lighthouse: str  # the lighthouse's address (http://host:port)
     joining: bool = False  # replaces a lost group: receives a live peer's state, reads no checkpoint
+    # The newest committed step when the launch began (0: none; None: no limit). A group of the launch
+    # loads that one, not one a peer saved since: a group that starts late heals from its peers anyway.
+    resume_step: int | None = None
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,7 @@ class Trainer:
 
         def restore() -> None:
             assert checkpoints is not None
-            restored = checkpoints.restore(state)
+            restored = checkpoints.restore(state, at_most=replica.resume_step if replica is not None else None)
             if restored is not None:
                 check_sampling(restored.manifest, data.sampling, restored.step)
 
