@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.config import ConfigError, FaultToleranceConfig
+from meshtrain.observe.metrics import Endpoint
 
 FT_EXTRA = "pip install -e '.[ft]'"
 
@@ -96,7 +97,7 @@ class LighthouseServer:
     def address_on(self, host: str) -> str:
         """Its address at ``host`` (the driver's node address): torchft advertises the machine's hostname,
         which other nodes may not resolve, or resolve to their own loopback."""
-        return f"http://{_url_host(host)}:{self.address.rsplit(':', 1)[1]}"
+        return f"http://{Endpoint(host, int(self.address.rsplit(':', 1)[1])).target}"
 
     def close(self) -> None:
         self._server.shutdown()
@@ -230,13 +231,9 @@ def _transport(host: str, timeout: timedelta) -> Any:
     class NodeAddressedTransport(HTTPTransport):
         def address(self) -> str:
             port = self._server.socket.getsockname()[1]
-            return f"http://{_url_host(host)}:{port}/checkpoint/"
+            return f"http://{Endpoint(host, port).target}/checkpoint/"
 
     return NodeAddressedTransport(timeout=timeout, num_chunks=0)
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _process_group(device: torch.device, timeout: timedelta, host: str) -> Any:
@@ -249,7 +246,7 @@ def _process_group(device: torch.device, timeout: timedelta, host: str) -> Any:
     class NodeAddressedProcessGroup(base):  # type: ignore[misc, valid-type]
         def get_reconfigure_handle(self) -> str:
             handle = json.loads(super().get_reconfigure_handle())
-            handle["store"] = f"{_url_host(host)}:{handle['store'].rsplit(':', 1)[1]}"
+            handle["store"] = Endpoint(host, int(handle["store"].rsplit(":", 1)[1])).target
             return json.dumps(handle)
 
     return NodeAddressedProcessGroup(timeout=timeout)
