@@ -25,12 +25,11 @@ from meshtrain.model.args import model_args
 from meshtrain.model.flops import device_peak_flops, flops_per_token, gpu_peak_flops, highest_peak_flops
 from meshtrain.model.loss import token_cross_entropy_sum
 from meshtrain.observe.goodput import goodput_of
+from meshtrain.config.network import Endpoint, advertised_host
 from meshtrain.observe.metrics import (
     DriverMetrics,
-    Endpoint,
     StepClock,
     TrainingMetrics,
-    advertised_host,
     targets_path,
     write_targets,
 )

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from meshtrain.config import MetricsConfig
 from meshtrain.observe.goodput import GoodputReport
-from meshtrain.observe.metrics import DriverMetrics, Endpoint, advertised_host, driver_targets_path, write_targets
+from meshtrain.config.network import Endpoint, advertised_host
+from meshtrain.observe.metrics import DriverMetrics, driver_targets_path, write_targets
 
 
 class DriverEndpoint:

@@ -24,10 +24,9 @@ from meshtrain.distributed.replicas import ReplicaPlacement
 from meshtrain.distributed.parallelize import param_dtype, set_matmul_precision, use_tf32
 from meshtrain.distributed.torch_support import check_torch
 from meshtrain.model.flops import device_peak_flops, flops_per_token
+from meshtrain.config.network import Endpoint, advertised_host
 from meshtrain.observe.metrics import (
-    Endpoint,
     TrainingMetrics,
-    advertised_host,
     targets_name,
     targets_path,
     write_targets,

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.config import ConfigError, FaultToleranceConfig
-from meshtrain.observe.metrics import Endpoint
+from meshtrain.config.network import Endpoint
 
 FT_EXTRA = "pip install -e '.[ft]'"
 

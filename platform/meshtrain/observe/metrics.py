@@ -16,7 +16,6 @@ import socketserver
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -33,6 +32,7 @@ from prometheus_client import (
 )
 
 from meshtrain.config import OVERALL_LABEL, PermanentError
+from meshtrain.config.network import Endpoint
 from meshtrain.observe.goodput import GoodputReport
 from meshtrain.observe.trackers import downstream_scores
 
@@ -449,21 +449,6 @@ def _handler_class(scrapes: _ScrapeCounter) -> type[WSGIRequestHandler]:
 
 
 # --- service discovery ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    host: str
-    port: int
-
-    @property
-    def target(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-
-def advertised_host(bind_address: str, node_ip: str) -> str:
-    """The address Prometheus should dial: the node's IP when listening on every interface."""
-    return node_ip if bind_address in ("0.0.0.0", "::") else bind_address
 
 
 def targets_path(targets_dir: str | None, storage_path: str, run: str) -> Path:
