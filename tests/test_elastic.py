@@ -78,18 +78,33 @@ def test_resize_records_say_why() -> None:
 
 
 class _Actor:
-    def __init__(self, marks: list) -> None:
-        self.mark_preempt = type("Method", (), {"remote": staticmethod(marks.append)})()
+    """A worker's actor: ``execute`` runs the function here at once, against this worker's own request
+    state (a worker is a process of its own), and returns its value (``ready_values`` reads plain values)."""
+
+    def __init__(self, calls: list) -> None:
+        import meshtrain.train.preemption as preemption
+
+        self.state = preemption._ResizeRequest()
+
+        def remote(fn, *args):
+            calls.append(fn.__name__)
+            shared, preemption._RESIZE = preemption._RESIZE, self.state
+            try:
+                return fn(*args)
+            finally:
+                preemption._RESIZE = shared
+
+        self.execute = type("Method", (), {"remote": staticmethod(remote)})()
 
 
-def _policy(newest: list, sizes: list[int], timeout_s: float = 30.0):
+def _policy(sizes: list[int], timeout_s: float = 30.0):
     import ray.train
 
     from meshtrain.cluster.elastic_policy import TrainableSizesPolicy
 
     policy = TrainableSizesPolicy(ray.train.ScalingConfig(num_workers=(1, 4), resources_per_worker={"CPU": 0.6},
                                                           elastic_resize_monitor_interval_s=0.001),
-                                  sizes, lambda: newest[-1], timeout_s)
+                                  sizes, timeout_s)
     policy._maybe_send_resource_request = lambda: None  # no autoscaling coordinator here
     return policy
 
@@ -97,55 +112,65 @@ def _policy(newest: list, sizes: list[int], timeout_s: float = 30.0):
 def test_ray_is_offered_only_trainable_sizes() -> None:
     """Ray's own count of workers the free resources hold, rounded down to a trainable size: 3 slots
     train on 2, and below the smallest trainable size Ray is told none (it waits for capacity)."""
-    policy = _policy([None], [2, 4])
+    policy = _policy([2, 4])
     assert policy._count_possible_workers({"a": {"CPU": 2.0}}) == 2  # Ray's count: 3
     assert policy._count_possible_workers({"a": {"CPU": 2.0}, "b": {"CPU": 0.7}}) == 4
     assert policy._count_possible_workers({"a": {"CPU": 1.0}}) == 0  # 1 slot: below every trainable size
-    assert _policy([None], [1, 2, 4])._count_possible_workers({"a": {"CPU": 1.0}}) == 1
+    assert _policy([1, 2, 4])._count_possible_workers({"a": {"CPU": 1.0}}) == 1
 
 
 def test_draining_and_dead_nodes_are_not_counted(monkeypatch) -> None:
     import meshtrain.cluster.elastic_policy as elastic_policy
 
-    policy = _policy([None], [2, 4])
+    policy = _policy([2, 4])
     monkeypatch.setattr(elastic_policy, "unusable_nodes", lambda: {"b"})
     assert policy._count_possible_workers({"a": {"CPU": 1.3}, "b": {"CPU": 1.3}}) == 2  # 4 with b
 
 
-def test_a_resize_waits_for_the_groups_checkpoint_then_happens() -> None:
+def test_a_resize_waits_until_every_worker_has_saved_then_happens(monkeypatch) -> None:
     from types import SimpleNamespace
 
     from ray.train.v2._internal.execution.scaling_policy.scaling_policy import NoopDecision, ResizeDecision
 
-    from meshtrain.cluster.elastic_policy import RESIZE_REQUEST
+    import meshtrain.cluster.elastic_policy as elastic_policy
 
-    newest = [10]
-    marks: list = []
-    policy = _policy(newest, [1, 2, 4])
-    state = SimpleNamespace(start_time=0.0, num_workers=2, workers=[SimpleNamespace(actor=_Actor(marks)) for _ in range(2)])
+    monkeypatch.setattr(elastic_policy, "ready_values", list)
+    calls: list = []
+    actors = [_Actor(calls), _Actor(calls)]
+    state = SimpleNamespace(start_time=0.0, num_workers=2, workers=[SimpleNamespace(actor=actor) for actor in actors])
+    policy = _policy([1, 2, 4])
     policy._get_reserved_resources = lambda: {"a": {"CPU": 2.5}}  # capacity for 4 is back
     assert isinstance(policy.make_decision_for_running_worker_group(state, None), NoopDecision)
-    assert marks == [RESIZE_REQUEST, RESIZE_REQUEST]  # every worker is asked to save where it is
-    assert isinstance(policy.make_decision_for_running_worker_group(state, None), NoopDecision)  # not committed yet
-    newest.append(13)  # the group committed step 13
+    assert calls == ["request_resize", "request_resize"]  # every worker is asked to save where it is
+    assert all(actor.state.pending() for actor in actors)
+    assert isinstance(policy.make_decision_for_running_worker_group(state, None), NoopDecision)  # no answer yet
+    actors[0].state.answer(13, True)
+    assert isinstance(policy.make_decision_for_running_worker_group(state, None), NoopDecision)  # one of two
+    actors[1].state.answer(13, True)
     decision = policy.make_decision_for_running_worker_group(state, None)
     assert isinstance(decision, ResizeDecision) and decision.num_workers == 4
-    assert len(marks) == 2
-    # No save comes (checkpoints off, or a stuck save): the grow happens after the timeout anyway.
-    stuck = _policy([None], [1, 2, 4], timeout_s=0.0)
+    assert calls.count("request_resize") == 2
+    # No answer comes (a stuck save): the resize happens after the timeout anyway.
+    stuck = _policy([1, 2, 4], timeout_s=0.0)
     stuck._get_reserved_resources = lambda: {"a": {"CPU": 2.5}}
     assert isinstance(stuck.make_decision_for_running_worker_group(state, None), NoopDecision)
     assert isinstance(stuck.make_decision_for_running_worker_group(state, None), ResizeDecision)
+    # An answer to an earlier request is no answer to this one.
+    again = _policy([1, 2, 4])
+    again._get_reserved_resources = lambda: {"a": {"CPU": 2.5}}
+    assert isinstance(again.make_decision_for_running_worker_group(state, None), NoopDecision)
+    assert isinstance(again.make_decision_for_running_worker_group(state, None), NoopDecision)
     # Same capacity: nothing to do. Less (a node being drained): the group saves first, as for a grow.
-    marks.clear()
-    same = _policy([None], [1, 2, 4])
+    calls.clear()
+    same = _policy([1, 2, 4])
     same._get_reserved_resources = lambda: {"a": {"CPU": 1.3}}
-    assert isinstance(same.make_decision_for_running_worker_group(state, None), NoopDecision) and marks == []
-    shrink_newest = [10]
-    shrink = _policy(shrink_newest, [1, 2, 4])
+    assert isinstance(same.make_decision_for_running_worker_group(state, None), NoopDecision) and calls == []
+    shrink = _policy([1, 2, 4])
     shrink._get_reserved_resources = lambda: {"a": {"CPU": 0.7}}
-    assert isinstance(shrink.make_decision_for_running_worker_group(state, None), NoopDecision) and len(marks) == 2
-    shrink_newest.append(12)
+    assert isinstance(shrink.make_decision_for_running_worker_group(state, None), NoopDecision)
+    assert calls.count("request_resize") == 2
+    for actor in actors:
+        actor.state.answer(20, False)  # checkpoints off: answered at once, nothing to wait for
     decision = shrink.make_decision_for_running_worker_group(state, None)
     assert isinstance(decision, ResizeDecision) and decision.num_workers == 1
 
@@ -164,7 +189,7 @@ def test_the_trainer_hands_ray_the_policy_for_elastic_runs(tmp_path) -> None:
     trainer = build_trainer(spec(cfg, "elastic"))
     policy = trainer._elastic_policy(trainer.scaling_config)
     assert isinstance(policy, TrainableSizesPolicy) and policy.sizes == [2, 4, 8]
-    assert policy.newest_checkpoint_step() is None  # no checkpoint yet
+    assert policy.grow_save_timeout_s == cfg.scaling.grow_save_timeout_s
     import pickle
 
     assert pickle.loads(pickle.dumps(policy)).sizes == [2, 4, 8]  # it travels to Ray's controller

@@ -154,26 +154,30 @@ def test_a_budget_shorter_than_a_step_is_reported_once(corpus: DataPlan, tmp_pat
     assert not [e for e in quiet if e["event"] == "warning"]
 
 
-def test_rays_notices_are_a_preemption_when_they_name_nodes_and_a_resize_request_when_not(monkeypatch) -> None:
-    """What Ray Train's PreemptionWatcher leaves in a worker's context (read every step without a
-    call through Ray), and the same mark with no node: meshtrain's elastic policy asking to save."""
+def test_rays_notices_are_a_preemption_and_the_elastic_policys_requests_a_resize_answered_after_the_save(monkeypatch) -> None:
+    """What Ray Train's PreemptionWatcher leaves in a worker's context (read every step without a call
+    through Ray) is a preemption; the elastic policy's request arrives on its own channel (never in Ray's
+    mark, which Ray's controller would take for a preemption) and is answered, per token, once saved."""
     import meshtrain.train.preemption as preemption
-    from meshtrain.cluster.elastic_policy import RESIZE_REQUEST
     from ray.train.v2.api.preemption import PreemptionInfo
 
     context = type("Context", (), {})()
     context.preemption_context = type("PreemptionContext", (), {"preemption_info": None})()
     monkeypatch.setattr(preemption, "_ray_context", lambda: context)
+    monkeypatch.setattr(preemption, "_RESIZE", preemption._ResizeRequest())
     notice = PreemptionNotice(60.0, rank=0)
-    assert notice.local() == preemption.NO_NOTICE
-    context.preemption_context.preemption_info = RESIZE_REQUEST
+    assert notice.local() == preemption.NO_NOTICE and preemption.resize_answer("a") is None
+    preemption.request_resize("a")
     assert notice.local() == preemption.RESIZE and not notice.given
-    notice.clear_resize_request()
-    assert context.preemption_context.preemption_info is None and notice.local() == preemption.NO_NOTICE
+    assert context.preemption_context.preemption_info is None  # nothing Ray's controller polls
+    assert preemption.resize_answer("a") is None  # not saved yet
+    notice.answer_resize(12, True)
+    assert notice.local() == preemption.NO_NOTICE
+    assert preemption.resize_answer("a") == (12, True) and preemption.resize_answer("b") is None
+    preemption.request_resize("b")  # a later request forgets the earlier answer
+    assert preemption.resize_answer("b") is None and preemption.resize_answer("a") is None
     context.preemption_context.preemption_info = PreemptionInfo(deadline_ms=None, preempted_node_to_ranks={"ab12": [2, 3]})
     assert notice.local() == preemption.PREEMPT and notice.reason == "Ray drains node(s) ab12"
-    notice.clear_resize_request()  # a real notice is never cleared
-    assert context.preemption_context.preemption_info is not None
     notice.done()
 
 
@@ -182,13 +186,14 @@ def test_a_drain_notice_during_the_resize_wait_leaves_at_once_from_the_saved_ste
     Ray to resize) and Ray's own drain notice. The notice that lands during the wait ends it: the step is
     already saved, so the rank leaves now instead of sleeping out the wait and training on."""
     import meshtrain.train.preemption as preemption
-    from meshtrain.cluster.elastic_policy import RESIZE_REQUEST
     from meshtrain.train.preemption import NoticeHandling
     from ray.train.v2.api.preemption import PreemptionInfo
 
     context = type("Context", (), {})()
-    context.preemption_context = type("PreemptionContext", (), {"preemption_info": RESIZE_REQUEST})()
+    context.preemption_context = type("PreemptionContext", (), {"preemption_info": None})()
     monkeypatch.setattr(preemption, "_ray_context", lambda: context)
+    monkeypatch.setattr(preemption, "_RESIZE", preemption._ResizeRequest())
+    preemption.request_resize("grow")
     notice = PreemptionNotice(60.0, rank=0)
     vote = type("Vote", (), {"result": lambda self: notice.local()})()
     saves: list[int] = []
@@ -209,6 +214,7 @@ def test_a_drain_notice_during_the_resize_wait_leaves_at_once_from_the_saved_ste
         handling.after_step(7)
     assert time.monotonic() - started < 5 and saves == [7] and len(beats) == 2
     assert [(r["event"], r["step"], r["saved"]) for r in records] == [("resize_save", 7, True), ("preempted", 7, True)]
+    assert preemption.resize_answer("grow") == (7, True)  # the policy may resize: the step is saved
 
 
 @pytest.fixture

@@ -77,6 +77,7 @@ class Check:
     quick: bool = False
     reference: str | None = None  # the configuration whose losses this one is compared with
     bound: float | None = None  # largest relative loss difference allowed against the reference
+    extra: bool = False  # a follow-up measurement: runs only when --only names it
 
 
 _DEBUG = {"model.preset": "debug", "data.seq_len": 128, "train.global_batch_size": 8, "train.micro_batch_size": 8}
@@ -90,6 +91,8 @@ _SEL = {"parallel.compile": True, "parallel.activation_checkpointing": "selectiv
 _NOMASK = {"model.document_mask": False}
 _F8 = {"parallel.float8": True}
 _ROWWISE = {"parallel.float8": True, "parallel.float8_recipe": "rowwise"}
+_MB2 = {"train.micro_batch_size": 2, "train.global_batch_size": 2}
+_MB4 = {"train.micro_batch_size": 4, "train.global_batch_size": 4}
 
 CHECKS: tuple[Check, ...] = (
     Check("debug-cpu-fp32", {**_DEBUG, **_FP32}, "reference", quick=True),
@@ -111,8 +114,15 @@ CHECKS: tuple[Check, ...] = (
     Check("8b8l-compile-sel-nomask", {**_8B, **_BF16, **_SEL, **_NOMASK}, "throughput"),
     Check("8b8l-compile-sel-float8", {**_8B, **_BF16, **_SEL, **_F8}, "throughput"),
     Check("8b8l-compile-sel-float8-rowwise", {**_8B, **_BF16, **_SEL, **_ROWWISE}, "throughput"),
+    # Follow-ups (--only): more tokens per step, where the weights' float8 casts and the optimizer's pass
+    # over the weights weigh less against the matrix multiplies.
+    Check("1b-compile-mb4", {**_1B, **_BF16, **_COMPILE, **_MB4}, "throughput", extra=True),
+    Check("1b-compile-float8-mb4", {**_1B, **_BF16, **_COMPILE, **_F8, **_MB4}, "throughput", extra=True),
+    Check("1b-compile-float8-rowwise-mb4", {**_1B, **_BF16, **_COMPILE, **_ROWWISE, **_MB4}, "throughput", extra=True),
+    Check("8b8l-compile-sel-mb2", {**_8B, **_BF16, **_SEL, **_MB2}, "throughput", extra=True),
+    Check("8b8l-compile-sel-float8-mb2", {**_8B, **_BF16, **_SEL, **_F8, **_MB2}, "throughput", extra=True),
 )
-TRACED = "1b-compile"  # the configuration whose step after the timed ones is traced
+TRACED = "1b-compile"  # the configuration whose step after the timed ones is traced (--trace)
 SNAPSHOT = "1b-eager"  # the configuration that records the allocator's history for a snapshot
 # On the CPU every Llama shape becomes the debug model: the path is the same, the figures are not GPU figures.
 CPU_SHAPES = {"llama3_1b": {"data.seq_len": 128}, "llama3_8b": {"data.seq_len": 256, "model.n_layers": None}}
@@ -217,8 +227,9 @@ def relative_difference(losses: dict[int, float], reference: dict[int, float]) -
 class Runner:
     """Runs configurations in this process, on one rank, and fills their rows."""
 
-    def __init__(self, device: torch.device, work: Path, data_source: str, window: Window, profile: bool) -> None:
-        self.device, self.work, self.window, self.profile = device, work, window, profile
+    def __init__(self, device: torch.device, work: Path, data_source: str, window: Window, profile: bool,
+                 traced: str = TRACED) -> None:
+        self.device, self.work, self.window, self.profile, self.traced = device, work, window, profile, traced
         self.data_source = data_source
         self.plans: dict[str, DataPlan] = {}
         self.rows: dict[str, CheckRow] = {}
@@ -240,7 +251,7 @@ class Runner:
             owned["scaling.use_gpu"] = False
         elif self.device.type == "cuda":
             owned["scaling.use_gpu"] = True
-        if self.profile and check.name == TRACED:
+        if self.profile and check.name == self.traced:
             owned.update({"train.steps": self.window.total + 2, "profile.start_step": self.window.total + 2,
                           "profile.active_steps": 1, "profile.ranks": [0], "profile.top": 8})
         if self.profile and check.name == SNAPSHOT and self.device.type == "cuda":
@@ -463,6 +474,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="skip configurations once this many seconds have passed (default 390, --quick 150)")
     parser.add_argument("--no-profile", dest="profile", action="store_false",
                         help=f"no profiler trace ({TRACED}) and no allocator history ({SNAPSHOT})")
+    parser.add_argument("--trace", default=TRACED, metavar="NAME",
+                        help="the configuration whose step after the timed ones is traced (default %(default)s)")
     parser.add_argument("--list", action="store_true", help="list the configurations and exit")
     args = parser.parse_args(argv)
     args.only = [p.strip() for item in args.only for p in item.split(",") if p.strip()]
@@ -470,12 +483,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--steps and --warmup must be at least 1")
     if args.budget_s is None:
         args.budget_s = 150.0 if args.quick else 390.0
+    if not any(check.name == args.trace for check in CHECKS):
+        parser.error(f"--trace: {args.trace!r} is no configuration; see --list")
     return args
 
 
 def selected(args: argparse.Namespace) -> list[Check]:
-    chosen = [c for c in CHECKS if not args.quick or c.quick]
+    chosen = [c for c in CHECKS if (not args.quick or c.quick) and not c.extra]
     if args.only:
+        chosen = [c for c in CHECKS if not args.quick or c.quick]
         for pattern in args.only:
             if not any(fnmatch.fnmatch(c.name, pattern) for c in CHECKS):
                 raise ConfigError(f"--only: {pattern!r} matches no configuration; see --list")
@@ -487,7 +503,7 @@ def selected(args: argparse.Namespace) -> list[Check]:
                 reference = next(c for c in CHECKS if c.name == check.reference)
                 if reference.reference is not None:
                     wanted.add(reference.reference)
-        chosen = [c for c in CHECKS if c.name in wanted ]
+        chosen = [c for c in CHECKS if c.name in wanted]
     return chosen
 
 
@@ -503,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list:
         for check in CHECKS:
-            quick = " (--quick)" if check.quick else ""
+            quick = " (--quick)" if check.quick else " (--only)" if check.extra else ""
             print(f"{check.name}{quick}: {check.kind}; " + " ".join(f"{k}={v}" for k, v in check.settings.items()))
         return 0
     try:
@@ -524,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     window = Window.for_request(args.warmup, args.steps)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     init_single_rank(device)
-    runner = Runner(device, args.work.resolve(), args.data, window, args.profile)
+    runner = Runner(device, args.work.resolve(), args.data, window, args.profile, args.trace)
     env = environment()
     print(f"[gpu_check] {heading(env)}; {len(checks)} configurations, budget {args.budget_s:.0f}s", flush=True)
     began = time.perf_counter()

@@ -15,45 +15,29 @@ hook for this, so :mod:`meshtrain.cluster.ray_trainer` hands it over where Ray b
   below ``min_workers``, so Ray waits for capacity as it does below the minimum), so no size Ray
   offers ends a run;
 * a resize of a running group (a grow when capacity returns, or a shrink off a node that is being
-  drained) is held back until the group has saved where it is: the policy marks every worker (through
-  the same ``mark_preempt`` call Ray's own ``PreemptionWatcher`` uses, with no node named: a resize,
-  not a preemption), the ranks agree at the next step boundary, save that step, and wait; the policy
-  resizes once that checkpoint is committed (or after ``grow_save_timeout_s``, if it never is), so
-  the new group resumes at the step the old one stopped.
+  drained) is held back until the group has saved where it is: the policy asks every worker
+  (:func:`meshtrain.train.preemption.request_resize`, run in the worker's process through Ray's
+  ``execute``), the ranks agree at the next step boundary, save that step, answer and wait; the policy
+  resizes once every worker has answered (or after ``grow_save_timeout_s``, if they never do), so the
+  new group resumes at the step the old one stopped. Ray's own preemption mark is not used for the
+  request: the controller takes any mark it polls as a preemption and stops resizing.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+import uuid
 from typing import Any
 
+import ray
 from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 from ray.train.v2._internal.execution.scaling_policy.scaling_policy import (
     NoopDecision,
     ResizeDecision,
     ScalingDecision,
 )
-from ray.train.v2.api.preemption import PreemptionInfo
 
-from meshtrain.checkpoint.storage import CheckpointStorage
-
-
-@dataclass(frozen=True)
-class NewestCommittedStep:
-    """The step of a run's newest committed checkpoint (None: none yet); picklable, for Ray's controller."""
-
-    root: str
-    storage_options: dict[str, Any]
-
-    def __call__(self) -> int | None:
-        committed = CheckpointStorage(self.root, self.storage_options).committed()
-        return committed[0].step if committed else None
-
-
-# A notice that names no preempted node: save where you are, the group is about to be resized.
-RESIZE_REQUEST = PreemptionInfo(deadline_ms=None, preempted_node_to_ranks={})
+from meshtrain.train.preemption import request_resize, resize_answer
 
 
 def unusable_nodes() -> set[str]:
@@ -68,23 +52,46 @@ def unusable_nodes() -> set[str]:
         return set()
 
 
-def is_resize_request(info: Any) -> bool:
-    return info is not None and not getattr(info, "preempted_node_to_ranks", None)
+class PendingResize:
+    """A resize held back until every worker of the group has saved where it is."""
+
+    def __init__(self, decision: ResizeDecision, actors: list[Any]) -> None:
+        self.decision, self.actors = decision, actors
+        self.token = uuid.uuid4().hex
+        self.asked_at = time.monotonic()
+        for actor in actors:
+            actor.execute.remote(request_resize, self.token)
+        self._answers: list[Any] | None = None
+
+    def answered(self) -> bool:
+        """Whether every worker has answered (never blocks: the controller's loop runs this)."""
+        if self._answers is None:
+            self._answers = [actor.execute.remote(resize_answer, self.token) for actor in self.actors]
+        answers = ready_values(self._answers)
+        if answers is None:
+            return False
+        self._answers = None  # ask again next time unless every worker has answered
+        return all(answer is not None for answer in answers)
+
+
+def ready_values(refs: list[Any]) -> list[Any] | None:
+    """The values of ``refs`` if all are ready, else None; a dead worker's counts as no answer (its group is
+    failing, and the controller's failure handling ends the pending resize)."""
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    if len(ready) < len(refs):
+        return None
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayError:
+        return [None]
 
 
 class TrainableSizesPolicy(ElasticScalingPolicy):
-    def __init__(
-        self,
-        scaling_config: Any,
-        sizes: list[int],
-        newest_checkpoint_step: Callable[[], int | None],
-        grow_save_timeout_s: float,
-    ) -> None:
+    def __init__(self, scaling_config: Any, sizes: list[int], grow_save_timeout_s: float) -> None:
         super().__init__(scaling_config)
         self.sizes = sorted(sizes)
-        self.newest_checkpoint_step = newest_checkpoint_step
         self.grow_save_timeout_s = grow_save_timeout_s
-        self._pending_grow: tuple[float, int | None, ResizeDecision] | None = None
+        self._pending: PendingResize | None = None
 
     def _count_possible_workers(self, reserved_resources: Any) -> int:
         # Ray's count includes draining nodes (a spot reclaim, an evicted straggler) and, for a while,
@@ -95,22 +102,18 @@ class TrainableSizesPolicy(ElasticScalingPolicy):
         return max((size for size in self.sizes if size <= possible), default=0)
 
     def make_decision_for_running_worker_group(self, worker_group_state: Any, worker_group_status: Any) -> ScalingDecision:
-        if self._pending_grow is not None:
-            asked_at, newest_before, decision = self._pending_grow
-            newest = self.newest_checkpoint_step()
-            saved = newest is not None and (newest_before is None or newest > newest_before)
-            if saved or time.monotonic() - asked_at > self.grow_save_timeout_s:
-                self._pending_grow = None
-                return decision
+        if self._pending is not None:
+            pending = self._pending
+            if pending.answered() or time.monotonic() - pending.asked_at > self.grow_save_timeout_s:
+                self._pending = None
+                return pending.decision
             return NoopDecision()
         decision = super().make_decision_for_running_worker_group(worker_group_state, worker_group_status)
         if isinstance(decision, ResizeDecision) and decision.num_workers != worker_group_state.num_workers:
-            self._pending_grow = (time.monotonic(), self.newest_checkpoint_step(), decision)
-            for worker in worker_group_state.workers:
-                worker.actor.mark_preempt.remote(RESIZE_REQUEST)
+            self._pending = PendingResize(decision, [worker.actor for worker in worker_group_state.workers])
             return NoopDecision()
         return decision
 
     def make_decision_for_non_running_worker_group(self) -> ScalingDecision:
-        self._pending_grow = None  # the group it was for is gone
+        self._pending = None  # the group it was for is gone
         return super().make_decision_for_non_running_worker_group()

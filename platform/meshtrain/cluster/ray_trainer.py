@@ -18,7 +18,6 @@ from typing import Any
 from ray.train.v2._internal.execution.failure_handling import FailureDecision
 from ray.train.v2._internal.execution.failure_handling.default import DefaultFailurePolicy
 
-from meshtrain.checkpoint.storage import checkpoint_root
 from meshtrain.cluster.capacity import worker_resources
 from meshtrain.cluster.elastic_policy import TrainableSizesPolicy
 from meshtrain.cluster.failures import root_failure
@@ -95,7 +94,6 @@ def build_trainer(spec: RunSpec, replica: ReplicaPlacement | None = None) -> Any
     import ray.train
     from ray.train.torch import TorchConfig
 
-    from meshtrain.cluster.elastic_policy import NewestCommittedStep, TrainableSizesPolicy
     from meshtrain.cluster.worker import train_loop_per_worker
 
     cfg, paths = spec.config, spec.paths
@@ -108,12 +106,10 @@ def build_trainer(spec: RunSpec, replica: ReplicaPlacement | None = None) -> Any
         backend = "nccl"
     elastic_policy = None
     if scaling.elastic:
-        # Only trainable sizes; a grow first saves where the group is (none to wait for without checkpoints).
+        # Only trainable sizes; a resize first has the group save where it is (without checkpoints the
+        # ranks answer at once).
         elastic_policy = functools.partial(
-            TrainableSizesPolicy,
-            sizes=cfg.elastic_sizes(),
-            newest_checkpoint_step=NewestCommittedStep(checkpoint_root(cfg.checkpoint, cfg.run), cfg.checkpoint.storage_options),
-            grow_save_timeout_s=scaling.grow_save_timeout_s if cfg.checkpoint.enabled else 0.0,
+            TrainableSizesPolicy, sizes=cfg.elastic_sizes(), grow_save_timeout_s=scaling.grow_save_timeout_s
         )
     return trainer_class()(
         train_loop_per_worker,

@@ -141,8 +141,8 @@ class ScalingConfig(Section):
     grow_save_timeout_s: float = Field(
         600.0,
         ge=0,
-        description="Elastic training: before growing, the group saves the step it is at and waits; Ray resizes once "
-        "that checkpoint is committed, or after this long (seconds).",
+        description="Elastic training: before a resize, the group saves the step it is at and waits; Ray resizes once "
+        "every worker has saved, or after this long (seconds).",
     )
     evict_stragglers: bool = Field(
         False,

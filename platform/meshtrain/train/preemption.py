@@ -14,8 +14,13 @@ Notices come two ways:
   public ``ray.train.get_preemption_info()`` is a barrier through Ray on every call, too slow for
   every step).
 
-The same mark with no node named is meshtrain's elastic policy asking the group to save before it
-grows it (:mod:`meshtrain.cluster.elastic_policy`): then the ranks save and wait to be restarted.
+meshtrain's elastic policy asks the group to save before Ray resizes it
+(:mod:`meshtrain.cluster.elastic_policy`) on a channel of its own, :func:`request_resize`, run in each
+worker's process through Ray's ``execute`` on the worker's actor; the ranks save, answer
+(:func:`resize_answer`) and wait to be restarted. Not through Ray's preemption mark: Ray's controller
+reads every worker's mark in its health polls and takes any mark as a preemption (it stops making
+scaling decisions and waits up to 120 s for the group to exit), so a request still there at a poll
+turned a grow into a restart minutes later, from whatever checkpoint was newest by then.
 
 A third kind of notice is an **interrupt**: Ctrl-C (SIGINT) or ``ray job stop`` (SIGTERM) reaching
 the driver. The driver writes a :class:`StopRequest` into the run directory and every rank's
@@ -61,6 +66,48 @@ if TYPE_CHECKING:
 
 # What a rank's notice flag says, ordered so the all-reduced maximum is what the group does.
 NO_NOTICE, RESIZE, PREEMPT, INTERRUPT = 0, 1, 2, 3
+
+
+class _ResizeRequest:
+    """The elastic policy's pending request in this worker's process, and this rank's answer: the step it
+    saved for it and whether the save committed. A token per request, so an answer never belongs to an
+    earlier request."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._token: str | None = None
+        self._answer: tuple[int, bool] | None = None
+
+    def ask(self, token: str) -> None:
+        with self._lock:
+            self._token, self._answer = token, None
+
+    def pending(self) -> bool:
+        with self._lock:
+            return self._token is not None and self._answer is None
+
+    def answer(self, step: int, saved: bool) -> None:
+        with self._lock:
+            if self._token is not None:
+                self._answer = (step, saved)
+
+    def answered(self, token: str) -> tuple[int, bool] | None:
+        with self._lock:
+            return self._answer if token == self._token else None
+
+
+_RESIZE = _ResizeRequest()
+
+
+def request_resize(token: str) -> None:
+    """Ask this worker's ranks to save at the next step boundary and wait for Ray to resize the group
+    (run in the worker's process by the elastic policy through Ray's ``execute``)."""
+    _RESIZE.ask(token)
+
+
+def resize_answer(token: str) -> tuple[int, bool] | None:
+    """This rank's answer to request ``token``: (step saved, committed), or None until its save is done."""
+    return _RESIZE.answered(token)
 
 
 class Preempted(RuntimeError):
@@ -113,19 +160,15 @@ class PreemptionNotice:
         if self._given.is_set():
             return INTERRUPT if self.interrupted else PREEMPT
         info = _ray_notice()
-        if info is None:
-            return NO_NOTICE
-        if not info.preempted_node_to_ranks:  # names no node: cluster.elastic_policy's resize request
-            return RESIZE
-        self.give(f"Ray drains node(s) {', '.join(info.preempted_node_ids)}")
-        return PREEMPT
+        if info is not None and info.preempted_node_to_ranks:
+            self.give(f"Ray drains node(s) {', '.join(info.preempted_node_ids)}")
+            return PREEMPT
+        return RESIZE if _RESIZE.pending() else NO_NOTICE
 
     @staticmethod
-    def clear_resize_request() -> None:
-        """Forget a handled resize request (Ray keeps the last notice in the worker's context)."""
-        info = _ray_notice()
-        if info is not None and not info.preempted_node_to_ranks:
-            _ray_context().preemption_context.preemption_info = None
+    def answer_resize(step: int, saved: bool) -> None:
+        """The group saved ``step`` for the elastic policy's request (``saved``: committed): the policy may resize."""
+        _RESIZE.answer(step, saved)
 
 
 class StopRequestWatch:
@@ -328,13 +371,13 @@ class NoticeHandling:
 
     def _save_for_resize(self, step: int) -> None:
         """The elastic policy will grow the group: save this step, then wait for Ray to restart the group
-        (it resizes once the checkpoint is committed), so the larger group loses no step. Should the
+        (it resizes once every rank has answered), so the larger group loses no step. Should the
         restart not come, training goes on."""
         started = time.perf_counter()
         saved = self.checkpointing.save_now(step)
         self.outputs.emit(ResizeSaveRecord(event="resize_save", step=step, saved=saved,
                                            save_s=time.perf_counter() - started))
-        self.notice.clear_resize_request()
+        self.notice.answer_resize(step, saved)
         waiting_until = time.monotonic() + self.resize_check_interval_s + 60
         while time.monotonic() < waiting_until:
             if self.notice.local() == PREEMPT:
