@@ -357,3 +357,39 @@ def test_a_checkpoint_of_either_mode_resumes_in_the_other_with_the_unbroken_loss
     assert [r["step"] for r in trained] == list(range(1, STEPS + 1))
     for record in trained:
         assert record["loss"] == pytest.approx(expected_losses[record["step"]], rel=1e-4), record["step"]
+
+
+class _Planted:
+    """An object whose unpickling would create ``path``: what a hostile peer's healing bytes could hold."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (Path.touch, (self.path,))
+
+
+def test_the_healing_transport_loads_a_peers_state_as_weights_only(tmp_path: Path) -> None:
+    """A joining worker reads tensors and plain values from its peer, never an object that runs code when
+    unpickled (torchft's own transport unpickles whatever it receives)."""
+    from datetime import timedelta
+
+    from meshtrain.distributed.replicas import _transport
+
+    timeout = timedelta(seconds=10)
+    sender, receiver = _transport("127.0.0.1", timeout), _transport("127.0.0.1", timeout)
+    try:
+        state = {"user": {"default": {"train": {"w": torch.arange(6.0).reshape(2, 3), "step": 7}, "lr": [1e-3]}},
+                 "torchft": {"step": 7, "batches_committed": 7}}
+        sender.send_checkpoint(dst_ranks=[1], step=7, state_dict=state, timeout=timeout)
+        received = receiver.recv_checkpoint(src_rank=0, metadata=sender.metadata(), step=7, timeout=timeout)
+        assert torch.equal(received["user"]["default"]["train"]["w"], state["user"]["default"]["train"]["w"])
+        assert received["torchft"] == {"step": 7, "batches_committed": 7}
+        planted = tmp_path / "planted"
+        sender.send_checkpoint(dst_ranks=[1], step=8, state_dict={"user": _Planted(planted)}, timeout=timeout)
+        with pytest.raises(Exception, match="Weights only load failed|Unsupported global"):
+            receiver.recv_checkpoint(src_rank=0, metadata=sender.metadata(), step=8, timeout=timeout)
+        assert not planted.exists()
+    finally:
+        sender.shutdown()
+        receiver.shutdown()

@@ -224,14 +224,25 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _transport(host: str, timeout: timedelta) -> Any:
-    """torchft's HTTP checkpoint transport, advertising this worker's node address: its own advertises
-    the machine's hostname, which other nodes may not resolve (or resolve to their own loopback)."""
+    """torchft's HTTP checkpoint transport, advertising this worker's node address (its own advertises
+    the machine's hostname, which other nodes may not resolve, or resolve to their own loopback) and
+    loading what a peer sends as weights only: torchft unpickles it whole (``weights_only=False``), so
+    anything that can answer on a peer's port could run code in the joining worker. The healing state
+    is tensors and plain values (``train/healing.py``), which the weights-only loader reads."""
+    import urllib.request
+
+    from torch.distributed._serialization import _streaming_load
     from torchft.checkpointing.http_transport import HTTPTransport
 
     class NodeAddressedTransport(HTTPTransport):
         def address(self) -> str:
             port = self._server.socket.getsockname()[1]
             return f"http://{Endpoint(host, port).target}/checkpoint/"
+
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as response:
+                return _streaming_load(response, weights_only=True)
 
     return NodeAddressedTransport(timeout=timeout, num_chunks=0)
 
