@@ -81,6 +81,21 @@ def test_replica_mode_loses_its_waits_and_a_new_writer_continues_the_timeline() 
     assert accounted(report) == pytest.approx(11.1, abs=0.02)
 
 
+def test_a_joining_writers_wait_during_the_previous_writers_step_is_counted_once() -> None:
+    """A group joins while the first trains step 1 alone and becomes the writer: its step 2 began when it
+    asked for a quorum (its 3.5 s wait for the quorum and its healing ran during step 1), so its interval
+    overlaps step 1's. Measured through Ray: counted whole, productive and lost time exceeded the wall
+    time by the overlap, 2.5 s. The overlap is counted once, out of the joiner's replica waits."""
+    records = [train(1, 10.0, step_s=4.0, replica_wait_s=0.03),
+               train(2, 13.3, step_s=5.8, replica_wait_s=3.5), train(3, 14.3, replica_wait_s=0.0)]
+    report = goodput_of(records, started=0.0, ended=15.0)
+    lost = report["lost_s"]
+    assert accounted(report) == pytest.approx(15.0, abs=1e-6)
+    assert lost["start_up"] == pytest.approx(6.0) and lost["restarts"] == pytest.approx(0.0, abs=1e-6)
+    assert lost["replica_waits"] == pytest.approx(0.03 + 3.5 - 2.5)
+    assert report["productive_s"] == pytest.approx(3.97 + 2.3 + 1.0)
+
+
 def test_records_without_intervals_and_an_untrained_launch_count_as_start_up() -> None:
     ledger = GoodputLedger(started=100.0)
     ledger.add({"event": "train", "step": 3, "time": 104.0, "step_time_s": 1.0})  # an older writer's record

@@ -54,12 +54,16 @@ def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def replica_process(cfg: MeshtrainConfig, corpus: DataPlan, index: int, lighthouse: str, joining: bool,
                     out: str, die_in_backward_at: int | None = None, die_while_healing: bool = False,
-                    started: Any = None, step_s: float = STEP_S, go: Any = None) -> None:
+                    started: Any = None, step_s: float = STEP_S, go: Any = None, ready: Any = None,
+                    hold_after: int | None = None) -> None:
     """One replica group's only worker: the real trainer, each step taking at least ``step_s``.
 
     ``started`` (a barrier): the groups of a launch take their first step together, as groups started
     at once on a cluster would; on a loaded machine one could otherwise train alone for steps.
     ``go`` (an event): a replacement started ahead (its imports done) builds its trainer once it is set.
+    ``ready`` (an event): a replacement sets it once its trainer is built, just before it runs; a survivor
+    given ``hold_after`` waits for it after that step (once), so it cannot finish the run alone before a
+    replacement that starts slowly on a loaded machine can join.
 
     ``die_in_backward_at``: SIGKILL in the backward pass of that step (when the first block's gradient
     is being computed); ``die_while_healing``: SIGKILL while the received state is being loaded."""
@@ -75,7 +79,13 @@ def replica_process(cfg: MeshtrainConfig, corpus: DataPlan, index: int, lighthou
     torch.set_num_threads(1)
     original = trainer_module.train_step
 
+    held = False
+
     def paced(*args: Any, **kwargs: Any) -> Any:
+        nonlocal held
+        if hold_after is not None and not held and trainer.progress.step == hold_after:
+            held = True
+            ready.wait(timeout=120)
         started = time.perf_counter()
         output = original(*args, **kwargs)
         time.sleep(max(0.0, step_s - (time.perf_counter() - started)))
@@ -101,6 +111,8 @@ def replica_process(cfg: MeshtrainConfig, corpus: DataPlan, index: int, lighthou
         trainer.model.layers[0].register_full_backward_hook(in_backward)
     if started is not None:
         started.wait(timeout=120)
+    if ready is not None and hold_after is None:
+        ready.set()
     try:
         trainer.run()
     finally:
@@ -153,11 +165,16 @@ def test_a_killed_replica_costs_the_survivor_no_restart_and_its_replacement_heal
     out = {index: str(tmp_path / f"replica{index}.pt") for index in (0, 1)}
     started = spawn.Barrier(2)
     # Two replacements in a row take two process starts (~8 s each here): the survivor steps slower then,
-    # so it is still training when the second one is ready to join.
+    # so it is still training when the second one is ready to join (a hold would keep the first from
+    # its quorum). With one replacement, the survivor trains two steps alone, then waits until the
+    # replacement's trainer is built.
     step_s = {index: 3 * STEP_S if how == "healing" and index != killed else STEP_S for index in (0, 1)}
+    ready = spawn.Event()
+    hold_after = KILL_AT + 1 if how != "healing" else None
     processes = {index: spawn.Process(target=replica_process, args=(
         cfg, corpus, index, lighthouse.address, False, out[index],
-        KILL_AT if how == "backward" and index == killed else None, False, started, step_s[index]))
+        KILL_AT if how == "backward" and index == killed else None, False, started, step_s[index], None,
+        ready if index != killed else None, hold_after if index != killed else None))
         for index in (0, 1)}
     try:
         for process in processes.values():
@@ -167,7 +184,7 @@ def test_a_killed_replica_costs_the_survivor_no_restart_and_its_replacement_heal
         killed_at = time.time()
         go = spawn.Event()
         replacement = spawn.Process(target=replica_process, args=(cfg, corpus, killed, lighthouse.address, True,
-                                                                  out[killed], None, False, None, STEP_S, go))
+                                                                  out[killed], None, False, None, STEP_S, go, ready))
         replacement.start()
         if how == "healing":  # the first replacement dies loading what it received; a second one joins
             doomed = spawn.Process(target=replica_process, args=(cfg, corpus, killed, lighthouse.address, True,
@@ -195,9 +212,10 @@ def test_a_killed_replica_costs_the_survivor_no_restart_and_its_replacement_heal
         assert record["loss"] == pytest.approx(expected_losses[record["step"]], rel=1e-4), record["step"]
     # Each record names the replica groups that trained its step: both, the survivor alone, both again.
     assert trained[0]["replicas"] == trained[-1]["replicas"] == 2 and {r["replicas"] for r in trained} == {1, 2}
-    # The survivor stalled about one heartbeat timeout, not a restart.
-    times = [r["time"] for r in trained]
-    assert max(b - a for a, b in zip(times, times[1:])) <= HEARTBEAT_S + 2 + max(step_s.values())
+    # The survivor stalled about one heartbeat timeout, not a restart (the test's own hold aside).
+    times = {r["step"]: r["time"] for r in trained}
+    gaps = {step: times[step] - times[step - 1] for step in range(2, STEPS + 1) if hold_after is None or step != hold_after + 1}
+    assert max(gaps.values()) <= HEARTBEAT_S + 2 + max(step_s.values()), gaps
     lost = [(r["step"], r["participants"]) for r in records if r["event"] == "replica_lost"]
     assert lost[0] == (KILL_AT, 1)
     # The replacement that died while loading its state was in one quorum, when the survivor's quorum
@@ -218,7 +236,7 @@ def test_a_killed_replica_costs_the_survivor_no_restart_and_its_replacement_heal
         assert torch.equal(final[0][name], final[1][name]), name  # the replicas hold one model
     assert_close_weights(final[0], expected_weights)
     summary = {"joined_after_kill_s": round(joined[0]["time"] - killed_at, 1),
-               "longest_gap_s": round(max(b - a for a, b in zip(times, times[1:])), 2)}
+               "longest_gap_s": round(max(gaps.values()), 2)}
     print(json.dumps(summary))
 
 

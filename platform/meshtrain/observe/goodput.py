@@ -79,11 +79,18 @@ class GoodputLedger:
         losses = {"data_wait": steps * float(record.get("data_wait_s", 0.0)),
                   "replica_waits": steps * float(record.get("replica_wait_s", 0.0)), **self._pending}
         self._pending = dict.fromkeys(self._pending, 0.0)
-        interval = _Interval(record["step"] - steps, record["step"], seconds, losses)
+        end = float(record["time"])
+        first = record["step"] - steps
+        if self._intervals and first >= self._intervals[-1].last and self._last_end is not None:
+            # A writer handover (replica mode): a group that joined began its step while the previous
+            # writer's interval ran, waiting for the quorum and its healing; that wait is already wall time.
+            overlap = min(seconds, max(0.0, self._last_end - (end - seconds)))
+            seconds -= overlap
+            losses["replica_waits"] = max(0.0, losses["replica_waits"] - overlap)
+        interval = _Interval(first, record["step"], seconds, losses)
         self._supersede(interval.first)
         self._intervals.append(interval)
         self._count(interval, 1.0)
-        end = float(record["time"])
         start = end - seconds
         self._first_start = start if self._first_start is None else min(self._first_start, start)
         if self._last_end is None or end > self._last_end:
