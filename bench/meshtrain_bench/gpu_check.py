@@ -489,22 +489,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def selected(args: argparse.Namespace) -> list[Check]:
-    chosen = [c for c in CHECKS if (not args.quick or c.quick) and not c.extra]
-    if args.only:
-        chosen = [c for c in CHECKS if not args.quick or c.quick]
-        for pattern in args.only:
-            if not any(fnmatch.fnmatch(c.name, pattern) for c in CHECKS):
-                raise ConfigError(f"--only: {pattern!r} matches no configuration; see --list")
-        wanted = {c.name for c in chosen if any(fnmatch.fnmatch(c.name, p) for p in args.only)}
-        # A comparison needs its reference: run it too.
-        for check in list(chosen):
-            if check.name in wanted and check.reference is not None:
-                wanted.add(check.reference)
-                reference = next(c for c in CHECKS if c.name == check.reference)
-                if reference.reference is not None:
-                    wanted.add(reference.reference)
-        chosen = [c for c in CHECKS if c.name in wanted]
-    return chosen
+    chosen = [c for c in CHECKS if not args.quick or c.quick]
+    if not args.only:
+        return [c for c in chosen if not c.extra]
+    for pattern in args.only:
+        if not any(fnmatch.fnmatch(c.name, pattern) for c in CHECKS):
+            raise ConfigError(f"--only: {pattern!r} matches no configuration; see --list")
+    wanted = {c.name for c in chosen if any(fnmatch.fnmatch(c.name, p) for p in args.only)}
+    # A comparison needs its reference: run it too.
+    for check in list(chosen):
+        if check.name in wanted and check.reference is not None:
+            wanted.add(check.reference)
+            reference = next(c for c in CHECKS if c.name == check.reference)
+            if reference.reference is not None:
+                wanted.add(reference.reference)
+    return [c for c in CHECKS if c.name in wanted]
 
 
 def init_single_rank(device: torch.device) -> None:

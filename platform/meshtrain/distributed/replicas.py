@@ -97,7 +97,7 @@ class LighthouseServer:
     def address_on(self, host: str) -> str:
         """Its address at ``host`` (the driver's node address): torchft advertises the machine's hostname,
         which other nodes may not resolve, or resolve to their own loopback."""
-        return f"http://{Endpoint(host, int(self.address.rsplit(':', 1)[1])).target}"
+        return f"http://{_on_host(self.address, host)}"
 
     def close(self) -> None:
         self._server.shutdown()
@@ -223,6 +223,11 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def _on_host(address: str, host: str) -> str:
+    """``address`` (host:port, as torchft advertises it) with its host replaced by ``host``."""
+    return Endpoint(host, int(address.rsplit(":", 1)[1])).target
+
+
 def _transport(host: str, timeout: timedelta) -> Any:
     """torchft's HTTP checkpoint transport, advertising this worker's node address (its own advertises
     the machine's hostname, which other nodes may not resolve, or resolve to their own loopback) and
@@ -257,7 +262,7 @@ def _process_group(device: torch.device, timeout: timedelta, host: str) -> Any:
     class NodeAddressedProcessGroup(base):  # type: ignore[misc, valid-type]
         def get_reconfigure_handle(self) -> str:
             handle = json.loads(super().get_reconfigure_handle())
-            handle["store"] = Endpoint(host, int(handle["store"].rsplit(":", 1)[1])).target
+            handle["store"] = _on_host(handle["store"], host)
             return json.dumps(handle)
 
     return NodeAddressedProcessGroup(timeout=timeout)
