@@ -100,7 +100,8 @@ def test_restart_mode_records(tmp_path: Path) -> None:
 
 def test_replica_mode_records() -> None:
     records = [train(step, 100.0 + step) for step in range(1, 7)]
-    records.append({"event": "replica_lost", "step": 7, "participants": 1, "replicas": 2, "time": 107.5})
+    records.append({"event": "replica_lost", "step": 7, "participants": 1, "replicas": 2, "stall_s": 3.0,
+                    "quorum_s": 1.1, "time": 107.5})
     records += [train(7, 109.5, step_time_s=3.3), train(8, 110.0, step_time_s=0.4)]
     records.append({"event": "replica_joined", "step": 8, "replica": 1, "participants": 2, "seconds": 0.3,
                     "source": 0, "bytes": 4096, "time": 115.0})

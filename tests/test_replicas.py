@@ -216,8 +216,11 @@ def test_a_killed_replica_costs_the_survivor_no_restart_and_its_replacement_heal
     times = {r["step"]: r["time"] for r in trained}
     gaps = {step: times[step] - times[step - 1] for step in range(2, STEPS + 1) if hold_after is None or step != hold_after + 1}
     assert max(gaps.values()) <= HEARTBEAT_S + 2 + max(step_s.values()), gaps
-    lost = [(r["step"], r["participants"]) for r in records if r["event"] == "replica_lost"]
+    lost_records = [r for r in records if r["event"] == "replica_lost"]
+    lost = [(r["step"], r["participants"]) for r in lost_records]
     assert lost[0] == (KILL_AT, 1)
+    # The lighthouse dropped the killed group about one heartbeat timeout after its last heartbeat.
+    assert lost_records[0]["quorum_s"] <= lost_records[0]["stall_s"] <= HEARTBEAT_S + 2 + max(step_s.values()), lost_records[0]
     # The replacement that died while loading its state was in one quorum, when the survivor's quorum
     # counted it before it died (a second loss; that step was trained again), else in none.
     assert len(lost) in ((1, 2) if how == "healing" else (1,)) and all(live == 1 for _, live in lost), lost
@@ -236,7 +239,8 @@ def test_a_killed_replica_costs_the_survivor_no_restart_and_its_replacement_heal
         assert torch.equal(final[0][name], final[1][name]), name  # the replicas hold one model
     assert_close_weights(final[0], expected_weights)
     summary = {"joined_after_kill_s": round(joined[0]["time"] - killed_at, 1),
-               "longest_gap_s": round(max(gaps.values()), 2)}
+               "longest_gap_s": round(max(gaps.values()), 2), "stall_s": round(lost_records[0]["stall_s"], 2),
+               "quorum_s": round(lost_records[0]["quorum_s"], 2)}
     print(json.dumps(summary))
 
 

@@ -166,7 +166,8 @@ def test_the_kinds_a_cpu_run_does_not_write_conform() -> None:
         {"event": "group_start", "restarts": 1, "workers": 2, "time": now},
         {"event": "replica_joined", "step": 7, "replica": 1, "participants": 2, "seconds": 1.5, "source": 0,
          "bytes": 4096, "time": now},
-        {"event": "replica_lost", "step": 5, "participants": 1, "replicas": 2, "time": now},
+        {"event": "replica_lost", "step": 5, "participants": 1, "replicas": 2, "stall_s": 3.1, "quorum_s": 1.2,
+         "time": now},
         {"event": "memory_snapshot", "step": 3, "rank": 0, "path": "memory/rank0.step3.end.pickle"},
     ]
     assert {record["event"] for record in records} | {

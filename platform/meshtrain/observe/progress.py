@@ -59,7 +59,8 @@ def progress_line(record: dict[str, Any], total_steps: int) -> str:
         return f"[meshtrain] growing the group: step {record['step']} saved in {record['save_s']:.1f}s, waiting for Ray to restart it"
     if record["event"] == "replica_lost":
         return (f"[meshtrain] step {record['step']} trains on {record['participants']} of {record['replicas']} replica "
-                "groups: a replica group was lost; Ray replaces it while the others go on")
+                f"groups: a replica group was lost ({record['stall_s']:.1f}s stall, {record['quorum_s']:.1f}s of it "
+                "waiting for the quorum); Ray replaces it while the others go on")
     if record["event"] == "replica_joined":
         return (f"[meshtrain] replica group {record['replica']} joined at step {record['step']} with replica group "
                 f"{record['source']}'s state ({record['bytes'] / 2**20:,.1f} MiB in {record['seconds']:.1f}s); "

@@ -260,6 +260,11 @@ class ReplicaLostRecord(TypedDict):
     step: int  # the first step trained without it
     participants: int  # live replica groups left
     replicas: int  # the run's replica groups
+    # What the loss cost the survivors: from their first attempt at the step (the discarded attempts included)
+    # to the quorum that went on without the lost group, and of that, the wait for that quorum (how long the
+    # lighthouse took to drop the lost group: about fault_tolerance.heartbeat_timeout_s after its last heartbeat).
+    stall_s: float
+    quorum_s: float
     time: float
 
 

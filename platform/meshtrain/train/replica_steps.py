@@ -47,9 +47,13 @@ class ReplicaSteps:
         self.peers, self.strict, self.layout, self.batches = peers, strict, layout, batches
         self.progress, self.outputs, self.checkpointing, self.joining = progress, outputs, checkpointing, joining
         self.participants: int | None = None
+        self._attempting: tuple[int, float] | None = None  # (step, when its first attempt asked for a quorum)
 
     def begin(self) -> LiveReplicas:
         asked = time.perf_counter()
+        step = self.progress.step + 1
+        if self._attempting is None or self._attempting[0] != step:
+            self._attempting = (step, asked)
         quorum = self.peers.quorum()
         placement = self.peers.placement
         if self.joining and not quorum.healed:
@@ -71,9 +75,10 @@ class ReplicaSteps:
                 bytes=self._group_bytes(quorum.received_bytes), time=time.time(),
             ), any_replica=True)
         elif self.participants is not None and quorum.participants < self.participants:
+            now = time.perf_counter()
             self.outputs.emit(ReplicaLostRecord(
                 event="replica_lost", step=self.progress.step + 1, participants=quorum.participants,
-                replicas=placement.replicas, time=time.time(),
+                replicas=placement.replicas, stall_s=now - self._attempting[1], quorum_s=now - asked, time=time.time(),
             ))
         self.participants = quorum.participants
         group_ranks = self.layout.data_ranks
