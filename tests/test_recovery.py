@@ -160,20 +160,6 @@ def test_sigterm_then_sigkill_from_outside_lose_nothing_then_only_since_the_chec
     assert_same_weights(model_weights(final_checkpoint(run_dir), tmp_path), unbroken)
 
 
-def test_an_elastic_run_offered_a_size_it_cannot_train_on_trains_on_the_largest_it_can(storage: Path) -> None:
-    """Local Ray holds 3 workers of 0.6 CPU; 3 workers cannot split a global batch of 4 micro-batches,
-    so the run trains on 2 (Ray's own policy would start 3, fail, and offer 3 again)."""
-    job = run_job(
-        f"run.storage_path={storage}", "run.name=offered3", "train.steps=4", "train.log_every=1",
-        "train.global_batch_size=8", "train.micro_batch_size=2", "data.max_documents=40", "optim.warmup_steps=1",
-        "scaling.num_workers=4", "scaling.min_workers=1", "scaling.cpus_per_worker=0.6", "run.max_failures=0",
-        "checkpoint.interval=100",
-    )
-    assert job.returncode == 0, job.stderr[-3000:]
-    summary = json.loads((storage / "offered3" / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == 4
-
-
 @pytest.fixture(scope="module")
 def midsave(storage: Path) -> Path:
     """A run whose rank 1 is killed while step 20's checkpoint is being written, with both experiment
@@ -428,10 +414,15 @@ def test_ctrl_c_saves_then_the_rerun_resumes_there_and_exhausted_restarts_name_t
     assert "run.name=doomed" in lines[0]
 
 
-def test_a_diverged_run_stops_at_max_bad_steps_and_keeps_its_good_checkpoint(storage: Path) -> None:
-    """Rank 1's logits turn NaN from step 12 on: every rank skips steps 12 and 13, the run stops with
+def test_a_diverged_elastic_run_trains_on_the_largest_size_it_can_and_stops_at_max_bad_steps(storage: Path) -> None:
+    """An elastic run (scaling.min_workers=1) asks for 4 workers of 0.6 CPU; local Ray holds 3, and 3
+    workers cannot split a global batch of 4 micro-batches, so the run trains on 2 (Ray's own policy
+    would start 3, fail, and offer 3 again; run.max_failures=0 makes such a failure end the run).
+    Rank 1's logits turn NaN from step 12 on: every rank skips steps 12 and 13, the run stops with
     one line, exit 1, and the checkpoint due at step 20 is never reached: step 10 stays the newest."""
-    settings = (f"run.storage_path={storage}", "run.name=diverged", *SETTINGS, "train.max_bad_steps=2")
+    settings = (f"run.storage_path={storage}", "run.name=diverged", *SETTINGS, "train.max_bad_steps=2",
+                "train.global_batch_size=8", "train.micro_batch_size=2", "scaling.num_workers=4", "scaling.min_workers=1",
+                "scaling.cpus_per_worker=0.6", "run.max_failures=0")
     job = run_job(*settings, "fault.kill_rank=1", "fault.at_step=12", "fault.kind=nan")
     assert job.returncode == 1, job.stderr[-3000:]
     assert "fault injection: rank 1 computes NaN logits from step 12 on" in job.stdout + job.stderr
@@ -446,7 +437,9 @@ def test_a_diverged_run_stops_at_max_bad_steps_and_keeps_its_good_checkpoint(sto
     assert [r["step"] for r in records if r["event"] == "checkpoint_save"] == [10]
     assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step-")) == ["step-00000010"]
     assert [r["step"] for r in records if r["event"] == "train"][-1] == 13
-    assert json.loads((run_dir / "summary.json").read_text())["skipped_steps"] == 2
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["skipped_steps"] == 2 and summary["world_size"] == 2
+    assert {r["world_size"] for r in records if r["event"] == "train"} == {2}
 
 
 def _free_port() -> int:
