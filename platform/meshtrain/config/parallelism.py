@@ -146,18 +146,9 @@ class ScalingConfig(Section):
     )
     evict_stragglers: bool = Field(
         False,
-        description="Elastic training: drain the node of a rank reported as a straggler (metrics.straggler_*), so the "
+        description="Elastic training (fault_tolerance.mode=restart): drain the node of a rank reported as a straggler (metrics.straggler_*), so the "
         "group saves, restarts without that node and goes on; never below scaling.min_workers.",
     )
-
-    @model_validator(mode="after")
-    def _eviction_needs_elasticity(self) -> "ScalingConfig":
-        if self.evict_stragglers and not self.elastic:
-            raise ValueError(
-                "scaling.evict_stragglers=true needs an elastic run to go on without the node: set scaling.min_workers "
-                "below scaling.num_workers"
-            )
-        return self
 
     @property
     def elastic(self) -> bool:

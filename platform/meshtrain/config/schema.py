@@ -62,9 +62,21 @@ class MeshtrainConfig(Section):
         # TP and CP peers read the same samples: the data-parallel ranks are the workers over TP x CP.
         self.batch_layout(self.scaling.num_workers // self.parallel_group_size)
         sizes = self.elastic_sizes()
+        if self.scaling.evict_stragglers and self.fault_tolerance.mode == "replica":
+            # A slow node's whole replica group is slow, and ranks compare speeds only inside their group.
+            raise ValueError(
+                "scaling.evict_stragglers=true works in fault_tolerance.mode=restart with an elastic group; replica "
+                "mode compares ranks only inside each replica group, so it reports stragglers but cannot evict "
+                "one: unset scaling.evict_stragglers, or use fault_tolerance.mode=restart with scaling.min_workers"
+            )
         if self.fault_tolerance.mode == "replica":
             self.replica_groups()
         if self.scaling.evict_stragglers:
+            if not self.scaling.elastic:
+                raise ValueError(
+                    "scaling.evict_stragglers=true needs an elastic run to go on without the node: set "
+                    "scaling.min_workers below scaling.num_workers"
+                )
             self._check_eviction_can_happen(sizes)
         # A re-run may resolve another horizon (the launcher keeps the first launch's); it checks again.
         self.optim.check_horizon(self.optim.schedule_steps or self.train.steps)
