@@ -729,6 +729,11 @@ REPLICAS = ("fault_tolerance.mode=replica", "scaling.num_workers=4", "parallel.s
     (("scaling.min_workers=2",), r"^scaling.min_workers \(elastic worker groups\) and fault_tolerance.mode=replica"),
     (("scaling.num_workers=6", "train.global_batch_size=12"),
      r"^fault_tolerance.data=strict splits each step over the live replica groups; with 2 of 3 live: "),
+    # A hung group heartbeats until its watchdog ends it: the others' quorum must outlast that.
+    (("fault_tolerance.quorum_timeout_s=120",),
+     r"^fault_tolerance.quorum_timeout_s=120 does not outlast a hung replica group, .*\(run.hang_timeout_s=600 \+ 5 s \+ "
+     r"fault_tolerance.heartbeat_timeout_s=5\).*raise fault_tolerance.quorum_timeout_s above 610, or lower run.hang_timeout_s$"),
+    (("fault_tolerance.quorum_timeout_s=120", "run.hang_timeout_s=120"), r"above 130, "),
 ])
 def test_replica_mode_settings_that_cannot_work_are_one_line(overrides: tuple[str, ...], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -740,6 +745,9 @@ def test_replica_mode_counts_its_groups_and_needs_the_ft_extra(tmp_path: Path, m
 
     cfg = load_config(None, [*REPLICAS, f"run.storage_path={tmp_path}"])
     assert cfg.replica_groups() == 2
+    # The quorum may wait as long as it likes with no watchdog, or one that ends a hung group in time.
+    for hangs in (["run.hang_timeout_s=null"], ["run.hang_timeout_s=100", "fault_tolerance.quorum_timeout_s=111"]):
+        assert load_config(None, [*REPLICAS, "fault_tolerance.quorum_timeout_s=111", *hangs]).replica_groups() == 2
     assert load_config(None, [*REPLICAS, "scaling.num_workers=6", "train.global_batch_size=12",
                               "fault_tolerance.data=fast"]).replica_groups() == 3
     find_spec = importlib.util.find_spec

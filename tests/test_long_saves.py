@@ -69,7 +69,7 @@ def slow_storage(monkeypatch: pytest.MonkeyPatch, bytes_per_s: float, stall: thr
 
 def run_watched(cfg: MeshtrainConfig, corpus: DataPlan, monkeypatch: pytest.MonkeyPatch, fired: list[str]) -> Trainer:
     monkeypatch.setattr(trainer_module, "HangWatchdog",
-                        lambda timeout_s, rank, progress, report: HangWatchdog(timeout_s, rank, fired.append, progress))
+                        lambda timeout_s, rank, progress, report, on_fire: HangWatchdog(timeout_s, rank, fired.append, progress))
     trainer = Trainer(cfg, open_data(corpus, cfg.data.seq_len, cfg.train.seed), WorkerLayout(), torch.device("cpu"),
                       None, None)
     try:

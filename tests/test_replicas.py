@@ -316,6 +316,58 @@ def test_a_preempted_replica_hands_over_without_a_save_and_its_replacement_heals
     assert_close_weights(final[0], expected_weights)
 
 
+def test_a_hung_replica_holds_the_others_up_only_until_its_watchdog_ends_it(
+    corpus: DataPlan, tmp_path: Path, reference: tuple[dict[int, float], dict[str, torch.Tensor]]
+) -> None:
+    """Replica 1 hangs before step KILL_AT: alive, making no progress, its manager heartbeating. With two
+    groups torchft's lighthouse forms no quorum without it (a majority of the heartbeating groups), so
+    replica 0, whose cross-replica sum of that step timed out, waits in the quorum (excused from its own
+    watchdog) until the hung group's watchdog (run.hang_timeout_s) stops its heartbeats and ends it.
+    Replica 0 then trains that step again and every remaining one alone, with the one-worker losses and
+    weights. (On Ray, the hung group's exit makes Ray restart it, and it joins by healing.)"""
+    from meshtrain.distributed.replicas import LighthouseServer
+
+    expected_losses, expected_weights = reference
+    timeout_s, hang_s = 2.0, 6.0
+    cfg = replica_config(tmp_path, "hung", "fault.kind=hang", "fault.kill_rank=1", f"fault.at_step={KILL_AT}",
+                         f"fault_tolerance.timeout_s={timeout_s}", f"run.hang_timeout_s={hang_s}")
+    run_dir = tmp_path / "hung"
+    lighthouse = LighthouseServer(cfg.fault_tolerance, replicas=2)
+    spawn = multiprocessing.get_context("spawn")
+    out = {index: str(tmp_path / f"replica{index}.pt") for index in (0, 1)}
+    started = spawn.Barrier(2)
+    processes = [spawn.Process(target=replica_process, args=(cfg, corpus, index, lighthouse.address, False, out[index],
+                                                              None, False, started)) for index in (0, 1)]
+    try:
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(timeout=180)
+        assert processes[0].exitcode == 0, processes[0].exitcode
+        assert processes[1].exitcode == 1, processes[1].exitcode  # its watchdog ended it
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+        lighthouse.close()
+
+    records = read_records(run_dir / "metrics.jsonl")
+    trained = train_records(run_dir)
+    assert [r["step"] for r in trained] == list(range(1, STEPS + 1))
+    for record in trained:
+        assert record["loss"] == pytest.approx(expected_losses[record["step"]], rel=1e-4), record["step"]
+    assert {r["replicas"] for r in trained if r["step"] >= KILL_AT} == {1}
+    [lost] = [r for r in records if r["event"] == "replica_lost"]
+    assert lost["step"] == KILL_AT and lost["participants"] == 1, lost
+    # The wait: from the step's start, the hung group's watchdog (hang_s and at most one watch period of
+    # hang_s / 4), then its last heartbeat's timeout; the steps after it do not wait again.
+    assert hang_s <= lost["stall_s"] <= hang_s * 1.25 + HEARTBEAT_S + 2 + 2 * STEP_S, lost
+    times = {r["step"]: r["time"] for r in trained}
+    assert max(times[step] - times[step - 1] for step in range(KILL_AT + 2, STEPS + 1)) <= 2 + 2 * STEP_S, times
+    assert_close_weights(torch.load(out[0]), expected_weights)
+    print(json.dumps({"stall_s": round(lost["stall_s"], 2), "quorum_s": round(lost["quorum_s"], 2)}))
+
+
 def run_replicas(cfg: MeshtrainConfig, corpus: DataPlan, tmp_path: Path) -> None:
     from meshtrain.distributed.replicas import LighthouseServer
 

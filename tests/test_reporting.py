@@ -69,6 +69,24 @@ def test_a_firing_watchdog_reports_before_it_exits_even_when_the_report_fails() 
     assert calls[0][1][0] == "training step 3" and calls[0][1][1] > 0.2
 
 
+def test_an_excused_wait_never_fires_and_a_firing_watchdog_first_runs_on_fire() -> None:
+    """A replica group's worker waits in the quorum under the quorum's own timeout (excused), and when its
+    watchdog fires it first leaves the quorum (on_fire), then reports and exits."""
+    calls: list[str] = []
+    watchdog = HangWatchdog(0.2, rank=0, on_hang=lambda message: calls.append("exit"),
+                            report=lambda doing, silent_s: calls.append(f"report {doing}"),  # type: ignore[arg-type]
+                            on_fire=lambda: calls.append("leave"))
+    try:
+        watchdog.beat("training step 3", arm=True)
+        with watchdog.excused("waiting for the replica quorum"):
+            time.sleep(0.7)
+        assert calls == []  # the wait took 3.5 timeouts, and the clock restarted after it
+        time.sleep(0.6)
+    finally:
+        watchdog.close()
+    assert calls == ["leave", "report waiting for the replica quorum", "exit"]
+
+
 # --- where a hang is stuck: the flight recorder's collectives -------------------------------------
 
 

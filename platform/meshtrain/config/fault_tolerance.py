@@ -37,8 +37,10 @@ class FaultToleranceConfig(Section):
         5.0, gt=0, description="fault_tolerance.mode=replica: a replica silent this long is dropped from the next quorum."
     )
     quorum_timeout_s: float = Field(
-        120.0, gt=0,
-        description="fault_tolerance.mode=replica: how long a step waits for a quorum of fault_tolerance.min_replicas.",
+        900.0, gt=0,
+        description="fault_tolerance.mode=replica: how long a step waits for a quorum of fault_tolerance.min_replicas. "
+        "A hung replica group heartbeats until its hang watchdog ends it, and a quorum of two groups waits for it, "
+        "so this must outlast run.hang_timeout_s + 5 s + fault_tolerance.heartbeat_timeout_s.",
     )
     join_timeout_s: float = Field(
         10.0, ge=0,
@@ -53,6 +55,27 @@ class FaultToleranceConfig(Section):
         60.0, gt=0,
         description="fault_tolerance.mode=replica: the cross-replica collectives' and healing transfer's timeout.",
     )
+
+
+# The hang watchdog looks at most this often (train.hangs.watch_period_s), so a hung group stops
+# heartbeating within run.hang_timeout_s plus this.
+WATCH_PERIOD_MAX_S = 5.0
+
+
+def check_quorum_outlasts_hangs(ft: FaultToleranceConfig, hang_timeout_s: float | None) -> None:
+    """ValueError when a hung replica group could outlast the other groups' quorum: it keeps heartbeating
+    until its hang watchdog fires, and torchft's lighthouse forms a quorum only from a majority of the
+    groups that heartbeat, so with two groups the healthy one waits for it."""
+    if hang_timeout_s is None:
+        return
+    needed = hang_timeout_s + WATCH_PERIOD_MAX_S + ft.heartbeat_timeout_s
+    if ft.quorum_timeout_s <= needed:
+        raise ValueError(
+            f"fault_tolerance.quorum_timeout_s={ft.quorum_timeout_s:g} does not outlast a hung replica group, which "
+            f"heartbeats until its watchdog ends it (run.hang_timeout_s={hang_timeout_s:g} + {WATCH_PERIOD_MAX_S:g} s + "
+            f"fault_tolerance.heartbeat_timeout_s={ft.heartbeat_timeout_s:g}): the others' quorum would time out "
+            f"first; raise fault_tolerance.quorum_timeout_s above {needed:g}, or lower run.hang_timeout_s"
+        )
 
 
 def check_replica_mode(

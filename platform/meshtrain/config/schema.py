@@ -14,7 +14,7 @@ from meshtrain.config.data import DataConfig
 from meshtrain.config.errors import ConfigError
 from meshtrain.config.model import ModelArgs, ModelConfig
 from meshtrain.config.evaluation import EvalConfig
-from meshtrain.config.fault_tolerance import FaultToleranceConfig, check_replica_mode
+from meshtrain.config.fault_tolerance import FaultToleranceConfig, check_quorum_outlasts_hangs, check_replica_mode
 from meshtrain.config.observability import MemoryConfig, MetricsConfig, ProfileConfig
 from meshtrain.config.parallelism import ParallelConfig, ScalingConfig, check_parallel_groups
 from meshtrain.config.run import CheckpointConfig, FaultConfig, RunConfig
@@ -71,6 +71,7 @@ class MeshtrainConfig(Section):
             )
         if self.fault_tolerance.mode == "replica":
             self.replica_groups()
+            check_quorum_outlasts_hangs(self.fault_tolerance, self.run.hang_timeout_s)
         if self.scaling.evict_stragglers:
             if not self.scaling.elastic:
                 raise ValueError(

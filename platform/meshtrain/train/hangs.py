@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.config import one_line
+from meshtrain.config.fault_tolerance import WATCH_PERIOD_MAX_S
 
 FLIGHT_RECORDER_ENVS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # torch reads the first set
 DIAGNOSIS = "diagnosis.txt"
@@ -38,7 +39,7 @@ POLL_S = 0.5
 
 def watch_period_s(hang_timeout_s: float) -> float:
     """How often a rank's watchdog looks: the ranks of one hang fire within about this of each other."""
-    return min(5.0, hang_timeout_s / 4)
+    return min(WATCH_PERIOD_MAX_S, hang_timeout_s / 4)
 
 
 def wait_for_peers_s(hang_timeout_s: float) -> float:

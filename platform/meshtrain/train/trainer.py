@@ -7,6 +7,7 @@ named parts of the loop: checkpointing, evaluation and the step log.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -244,7 +245,8 @@ class Trainer:
         timeout_s = cfg.run.hang_timeout_s
         self.watchdog = (
             HangWatchdog(timeout_s, layout.rank, progress=bytes_written,
-                         report=HangReport.of(run_dir / "hangs", layout.rank, layout.world_size, timeout_s))
+                         report=HangReport.of(run_dir / "hangs", layout.rank, layout.world_size, timeout_s),
+                         on_fire=self.replicas.peers.close if self.replicas is not None else None)
             if timeout_s else None
         )
         self.collection = ScheduledCollection(cfg.train.gc_every)
@@ -266,7 +268,8 @@ class Trainer:
                 live = None
                 attempt_started = time.perf_counter()
                 if self.replicas is not None:
-                    live = self.replicas.begin()
+                    with self._excused("waiting for the replica quorum"):
+                        live = self.replicas.begin()
                     self.log.waited_for_replicas(time.perf_counter() - attempt_started)
                     attempt_started = time.perf_counter()
                     step = progress.step + 1  # a group that joined has its peer's progress
@@ -330,6 +333,9 @@ class Trainer:
 
     def _hand_over(self) -> int:
         return self.replicas.hand_over() if self.replicas is not None else 0
+
+    def _excused(self, doing: str) -> contextlib.AbstractContextManager[None]:
+        return self.watchdog.excused(doing) if self.watchdog is not None else contextlib.nullcontext()
 
     def _beat(self, doing: str, arm: bool = False) -> None:
         if self.watchdog is not None:

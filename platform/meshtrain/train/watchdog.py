@@ -12,6 +12,11 @@ Bytes written into checkpoint storage count as progress too (``progress``, from
 foreground at the last step or in the background while the next save waits for it, is never taken
 for a hang, however long it takes; one whose writes stop is.
 
+A wait bounded by its own timeout (the replica quorum, which waits for a hung replica group until that
+group's own watchdog ends it) is ``excused``: not a hang, however long. ``on_fire`` runs first when the
+watchdog fires: a replica group's worker stops its heartbeats there, so the other groups go on without
+waiting for the diagnosis and the exit.
+
 Before the process exits, ``report`` (a :class:`~meshtrain.train.hangs.HangReport`, when the flight
 recorder is on) writes which collectives this rank was in and, on the lowest rank that reports,
 prints the line naming the collective the group is stuck in and the ranks that never entered it.
@@ -19,11 +24,12 @@ prints the line naming the collective the group is stuck in and the ranks that n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from meshtrain.train.hangs import HangReport, watch_period_s
 
@@ -43,10 +49,12 @@ class HangWatchdog:
         on_hang: Callable[[str], None] | None = None,
         progress: Callable[[], int] | None = None,
         report: HangReport | None = None,
+        on_fire: Callable[[], None] | None = None,
     ) -> None:
         self.timeout_s, self.rank = timeout_s, rank
         self.on_hang = on_hang or _exit_worker
-        self.progress, self.report = progress, report
+        self.progress, self.report, self.on_fire = progress, report, on_fire
+        self._excused = False
         self._progress_seen = progress() if progress is not None else 0
         self._last = time.monotonic()
         self._doing = "starting"
@@ -60,6 +68,17 @@ class HangWatchdog:
         self._last, self._doing = time.monotonic(), doing
         self._armed = self._armed or arm
 
+    @contextlib.contextmanager
+    def excused(self, doing: str) -> Iterator[None]:
+        """``doing`` waits under its own timeout: the watchdog does not fire during it, and the clock
+        restarts after it."""
+        self._doing, self._excused = doing, True
+        try:
+            yield
+        finally:
+            self._excused = False
+            self._last = time.monotonic()
+
     def _watch(self) -> None:
         while not self._stop.wait(watch_period_s(self.timeout_s)):
             if self.progress is not None:
@@ -67,7 +86,12 @@ class HangWatchdog:
                 if seen != self._progress_seen:  # a checkpoint write moved on
                     self._progress_seen, self._last = seen, time.monotonic()
             silent = time.monotonic() - self._last
-            if self._armed and silent > self.timeout_s:
+            if self._armed and not self._excused and silent > self.timeout_s:
+                if self.on_fire is not None:
+                    try:
+                        self.on_fire()
+                    except Exception as exc:  # nothing may keep the worker from exiting
+                        sys.stderr.write(f"[meshtrain] rank {self.rank}: could not leave the replica quorum ({exc!r})\n")
                 if self.report is not None:
                     try:
                         self.report(self._doing, silent)
