@@ -146,8 +146,9 @@ class ScalingConfig(Section):
     )
     evict_stragglers: bool = Field(
         False,
-        description="Elastic training (fault_tolerance.mode=restart): drain the node of a rank reported as a straggler (metrics.straggler_*), so the "
-        "group saves, restarts without that node and goes on; never below scaling.min_workers.",
+        description="Elastic training (fault_tolerance.mode=restart): drain the node of a rank reported as a straggler "
+        "(metrics.straggler_*), so the group saves, restarts without that node and goes on; never below "
+        "scaling.min_workers.",
     )
 
     @property
