@@ -325,31 +325,12 @@ def test_a_hung_replica_holds_the_others_up_only_until_its_watchdog_ends_it(
     watchdog) until the hung group's watchdog (run.hang_timeout_s) stops its heartbeats and ends it.
     Replica 0 then trains that step again and every remaining one alone, with the one-worker losses and
     weights. (On Ray, the hung group's exit makes Ray restart it, and it joins by healing.)"""
-    from meshtrain.distributed.replicas import LighthouseServer
-
     expected_losses, expected_weights = reference
     timeout_s, hang_s = 2.0, 6.0
     cfg = replica_config(tmp_path, "hung", "fault.kind=hang", "fault.kill_rank=1", f"fault.at_step={KILL_AT}",
                          f"fault_tolerance.timeout_s={timeout_s}", f"run.hang_timeout_s={hang_s}")
     run_dir = tmp_path / "hung"
-    lighthouse = LighthouseServer(cfg.fault_tolerance, replicas=2)
-    spawn = multiprocessing.get_context("spawn")
-    out = {index: str(tmp_path / f"replica{index}.pt") for index in (0, 1)}
-    started = spawn.Barrier(2)
-    processes = [spawn.Process(target=replica_process, args=(cfg, corpus, index, lighthouse.address, False, out[index],
-                                                              None, False, started)) for index in (0, 1)]
-    try:
-        for process in processes:
-            process.start()
-        for process in processes:
-            process.join(timeout=180)
-        assert processes[0].exitcode == 0, processes[0].exitcode
-        assert processes[1].exitcode == 1, processes[1].exitcode  # its watchdog ended it
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-        lighthouse.close()
+    run_replicas(cfg, corpus, tmp_path, exitcodes=(0, 1))  # the hung group's watchdog ended it
 
     records = read_records(run_dir / "metrics.jsonl")
     trained = train_records(run_dir)
@@ -364,11 +345,13 @@ def test_a_hung_replica_holds_the_others_up_only_until_its_watchdog_ends_it(
     assert hang_s <= lost["stall_s"] <= hang_s * 1.25 + HEARTBEAT_S + 2 + 2 * STEP_S, lost
     times = {r["step"]: r["time"] for r in trained}
     assert max(times[step] - times[step - 1] for step in range(KILL_AT + 2, STEPS + 1)) <= 2 + 2 * STEP_S, times
-    assert_close_weights(torch.load(out[0]), expected_weights)
+    assert_close_weights(torch.load(tmp_path / "replica0.pt"), expected_weights)
     print(json.dumps({"stall_s": round(lost["stall_s"], 2), "quorum_s": round(lost["quorum_s"], 2)}))
 
 
-def run_replicas(cfg: MeshtrainConfig, corpus: DataPlan, tmp_path: Path) -> None:
+def run_replicas(cfg: MeshtrainConfig, corpus: DataPlan, tmp_path: Path, exitcodes: tuple[int, int] = (0, 0)) -> None:
+    """Two replica groups of one worker from the first step, each saving its final weights to
+    ``tmp_path / replica{index}.pt``; they must end with ``exitcodes``."""
     from meshtrain.distributed.replicas import LighthouseServer
 
     lighthouse = LighthouseServer(cfg.fault_tolerance, replicas=2)
@@ -380,9 +363,9 @@ def run_replicas(cfg: MeshtrainConfig, corpus: DataPlan, tmp_path: Path) -> None
     try:
         for process in processes:
             process.start()
-        for process in processes:
+        for process, exitcode in zip(processes, exitcodes):
             process.join(timeout=180)
-            assert process.exitcode == 0, process.exitcode
+            assert process.exitcode == exitcode, process.exitcode
     finally:
         for process in processes:
             if process.is_alive():
