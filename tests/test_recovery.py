@@ -27,6 +27,7 @@ from meshtrain.observe.goodput import goodput_of
 from meshtrain.observe.mlflow_tracker import RUN_ID_TAG, tracking_uri
 from meshtrain.observe.run_folder import RunPaths
 from meshtrain.observe.trackers import tracker_run_id, tracker_values
+from s3server import moto_s3
 
 pytestmark = pytest.mark.ray
 
@@ -443,64 +444,24 @@ def test_a_diverged_elastic_run_trains_on_the_largest_size_it_can_and_stops_at_m
     assert {r["world_size"] for r in records if r["event"] == "train"} == {2}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint() -> str:
-    """A real S3 endpoint on loopback: moto's server, in its own process."""
-    import socket
-    import sys
-
-    import boto3
-
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "moto server did not start"
-                time.sleep(0.1)
-        endpoint = f"http://127.0.0.1:{port}"
-        boto3.client("s3", endpoint_url=endpoint, **_boto_credentials()).create_bucket(Bucket="meshtrain")
-        yield endpoint
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
-
-
-def _boto_credentials() -> dict[str, str]:
-    return {
-        "aws_access_key_id": S3_ENV["AWS_ACCESS_KEY_ID"],
-        "aws_secret_access_key": S3_ENV["AWS_SECRET_ACCESS_KEY"],
-        "region_name": S3_ENV["AWS_DEFAULT_REGION"],
-    }
-
-
 def test_a_hung_worker_is_diagnosed_and_the_run_resumes_from_s3_to_the_same_weights_holding_no_secret(
-    storage: Path, unbroken: dict, s3_endpoint: str, tmp_path: Path
+    storage: Path, unbroken: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Checkpoints on S3 (a local moto endpoint); rank 1 hangs at step 15: the watchdog names where,
     the group restarts from S3's step 10 and ends on the unbroken run's weights; no file, object or
     log line holds the secret key."""
+    secret = "meshtrain-test-secret-91c2"  # moto takes any credentials: these must reach s3fs, and no file
+    with moto_s3(monkeypatch, "meshtrain") as served:
+        s3_endpoint = served["client_kwargs"]["endpoint_url"]
+        _hang_and_resume_from_s3(storage, unbroken, s3_endpoint, secret, tmp_path)
+
+
+def _hang_and_resume_from_s3(storage: Path, unbroken: dict, s3_endpoint: str, secret: str, tmp_path: Path) -> None:
     import s3fs
 
-    secret = "meshtrain-test-secret-91c2"  # moto takes any credentials: these must reach s3fs, and no file
     options = '{key: testing, secret: %s, client_kwargs: {endpoint_url: "%s"}}' % (secret, s3_endpoint)
     job = run_job(
         f"run.storage_path={storage}", "run.name=on-s3", *SETTINGS,

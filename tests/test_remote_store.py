@@ -24,6 +24,7 @@ from meshtrain.data import remote as remote_module
 from meshtrain.data.integrity import CorruptTokens
 from meshtrain.data.remote import StorageUnavailable
 from meshtrain.data.location import ReadSettings
+from ports import free_port
 from s3server import moto_s3
 
 pytestmark = pytest.mark.processes
@@ -270,13 +271,6 @@ def _with_credentials(options: dict[str, Any]) -> dict[str, Any]:
     return {**options, "key": LIVE_KEY, "secret": LIVE_SECRET}
 
 
-def _free_port() -> int:
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]  # closed again: connections to it are refused
-
-
 def test_an_s3_source_that_refuses_denies_or_holds_no_store_is_one_line_before_ray(
     tmp_path, monkeypatch, capsys
 ) -> None:
@@ -302,7 +296,7 @@ def test_an_s3_source_that_refuses_denies_or_holds_no_store_is_one_line_before_r
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    refused = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{_free_port()}", "region_name": "us-east-1"}}
+    refused = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{free_port()}", "region_name": "us-east-1"}}
     code, err = _dry_run(tmp_path, _with_credentials(refused), capsys, "data.source=s3://data/store")
     endpoint = refused["client_kwargs"]["endpoint_url"]
     assert code == 2 and err.count("\n") == 1, err
