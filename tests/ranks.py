@@ -3,7 +3,8 @@
 Ranks are forked from one forkserver per test session that has already imported torch and the training
 loop (about 4 s per interpreter on two cores, once instead of once per rank per call). Every call gets
 fresh processes, so nothing a test leaves in a rank (RNG, compile caches, process groups) reaches the
-next; they run in the caller's environment and working directory, as spawned ranks would.
+next; they run in the caller's environment and working directory and write where it writes, as spawned
+ranks would.
 """
 
 from __future__ import annotations
@@ -32,8 +33,21 @@ _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(PRELOAD)
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, environ: dict[str, str], cwd: str,
+def _write_where_the_caller_writes(caller: int) -> None:
+    """Point this rank's stdout and stderr where the caller's point now (a terminal, a pipe, or the file
+    pytest captures a test's output in): the forkserver's own were the caller's when it started."""
+    for fd in (1, 2):
+        try:
+            target = os.open(f"/proc/{caller}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:  # no /proc, or a socket: keep the forkserver's
+            continue
+        os.dup2(target, fd)
+        os.close(target)
+
+
+def _entry(rank: int, world_size: int, port: int, out_dir: str, environ: dict[str, str], cwd: str, caller: int,
            fn: Callable[..., Any], args: tuple) -> None:
+    _write_where_the_caller_writes(caller)
     os.environ.clear()
     os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     os.chdir(cwd)
@@ -73,7 +87,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, ceiling_s:
         port = free_port()
         environ, cwd = dict(os.environ), os.getcwd()
         processes = [
-            _context.Process(target=_entry, args=(rank, world_size, port, out_dir, environ, cwd, fn, args),
+            _context.Process(target=_entry, args=(rank, world_size, port, out_dir, environ, cwd, os.getpid(), fn, args),
                              name=f"rank{rank}", daemon=True)
             for rank in range(world_size)
         ]

@@ -50,14 +50,12 @@ def run_promtool(promtool: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([promtool, *args], capture_output=True, text=True, timeout=60, cwd=REPO)
 
 
-@pytest.mark.processes
 def test_promtool_accepts_the_rules(promtool: str) -> None:
     result = run_promtool(promtool, "check", "rules", str(RULES))
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(load_yaml(RULES)['groups'][0]['rules'])} rules found" in result.stdout
 
 
-@pytest.mark.processes
 def test_rule_unit_tests_pass(promtool: str) -> None:
     result = run_promtool(promtool, "test", "rules", str(RULE_TESTS))
     assert result.returncode == 0, result.stdout + result.stderr

@@ -28,7 +28,6 @@ def run_bench(*args: str, timeout: float = 120, **env: str) -> subprocess.Comple
     )
 
 
-@pytest.mark.processes
 def test_dry_run_plans_every_gpu_configuration_with_an_h100_verdict() -> None:
     # An address no Ray listens on: a dry run that tried to join a cluster would fail.
     job = run_bench("--dry-run", RAY_ADDRESS="127.0.0.1:1")
@@ -185,7 +184,6 @@ def test_a_gpu_run_is_measured_against_the_h100_peak_and_its_memory_plan(tmp_pat
                                    "4.00 | Memcpy HtoD 0.50; trace profile/rank0.29.pt.trace.json")
 
 
-@pytest.mark.ray
 def test_tiny_cpu_benchmark_runs_every_configuration_through_ray(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
     job = run_bench(

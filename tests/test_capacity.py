@@ -306,12 +306,10 @@ def assert_one_line_capacity_error(result: subprocess.CompletedProcess[str], tmp
     assert not (tmp_path / "token_stores").exists()
 
 
-@pytest.mark.ray
 def test_local_ray_too_small_exits_2_with_one_line(tmp_path: Path) -> None:
     assert_one_line_capacity_error(too_many_workers(tmp_path, job_env()), tmp_path)
 
 
-@pytest.mark.ray
 def test_joined_cluster_without_autoscaler_exits_2_with_one_line(tmp_path: Path) -> None:
     """A head started by hand (`ray start`), sized like the local Ray: its autoscaler v1 monitor is
     read-only, which the driver learns from the monitor's report."""

@@ -22,7 +22,6 @@ from meshtrain.train.setup import build_sharded_model
 from meshtrain.train.trainer import train
 from ranks import run_on_ranks
 
-pytestmark = pytest.mark.processes
 
 
 def config(storage: Path, name: str, world: int, *overrides: str) -> MeshtrainConfig:
@@ -87,7 +86,6 @@ def unbroken(corpus: DataPlan, tmp_path_factory: pytest.TempPathFactory) -> dict
     return {"storage": storage, "outcome": outcome}
 
 
-@pytest.mark.ray
 def test_saves_are_committed_on_the_cadence_with_their_measurements(unbroken: dict) -> None:
     storage = unbroken["storage"]
     saves = [e for e in unbroken["outcome"]["events"] if e["event"] == "checkpoint_save"]
@@ -97,7 +95,6 @@ def test_saves_are_committed_on_the_cadence_with_their_measurements(unbroken: di
         assert (ckpt_dir(storage, "unbroken", save["step"]) / COMMIT_MARKER).is_file()
 
 
-@pytest.mark.ray
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_resume_is_bitwise_identical_to_never_stopping(unbroken: dict, corpus: DataPlan, tmp_path: Path, mode: str) -> None:
     storage = unbroken["storage"]
@@ -227,7 +224,6 @@ def corrupt_run(storage: Path, unbroken_storage: Path, name: str) -> Path:
     return ckpt_dir(storage, name, 8)
 
 
-@pytest.mark.ray
 @pytest.mark.parametrize("damage", ["truncated shard", "missing metadata"])
 def test_broken_newest_checkpoint_falls_back_to_the_previous_one(
     unbroken: dict, corpus: DataPlan, tmp_path: Path, capfd: pytest.CaptureFixture[str], damage: str
@@ -252,7 +248,6 @@ def test_broken_newest_checkpoint_falls_back_to_the_previous_one(
     )
 
 
-@pytest.mark.ray
 def test_only_broken_checkpoints_stop_the_run_instead_of_starting_over(unbroken: dict, corpus: DataPlan, tmp_path: Path) -> None:
     seed_run_with(tmp_path, "hopeless", ckpt_dir(unbroken["storage"], "unbroken", 8))
     (ckpt_dir(tmp_path, "hopeless", 8) / ".metadata").unlink()
@@ -261,7 +256,6 @@ def test_only_broken_checkpoints_stop_the_run_instead_of_starting_over(unbroken:
     assert not ckpt_dir(tmp_path, "hopeless", 12).exists()
 
 
-@pytest.mark.ray
 def test_uncommitted_checkpoint_is_ignored_and_cleared(unbroken: dict, corpus: DataPlan, tmp_path: Path) -> None:
     seed_run_with(tmp_path, "partial", ckpt_dir(unbroken["storage"], "unbroken", 4))
     seed_run_with(tmp_path, "partial", ckpt_dir(unbroken["storage"], "unbroken", 8))

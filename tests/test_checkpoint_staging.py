@@ -160,7 +160,6 @@ def _sharded_saves(rank: int, world: int, root: str) -> dict[str, Any]:
     return {"buffers": [buffers(s) for s in staged], "equal": same, "dtensor": is_dtensor, "moved": moved}
 
 
-@pytest.mark.processes
 def test_fsdp2_shards_are_staged_into_the_same_buffers(tmp_path: Path) -> None:
     for result in run_on_ranks(_sharded_saves, 2, str(tmp_path)):
         first, second = result["buffers"]

@@ -35,7 +35,6 @@ from meshtrain.checkpoint.storage import BAD_MARKER, COMMIT_MARKER, CheckpointSt
 from meshtrain.config import PermanentError, load_config
 from ranks import run_on_ranks
 
-pytestmark = pytest.mark.processes
 
 WEIGHT = "train.model.0.weight"
 

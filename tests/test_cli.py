@@ -121,7 +121,6 @@ SUBPROCESS_CASES = [
 ]
 
 
-@pytest.mark.processes
 @pytest.mark.parametrize(("argv", "names"), SUBPROCESS_CASES, ids=[" ".join(a) for a, _ in SUBPROCESS_CASES])
 def test_bad_input_subprocess(
     argv: list[str], names: str, bad_files: dict[str, Path], tmp_path: Path
@@ -421,7 +420,6 @@ def check_memory(memory: dict[str, float]) -> None:
     assert memory[TOTAL] == pytest.approx(max(memory[moment] for moment in MOMENTS), abs=0.002)
 
 
-@pytest.mark.processes
 def test_dry_run_default_subprocess() -> None:
     started = time.monotonic()
     # -X importtime lists every imported module on stderr: proof that Ray is not even imported.
@@ -447,7 +445,6 @@ def test_dry_run_default_subprocess() -> None:
     check_memory(memory)
 
 
-@pytest.mark.processes
 def test_dry_run_llama3_8b_subprocess(tokenizer_json: Path) -> None:
     started = time.monotonic()
     result = run_pretrain(

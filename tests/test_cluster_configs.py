@@ -121,7 +121,6 @@ def test_launcher_config_passes_rays_validator(launcher: tuple[str, dict]) -> No
         assert cmd in prepared["head_setup_commands"] and cmd in prepared["worker_setup_commands"]
 
 
-@pytest.mark.ray
 def test_head_runs_no_training(launcher: tuple[str, dict]) -> None:
     _, config = launcher
     head = config["available_node_types"][config["head_node_type"]]
@@ -149,7 +148,6 @@ def test_autoscaled_gpu_worker_types(launcher: tuple[str, dict]) -> None:
         assert max(t["max_workers"] for t in capable) * GPUS_PER_NODE >= largest_gpu_job()
 
 
-@pytest.mark.ray
 def test_ray_metrics_port_is_fixed(launcher: tuple[str, dict]) -> None:
     _, config = launcher
     commands = ray_start_commands(config)
@@ -172,7 +170,6 @@ def test_shared_file_system_is_the_runs_storage(launcher: tuple[str, dict]) -> N
         assert f"mkdir -p {storage}" in commands, node_type  # the runs folder, for the ssh user
 
 
-@pytest.mark.ray
 def test_nodes_install_meshtrain_from_the_synced_repository(launcher: tuple[str, dict]) -> None:
     _, config = launcher
     assert config["file_mounts"] == {"~/meshtrain": "."}
@@ -335,7 +332,6 @@ def rayjob_command(rayjob: dict) -> tuple[Path, list[str]]:
     return REPO / config_path, overrides
 
 
-@pytest.mark.ray
 def test_rayjob_entrypoint_runs_a_config_that_fits_its_cluster(rayjob: dict) -> None:
     runtime_env = yaml.safe_load(rayjob["spec"]["runtimeEnvYAML"])
     assert isinstance(runtime_env, dict) and runtime_env["working_dir"]
@@ -351,7 +347,6 @@ def test_rayjob_entrypoint_runs_a_config_that_fits_its_cluster(rayjob: dict) -> 
     assert start_param_resources(group) == {f"accelerator_type:{cfg.scaling.accelerator_type}": 1}
 
 
-@pytest.mark.ray
 def test_every_referenced_repository_file_exists() -> None:
     referenced = set()
     for path in sorted(CLUSTER.rglob("*.yaml")):
@@ -364,7 +359,6 @@ def test_every_referenced_repository_file_exists() -> None:
 # --- GPU job configs: --dry-run -------------------------------------------------------------------
 
 
-@pytest.mark.processes
 @pytest.mark.parametrize("name", list(GPU_CONFIGS))
 def test_gpu_config_dry_run_fits_an_h100(name: str) -> None:
     dims, strategy, workers, ranks = GPU_CONFIGS[name]
@@ -385,7 +379,6 @@ def test_gpu_config_dry_run_fits_an_h100(name: str) -> None:
     assert memory[TOTAL] < PLANNED_LIMIT_GIB < H100_GIB, memory
 
 
-@pytest.mark.ray
 def test_rayjob_entrypoint_dry_run(rayjob: dict) -> None:
     config_path, overrides = rayjob_command(rayjob)
     result = run_pretrain("--config", str(config_path.relative_to(REPO)), *overrides, "--dry-run")

@@ -66,7 +66,6 @@ def context_parallel_attention(rank: int, world_size: int, seq: int, documents: 
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
-@pytest.mark.processes
 @pytest.mark.parametrize(
     ("cp_size", "seq", "documents"), [(2, 16, True), (2, 16, False), (2, 32, True), (4, 16, True)]
 )
@@ -98,7 +97,6 @@ def gather_round_trip(rank: int, world_size: int) -> list[torch.Tensor]:
     return [gathered.detach(), share.grad]
 
 
-@pytest.mark.processes
 def test_gather_is_the_inverse_of_shard_and_its_backward_sums_every_ranks_gradient() -> None:
     window = torch.arange(2 * 24 * 3, dtype=torch.float32).view(2, 24, 3)
     for rank, (gathered, grad) in enumerate(run_on_ranks(gather_round_trip, 2)):

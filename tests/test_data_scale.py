@@ -69,7 +69,6 @@ class _HugeStream:
         return np.zeros(stop - start, dtype=np.uint16)
 
 
-@pytest.mark.processes
 @pytest.mark.parametrize("tokens", [10**6, 10**12])
 def test_order_and_split_take_no_memory_per_window(tokens: int) -> None:
     """A 1T-token stream (62.5 billion windows) costs what a 1M-token one does: nothing per window."""
@@ -195,7 +194,6 @@ def _train(cfg_overrides: list[str], plan: DataPlan) -> Trainer:
     return trainer
 
 
-@pytest.mark.processes
 def test_legacy_checkpoints_resume_exactly_and_refuse_another_scheme(tmp_path: Path) -> None:
     from corpora import stdlib_plan
 

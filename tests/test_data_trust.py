@@ -67,7 +67,6 @@ def test_a_clean_store_reads_as_its_shards_with_bounded_descriptors(store: Path)
     tokens.close()
 
 
-@pytest.mark.processes
 def test_a_flipped_low_bit_is_one_line_and_its_command_prepares_that_shard_again(prepared, store: Path) -> None:
     corpus, _ = prepared
     expected = stream_of(store)
@@ -101,7 +100,6 @@ def test_a_flipped_low_bit_is_one_line_and_its_command_prepares_that_shard_again
     assert np.array_equal(TokenStore(str(store)).read(0, len(expected)), expected)
 
 
-@pytest.mark.processes
 @pytest.mark.parametrize("lists", ["crc32", "legacy", "none"])
 def test_a_high_bit_flip_is_refused_by_the_checksum_or_else_the_vocabulary(store: Path, lists: str) -> None:
     """In a store with checksum lists (the 1 KiB .crc32 ones, or the legacy 64 KiB .crc ones) the block
@@ -145,7 +143,6 @@ def test_a_token_past_the_vocabulary_is_refused_even_when_its_checksum_matches(s
     assert np.array_equal(tokens.read(6, 20), data[6:20])  # the rest of the block reads
 
 
-@pytest.mark.processes
 def test_a_short_checksum_list_is_corruption_too(store: Path) -> None:
     crcs = store / "shard-000001.crc32"
     crcs.write_bytes(crcs.read_bytes()[:4])

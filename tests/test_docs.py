@@ -57,7 +57,6 @@ def test_the_configuration_reference_is_the_schemas() -> None:
     )
 
 
-@pytest.mark.processes
 def test_the_reference_check_fails_on_a_stale_page(tmp_path: Path) -> None:
     stale = tmp_path / "configuration.md"
     stale.write_text(render().replace("| `train.steps` |", "| `train.stepz` |"), encoding="utf-8")
@@ -99,6 +98,13 @@ def test_every_relative_link_points_at_an_existing_file() -> None:
             elif anchor and destination.suffix == ".md" and anchor not in anchors(destination):
                 broken.append(f"{page.relative_to(REPO)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+def test_the_behaviour_map_lists_every_test_as_it_reads_now() -> None:
+    import behaviour_map
+
+    assert behaviour_map.MAP.read_text() == behaviour_map.render(), (
+        "docs/testing-map.md is stale: run python tests/behaviour_map.py and read its diff")
 
 
 def test_the_readme_is_short() -> None:

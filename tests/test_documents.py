@@ -97,7 +97,6 @@ def _packed_and_alone_on_a_mesh(rank: int, world: int, shard: int) -> tuple[torc
     return packed_and_alone(model, seq=48)
 
 
-@pytest.mark.processes
 def test_a_packed_document_has_the_logits_it_has_alone_on_a_2x2_mesh() -> None:
     from ranks import run_on_ranks
 
@@ -151,7 +150,6 @@ def test_training_steps_count_the_query_key_pairs_their_mask_allows() -> None:
     assert work.take() == (41 / 2, 40)
 
 
-@pytest.mark.processes
 def test_logged_steps_report_mfu_from_the_flops_computed_and_over_the_whole_window() -> None:
     from meshtrain.checkpoint.state import Progress
     from meshtrain.model.flops import ModelFlops, flops_per_token

@@ -71,7 +71,6 @@ def test_meshtrain_scores_equal_the_harness_on_the_hf_export(
         assert ours[task] == pytest.approx(values, rel=1e-6), task
 
 
-@pytest.mark.processes
 def test_jobs_evaluate_writes_the_harness_results_into_the_run(run_dir: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(REPO / "jobs" / "evaluate.py"), str(run_dir), "--tasks", "meshtrain_mc,meshtrain_ppl",
@@ -216,7 +215,6 @@ def test_a_leased_checkpoint_outlives_pruning_until_released_or_expired(
     assert [c.step for c in storage.committed()] == [50, 40]
 
 
-@pytest.mark.processes
 def test_a_checkpoint_on_s3_is_scored_as_the_local_one(
     run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -20,7 +20,6 @@ from raynodes import RAY, RayNode, free_port, ray_env, wait_until
 STEPS = 100
 STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s"}
 
-pytestmark = pytest.mark.ray
 
 
 def ray_jobs_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -18,7 +18,6 @@ from ranks import run_on_ranks
 STEPS = 10
 RTOL = 1e-5
 
-pytestmark = pytest.mark.processes
 
 
 @pytest.fixture(scope="module")

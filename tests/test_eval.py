@@ -51,7 +51,6 @@ def _rank_events(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan) 
     return events_of(cfg, corpus, WorkerLayout(rank, world, rank % 2, 2, rank // 2))
 
 
-@pytest.mark.processes
 def test_validation_loss_is_the_same_on_one_process_and_a_2x2_mesh(corpus: DataPlan) -> None:
     single = [e for e in events_of(config(), corpus) if e["event"] == "eval"]
     ranks = run_on_ranks(_rank_events, 4, config("scaling.num_workers=4", "parallel.shard=2"), corpus)

@@ -221,7 +221,6 @@ def test_hf_export_carries_the_run_tokenizer(runs: dict[str, Run], tmp_path: Pat
     assert hf_tokenizer.eos_token_id == run.corpus.eos_id
 
 
-@pytest.mark.processes
 def test_hf_config_needs_no_transformers(runs: dict[str, Run], tmp_path: Path) -> None:
     code = (
         "import sys; sys.modules['transformers'] = None\n"
@@ -236,7 +235,6 @@ def test_hf_config_needs_no_transformers(runs: dict[str, Run], tmp_path: Path) -
 # --- remote storage -----------------------------------------------------------------------------
 
 
-@pytest.mark.processes
 def test_exports_from_s3(runs: dict[str, Run], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import s3fs
 
@@ -302,7 +300,6 @@ def test_existing_outputs_are_never_overwritten(runs: dict[str, Run], tmp_path: 
 # --- command line -------------------------------------------------------------------------------
 
 
-@pytest.mark.processes
 def test_cli_rejects_bad_input_with_one_line(runs: dict[str, Run], tmp_path: Path) -> None:
     missing = tmp_path / "missing"
     result = run_export(str(missing), "--format", "torch", str(tmp_path / "a.pt"))
@@ -322,7 +319,6 @@ def test_cli_rejects_bad_input_with_one_line(runs: dict[str, Run], tmp_path: Pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["existing.safetensors", "step-00000004"]
 
 
-@pytest.mark.processes
 def test_cli_exports_newest_step_of_a_root(runs: dict[str, Run], tmp_path: Path) -> None:
     run = runs["untied-gqa"]
     assert sorted(p.name for p in run.root.iterdir()) == ["step-00000002", "step-00000004"]
@@ -341,7 +337,6 @@ def test_cli_exports_newest_step_of_a_root(runs: dict[str, Run], tmp_path: Path)
 # --- untrusted storage ----------------------------------------------------------------------------
 
 
-@pytest.mark.processes
 @pytest.mark.parametrize("reseal_it", [False, True], ids=["checksum stale", "checksum edited to match"])
 def test_export_refuses_a_crafted_metadata_without_running_it(
     runs: dict[str, Run], tmp_path: Path, reseal_it: bool
@@ -362,7 +357,6 @@ def test_export_refuses_a_crafted_metadata_without_running_it(
     assert not (tmp_path / "model.pt").exists() and not (tmp_path / "hf").exists()
 
 
-@pytest.mark.processes
 def test_export_verifies_every_byte_even_those_it_does_not_export(runs: dict[str, Run], tmp_path: Path) -> None:
     from test_checkpoint_trust import dcp_metadata
 

@@ -224,7 +224,6 @@ def _sharded_steps(
     return len(model.layers), pairs, _train_steps(rowwise, plan, 3)[1]
 
 
-@pytest.mark.processes
 def test_float8_all_gather_scales_are_precomputed_and_sharded_rowwise_steps_equal_one_process(tmp_path: Path) -> None:
     rowwise = config(tmp_path, "rowwise", *ROWWISE)
     blocks, pairs, sharded_rowwise = run_on_ranks(
@@ -245,7 +244,6 @@ def sharded_float8(corpus: DataPlan, tmp_path_factory: pytest.TempPathFactory) -
     return run(config(storage, "float8-sharded", "parallel.float8=true", "checkpoint.enabled=false"), corpus)
 
 
-@pytest.mark.processes
 def test_float8_tracks_high_precision_and_sharded_and_tensor_parallel_float8_equal_single_process(
     corpus: DataPlan, tmp_path: Path, sharded_float8: list[dict[str, Any]]
 ) -> None:
@@ -287,7 +285,6 @@ def test_float8_tracks_high_precision_and_sharded_and_tensor_parallel_float8_equ
     assert 0 < difference <= FLOAT8_LOSS_RTOL
 
 
-@pytest.mark.processes
 def test_float8_on_a_2x2_hsdp_mesh_equals_1x2(corpus: DataPlan, tmp_path: Path, sharded_float8: list[dict[str, Any]]) -> None:
     """The scale precompute reduces each weight's amax over the shard dim of a 2D mesh; replicas
     hold the same weights, so HSDP gives what one shard group gives (measured: 8e-8)."""
@@ -299,7 +296,6 @@ def test_float8_on_a_2x2_hsdp_mesh_equals_1x2(corpus: DataPlan, tmp_path: Path, 
     assert largest_relative_difference(curve(hsdp), curve(sharded_float8)) <= 1e-6
 
 
-@pytest.mark.processes
 def test_compiled_float8_blocks_with_selective_recompute_track_eager_float8(
     corpus: DataPlan, tmp_path: Path, sharded_float8: list[dict[str, Any]]
 ) -> None:
@@ -315,7 +311,6 @@ def test_compiled_float8_blocks_with_selective_recompute_track_eager_float8(
     assert largest_relative_difference(curve(compiled), curve(sharded_float8)) <= FLOAT8_LOSS_RTOL
 
 
-@pytest.mark.processes
 def test_float8_checkpoints_resume_exactly_load_into_high_precision_and_export_plain_weights(
     corpus: DataPlan, tmp_path: Path
 ) -> None:

@@ -160,7 +160,6 @@ def test_refusals_are_one_line_config_errors(loaded: CheckpointModel) -> None:
             continue_prompts(loaded, ["x"], **{"max_new_tokens": 4, **settings})
 
 
-@pytest.mark.processes
 def test_jobs_generate_prints_the_prompt_and_its_continuation(run_dir: Path, loaded: CheckpointModel) -> None:
     result = subprocess.run(
         [sys.executable, str(REPO / "jobs" / "generate.py"), str(run_dir), "def main(", "--max-new-tokens", "12"],

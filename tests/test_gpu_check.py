@@ -52,7 +52,6 @@ def token_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return device_pack.prepare_store(tmp_path_factory.mktemp("pack") / "store")
 
 
-@pytest.mark.processes
 def test_the_quick_check_runs_the_trainer_without_ray_or_datasets(token_store: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     run = subprocess.run(
@@ -78,7 +77,6 @@ def test_the_quick_check_runs_the_trainer_without_ray_or_datasets(token_store: P
     assert {"pydantic", "torch"} <= imported
 
 
-@pytest.mark.processes
 def test_a_failed_configuration_is_a_row_and_the_next_one_runs(
     single_rank_group: None, token_store: Path, tmp_path: Path
 ) -> None:

@@ -28,7 +28,6 @@ from meshtrain.train.guard import StepGuard
 from meshtrain.train.step import train_step
 from ranks import run_on_ranks
 
-pytestmark = pytest.mark.processes
 
 WORLD = 4
 MESH = (2, 2)  # (replicate, shard)

@@ -439,7 +439,6 @@ def on_a_2x2_mesh(
     return MeshRun(loads, meshes, runs, run_on_ranks(_on_rank, 4, loads, runs, short))
 
 
-@pytest.mark.processes
 def test_a_2x2_mesh_loads_the_same_weights_each_rank_reading_its_shards(on_a_2x2_mesh: MeshRun) -> None:
     loads = on_a_2x2_mesh.loads
     expected = [dict(load_in_one_process(cfg, vocab).named_parameters()) for cfg, vocab in loads]
@@ -454,7 +453,6 @@ def test_a_2x2_mesh_loads_the_same_weights_each_rank_reading_its_shards(on_a_2x2
             assert result["read"] == result["local"] < 0.6 * total
 
 
-@pytest.mark.processes
 @pytest.mark.parametrize("mask", [True, False], ids=["mask", "nomask"])
 @pytest.mark.parametrize("style", list(LLAMA3_STYLES))
 def test_transformers_llama3_checkpoints_train_on_a_2x2_mesh_and_export_the_same_logits(
@@ -641,7 +639,6 @@ def test_one_line_errors(
 # --- the export job -----------------------------------------------------------------------------
 
 
-@pytest.mark.processes
 def test_bf16_export_lists_every_tensor_in_its_index(trained: Trained, tmp_path: Path) -> None:
     out = tmp_path / "bf16"
     result = subprocess.run(

@@ -23,7 +23,6 @@ from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.train.trainer import Trainer
 from meshtrain.train.watchdog import HangWatchdog
 
-pytestmark = pytest.mark.processes
 
 HANG_TIMEOUT_S = 2.0  # long enough for a training step of this model on a busy machine
 

@@ -208,7 +208,6 @@ print(json.dumps({name: peak_extra(fn) for name, fn in
 """
 
 
-@pytest.mark.processes
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's resettable peak RSS")
 def test_chunked_loss_peak_memory_is_far_below_the_plain_formula() -> None:
     tokens, vocab, chunk = 256, 128_256, 64

@@ -185,7 +185,6 @@ def test_a_taken_port_falls_back_to_a_free_one() -> None:
             metrics.close()
 
 
-@pytest.mark.processes
 def test_final_scrape_wait_happens_only_when_something_scrapes() -> None:
     metrics = new_metrics()
     port = metrics.serve("127.0.0.1", 0)

@@ -35,7 +35,6 @@ def config(tmp_path: Path, name: str, *overrides: str):
     ])
 
 
-@pytest.mark.processes
 def test_sigterm_saves_the_step_and_the_resumed_run_matches_an_unbroken_one(
     corpus: DataPlan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -62,7 +61,6 @@ def test_sigterm_saves_the_step_and_the_resumed_run_matches_an_unbroken_one(
     assert expected.keys() == got.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
 
 
-@pytest.mark.processes
 def test_the_drivers_stop_request_saves_the_step_and_finishes_without_a_restart(
     corpus: DataPlan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -100,7 +98,6 @@ def test_the_drivers_stop_request_saves_the_step_and_finishes_without_a_restart(
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
-@pytest.mark.processes
 def test_the_sigterm_route_is_restored_after_the_run(corpus: DataPlan, tmp_path: Path) -> None:
     before = signal.getsignal(signal.SIGTERM)
     run(config(tmp_path, "restored", "train.steps=2"), corpus)
@@ -122,7 +119,6 @@ def test_a_save_that_misses_the_budget_ends_the_worker_and_one_in_time_does_not(
     assert len(exits) == 1 and in_time.reason == "SIGTERM"
 
 
-@pytest.mark.processes
 def test_in_a_ray_worker_thread_rays_sigterm_exit_becomes_a_notice() -> None:
     """Ray's worker handles SIGTERM in its main thread by calling an exit function of
     ray._private.worker; a training thread cannot install a handler, so it replaces that function."""
@@ -144,7 +140,6 @@ def test_in_a_ray_worker_thread_rays_sigterm_exit_becomes_a_notice() -> None:
     assert ray_worker.raise_sys_exit_with_custom_error_message.__module__ != __name__
 
 
-@pytest.mark.processes
 def test_a_budget_shorter_than_a_step_is_reported_once(corpus: DataPlan, tmp_path: Path) -> None:
     _, events = run(config(tmp_path, "tight", "train.steps=4", "run.preemption_save_s=0.000001"), corpus)
     warnings = [e for e in events if e["event"] == "warning"]

@@ -26,7 +26,6 @@ import yaml
 from jobs import REPO, read_metrics, run_job
 from raynodes import free_port
 
-pytestmark = pytest.mark.ray
 
 DASHBOARD = REPO / "dashboards" / "meshtrain.json"
 RUN = "observed"

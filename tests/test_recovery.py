@@ -29,7 +29,6 @@ from meshtrain.observe.run_folder import RunPaths
 from meshtrain.observe.trackers import tracker_run_id, tracker_values
 from s3server import moto_s3
 
-pytestmark = pytest.mark.ray
 
 SETTINGS = (
     "train.steps=40", "train.log_every=1", "checkpoint.interval=10", "data.max_documents=40", "run.max_failures=2",

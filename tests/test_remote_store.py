@@ -27,7 +27,6 @@ from meshtrain.data.location import ReadSettings
 from ports import free_port
 from s3server import moto_s3
 
-pytestmark = pytest.mark.processes
 
 BLOCK = remote_module.CHECK_BYTES  # shards of 10,000 uint16 tokens hold 20 check blocks
 

@@ -22,7 +22,6 @@ from meshtrain.data import DataPlan, open_data
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.observe.run_folder import read_records
 
-pytestmark = pytest.mark.processes
 if importlib.util.find_spec("torchft") is None:  # not importorskip: importing it here would set its log level
     pytest.skip("torchft (the ft extra) is not installed", allow_module_level=True)
 

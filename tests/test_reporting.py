@@ -111,7 +111,6 @@ def _hang_in_an_all_reduce(rank: int, world_size: int, folder: str) -> list[str]
     return lines
 
 
-@pytest.mark.processes
 def test_the_flight_recorder_names_the_gloo_collective_and_the_rank_that_never_entered_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -311,7 +310,6 @@ class FakeCudaAllocator:
         return 3 * GIB // 2
 
 
-@pytest.mark.ray
 def test_a_step_out_of_cuda_memory_writes_a_snapshot_and_fails_the_run_and_a_run_that_fits_writes_one_at_the_end(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -65,7 +65,6 @@ def test_drivers_started_together_get_one_lease(tmp_path: Path) -> None:
     leases[0].release()
 
 
-@pytest.mark.processes
 def test_a_killed_driver_leaves_no_lease_behind(tmp_path: Path) -> None:
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time\nfrom pathlib import Path\n"
@@ -127,7 +126,6 @@ def test_a_truncated_tokenizer_json_is_one_line_naming_it(
     assert f"run.name=r: {tmp_path / 'r' / 'tokenizer.json'} is damaged (" in err and "delete it" in err
 
 
-@pytest.mark.ray
 def test_the_fault_matrix_round_two_rows_are_right(tmp_path: Path) -> None:
     """jobs/bench_faults.py's rows for bad input and a busy run folder: each refused in one line, exit 2,
     before Ray starts, with nothing of the run written or replaced (each row one jobs/pretrain.py)."""

@@ -60,7 +60,6 @@ def test_a_directory_that_refuses_writes_is_named(tmp_path: Path, monkeypatch: p
 # --- s3:// --------------------------------------------------------------------------------------
 
 
-@pytest.mark.processes
 def test_s3_checkpoint_path_is_probed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import boto3
 

@@ -113,7 +113,6 @@ def test_a_rerun_with_checkpoints_is_judged_on_redacted_values(tmp_path: Path) -
     assert_no_secret("".join(path.read_text() for path in paths.run_dir.glob("config*.yaml")), "kept configs")
 
 
-@pytest.mark.processes
 def test_dry_run_shows_no_credential(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -138,7 +137,6 @@ def test_a_bad_storage_options_value_is_not_echoed() -> None:
     assert_no_secret(str(error.value), "the error")
 
 
-@pytest.mark.processes
 def test_checkpoint_marker_holds_no_credential_while_s3_gets_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

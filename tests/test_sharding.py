@@ -18,7 +18,6 @@ from ranks import run_on_ranks
 
 VOCAB = 97  # not divisible by 2 or 4: shards are uneven, which init and the byte count must handle
 
-pytestmark = pytest.mark.processes
 
 
 def tiny_config(world: int, shard: int, tied: bool = False) -> MeshtrainConfig:

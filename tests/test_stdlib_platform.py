@@ -20,7 +20,6 @@ def test_platform_is_the_standard_library_module() -> None:
     assert not (REPO / "platform" / "__init__.py").exists()
 
 
-@pytest.mark.processes
 def test_platform_from_the_repo_root_in_a_fresh_interpreter() -> None:
     code = "import platform, os; assert platform.system() == os.uname().sysname; print(platform.__file__)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)

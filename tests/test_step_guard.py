@@ -72,7 +72,6 @@ def snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
     return state
 
 
-@pytest.mark.processes
 @pytest.mark.parametrize(
     "implementation, factor, spike",
     [("fused", math.nan, False), ("foreach", math.nan, False), ("fused", math.inf, False), ("fused", 50.0, True)],
@@ -102,7 +101,6 @@ def test_a_bad_step_leaves_model_and_optimizer_bitwise_untouched(
         assert not torch.equal(snapshot(resumed)["param.output.weight"], got["param.output.weight"])
 
 
-@pytest.mark.processes
 def test_bad_steps_are_never_checkpointed_and_too_many_in_a_row_stop_the_run(
     corpus: DataPlan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -33,7 +33,6 @@ def _rank_events(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan) 
     return events
 
 
-@pytest.mark.processes
 def test_a_rank_made_five_times_slower_is_named(corpus: DataPlan) -> None:
     cfg = config("fault.kind=slow", "fault.kill_rank=1", "fault.at_step=2", "fault.slow_factor=5",
                  "metrics.straggler_factor=2", "metrics.straggler_patience=3")

@@ -24,14 +24,12 @@ def lint_imports(config: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.processes
 def test_layers_hold_and_no_subpackage_imports_a_higher_one() -> None:
     result = lint_imports(REPO / "pyproject.toml")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Contracts: 2 kept, 0 broken." in result.stdout, result.stdout
 
 
-@pytest.mark.processes
 def test_the_layers_contract_catches_an_upward_import(tmp_path: Path) -> None:
     """The check can fail: a copy of the package whose config imports the trainer breaks it."""
     copy = tmp_path / "platform" / "meshtrain"
@@ -50,7 +48,6 @@ def test_the_layers_contract_catches_an_upward_import(tmp_path: Path) -> None:
     assert "meshtrain.config.schema -> meshtrain.train.trainer" in result.stdout, result.stdout
 
 
-@pytest.mark.processes
 def test_config_imports_nothing_of_meshtrain_torch_or_ray() -> None:
     """Building, validating, dumping and describing a config loads only the config package."""
     code = (
@@ -70,7 +67,6 @@ def test_config_imports_nothing_of_meshtrain_torch_or_ray() -> None:
         assert name not in modules, f"importing the config loaded {name}"
 
 
-@pytest.mark.ray
 @pytest.mark.parametrize("job", sorted(path.name for path in (REPO / "jobs").glob("*.py")))
 def test_jobs_only_call_the_library(job: str) -> None:
     """A job script is a docstring, imports and ``sys.exit(main())``: its logic lives in meshtrain, or for a
@@ -82,23 +78,33 @@ def test_jobs_only_call_the_library(job: str) -> None:
     assert any(module and module.startswith(("meshtrain.", "meshtrain_bench.")) for module in imported), imported
 
 
-@pytest.mark.processes
-def test_a_test_that_starts_processes_without_its_marker_fails_collection(tmp_path: Path) -> None:
+def test_tiers_are_read_from_what_a_test_does_and_what_the_scan_misses_fails_the_test(tmp_path: Path) -> None:
+    """A test calling a helper that starts a process is in the processes tier, one that starts nothing in the
+    fast tier; a process started where the scan cannot see it fails its test, naming it; a hand-set tier
+    marker fails collection."""
     import shutil
     import subprocess
     import sys
 
-    shutil.copy(REPO / "tests" / "conftest.py", tmp_path / "conftest.py")
-    (tmp_path / "helpers.py").write_text("import subprocess\n\ndef spawn():\n    subprocess.run(['true'])\n")
-    (tmp_path / "test_tiers.py").write_text(
-        "import pytest\nfrom helpers import spawn\n\n"
-        "def test_unmarked():\n    spawn()\n\n"
-        "@pytest.mark.processes\ndef test_marked():\n    spawn()\n\n"
-        "def test_pure():\n    assert True\n"
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    shutil.copy(REPO / "tests" / "conftest.py", suite / "conftest.py")
+    (suite / "helpers.py").write_text("import subprocess\n\ndef spawn():\n    subprocess.run(['true'])\n")
+    (suite / "test_tiers.py").write_text(
+        "import subprocess\nfrom helpers import spawn\n\n"
+        "def test_spawns(request):\n    spawn()\n    assert request.node.get_closest_marker('processes')\n\n"
+        "def test_hides_it():\n    getattr(subprocess, 'run')(['true'])\n\n"
+        "def test_pure(request):\n    assert request.node.get_closest_marker('fast')\n"
     )
-    result = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(suite)],
+                            cwd=suite, capture_output=True, text=True, timeout=120)
     out = result.stdout + result.stderr
-    assert "test_tiers.py::test_unmarked: starts processes; mark it @pytest.mark.processes" in out
-    assert "test_marked" not in out.split("tests without their tier's marker:", 1)[1]
+    assert "3 passed, 1 error" in out, out  # the check runs after the test, in its teardown
+    assert "ERROR test_tiers.py::test_hides_it - Failed" in out, out
+    assert "Failed: this test is in the fast tier but started a subprocess (true)" in out, out
+
+    (suite / "test_hand_set.py").write_text("import pytest\n\n@pytest.mark.ray\ndef test_labelled():\n    pass\n")
+    result = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider", str(suite)],
+                            cwd=suite, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "test_hand_set.py::test_labelled: @pytest.mark.ray" in result.stdout + result.stderr

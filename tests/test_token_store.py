@@ -176,7 +176,6 @@ def shard_bytes(store: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(store.glob("shard-*.bin"))}
 
 
-@pytest.mark.ray
 def test_prepare_on_ray_with_one_or_two_cpus_and_after_a_kill_writes_the_same_shards(corpus_dir, tmp_path) -> None:
     """Two CPUs in one go; one CPU killed midway (the whole process group: driver and its local Ray),
     then two CPUs again: the same shards, byte for byte."""
@@ -333,7 +332,6 @@ def test_hub_source_without_network_fails_fast_in_one_line(tmp_path) -> None:
 # --- remote stores ------------------------------------------------------------------------------
 
 
-@pytest.mark.processes
 def test_a_store_on_s3_is_prepared_cached_locally_and_checked(plan, tmp_path, monkeypatch) -> None:
     import s3fs
 

@@ -44,7 +44,6 @@ def test_trace_needs_dry_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().err == "meshtrain: config error: --trace goes with --dry-run: add --dry-run\n"
 
 
-@pytest.mark.processes
 @pytest.mark.parametrize(
     "overrides,mesh",
     [

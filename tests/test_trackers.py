@@ -200,7 +200,6 @@ def test_a_tracker_that_cannot_work_is_refused_before_ray(tmp_path: Path, monkey
             preflight(config(tmp_path, f"metrics.{tracker}=true"))
 
 
-@pytest.mark.processes
 def test_a_run_without_trackers_imports_neither_package(tmp_path: Path) -> None:
     """The driver's tracker setup and the launch checks of a default config load neither W&B nor MLflow."""
     code = f"""

@@ -126,7 +126,6 @@ def _mixture(delay: float) -> MixtureSamples:
     return MixtureSamples([PackedSequences(s, SEQ, (3, k), split=SpanSplit(4000, 0.01, 8)) for k, s in enumerate(streams)], [0.7, 0.3], 3)
 
 
-@pytest.mark.processes
 def test_read_ahead_gives_the_same_batches_and_resumes_exactly() -> None:
     def run(read_ahead: int, start: int, steps: int) -> list[list[np.ndarray]]:
         batches = DataParallelBatches(_mixture(0.0), 24, 3, dp_rank=1, dp_size=2, device=torch.device("cpu"),

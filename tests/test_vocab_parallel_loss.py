@@ -12,7 +12,6 @@ import torch.distributed as dist
 from meshtrain.model.loss import token_cross_entropy_sum, vocab_parallel_cross_entropy_sum
 from ranks import run_on_ranks
 
-pytestmark = pytest.mark.processes
 
 # name: (batch, seq, vocab, dtype, chunk, seed); vocab is divisible by every world size used.
 CASES: dict[str, tuple[int, int, int, torch.dtype, int | None, int]] = {
