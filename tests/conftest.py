@@ -2,6 +2,7 @@
 
 import ast
 import os
+import platform
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -124,6 +125,9 @@ def _function_tiers() -> dict[tuple[str, str], int]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # The standard library asks `uname -p` for the processor once per process, when first asked (mlflow,
+    # wandb and Ray ask): here, before any test, so no test in the fast tier starts that process.
+    platform.uname().processor  # noqa: B018
     for tier in TIERS:
         config.addinivalue_line("markers", f"{tier}: the {tier} tier (tests/conftest.py assigns it from what the test does)")
 
