@@ -35,11 +35,6 @@ def behaviours() -> dict[str, dict[str, str]]:
     return found
 
 
-def listed(text: str) -> set[str]:
-    """The ``file::test`` names a map lists."""
-    return set(re.findall(r"^\| `(test_\w+\.py::test_\w+)` \|", text, re.MULTILINE))
-
-
 def render() -> str:
     lines = [HEADER]
     for file, tests in behaviours().items():
@@ -52,4 +47,4 @@ def render() -> str:
 
 if __name__ == "__main__":
     MAP.write_text(render())
-    print(f"wrote {MAP.relative_to(TESTS.parent)}: {len(listed(MAP.read_text()))} tests", file=sys.stderr)
+    print(f"wrote {MAP.relative_to(TESTS.parent)}: {sum(map(len, behaviours().values()))} tests", file=sys.stderr)

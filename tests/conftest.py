@@ -142,7 +142,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         keys = [(module, item.originalname)] + [key for name in item.fixturenames
                                                 for key in ((module, name), ("conftest", name))]
         tier = max(tiers.get(key, 0) for key in keys)
-        hand_set += [f"{item.nodeid}: @pytest.mark.{mark.name}" for mark in item.own_markers if mark.name in TIERS]
+        hand_set += [f"{item.nodeid}: @pytest.mark.{mark.name}" for mark in item.iter_markers() if mark.name in TIERS]
         item.add_marker(TIERS[tier])
     if hand_set:
         raise pytest.UsageError("a test's tier is read from what it does, not set by hand (tests/conftest.py):\n"
@@ -175,7 +175,7 @@ def _tier_holds(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     """What the scan cannot see, caught as it happens: a fast test that starts a process, or a test below the
     ray tier that starts a Ray instance (in this process, or in any process it started)."""
     tier = _tier_of(request.node)
-    sessions = _ray_sessions()
+    sessions = _ray_sessions() if tier < 2 else set()
     started: list[str] = []
     if tier == 0:
         import multiprocessing.process

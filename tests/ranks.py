@@ -17,6 +17,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +65,7 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, environ: dict[st
             dist.destroy_process_group()
     except BaseException as exc:  # ship the failure to the parent with its traceback
         value = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    Path(out_dir, f"{rank}.tmp").write_bytes(pickle.dumps(value))
-    os.replace(Path(out_dir, f"{rank}.tmp"), Path(out_dir, f"{rank}.pkl"))
+    Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(value))  # complete before the process ends
     # Skip interpreter finalization: gloo's C++ threads can still hold work objects whose teardown
     # then aborts the process (SIGABRT, "terminate called without an active exception").
     sys.stdout.flush()
@@ -73,8 +73,17 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, environ: dict[st
     os._exit(0)
 
 
+def _result(out_dir: str, rank: int, exitcode: int | None) -> tuple[str, Any]:
+    """What an ended rank shipped, or how it died without shipping anything."""
+    path = Path(out_dir, f"{rank}.pkl")
+    if not path.exists():
+        return "error", f"rank {rank} died with exit code {exitcode}"
+    return pickle.loads(path.read_bytes())
+
+
 def _test_name() -> str:
-    return os.environ.get("PYTEST_CURRENT_TEST", "(no test)").rsplit(" ", 1)[0]
+    current = os.environ.get("PYTEST_CURRENT_TEST")  # "<node id> (<phase>)"
+    return current.rsplit(" ", 1)[0] if current else "(outside a test)"
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, ceiling_s: float = CEILING_S) -> list[Any]:
@@ -94,36 +103,29 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, ceiling_s:
         for process in processes:
             process.start()
         results: dict[int, tuple[str, Any]] = {}
-        deadline, failed_at = time.monotonic() + ceiling_s, None
+        pending = dict(enumerate(processes))
+        stop_at = time.monotonic() + ceiling_s
         try:
-            while len(results) < world_size:
-                for rank, process in enumerate(processes):
-                    path = Path(out_dir, f"{rank}.pkl")
-                    if rank not in results and path.exists():
-                        results[rank] = pickle.loads(path.read_bytes())
-                        if results[rank][0] == "error" and failed_at is None:
-                            failed_at = time.monotonic()
-                    elif rank not in results and process.exitcode is not None and not path.exists():
-                        results[rank] = ("error", f"rank {rank} died with exit code {process.exitcode}")
-                        failed_at = failed_at or time.monotonic()
-                if len(results) == world_size:
+            while pending:
+                ended = wait([process.sentinel for process in pending.values()], max(0.0, stop_at - time.monotonic()))
+                if not ended:
                     break
-                now = time.monotonic()
-                if failed_at is not None and now > failed_at + GRACE_S:
-                    break
-                if now > deadline:
-                    waiting = [rank for rank in range(world_size) if rank not in results]
-                    raise AssertionError(f"{what}: ranks {waiting} still running after {ceiling_s:.0f}s; stopped")
-                time.sleep(0.02)
+                for rank, process in list(pending.items()):
+                    if process.sentinel in ended:
+                        process.join()
+                        del pending[rank]
+                        results[rank] = _result(out_dir, rank, process.exitcode)
+                        if results[rank][0] == "error":
+                            stop_at = min(stop_at, time.monotonic() + GRACE_S)
         finally:
-            for process in processes:
-                if process.is_alive():
-                    process.kill()
+            for process in pending.values():
+                process.kill()
                 process.join(timeout=30)
-    errors = [(rank, value) for rank, (status, value) in sorted(results.items()) if status == "error"]
+    errors = [(rank, value) for rank, (status, value) in results.items() if status == "error"]  # in the order they ended
     if errors:
-        unfinished = sorted(set(range(world_size)) - results.keys())
-        stopped = f"; ranks {unfinished} were stopped waiting" if unfinished else ""
+        stopped = f"; ranks {sorted(pending)} were stopped waiting" if pending else ""
         rank, first = errors[0]
-        raise AssertionError(f"{what}: {len(errors)} rank(s) failed{stopped}; first, rank {rank}:\n{first}")
+        raise AssertionError(f"{what}: {len(errors)} rank(s) failed{stopped}; the first to end, rank {rank}:\n{first}")
+    if pending:
+        raise AssertionError(f"{what}: ranks {sorted(pending)} still running after {ceiling_s:.0f}s; stopped")
     return [results[rank][1] for rank in range(world_size)]

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 from jobs import job_env
-from ports import free_port  # noqa: F401  (re-exported for the Ray tests)
 
 RAY = str(Path(sys.executable).with_name("ray"))
 

@@ -24,7 +24,8 @@ from meshtrain.cluster.capacity import (
     worker_resources,
 )
 from meshtrain.config import ConfigError, ScalingConfig
-from raynodes import RayNode, free_port, ray_env, wait_until
+from ports import free_port
+from raynodes import RayNode, ray_env, wait_until
 
 H100 = "accelerator_type:H100"
 ERROR_PREFIX = "meshtrain: config error: "

@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from jobs import REPO, read_metrics, run_job
-from raynodes import RAY, RayNode, free_port, ray_env, wait_until
+from ports import free_port
+from raynodes import RAY, RayNode, ray_env, wait_until
 
 STEPS = 100
 STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s"}

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from jobs import REPO, read_metrics, run_job
-from raynodes import free_port
+from ports import free_port
 
 
 DASHBOARD = REPO / "dashboards" / "meshtrain.json"

@@ -15,6 +15,7 @@ import signal
 import statistics
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -446,21 +447,21 @@ def test_a_diverged_elastic_run_trains_on_the_largest_size_it_can_and_stops_at_m
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
+@pytest.fixture
+def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    with moto_s3(monkeypatch, "meshtrain") as options:
+        yield options["client_kwargs"]["endpoint_url"]
+
+
 def test_a_hung_worker_is_diagnosed_and_the_run_resumes_from_s3_to_the_same_weights_holding_no_secret(
-    storage: Path, unbroken: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    storage: Path, unbroken: dict, s3_endpoint: str, tmp_path: Path
 ) -> None:
     """Checkpoints on S3 (a local moto endpoint); rank 1 hangs at step 15: the watchdog names where,
     the group restarts from S3's step 10 and ends on the unbroken run's weights; no file, object or
     log line holds the secret key."""
-    secret = "meshtrain-test-secret-91c2"  # moto takes any credentials: these must reach s3fs, and no file
-    with moto_s3(monkeypatch, "meshtrain") as served:
-        s3_endpoint = served["client_kwargs"]["endpoint_url"]
-        _hang_and_resume_from_s3(storage, unbroken, s3_endpoint, secret, tmp_path)
-
-
-def _hang_and_resume_from_s3(storage: Path, unbroken: dict, s3_endpoint: str, secret: str, tmp_path: Path) -> None:
     import s3fs
 
+    secret = "meshtrain-test-secret-91c2"  # moto takes any credentials: these must reach s3fs, and no file
     options = '{key: testing, secret: %s, client_kwargs: {endpoint_url: "%s"}}' % (secret, s3_endpoint)
     job = run_job(
         f"run.storage_path={storage}", "run.name=on-s3", *SETTINGS,

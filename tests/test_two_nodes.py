@@ -296,9 +296,9 @@ def test_an_elastic_run_shrinks_without_the_lost_node_and_grows_back_when_it_ret
 
     # Every step once after the shrink's resume: 1x2 up to the grow's save, 2x2 from the next step on.
     steps, reference = train_records(run_dir), train_records(unbroken)
-    after_loss = [r for r in records if r["event"] == "train"]
-    after_loss = after_loss[next(i for i, r in enumerate(after_loss) if r["world_size"] == 2):]
-    assert [r["step"] for r in after_loss] == list(range(resumed_from + 1, interrupted["step"] + 1)), output[-3000:]
+    since_shrink = [r for r in records if r["event"] == "train"]
+    since_shrink = since_shrink[next(i for i, r in enumerate(since_shrink) if r["world_size"] == 2):]
+    assert [r["step"] for r in since_shrink] == list(range(resumed_from + 1, interrupted["step"] + 1)), output[-3000:]
     assert list(steps) == list(range(1, interrupted["step"] + 1))
     for step, record in steps.items():
         assert record["samples"] == [(step - 1) * 16, step * 16], step
