@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from meshtrain.cli.config_reference import REFERENCE, render, setting_keys
 

@@ -122,6 +122,7 @@ def test_exposition_follows_prometheus_conventions_and_shows_only_known_values()
             metrics.step_done(step, 128, data_wait_s=0.5)
         metrics.logged({"loss": 2.5, "lr": 1e-3, "grad_norm": 0.75, "tokens": 6536, "tokens_per_s": 2000.0}, world_size=4)
         metrics.checkpoint_blocked(0.25)
+        committed_before = time.time()
         metrics.checkpoint_event({"event": "checkpoint_save", "step": 12, "total_s": 1.5, "bytes": 4096})
         committed_after = time.time()
         metrics.checkpoint_event({"event": "checkpoint_load", "step": 12, "load_s": 0.125})
@@ -141,7 +142,7 @@ def test_exposition_follows_prometheus_conventions_and_shows_only_known_values()
     assert value["meshtrain_step_duration_seconds_bucket[+Inf]"] == 3
     assert value["meshtrain_workers"] == 4 and value["meshtrain_workers_requested"] == 8
     assert value["meshtrain_checkpoint_interval_steps"] == 50
-    assert 0 < committed_after - value["meshtrain_checkpoint_last_commit_timestamp_seconds"] < 5
+    assert committed_before <= value["meshtrain_checkpoint_last_commit_timestamp_seconds"] <= committed_after
     assert (value["meshtrain_mesh_replicate_degree"], value["meshtrain_mesh_shard_degree"]) == (2, 2)
     assert value["meshtrain_checkpoint_save_blocking_seconds"] == 0.25
     assert value["meshtrain_checkpoint_save_duration_seconds"] == 1.5
@@ -185,13 +186,15 @@ def test_a_taken_port_falls_back_to_a_free_one() -> None:
             metrics.close()
 
 
-def test_final_scrape_wait_happens_only_when_something_scrapes() -> None:
+def test_final_scrape_wait_happens_only_when_something_scrapes(monkeypatch) -> None:
     metrics = new_metrics()
     port = metrics.serve("127.0.0.1", 0)
     try:
-        started = time.monotonic()
-        assert metrics.await_final_scrape(5.0) is False  # never scraped: no wait at all
-        assert time.monotonic() - started < 0.5
+        waits: list[float] = []
+        wait_beyond = metrics._scrapes.wait_beyond
+        monkeypatch.setattr(metrics._scrapes, "wait_beyond",
+                            lambda started, timeout_s: waits.append(timeout_s) or wait_beyond(started, timeout_s))
+        assert metrics.await_final_scrape(5.0) is False and waits == []  # never scraped: no wait at all
         scrape(port)
         seen: list[float] = []
 
@@ -204,7 +207,7 @@ def test_final_scrape_wait_happens_only_when_something_scrapes() -> None:
         scraper.start()
         assert metrics.await_final_scrape(5.0) is True
         scraper.join()
-        assert seen == [7]
+        assert seen == [7] and waits == [5.0]
     finally:
         metrics.close()
 

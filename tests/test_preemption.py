@@ -204,10 +204,9 @@ def test_a_drain_notice_during_the_resize_wait_leaves_at_once_from_the_saved_ste
 
     handling = NoticeHandling(notice, vote, checkpointing, outputs, rank=0, budget_s=60.0,
                               resize_check_interval_s=300.0, beat=drained_while_waiting)
-    started = time.monotonic()
     with pytest.raises(Preempted, match="stopped at step 7 .*Ray drains node.s. ab12.*checkpoint of step 7 committed"):
         handling.after_step(7)
-    assert time.monotonic() - started < 5 and saves == [7] and len(beats) == 2
+    assert saves == [7] and len(beats) == 2  # it stopped waiting at the beat that saw the drain
     assert [(r["event"], r["step"], r["saved"]) for r in records] == [("resize_save", 7, True), ("preempted", 7, True)]
     assert preemption.resize_answer("grow") == (7, True)  # the policy may resize: the step is saved
 

@@ -9,7 +9,6 @@ import multiprocessing
 import random
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -193,10 +192,10 @@ def test_storage_that_stops_answering_is_named_in_one_line(tmp_path, monkeypatch
         url = _upload(Path(summary["url"]), options, "s")
         store = TokenStore(url, options, reading=ReadSettings(local_cache_dir=str(tmp_path / "c"), read_timeout_s=2))
         store.read(0, 100)
-    started = time.monotonic()  # the endpoint is gone: every request is refused
+    # The endpoint is gone: every request is refused.
     with pytest.raises(StorageUnavailable, match=r"^data.source: s3://data/s/shard-00000\d\.bin \(or its \.crc32 list\) did not answer for 2s") as info:
         store.read(25_000, 25_100)
-    assert time.monotonic() - started < 20 and "\n" not in str(info.value)
+    assert "\n" not in str(info.value)
 
 
 def test_an_endpoint_that_accepts_and_never_answers_is_named_in_one_line(tmp_path, monkeypatch) -> None:
@@ -204,12 +203,13 @@ def test_an_endpoint_that_accepts_and_never_answers_is_named_in_one_line(tmp_pat
     retries end at data.read_timeout_s, and the run gets one line, not a hang."""
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    with black_hole() as (port, _):
+    with black_hole() as (port, held):
         options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"}}
-        started = time.monotonic()
         with pytest.raises(StorageUnavailable, match=r"^data.source: s3://data/store did not answer for 2s \(Read timeout") as info:
             TokenStore("s3://data/store", options, reading=ReadSettings(read_timeout_s=2, local_cache_dir=str(tmp_path)))
-    assert time.monotonic() - started < 60 and "\n" not in str(info.value)
+        # One of meshtrain's tries fills the 2 s budget: s3fs's five, one connection each.
+        assert 1 <= len(held) <= 5, len(held)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("lists", ["legacy", "none"])
@@ -331,7 +331,7 @@ def test_an_s3_source_that_refuses_denies_or_holds_no_store_is_one_line_before_r
 
 def test_an_s3_source_that_never_answers_fails_preflight_within_its_timeouts(tmp_path, monkeypatch) -> None:
     """A black hole (connections accepted, never answered): preflight's question times out per request
-    (data.read_timeout_s / 10, at least 1 s) and s3fs's own tries end, so the launch gets one line and
+    (data.read_timeout_s / 10, at least 0.2 s, one attempt inside botocore) and s3fs's own tries end, so the launch gets one line and
     the endpoint saw a bounded number of connections."""
     from meshtrain.cluster.preflight import preflight
     from meshtrain.config import load_config
@@ -346,5 +346,5 @@ def test_an_s3_source_that_never_answers_fails_preflight_within_its_timeouts(tmp
                            r"http://127.0.0.1:\d+: ReadTimeoutError: .*\); check the endpoint in data.storage_options "
                            r"and that it is up, or raise data.read_timeout_s \(now 2\)$") as info:
             preflight(cfg)
-    # One question, which s3fs tries 5 times (10 connections here): a bounded count, not a wait without end.
-    assert 1 <= len(held) <= 20 and LIVE_SECRET not in str(info.value)
+    # One question, which s3fs tries 5 times, one connection each: a bounded count, not a wait without end.
+    assert 1 <= len(held) <= 5 and LIVE_SECRET not in str(info.value)

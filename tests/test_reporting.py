@@ -205,9 +205,7 @@ def test_a_hang_report_skips_an_earlier_hangs_dumps_and_reports_for_a_frozen_low
                      f"{tmp_path}"]
     lines.clear()
     report(0, lines)("training step 5", 10.0)  # rank 0 now writes one: it reports
-    started = time.monotonic()
-    report(2, lines, wait_s=5.0)("training step 5", 10.0)  # the diagnosis exists: rank 2 leaves at once
-    assert time.monotonic() - started < 2.0
+    report(2, lines, wait_s=5.0)("training step 5", 10.0)  # the diagnosis exists: rank 2 adds none of its own
     assert lines == [(tmp_path / DIAGNOSIS).read_text().strip()]
     assert lines[0].startswith("[meshtrain] hang: gloo:all_gather #4 on process group 2 (ranks 0-2) never completed: "
                                "rank 2 waits in it; rank 0 never entered it (last there: #3, while training step 5); "

@@ -9,7 +9,6 @@ import sys
 import sysconfig
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 

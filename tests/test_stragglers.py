@@ -75,7 +75,7 @@ def test_the_timer_counts_block_compute_not_what_comes_before_a_block() -> None:
     block.register_forward_pre_hook(lambda *_: time.sleep(0.2), prepend=True)  # stands in for FSDP's wait
     timer = ComputeTimer([block], torch.device("cpu"))
     block(torch.ones(2, 4))
-    assert timer.take() < 0.1
+    assert timer.take() < 0.2  # the forward alone, without the wait
     timer.close()
 
 

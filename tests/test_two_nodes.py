@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from jobs import REPO, assert_same_weights, model_weights, read_metrics
+from meshtrain.config import FaultToleranceConfig
 from meshtrain.observe.goodput import goodput_line
 from raynodes import RayNode, ray_env, wait_until
 
@@ -449,7 +450,8 @@ def test_replica_mode_loses_a_node_trains_on_without_it_and_the_group_rejoins_wh
     first_together = late[-1] if late else 0
     assert {r["replicas"] for r in trained if r["step"] <= first_together} <= {1}, late
     assert {r["replicas"] for r in trained if first_together < r["step"] < lost["step"]} == {2}, late
-    assert lost["participants"] == 1 and lost["time"] - lost_at < 30, lost
+    # Dropped by the heartbeat (2 s), not by the cross-replica collective's timeout.
+    assert lost["participants"] == 1 and lost["time"] - lost_at < FaultToleranceConfig().timeout_s, lost
     joined = [r for r in records if r["event"] == "replica_joined" and r["step"] >= lost["step"]]
     assert len(joined) == 1, output[-3000:]
     assert joined[0]["replica"] == away and joined[0]["source"] == 1 - away and joined[0]["participants"] == 2

@@ -98,6 +98,6 @@ def with_timeouts(storage_options: dict[str, Any], timeout_s: float) -> dict[str
     if "config_kwargs" in storage_options:
         return dict(storage_options)
     # s3fs tries each call 5 times itself: a tenth of the budget per request keeps the whole close to it.
-    per_request = max(1.0, min(timeout_s / 10, 30.0))
+    per_request = max(0.2, min(timeout_s / 10, 30.0))
     return {**storage_options, "config_kwargs": {"connect_timeout": per_request, "read_timeout": per_request,
-                                                  "retries": {"max_attempts": 1}}}
+                                                  "retries": {"total_max_attempts": 1}}}
