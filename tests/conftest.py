@@ -130,6 +130,13 @@ def _function_tiers() -> dict[tuple[str, str], int]:
     return result
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The session's shared Ray head, if a job started it, goes with the session (tests/raynodes.py)."""
+    raynodes = sys.modules.get("raynodes")
+    if raynodes is not None:
+        raynodes.SharedHead.stop(keep_log=exitstatus != 0)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # The standard library asks `uname -p` for the processor once per process, when first asked (mlflow,
     # wandb and Ray ask): here, before any test, so no test in the fast tier starts that process.

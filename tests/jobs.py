@@ -19,17 +19,24 @@ def job_command(*args: str) -> list[str]:
     return [sys.executable, "jobs/pretrain.py", *args]
 
 
-def job_env(**extra: str) -> dict[str, str]:
-    """This process's environment for a job, without what would point it at another cluster or
-    change how Ray Train behaves (a RAY_TRAIN_* setting some test left behind)."""
+def job_env(*, own_ray: bool = False, **extra: str) -> dict[str, str]:
+    """This process's environment for a job, without what would point it at another cluster or change
+    how Ray Train behaves (a RAY_TRAIN_* setting some test left behind). The job joins the session's
+    shared Ray head (tests/raynodes.py) unless ``own_ray``: a job that sizes its Ray or must be the one
+    that started it gets a local Ray of its own, started by its driver."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("RAY_TRAIN_")}
+    if not own_ray:
+        from raynodes import SharedHead
+
+        env.update(SharedHead.join())
     env.update(extra)
     return env
 
 
-def run_job(*args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess[str]:
+def run_job(*args: str, timeout: float = 300, own_ray: bool = False, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        job_command(*args), cwd=REPO, env=job_env(**env), capture_output=True, text=True, timeout=timeout
+        job_command(*args), cwd=REPO, env=job_env(own_ray=own_ray, **env), capture_output=True, text=True,
+        timeout=timeout,
     )
 
 

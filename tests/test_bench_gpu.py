@@ -21,16 +21,16 @@ MATRIX = yaml.safe_load((REPO / "jobs" / "bench_gpu.yaml").read_text())["sets"]
 VERDICT = re.compile(r"^verdict: (fits|does not fit) H100 \(79\.6 GiB\): [\d.]+ GiB planned", re.MULTILINE)
 
 
-def run_bench(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
+def run_bench(*args: str, timeout: float = 120, own_ray: bool = False, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(BENCH), *args],
-        cwd=REPO, env=job_env(**env), capture_output=True, text=True, timeout=timeout,
+        cwd=REPO, env=job_env(own_ray=own_ray, **env), capture_output=True, text=True, timeout=timeout,
     )
 
 
 def test_dry_run_plans_every_gpu_configuration_with_an_h100_verdict() -> None:
     # An address no Ray listens on: a dry run that tried to join a cluster would fail.
-    job = run_bench("--dry-run", RAY_ADDRESS="127.0.0.1:1")
+    job = run_bench("--dry-run", own_ray=True, RAY_ADDRESS="127.0.0.1:1")
     assert job.returncode == 0, job.stderr[-3000:]
     blocks = dict(re.findall(r"^== (\S+) ==\n(.*?)(?=^== |^\| config )", job.stdout, re.MULTILINE | re.DOTALL))
     assert list(blocks) == list(MATRIX["gpu"]["configs"])

@@ -308,7 +308,7 @@ def assert_one_line_capacity_error(result: subprocess.CompletedProcess[str], tmp
 
 
 def test_local_ray_too_small_exits_2_with_one_line(tmp_path: Path) -> None:
-    assert_one_line_capacity_error(too_many_workers(tmp_path, job_env()), tmp_path)
+    assert_one_line_capacity_error(too_many_workers(tmp_path, job_env(own_ray=True)), tmp_path)
 
 
 def test_joined_cluster_without_autoscaler_exits_2_with_one_line(tmp_path: Path) -> None:

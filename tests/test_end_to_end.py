@@ -15,8 +15,7 @@ import pytest
 import yaml
 
 from jobs import REPO, read_metrics, run_job
-from ports import free_port
-from raynodes import RAY, RayNode, ray_env, wait_until
+from raynodes import RAY, SharedHead, ray_env, wait_until
 
 STEPS = 100
 STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s"}
@@ -25,49 +24,40 @@ STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_
 
 def ray_jobs_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """The Ray Jobs CLI in its own process (the SDK in this process could hold an auth mode that an
-    earlier test's ``import ray`` fixed); a head started with `ray start` requires Ray's token."""
+    earlier test's ``import ray`` fixed), with the shared head's token."""
     return subprocess.run(
-        [RAY, "job", *args], cwd=REPO, env=ray_env(RAY_AUTH_MODE="token"), capture_output=True, text=True, timeout=timeout
+        [RAY, "job", *args], cwd=REPO, env=ray_env(**SharedHead.join()), capture_output=True, text=True, timeout=timeout
     )
 
 
 def test_default_job_submitted_with_ray_job_submit(tmp_path: Path) -> None:
-    dashboard = f"http://127.0.0.1:{free_port()}"
-    head = RayNode(
-        [
-            "--head", f"--port={free_port()}", "--num-cpus=2", "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={dashboard.rsplit(':', 1)[1]}", f"--metrics-export-port={free_port()}",
-            "--object-store-memory=500000000",
-        ],
-        log=tmp_path / "ray-head.log",
-    ).start()
+    """The README's `ray job submit` to a head started with `ray start` (the session's shared head)."""
+    SharedHead.join()
+    dashboard = SharedHead.dashboard
+    attempts: list[str] = []
+
+    def job_server_up() -> bool:
+        listing = ray_jobs_cli("list", "--address", dashboard)
+        attempts.append(listing.stderr.strip()[-300:])
+        return listing.returncode == 0
+
     try:
-        attempts: list[str] = []
-
-        def job_server_up() -> bool:
-            assert head.alive(), (tmp_path / "ray-head.log").read_text()[-3000:]
-            listing = ray_jobs_cli("list", "--address", dashboard)
-            attempts.append(listing.stderr.strip()[-300:])
-            return listing.returncode == 0
-
-        try:
-            wait_until(job_server_up, 120, "the Ray head's job server", interval=1)
-        except TimeoutError as exc:
-            raise AssertionError(f"{exc}; last answer: {attempts[-1] if attempts else None}") from None
-        # Exactly the README's form, plus where this run's outputs go and its length.
-        submit = ray_jobs_cli(
-            "submit", "--address", dashboard, "--submission-id", "meshtrain-default", "--working-dir", ".",
-            "--", "python", "jobs/pretrain.py", f"run.storage_path={tmp_path}", "run.name=default",
-            f"train.steps={STEPS}",
-            timeout=600,
-        )
-        answer = ray_jobs_cli("status", "--address", dashboard, "meshtrain-default")
-        status = answer.stdout + answer.stderr  # the CLI reports through its logger
-        log = ray_jobs_cli("logs", "--address", dashboard, "meshtrain-default").stdout
-        assert "job 'meshtrain-default' succeeded" in status.lower(), f"{status} {submit.stdout[-2000:]} {submit.stderr[-2000:]} {log[-3000:]}"
-        assert submit.returncode == 0
-    finally:
-        head.kill()
+        wait_until(job_server_up, 120, "the Ray head's job server", interval=1)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}; last answer: {attempts[-1] if attempts else None}") from None
+    # Exactly the README's form, plus where this run's outputs go and its length.
+    submission = f"meshtrain-default-{tmp_path.name}"
+    submit = ray_jobs_cli(
+        "submit", "--address", dashboard, "--submission-id", submission, "--working-dir", ".",
+        "--", "python", "jobs/pretrain.py", f"run.storage_path={tmp_path}", "run.name=default",
+        f"train.steps={STEPS}",
+        timeout=600,
+    )
+    answer = ray_jobs_cli("status", "--address", dashboard, submission)
+    status = answer.stdout + answer.stderr  # the CLI reports through its logger
+    log = ray_jobs_cli("logs", "--address", dashboard, submission).stdout
+    assert f"job '{submission}' succeeded".lower() in status.lower(), f"{status} {submit.stdout[-2000:]} {submit.stderr[-2000:]} {log[-3000:]}"
+    assert submit.returncode == 0
     # Off a terminal the driver prints a handful of progress lines, not one per logged step.
     progress = [line for line in log.splitlines() if line.startswith("[meshtrain] step ")]
     assert progress[-1].startswith(f"[meshtrain] step {STEPS}/{STEPS} | loss") and "tok/s" in log and "ETA" in log

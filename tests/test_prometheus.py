@@ -148,7 +148,7 @@ def test_dashboard_queries_return_data_from_a_real_run(prometheus: tuple[Prometh
 
     base_port = free_port()
     started = time.time()
-    job = run_job(
+    job = run_job(  # its own Ray: the job's Prometheus scrapes the metrics of the Ray its driver started
         "train.steps=60", "train.log_every=5", "checkpoint.interval=20",
         "fault.kill_rank=1", "fault.at_step=30",
         # Downstream evaluation of every checkpoint (20, 40, 60) in Ray tasks beside the workers; step 20's
@@ -158,7 +158,7 @@ def test_dashboard_queries_return_data_from_a_real_run(prometheus: tuple[Prometh
         "fault.downstream_fail_step=20",
         f"run.storage_path={storage}", f"run.name={RUN}",
         f"metrics.port={base_port}", "metrics.bind_address=127.0.0.1", "metrics.final_scrape_timeout_s=5",
-        timeout=400,
+        timeout=400, own_ray=True,
     )
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     ended = time.time() + 2

@@ -54,10 +54,11 @@ def storage(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def unbroken(storage: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    # The run also hands its metrics to a Ray Train callback (tests/reportlog.py) through Ray's controller.
+    # The run also hands its metrics to a Ray Train callback (tests/reportlog.py) through Ray's controller,
+    # which imports it: the run owns its Ray, whose processes inherit the driver's PYTHONPATH.
     job = run_job(
         f"run.storage_path={storage}", "run.name=unbroken", *SETTINGS, "metrics.ray_callbacks=[reportlog:ReportLog]",
-        "metrics.ray_report_interval_s=2", PYTHONPATH=str(REPO / "tests"),
+        "metrics.ray_report_interval_s=2", own_ray=True, PYTHONPATH=str(REPO / "tests"),
         MESHTRAIN_TEST_REPORT_LOG=str(storage / "unbroken-reports.jsonl"),
     )
     assert job.returncode == 0, job.stderr[-3000:]
@@ -121,8 +122,8 @@ def test_sigterm_then_sigkill_from_outside_lose_nothing_then_only_since_the_chec
     run's weights."""
     run_dir = storage / "killed"
     job = subprocess.Popen(
-        job_command(f"run.storage_path={storage}", "run.name=killed", *SETTINGS),
-        cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        job_command(f"run.storage_path={storage}", "run.name=killed", *SETTINGS),  # own Ray: its workers are killed
+        cwd=REPO, env=job_env(own_ray=True), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
         noticed_after = _wait_for_step(job, run_dir, 13)
@@ -195,7 +196,8 @@ def test_replica_mode_loses_a_replica_without_a_restart_and_trains_what_restart_
                  "scaling.num_workers=4", "scaling.cpus_per_worker=0.5", "parallel.shard=1", "parallel.tensor=2",
                  "train.micro_batch_size=4", f"fault_tolerance.heartbeat_timeout_s={heartbeat_s}", "fault.kill_rank=3",
                  "fault.at_step=12")
-    job = subprocess.Popen(job_command(*arguments), cwd=REPO, env=job_env(), stdout=subprocess.PIPE,
+    # Its own Ray: its workers are found as its driver's children, and die with it.
+    job = subprocess.Popen(job_command(*arguments), cwd=REPO, env=job_env(own_ray=True), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     try:
         killed_after = _wait_for_step(job, run_dir, 24)
