@@ -5,6 +5,7 @@ import os
 import platform
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -135,6 +136,22 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     raynodes = sys.modules.get("raynodes")
     if raynodes is not None:
         raynodes.SharedHead.stop(keep_log=exitstatus != 0)
+
+
+# A session that runs long (a hang somewhere, a very slow day) ends with a report rather than being cut off
+# by CI's outer limit (90 minutes, the install included): past this budget every test not yet started
+# fails at once, saying so; with pytest's per-test ceiling (timeout in pyproject.toml, 10 minutes) the
+# session ends by 80 minutes.
+SESSION_BUDGET_S = float(os.environ.get("MESHTRAIN_TEST_BUDGET_S", 70 * 60))
+_SESSION_STARTED = time.monotonic()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    spent = time.monotonic() - _SESSION_STARTED
+    if spent > SESSION_BUDGET_S:
+        pytest.fail(f"not run: the session has run {spent / 60:.0f} minutes, past its budget of "
+                    f"{SESSION_BUDGET_S / 60:.0f} (MESHTRAIN_TEST_BUDGET_S); the slowest tests are listed at the end",
+                    pytrace=False)
 
 
 def pytest_configure(config: pytest.Config) -> None:
