@@ -12,6 +12,7 @@ import pickle
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import time
 from collections.abc import Iterator
@@ -248,7 +249,8 @@ def test_replica_mode_loses_a_replica_without_a_restart_and_trains_what_restart_
     # The first launch's own account (goodput is per launch; the killed driver wrote no summary): no
     # restart gap and nothing redone; the survivor's stall is its replica waits.
     goodput = goodput_of(first, trained[0]["time"] - trained[0]["step_time_s"], trained[-1]["time"])
-    assert goodput["lost_s"]["redone"] == 0.0 and goodput["lost_s"]["restarts"] < 0.5, goodput
+    step_s = statistics.median(r["step_time_s"] for r in trained)  # the gaps between records are jitter, not a restart
+    assert goodput["lost_s"]["redone"] == 0.0 and goodput["lost_s"]["restarts"] < step_s, (goodput, step_s)
     assert goodput["lost_s"]["replica_waits"] >= heartbeat_s / 2, goodput
     relaunch = json.loads((run_dir / "summary.json").read_text())["goodput"]
     assert relaunch["productive_s"] + sum(relaunch["lost_s"].values()) == pytest.approx(relaunch["wall_s"], rel=1e-3)
