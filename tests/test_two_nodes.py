@@ -456,9 +456,10 @@ def test_replica_mode_loses_a_node_trains_on_without_it_and_the_group_rejoins_wh
     assert [r["step"] for r in trained] == list(range(1, last + 1)), output[-3000:]
     assert "meshtrain: interrupted at step" in output, output[-3000:]
     # The groups stop at the step boundary where each sees the driver's stop request, which may differ by
-    # a step: the later one then records the earlier one's leaving. Only the node's loss comes before it.
-    stopped = min(r["step"] for r in records if r["event"] == "interrupted")
-    [lost] = [r for r in records if r["event"] == "replica_lost" and r["step"] <= stopped]
+    # a step: the later one then records the earlier one's leaving (after the rejoin, checked below) and
+    # trains that step alone. The first loss is the node's.
+    lost, *stopping = [r for r in records if r["event"] == "replica_lost"]
+    stopped = min([r["step"] for r in records if r["event"] == "interrupted"] + [r["step"] - 1 for r in stopping])
     # The groups start seconds apart (each its own Ray Train run): the first trains alone until the other
     # joins by healing from it at its first quorum, as a replacement does (seen: at step 22).
     late = [r["step"] for r in records[:records.index(lost)] if r["event"] == "replica_joined"]
@@ -469,6 +470,7 @@ def test_replica_mode_loses_a_node_trains_on_without_it_and_the_group_rejoins_wh
     assert lost["participants"] == 1 and lost["time"] - lost_at < FaultToleranceConfig().timeout_s, lost
     joined = [r for r in records if r["event"] == "replica_joined" and r["step"] >= lost["step"]]
     assert len(joined) == 1, output[-3000:]
+    assert len(stopping) <= 1 and all(r["step"] > joined[0]["step"] + 3 for r in stopping), stopping
     assert joined[0]["replica"] == away and joined[0]["source"] == 1 - away and joined[0]["participants"] == 2
     assert joined[0]["bytes"] > 0 and joined[0]["step"] + 3 <= stopped
     assert not [r for r in records if r["event"] == "checkpoint_load"]  # no checkpoint was read
