@@ -18,7 +18,7 @@ import torch
 
 from meshtrain.cluster.resume import data_for_resume
 from meshtrain.config import ConfigError, load_config
-from meshtrain.data import LEGACY_SAMPLING, SAMPLING_SCHEME, DataParallelBatches, DataPlan, TokenStore, open_data
+from meshtrain.data import LEGACY_SAMPLING, SAMPLING_SCHEME, DataParallelBatches, DataPlan, TokenStore
 from meshtrain.data.permutation import FeistelPermutation
 from meshtrain.data.sampling import PackedSequences
 from meshtrain.data.splits import FeistelSplit, LegacySplit, held_out_count
@@ -32,8 +32,8 @@ from meshtrain.data.store_format import (
     shard_name,
     store_fingerprint,
 )
-from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.train.trainer import Trainer, check_sampling
+from trainers import cpu_trainer
 
 SEQ = 16
 
@@ -186,7 +186,7 @@ def _train(cfg_overrides: list[str], plan: DataPlan) -> Trainer:
         "train.log_every=1", "checkpoint.interval=2", "checkpoint.mode=sync", "eval.interval=null",
         "metrics.port=0", "run.hang_timeout_s=null", "train.gc_every=0", "scaling.num_workers=1", *cfg_overrides,
     ])
-    trainer = Trainer(cfg, open_data(plan, cfg.data.seq_len, cfg.train.seed), WorkerLayout(), torch.device("cpu"), None, None)
+    trainer = cpu_trainer(cfg, plan)
     try:
         trainer.run()
     finally:

@@ -157,6 +157,7 @@ def test_logged_steps_report_mfu_from_the_flops_computed_and_over_the_whole_wind
     from meshtrain.train.guard import BadStepLimit, StepGuard
     from meshtrain.train.records import LoopOutputs
     from meshtrain.train.step import StepOutput
+    from meshtrain.train.loop import StepDone
     from meshtrain.train.step_log import StepLog
 
     from meshtrain.model.flops import AttentionWork
@@ -172,11 +173,12 @@ def test_logged_steps_report_mfu_from_the_flops_computed_and_over_the_whole_wind
     outputs = LoopOutputs(None, metrics, None)
     progress, records = Progress(), []
     guard = StepGuard(torch.optim.SGD(model.parameters(), lr=0.0), torch.device("cpu"), None, 4)
-    log = StepLog(1, 2, 1, progress, BadStepLimit(guard, 3, progress, outputs), outputs, records, (work, args))
-    log.start(0.0)
+    log = StepLog(2, 1, progress, BadStepLimit(guard, 3, progress, outputs), outputs, records, (work, args))
+    log.at_start()
     model(tokens).sum().backward()
     work.count_tokens(tokens, model.document_eos, model.context_parallel)  # as train_step does
-    log.after_step(1, 0.1, StepOutput(torch.tensor(1.0), torch.tensor(1.0), tokens.numel()), 0.0, last=True)
+    log.after_step(StepDone(1, last=True, logged=True, lr=0.1, output=StepOutput(torch.tensor(1.0), torch.tensor(1.0),
+                                                                                  tokens.numel()), data_wait_s=0.0))
 
     record = records[-1]
     pairs = 2 * sum(n * (n + 1) // 2 for n in (10, 22, 16))

@@ -11,16 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 import meshtrain.checkpoint.write_progress as write_progress
-import meshtrain.train.trainer as trainer_module
+import meshtrain.train.parts as parts_module
 from meshtrain.checkpoint.storage import CheckpointStorage, checkpoint_root
 from meshtrain.config import MeshtrainConfig, load_config
-from meshtrain.data import DataPlan, open_data
-from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.data import DataPlan
 from meshtrain.train.trainer import Trainer
+from trainers import cpu_trainer
 from meshtrain.train.watchdog import HangWatchdog
 
 
@@ -67,10 +66,9 @@ def slow_storage(monkeypatch: pytest.MonkeyPatch, bytes_per_s: float, stall: thr
 
 
 def run_watched(cfg: MeshtrainConfig, corpus: DataPlan, monkeypatch: pytest.MonkeyPatch, fired: list[str]) -> Trainer:
-    monkeypatch.setattr(trainer_module, "HangWatchdog",
+    monkeypatch.setattr(parts_module, "HangWatchdog",
                         lambda timeout_s, rank, progress, report, on_fire: HangWatchdog(timeout_s, rank, fired.append, progress))
-    trainer = Trainer(cfg, open_data(corpus, cfg.data.seq_len, cfg.train.seed), WorkerLayout(), torch.device("cpu"),
-                      None, None)
+    trainer = cpu_trainer(cfg, corpus)
     try:
         trainer.run()
     finally:

@@ -14,15 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import meshtrain.train.trainer as trainer_module
 from meshtrain.checkpoint.storage import CheckpointStorage, checkpoint_root
 from meshtrain.config import load_config
 from meshtrain.data import DataPlan
 from meshtrain.observe.run_folder import StopRequest
 from meshtrain.train.preemption import Preempted, PreemptionNotice, defer_sigterm
-from meshtrain.train.trainer import Trainer
-from meshtrain.data import open_data
-from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.train.faults import FaultInjection
+from meshtrain.train.loop import StepStart
+from trainers import cpu_trainer
 from test_step_guard import run, snapshot
 
 
@@ -40,21 +39,21 @@ def test_sigterm_saves_the_step_and_the_resumed_run_matches_an_unbroken_one(
 ) -> None:
     unbroken, _ = run(config(tmp_path, "unbroken", "train.steps=8"), corpus)
 
-    original = trainer_module.FaultInjection.before_step
+    original = FaultInjection.before_step
 
-    def sigterm_at_step_5(self, step: int, model: torch.nn.Module) -> None:
-        if step == 5:
+    def sigterm_at_step_5(self, start: StepStart) -> None:
+        if start.step == 5:
             os.kill(os.getpid(), signal.SIGTERM)  # after step 5 cast its vote: the ranks agree at step 6
-        original(self, step, model)
+        original(self, start)
 
-    monkeypatch.setattr(trainer_module.FaultInjection, "before_step", sigterm_at_step_5)
+    monkeypatch.setattr(FaultInjection, "before_step", sigterm_at_step_5)
     cfg = config(tmp_path, "preempted", "train.steps=8")
     with pytest.raises(Preempted, match=r"^rank 0: stopped at step 6 on a preemption notice \(SIGTERM\); "
                        r"checkpoint of step 6 committed$"):
         run(cfg, corpus)
     assert [c.step for c in CheckpointStorage(checkpoint_root(cfg.checkpoint, cfg.run)).committed()] == [6]
 
-    monkeypatch.setattr(trainer_module.FaultInjection, "before_step", original)
+    monkeypatch.setattr(FaultInjection, "before_step", original)
     resumed, events = run(cfg, corpus)
     assert [e["step"] for e in events if e["event"] == "checkpoint_load"] == [6]
     expected, got = snapshot(unbroken), snapshot(resumed)
@@ -70,18 +69,17 @@ def test_the_drivers_stop_request_saves_the_step_and_finishes_without_a_restart(
     cfg = config(tmp_path, "interrupted", "train.steps=8")
     request = StopRequest(str(tmp_path / "stop_request.json"), "launch-2")
     StopRequest(request.path, "launch-1").write("SIGINT to the driver")  # an earlier launch's: ignored
-    original = trainer_module.FaultInjection.before_step
+    original = FaultInjection.before_step
 
-    def interrupt_at_step_3(self, step: int, model: torch.nn.Module) -> None:
-        if step == 3:
+    def interrupt_at_step_3(self, start: StepStart) -> None:
+        if start.step == 3:
             request.write("SIGINT to the driver")
             time.sleep(1.2)  # the watch (every 0.5 s) sees it before step 4 casts its vote
-        original(self, step, model)
+        original(self, start)
 
-    monkeypatch.setattr(trainer_module.FaultInjection, "before_step", interrupt_at_step_3)
+    monkeypatch.setattr(FaultInjection, "before_step", interrupt_at_step_3)
     events: list[dict] = []
-    trainer = Trainer(cfg, open_data(corpus, cfg.data.seq_len, cfg.train.seed), WorkerLayout(), torch.device("cpu"),
-                      events.append, None, stop_request=request)
+    trainer = cpu_trainer(cfg, corpus, events.append, stop_request=request)
     try:
         result = trainer.run()
     finally:
@@ -90,7 +88,7 @@ def test_the_drivers_stop_request_saves_the_step_and_finishes_without_a_restart(
     assert [e for e in events if e["event"] == "interrupted"] == [{"event": "interrupted", **result.interrupted}]
     assert [c.step for c in CheckpointStorage(checkpoint_root(cfg.checkpoint, cfg.run)).committed()] == [4]
 
-    monkeypatch.setattr(trainer_module.FaultInjection, "before_step", original)
+    monkeypatch.setattr(FaultInjection, "before_step", original)
     request.clear()
     resumed, events = run(cfg, corpus)
     assert [e["step"] for e in events if e["event"] == "checkpoint_load"] == [4]

@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from meshtrain.config import MeshtrainConfig, load_config
-from meshtrain.data import DataPlan, open_data
-from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.data import DataPlan
 from meshtrain.observe.run_folder import read_records
 
 if importlib.util.find_spec("torchft") is None:  # not importorskip: importing it here would set its log level
@@ -74,7 +73,7 @@ def replica_process(cfg: MeshtrainConfig, corpus: DataPlan, index: int, lighthou
     import meshtrain.train.trainer as trainer_module
     from meshtrain.distributed.replicas import ReplicaPlacement
     from meshtrain.observe.progress import StepRecorder
-    from meshtrain.train.trainer import Trainer
+    from trainers import cpu_trainer
 
     torch.set_num_threads(1)
     original = trainer_module.train_step
@@ -101,8 +100,7 @@ def replica_process(cfg: MeshtrainConfig, corpus: DataPlan, index: int, lighthou
         HealingState.load_state_dict = load_and_die  # type: ignore[method-assign]
     if go is not None:
         go.wait(timeout=120)
-    trainer = Trainer(cfg, open_data(corpus, cfg.data.seq_len, cfg.train.seed), WorkerLayout(), torch.device("cpu"),
-                      recorder.record, None, replica=ReplicaPlacement(index, 2, lighthouse, joining))
+    trainer = cpu_trainer(cfg, corpus, recorder.record, replica=ReplicaPlacement(index, 2, lighthouse, joining))
     if die_in_backward_at is not None:
         def in_backward(*_: Any) -> None:
             if trainer.progress.step + 1 == die_in_backward_at:
@@ -377,12 +375,11 @@ def run_one_worker(cfg: MeshtrainConfig, corpus: DataPlan, on_record: Callable[[
     """The trainer of one worker in restart mode, run to its end; records go to the run's metrics.jsonl
     unless ``on_record`` is given."""
     from meshtrain.observe.progress import StepRecorder
-    from meshtrain.train.trainer import Trainer
+    from trainers import cpu_trainer
 
     if on_record is None:
         on_record = StepRecorder(Path(cfg.run.storage_path) / cfg.run.name / "metrics.jsonl").record
-    trainer = Trainer(cfg, open_data(corpus, cfg.data.seq_len, cfg.train.seed), WorkerLayout(), torch.device("cpu"),
-                      on_record, None)
+    trainer = cpu_trainer(cfg, corpus, on_record)
     try:
         trainer.run()
     finally:

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import meshtrain.train.parts as parts_module
 import meshtrain.train.trainer as trainer_module
 from corpora import stdlib_plan
 from meshtrain.cluster.failures import root_failure
@@ -319,7 +320,7 @@ def test_a_step_out_of_cuda_memory_writes_a_snapshot_and_fails_the_run_and_a_run
         f"run.storage_path={tmp_path}", "run.name=oom",
     ])
     allocator = FakeCudaAllocator()
-    monkeypatch.setattr(trainer_module, "cuda_allocator", lambda device: allocator)
+    monkeypatch.setattr(parts_module, "cuda_allocator", lambda device: allocator)
     real_step = trainer_module.train_step
     steps: list[int] = []
 

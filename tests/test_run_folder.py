@@ -169,6 +169,7 @@ def test_the_kinds_a_cpu_run_does_not_write_conform() -> None:
         {"event": "replica_lost", "step": 5, "participants": 1, "replicas": 2, "stall_s": 3.1, "quorum_s": 1.2,
          "time": now},
         {"event": "memory_snapshot", "step": 3, "rank": 0, "path": "memory/rank0.step3.end.pickle"},
+        {"event": "mixture", "step": 10, "samples": [0, 80], "sources": {"web": 0.75, "code": 0.25}},
     ]
     assert {record["event"] for record in records} | {
         "train", "eval", "profile", "warning", "checkpoint_save", "checkpoint_skipped", "stopped", "checkpoint_load"

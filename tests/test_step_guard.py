@@ -18,11 +18,11 @@ import meshtrain.train.step as training
 from meshtrain.checkpoint.storage import CheckpointStorage, checkpoint_root
 from meshtrain.cluster.outcome import _stopped_message
 from meshtrain.config import MeshtrainConfig, load_config
-from meshtrain.data import DataPlan, open_data
-from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.data import DataPlan
 from meshtrain.observe.metrics import TrainingMetrics
 from meshtrain.train.gc_schedule import ScheduledCollection
 from meshtrain.train.trainer import Trainer
+from trainers import cpu_trainer
 
 MICRO_BATCHES_PER_STEP = 4  # global batch 8 in micro-batches of 2, one process
 
@@ -56,8 +56,7 @@ def corrupt_losses(monkeypatch: pytest.MonkeyPatch, factor: float, steps: set[in
 
 def run(cfg: MeshtrainConfig, corpus: DataPlan, metrics: TrainingMetrics | None = None) -> tuple[Trainer, list]:
     events: list[dict[str, Any]] = []
-    trainer = Trainer(cfg, open_data(corpus, cfg.data.seq_len, cfg.train.seed), WorkerLayout(), torch.device("cpu"),
-                      events.append, metrics)
+    trainer = cpu_trainer(cfg, corpus, events.append, metrics)
     try:
         trainer.run()
     finally:

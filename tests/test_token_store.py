@@ -31,6 +31,7 @@ from meshtrain.data import (
 from meshtrain.data.pipeline import TrainingData
 from meshtrain.data.sampling import apportion
 from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.observe.run_folder import check_record
 from meshtrain.train.trainer import train
 from s3server import moto_s3
 
@@ -117,6 +118,42 @@ def test_mixture_proportions_hold_and_are_deterministic() -> None:
     assert all(np.array_equal(again.sample(i), samples[i]) for i in range(0, 10_000, 7))
     other_seed = mixture(seed=1)
     assert not all(np.array_equal(other_seed.sample(i), samples[i]) for i in range(64))
+
+
+def test_the_mixture_log_reports_each_sources_share_of_the_samples_trained_since_the_last_record() -> None:
+    """The shares are those of the samples the batches read (told apart by their tokens), per logged
+    interval; over one whole block of the mixture they are its apportioned counts exactly."""
+    from meshtrain.checkpoint.state import Progress
+    from meshtrain.data.sampling import MIXTURE_BLOCK
+    from meshtrain.train.loop import StepDone
+    from meshtrain.train.mixture_log import MixtureLog
+    from meshtrain.train.records import LoopOutputs
+    from meshtrain.train.step import StepOutput
+
+    records: list[dict] = []
+    progress = Progress()
+    batches = DataParallelBatches(mixture(), 16, 8, 0, 1, torch.device("cpu"))
+    log = MixtureLog(mixture(), ["code", "text"], progress, LoopOutputs(records.append))
+    log.at_start()
+    code_read = 0
+    output = StepOutput(torch.tensor(0.0), torch.tensor(0.0), 16 * SEQ)
+    for step in range(1, 7):
+        code_read += sum(int(row[0] < 10**6) for inputs, _ in batches.next_step() for row in inputs)
+        progress.step, progress.data_position = step, batches.position
+        log.after_step(StepDone(step, last=False, logged=step % 3 == 0, lr=0.0, output=output, data_wait_s=0.0))
+        if step % 3 == 0:
+            assert records[-1]["samples"] == [(step - 3) * 16, step * 16]
+            assert records[-1]["sources"] == {"code": code_read / 48, "text": 1 - code_read / 48}
+            code_read = 0
+    assert [r["step"] for r in records] == [3, 6] and all(check_record(r) == [] for r in records)
+
+    progress.data_position = MIXTURE_BLOCK  # the rest of the first block
+    log.after_step(StepDone(7, last=True, logged=True, lr=0.0, output=output, data_wait_s=0.0))
+    log.at_start()
+    progress.data_position = MIXTURE_BLOCK * 2
+    log.after_step(StepDone(8, last=True, logged=True, lr=0.0, output=output, data_wait_s=0.0))
+    assert records[-1]["sources"] == {name: count / MIXTURE_BLOCK
+                                      for name, count in zip(["code", "text"], apportion(MIXTURE_BLOCK, [0.7, 0.3]))}
 
 
 def test_mixture_resumes_exactly_on_another_world_size() -> None:

@@ -67,7 +67,8 @@ def probe_training(summary: dict[str, Any], steps: int, workdir: str) -> dict[st
     from meshtrain.config import load_config
     from meshtrain.data import open_data
     from meshtrain.distributed.layout import WorkerLayout
-    from meshtrain.train.trainer import Trainer
+    from meshtrain.model.args import model_args
+    from meshtrain.train.trainer import RankContext, Trainer
 
     torch.set_num_threads(1)
     cfg = load_config(None, [
@@ -81,7 +82,7 @@ def probe_training(summary: dict[str, Any], steps: int, workdir: str) -> dict[st
     started = time.perf_counter()
     data = open_data(_plan(summary, {}), SEQ_LEN, cfg.train.seed)
     opened_s = time.perf_counter() - started
-    trainer = Trainer(cfg, data, WorkerLayout(), torch.device("cpu"), None, None)
+    trainer = Trainer(cfg, model_args(cfg.model, data.vocab_size), data, RankContext(WorkerLayout(), torch.device("cpu")))
     try:
         result = trainer.run()
         after = {"fds": _descriptors() - fds, "maps": _mappings() - maps, "fds_total": _descriptors(),

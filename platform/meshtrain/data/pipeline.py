@@ -221,6 +221,7 @@ class TrainingData:
     fingerprint: str
     sampling: str = SAMPLING_SCHEME
     eos_id: int | None = None  # the end-of-document token, where model.document_mask splits windows
+    source_names: tuple[str, ...] = ()  # the training sources' labels, in the mixture's order
 
 
 def open_data(plan: DataPlan, seq_len: int, seed: int) -> TrainingData:
@@ -253,4 +254,5 @@ def open_data(plan: DataPlan, seq_len: int, seed: int) -> TrainingData:
         validation = ValidationSet([ValidationPart(plan.validation.name, sequences, WholeStream(window_count(store, seq_len)))])
     elif held_out:
         validation = ValidationSet(held_out)
-    return TrainingData(train, validation, plan.vocab_size, plan.fingerprint, plan.sampling, plan.eos_id)
+    return TrainingData(train, validation, plan.vocab_size, plan.fingerprint, plan.sampling, plan.eos_id,
+                        tuple(ref.name for ref in plan.stores))

@@ -268,11 +268,18 @@ class ReplicaLostRecord(TypedDict):
     time: float
 
 
+class MixtureRecord(TypedDict):
+    event: Literal["mixture"]
+    step: int
+    samples: list[int]  # the global samples [from, to) it counts: those trained since the previous record
+    sources: dict[str, float]  # each source's share of them (data.sources' weights are what they aim at)
+
+
 MetricsRecord = (
     TrainRecord | EvalRecord | CheckpointSaveRecord | CheckpointLoadRecord | CheckpointSkippedRecord | StoppedRecord
     | WarningRecord | PreemptedRecord | InterruptedRecord | ResizeRecord | ResizeSaveRecord | StragglerRecord
     | EvictionRecord | ProfileRecord | MemorySnapshotRecord | DownstreamEvalRecord | DownstreamEvalFailedRecord
-    | TextSamplesRecord | GroupStartRecord | ReplicaJoinedRecord | ReplicaLostRecord
+    | TextSamplesRecord | GroupStartRecord | ReplicaJoinedRecord | ReplicaLostRecord | MixtureRecord
 )
 
 
@@ -315,6 +322,8 @@ RECORD_KINDS: dict[str, RecordKind] = {
                                  "group joined by receiving a live peer's state", ReplicaJoinedRecord),
     "replica_lost": RecordKind("rank 0", "fault_tolerance.mode=replica (rank 0 of the first live group): a step "
                                "trained with fewer live replica groups than the one before", ReplicaLostRecord),
+    "mixture": RecordKind("rank 0", "a logged step of a data mixture: each source's share of the samples trained "
+                          "since the previous one", MixtureRecord),
 }
 
 

@@ -15,6 +15,7 @@ from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.observe.run_folder import CheckpointLoadRecord, CheckpointSaveRecord, CheckpointSkippedRecord
 from meshtrain.train.faults import FaultInjection
 from meshtrain.train.guard import BadStepLimit
+from meshtrain.train.loop import LoopPart, StepDone
 from meshtrain.train.records import LoopOutputs
 
 
@@ -35,7 +36,7 @@ def checkpoint_manager(
     )
 
 
-class Checkpointing:
+class Checkpointing(LoopPart):
     """After every step: let a finished async save commit, and at a checkpoint step save the state,
     unless that step was skipped (then the last good checkpoint stays the newest)."""
 
@@ -56,8 +57,9 @@ class Checkpointing:
         self.saved_step: int | None = None  # the newest step this worker group saved
         self.writer = True  # fault_tolerance.mode=replica: only the first live replica group saves
 
-    def after_step(self, step: int) -> bool:
+    def after_step(self, done: StepDone) -> bool:
         """False when the run must stop (the guard's limit was reached at a checkpoint step)."""
+        step = done.step
         if self.manager is None:
             return True
         self.manager.poll()
@@ -97,6 +99,7 @@ class Checkpointing:
         self.saved_step = step
         return True
 
-    def close(self) -> None:
+    def at_end(self, step: int) -> None:
+        """Wait for the save in flight to commit."""
         if self.manager is not None:
             self.manager.close()

@@ -16,7 +16,8 @@ from meshtrain.distributed.layout import RankLayout
 from meshtrain.model.llama import Transformer
 from meshtrain.observe.run_folder import EvalRecord
 from meshtrain.train.step import loss_sum
-from meshtrain.train.records import LoopOutputs
+from meshtrain.train.loop import LoopPart, StepDone
+from meshtrain.train.records import LoopOutputs, TrainResult
 
 
 def validation_samples(available: int, batches: int, global_batch_size: int) -> int:
@@ -66,8 +67,9 @@ def evaluate(
     return losses
 
 
-class Evaluation:
-    """The loop's evaluations: every ``interval`` steps and after the last, on a fixed held-out set."""
+class Evaluation(LoopPart):
+    """The loop's evaluations: every ``interval`` steps and after the last, on a fixed held-out set;
+    the last one's losses go into ``result``."""
 
     def __init__(
         self,
@@ -81,12 +83,13 @@ class Evaluation:
         device: torch.device,
         outputs: LoopOutputs,
         beat: Callable[[str], None],
+        result: TrainResult,
     ) -> None:
         self.model, self.validation, self.interval = model, validation, interval
         self.micro_batch_size, self.layout, self.device, self.outputs, self.beat = (
             micro_batch_size, layout, device, outputs, beat
         )
-        self.batches, self.global_batch_size = batches, global_batch_size
+        self.batches, self.global_batch_size, self.result = batches, global_batch_size, result
         self._chosen: list[ValidationWindow] | None = None  # chosen at the first evaluation (it reads the data)
         self.last_by_source: dict[str, float | None] = {}  # the last evaluation's loss per source
 
@@ -106,6 +109,12 @@ class Evaluation:
                     flush=True,
                 )
         return self._chosen
+
+    def after_step(self, done: StepDone) -> bool:
+        if self.due(done.step, done.last):
+            self.result.eval_loss = self.run(done.step)
+            self.result.eval_loss_by_source = self.last_by_source
+        return True
 
     def due(self, step: int, last: bool) -> bool:
         if self.validation is None or not self.interval or not (step % self.interval == 0 or last):

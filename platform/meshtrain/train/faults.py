@@ -7,12 +7,13 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from meshtrain.config import FaultConfig
+from meshtrain.train.loop import LoopPart, StepStart
 
 
 def maybe_kill_self(fault: FaultConfig, rank: int, step: int, during_checkpoint: bool, marker_dir: Path) -> None:
@@ -80,18 +81,21 @@ def maybe_slow_down(fault: FaultConfig, rank: int, node: str, step: int, model: 
 
 
 @dataclass(frozen=True)
-class FaultInjection:
-    """The faults ``fault.*`` asks of this rank, at the two points of the loop where they strike."""
+class FaultInjection(LoopPart):
+    """The faults ``fault.*`` asks of this rank, at the two points of the loop where they strike:
+    before a step (of ``model``), and while a checkpoint is being written."""
 
     fault: FaultConfig
     rank: int
     marker_dir: Path
     node: str = ""
+    model: torch.nn.Module | None = field(default=None, compare=False)
 
-    def before_step(self, step: int, model: torch.nn.Module) -> None:
-        maybe_kill_self(self.fault, self.rank, step, False, self.marker_dir)
-        maybe_poison_outputs(self.fault, self.rank, step, model)
-        maybe_slow_down(self.fault, self.rank, self.node, step, model)
+    def before_step(self, start: StepStart) -> None:
+        maybe_kill_self(self.fault, self.rank, start.step, False, self.marker_dir)
+        if self.model is not None:
+            maybe_poison_outputs(self.fault, self.rank, start.step, self.model)
+            maybe_slow_down(self.fault, self.rank, self.node, start.step, self.model)
 
     def while_saving(self, step: int) -> None:
         maybe_kill_self(self.fault, self.rank, step, True, self.marker_dir)

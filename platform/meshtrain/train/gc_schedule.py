@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import gc
 
+from meshtrain.train.loop import LoopPart, StepStart
 
-class ScheduledCollection:
+
+class ScheduledCollection(LoopPart):
     def __init__(self, every: int) -> None:
         self.every = every
         self.was_enabled = gc.isenabled()
@@ -21,6 +23,9 @@ class ScheduledCollection:
     def step(self, step: int) -> None:
         if self.every and step % self.every == 0:
             gc.collect(1)  # the young generations; the long-lived model objects are not rescanned
+
+    def before_step(self, start: StepStart) -> None:
+        self.step(start.step)
 
     def close(self) -> None:
         if self.every and self.was_enabled:

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import torch
 
 from meshtrain.config import PermanentError
+from meshtrain.observe.run_folder import MemorySnapshotRecord
+from meshtrain.train.loop import LoopPart
+from meshtrain.train.records import LoopOutputs
 
 GIB = 1024**3
 
@@ -58,8 +61,9 @@ def cuda_allocator(device: torch.device) -> CudaAllocator | None:
     return CudaAllocator(device) if device.type == "cuda" else None
 
 
-class OutOfMemorySnapshots:
-    """Wraps each step (``with snapshots.step(n):``); on a CPU worker it only lets the error through."""
+class OutOfMemorySnapshots(LoopPart):
+    """Wraps each step (``with snapshots.step(n):``); on a CPU worker it only lets the error through.
+    At the end, the snapshot of the last steps is written and announced to ``outputs``."""
 
     def __init__(
         self,
@@ -68,8 +72,9 @@ class OutOfMemorySnapshots:
         rank: int,
         history_entries: int | None,
         planned_bytes: Callable[[], int],
+        outputs: LoopOutputs | None = None,
     ) -> None:
-        self.allocator, self.folder, self.rank = allocator, folder, rank
+        self.allocator, self.folder, self.rank, self.outputs = allocator, folder, rank, outputs
         self.planned_bytes = planned_bytes
         self.recording = allocator is not None and history_entries is not None
         if allocator is not None and history_entries is not None:
@@ -82,6 +87,14 @@ class OutOfMemorySnapshots:
         except torch.OutOfMemoryError:
             # Not chained as the cause: the driver reports the innermost cause, and this line is the one to show.
             raise DeviceOutOfMemory(self._describe(step)) from None
+
+    def around_step(self, step: int) -> AbstractContextManager[None]:
+        return self.step(step)
+
+    def at_end(self, step: int) -> None:
+        snapshot = self.finished(step)
+        if snapshot is not None and self.outputs is not None:
+            self.outputs.emit(MemorySnapshotRecord(event="memory_snapshot", step=step, rank=self.rank, path=str(snapshot)))
 
     def finished(self, step: int) -> Path | None:
         """The steps are done: with the allocator's history on, the snapshot of them, written."""

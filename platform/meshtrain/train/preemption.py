@@ -57,11 +57,12 @@ from meshtrain.observe.run_folder import (
     TrainRecord,
     WarningRecord,
 )
+from meshtrain.train.loop import LoopPart, StepDone, StepStart
 from meshtrain.train.watchdog import _exit_worker
 
 if TYPE_CHECKING:
     from meshtrain.train.checkpointing import Checkpointing
-    from meshtrain.train.records import LoopOutputs
+    from meshtrain.train.records import LoopOutputs, TrainResult
 
 
 # What a rank's notice flag says, ordered so the all-reduced maximum is what the group does.
@@ -396,3 +397,36 @@ class NoticeHandling:
         kept = f"checkpoint of step {step} committed" if saved else "no checkpoint saved"
         raise Preempted(f"rank {self.rank}: stopped at step {step} on a preemption notice ({reason}) while waiting "
                         f"for a resize; {kept}")
+
+
+class Notices(LoopPart):
+    """The loop's notices (``run.preemption_save_s``): each step's vote is cast as the step begins and
+    acted on when it ends (see :class:`NoticeHandling`); the driver's interrupt, when it stops the run,
+    goes into ``result``. :meth:`listen` routes SIGTERM and the driver's stop request here, last in
+    the loop's setup, so a setup that fails leaves no signal route and no thread behind."""
+
+    def __init__(self, notice: PreemptionNotice, vote: StopVote, handling: NoticeHandling, result: TrainResult) -> None:
+        self.notice, self.vote, self.handling, self.result = notice, vote, handling, result
+        self._restore_sigterm: Callable[[], None] | None = None
+        self._watch: StopRequestWatch | None = None
+
+    def listen(self, stop_request: StopRequest | None) -> None:
+        self._restore_sigterm = defer_sigterm(self.notice)
+        if stop_request is not None:
+            self._watch = StopRequestWatch(stop_request, self.notice)
+
+    def before_step(self, start: StepStart) -> None:
+        self.vote.cast()
+
+    def after_step(self, done: StepDone) -> bool:
+        if done.logged:
+            self.handling.check_budget(done.step, self.result.records)
+        self.result.interrupted = self.handling.after_step(done.step)
+        return self.result.interrupted is None
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+        if self._restore_sigterm is not None:
+            self._restore_sigterm()
+        self.vote.close()

@@ -32,6 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 from meshtrain.config.observability import ProfileConfig
 from meshtrain.observe.run_folder import ProfileRecord
+from meshtrain.train.loop import LoopPart, StepStart
 
 _LONGEST_NAME = 60  # characters of an op's name in the summary line (CUDA kernel names run to hundreds)
 
@@ -99,10 +100,9 @@ def summary_line(rank: int, first: int, last: int, device: bool, ops: list[tuple
     return f"[meshtrain] profile rank {rank} {steps}: top {kind} by self ms/step: {shown}; trace {trace}"
 
 
-class StepProfiler:
-    """This rank's windows of ``profile.*`` in a run of ``last_step`` steps: the loop calls
-    :meth:`step` as each step begins and :meth:`close` when it ends (which saves a window the run
-    cut short)."""
+class StepProfiler(LoopPart):
+    """This rank's windows of ``profile.*`` in a run of ``last_step`` steps: :meth:`step` as each step
+    begins, :meth:`close` when the loop ends (which saves a window the run cut short)."""
 
     def __init__(
         self, cfg: ProfileConfig, folder: Path, rank: int, last_step: int, blocks: Sequence[nn.Module],
@@ -151,6 +151,12 @@ class StepProfiler:
             self._begin(step, warmup=1, first=step + 1)
         elif self._window_of(step) is not None:  # the run begins inside a window (step 1, a resumed run): no warmup
             self._begin(step, warmup=0, first=step)
+
+    def before_step(self, start: StepStart) -> None:
+        self.step(start.step)
+
+    def at_end(self, step: int) -> None:
+        self.close()
 
     def _begin(self, step: int, warmup: int, first: int) -> None:
         window = self._window_of(first)

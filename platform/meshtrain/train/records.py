@@ -1,8 +1,10 @@
-"""Where the training loop's records go: the run's record sink, Prometheus and Ray Train, each optional."""
+"""Where the training loop's records go (the run's record sink, Prometheus and Ray Train, each
+optional), and what the loop returns."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from meshtrain.checkpoint.state import Progress
 from meshtrain.observe.metrics import TrainingMetrics
@@ -11,22 +13,58 @@ from meshtrain.observe.run_folder import (
     CheckpointLoadRecord,
     CheckpointSaveRecord,
     EvalRecord,
+    Interrupted,
     MetricsRecord,
+    StragglerRecord,
     TrainRecord,
 )
+from meshtrain.train.loop import LoopPart, StepDone
+
+
+@dataclass
+class TrainResult:
+    """What one rank's run did; the step log, the evaluation and the notices fill it in as the loop runs."""
+
+    records: list[TrainRecord] = field(default_factory=list)
+    mesh_shape: tuple[int, int] = (1, 1)
+    world_size: int = 1
+    parameters: int = 0
+    train_time_s: float = 0.0
+    tokens: int = 0
+    eval_loss: float | None = None  # the last evaluation's
+    eval_loss_by_source: dict[str, float | None] = field(default_factory=dict)  # the last evaluation's
+    skipped_steps: int = 0
+    stopped: str | None = None  # why the run stopped before train.steps (the step guard)
+    interrupted: Interrupted | None = None  # the driver was interrupted: at which step, what was saved
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.records[-1]["loss"] if self.records else None
+
+    @property
+    def mean_tokens_per_s(self) -> float | None:
+        """Throughput after the first logged interval (which pays for warm-up and compilation)."""
+        if not self.records:
+            return None
+        first, last = self.records[0], self.records[-1]
+        if len(self.records) == 1:
+            return last["tokens"] / last["elapsed_s"]
+        return (last["tokens"] - first["tokens"]) / (last["elapsed_s"] - first["elapsed_s"])
 
 
 class LoopOutputs:
     """Fans each record out to ``on_record`` (rank 0's metrics.jsonl and TensorBoard), this worker's
-    Prometheus ``metrics`` and Ray Train's ``reporter``; any of them may be None."""
+    Prometheus ``metrics`` and Ray Train's ``reporter``; any of them may be None. ``on_straggler``
+    hears of a rank that stays slow (the driver's eviction policy, on rank 0)."""
 
     def __init__(
         self,
-        on_record: Callable[[MetricsRecord], None] | None,
-        metrics: TrainingMetrics | None,
-        reporter: RayTrainReporter | None,
+        on_record: Callable[[MetricsRecord], None] | None = None,
+        metrics: TrainingMetrics | None = None,
+        reporter: RayTrainReporter | None = None,
+        on_straggler: Callable[[StragglerRecord], None] | None = None,
     ) -> None:
-        self.on_record, self.metrics, self.reporter = on_record, metrics, reporter
+        self.on_record, self.metrics, self.reporter, self.on_straggler = on_record, metrics, reporter, on_straggler
         self.writes = True  # fault_tolerance.mode=replica: only the first live replica group writes
 
     def emit(self, record: MetricsRecord, *, any_replica: bool = False) -> None:
@@ -75,3 +113,14 @@ class LoopOutputs:
     def checkpoint_blocked(self, seconds: float) -> None:
         if self.metrics is not None:
             self.metrics.checkpoint_blocked(seconds)
+
+
+class StepMetrics(LoopPart):
+    """Every step's counters for Prometheus: this worker's tokens and its wait for data."""
+
+    def __init__(self, outputs: LoopOutputs, world_size: int) -> None:
+        self.outputs, self.world_size = outputs, world_size
+
+    def after_step(self, done: StepDone) -> bool:
+        self.outputs.step_done(done.step, done.output.tokens // (self.world_size * done.groups), done.data_wait_s)
+        return True

@@ -4,6 +4,7 @@ this group's share of the step's samples, and which group writes the run's recor
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -15,17 +16,34 @@ from meshtrain.distributed.layout import RankLayout
 from meshtrain.distributed.replicas import ReplicaPeers
 from meshtrain.observe.run_folder import ReplicaJoinedRecord, ReplicaLostRecord
 from meshtrain.train.checkpointing import Checkpointing
+from meshtrain.train.loop import LoopPart, StepStart
 from meshtrain.train.records import LoopOutputs
-from meshtrain.train.step import LiveReplicas
+from meshtrain.train.step_log import StepLog
+from meshtrain.train.watchdog import Heartbeat
 
 
 class NoPeerToHeal(PermanentError):
     """A replacement replica group found no live peer to receive the run's state from."""
 
 
-class ReplicaSteps:
+@dataclass(frozen=True)
+class LiveReplicas:
+    """The replica groups that train this step: the step's sum over them, and its commit vote."""
+
+    peers: ReplicaPeers
+    groups: int
+
+    def reduce(self, parameters: list[torch.nn.Parameter], loss_sum: torch.Tensor) -> bool:
+        self.peers.sum_gradients(parameters)
+        self.peers.sum(loss_sum)
+        return self.peers.commit()
+
+
+class ReplicaSteps(LoopPart):
     """Before each step: join the quorum (a group behind its peers receives a live peer's state then),
-    take this group's share of the step's samples, and let only the first live group write.
+    take this group's share of the step's samples, hand the step the sum over the live groups, and let
+    only the first live group write. The step log counts the time spent in quorums and in attempts a
+    failed peer left uncommitted.
 
     ``strict``: the live groups split every sample of the step between them; otherwise each trains the
     share it has when all groups live, and the shares of the missing ones are skipped.
@@ -43,11 +61,30 @@ class ReplicaSteps:
         outputs: LoopOutputs,
         checkpointing: Checkpointing,
         joining: bool,
+        heartbeat: Heartbeat,
+        log: StepLog,
     ) -> None:
         self.peers, self.strict, self.layout, self.batches = peers, strict, layout, batches
         self.progress, self.outputs, self.checkpointing, self.joining = progress, outputs, checkpointing, joining
+        self.heartbeat, self.log = heartbeat, log
         self.participants: int | None = None
         self._attempting: tuple[int, float] | None = None  # (step, when its first attempt asked for a quorum)
+        self._attempt_started = 0.0
+
+    def before_step(self, start: StepStart) -> None:
+        asked = time.perf_counter()
+        with self.heartbeat.excused("waiting for the replica quorum"):
+            start.reduction = self.begin()
+        self._attempt_started = time.perf_counter()
+        self.log.waited_for_replicas(self._attempt_started - asked)
+        start.step = self.progress.step + 1  # a group that joined has its peer's progress
+        self.heartbeat.beat(f"training step {start.step}")
+
+    def step_abandoned(self, start: StepStart) -> None:
+        self.log.waited_for_replicas(time.perf_counter() - self._attempt_started)
+
+    def close(self) -> None:
+        self.peers.close()
 
     def begin(self) -> LiveReplicas:
         asked = time.perf_counter()

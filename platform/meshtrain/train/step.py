@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -11,7 +12,6 @@ from torch.distributed.tensor import DTensor
 
 from meshtrain.distributed.layout import RankLayout
 from meshtrain.distributed.parallelize import clip_grad_norm_
-from meshtrain.distributed.replicas import ReplicaPeers
 from meshtrain.distributed.torch_support import reset_iteration
 from meshtrain.model.flops import AttentionWork
 from meshtrain.model.llama import Transformer
@@ -40,12 +40,16 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | N
                                             mesh.get_group())
 
 
-@dataclass(frozen=True)
-class LiveReplicas:
-    """The replica groups that train this step (fault_tolerance.mode=replica)."""
+class GroupReduction(Protocol):
+    """A sum over groups of ranks that each train a share of the step's samples (the live replica
+    groups of fault_tolerance.mode=replica), applied before the guard sees the step."""
 
-    peers: ReplicaPeers
-    participants: int
+    @property
+    def groups(self) -> int: ...
+
+    def reduce(self, parameters: list[torch.nn.Parameter], loss_sum: torch.Tensor) -> bool:
+        """Sum the gradients and the loss sum over the groups; False when the step must not be applied."""
+        ...
 
 
 @dataclass
@@ -89,7 +93,7 @@ def train_step(
     grad_clip: float,
     defer_all_reduce: bool = True,
     attention_work: AttentionWork | None = None,
-    replicas: LiveReplicas | None = None,
+    reduction: GroupReduction | None = None,
 ) -> StepOutput | None:
     """One optimizer step over this rank's micro-batches, skipped by ``guard`` when it goes bad.
 
@@ -105,10 +109,9 @@ def train_step(
 
     ``attention_work`` (when given) counts the (query, key) pairs each micro-batch's forward attends.
 
-    ``replicas`` (fault_tolerance.mode=replica): the live replica groups, each holding its share of the
-    step's samples. Gradients and the loss sum are summed over them before the guard sees them, and the
-    step is applied only when every live group votes to commit; None is returned when it is not (the
-    caller trains the step again under the next quorum).
+    ``reduction``: the groups of ranks that each hold a share of the step's samples (the live replica
+    groups). Gradients and the loss sum are summed over them before the guard sees them; None is
+    returned when the reduction says not to apply the step (the caller trains it again).
 
     With tensor or context parallel, the gradient ranks are replicate x shard x context (context peers
     hold different tokens of the same samples); the loss sums are added over ``layout.loss_group``
@@ -116,8 +119,8 @@ def train_step(
     """
     device = micro_batches[0][1].device
     gradient_ranks = layout.gradient_ranks
-    live = replicas.participants if replicas is not None else 1
-    global_tokens = sum(model.local_targets(targets).numel() for _, targets in micro_batches) * gradient_ranks * live
+    groups = reduction.groups if reduction is not None else 1
+    global_tokens = sum(model.local_targets(targets).numel() for _, targets in micro_batches) * gradient_ranks * groups
     scale = gradient_ranks / global_tokens
     total = torch.zeros((), dtype=torch.float32, device=device)
     hsdp = _deferrable_hsdp(model, len(micro_batches), layout, device) if defer_all_reduce else None
@@ -141,11 +144,10 @@ def train_step(
             _abandon_deferred_reduction(hsdp)
         raise
     total = _sum_over_ranks(total, layout.loss_group)
-    if replicas is not None:
+    if reduction is not None:
         with region("replica sum"):
-            replicas.peers.sum_gradients(list(model.parameters()))
-            replicas.peers.sum(total)
-        if not replicas.peers.commit():
+            applied = reduction.reduce(list(model.parameters()), total)
+        if not applied:
             guard.optimizer.zero_grad(set_to_none=True)
             return None
     with region("grad clip"):

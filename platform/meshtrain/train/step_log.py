@@ -10,14 +10,13 @@ from meshtrain.config import ModelArgs
 from meshtrain.model.flops import AttentionWork, ModelFlops
 from meshtrain.observe.run_folder import FlopsPerToken, TrainRecord
 from meshtrain.train.guard import BadStepLimit
+from meshtrain.train.loop import LoopPart, StepDone
 from meshtrain.train.records import LoopOutputs
-from meshtrain.train.step import StepOutput
 
 
-class StepLog:
+class StepLog(LoopPart):
     def __init__(
         self,
-        log_every: int,
         global_batch_size: int,
         world_size: int,
         progress: Progress,
@@ -30,13 +29,12 @@ class StepLog:
         """``attention``: what the training steps count of the attention they compute, and the model's
         shape, for the record's FLOPs per token; None leaves them out. ``replicas``: replica mode, whose
         records say how long the steps waited for the other replica groups."""
-        self.log_every, self.global_batch_size, self.world_size = log_every, global_batch_size, world_size
+        self.global_batch_size, self.world_size = global_batch_size, world_size
         self.progress, self.bad_steps, self.outputs, self.records = progress, bad_steps, outputs, records
         self.attention, self.replicas = attention, replicas
-        self.replicas_live = 1
 
-    def start(self, now: float) -> None:
-        self.started = self.interval_start = now
+    def at_start(self) -> None:
+        self.started = self.interval_start = time.perf_counter()
         self.interval_steps, self.interval_wait, self.interval_replica_wait = 0, 0.0, 0.0
         if self.attention is not None:
             self.attention[0].take()  # what forwards before the loop counted is not the first interval's
@@ -53,23 +51,17 @@ class StepLog:
         flops = ModelFlops.of(self.attention[1])
         return {"flops_per_token": flops.per_token(keys_per_query), "flops_per_token_full_attention": flops.per_token(window)}
 
-    def replicas_in_step(self, live: int) -> None:
-        """fault_tolerance.mode=replica: the replica groups that trained this step."""
-        self.replicas_live = live
-
     def waited_for_replicas(self, seconds: float) -> None:
         """fault_tolerance.mode=replica: time this step spent in its quorum (healing a joining peer
         included) or in an attempt a failed peer left uncommitted."""
         self.interval_replica_wait += seconds
 
-    def logged_at(self, step: int, last: bool) -> bool:
-        return last or step % self.log_every == 0
-
-    def after_step(self, step: int, lr: float, output: StepOutput, data_wait: float, last: bool) -> bool:
+    def after_step(self, done: StepDone) -> bool:
         """Count the step, and at a logged step write its record; False when the guard says stop."""
+        step, output, last = done.step, done.output, done.last
         self.interval_steps += 1
-        self.interval_wait += data_wait
-        if not self.logged_at(step, last):
+        self.interval_wait += done.data_wait_s
+        if not done.logged:
             return True
         now = time.perf_counter()
         step_time = (now - self.interval_start) / self.interval_steps
@@ -78,7 +70,7 @@ class StepLog:
             "event": "train",
             "step": step,
             "loss": output.loss_sum.item() / output.tokens,
-            "lr": lr,
+            "lr": done.lr,
             "grad_norm": output.grad_norm.item(),
             "tokens": self.progress.tokens,
             "tokens_per_s": output.tokens / step_time,
@@ -95,7 +87,7 @@ class StepLog:
         }
         if self.replicas:
             record["replica_wait_s"] = self.interval_replica_wait / self.interval_steps
-            record["replicas"] = self.replicas_live
+            record["replicas"] = done.groups
         self.records.append(record)
         self.outputs.logged(record, self.world_size, last or not allowed)
         self.interval_start, self.interval_steps, self.interval_wait, self.interval_replica_wait = now, 0, 0.0, 0.0

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtrain.observe.run_folder import StragglerRecord
+from meshtrain.train.loop import LoopPart, StepDone
 from meshtrain.train.records import LoopOutputs
 
 
@@ -92,7 +93,7 @@ def slowdowns(times: list[float]) -> list[float]:
     return result
 
 
-class StragglerWatch:
+class StragglerWatch(LoopPart):
     """Compares the ranks' compute at logged steps and names a rank that stays slow."""
 
     def __init__(
@@ -116,6 +117,12 @@ class StragglerWatch:
 
     def step_done(self) -> None:
         self._steps += 1
+
+    def after_step(self, done: StepDone) -> bool:
+        self.step_done()
+        if done.logged:
+            self.at_logged_step(done.step)
+        return True
 
     def at_logged_step(self, step: int) -> None:
         per_step = self.timer.take() / max(self._steps, 1)

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from meshtrain.train.hangs import HangReport, watch_period_s
+from meshtrain.train.loop import LoopPart, StepStart
 
 
 def _exit_worker(message: str) -> None:
@@ -107,3 +108,27 @@ class HangWatchdog:
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+class Heartbeat(LoopPart):
+    """What this rank is doing, told to its watchdog (``run.hang_timeout_s``; none: nothing is watched).
+    Every step beats it; the parts that wait (saves, evaluations, quorums) beat or are excused here too.
+    The watchdog is attached last, once the rest of the loop is built, so a setup that fails leaves no
+    thread behind."""
+
+    def __init__(self) -> None:
+        self.watchdog: HangWatchdog | None = None
+
+    def beat(self, doing: str, arm: bool = False) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(doing, arm)
+
+    def excused(self, doing: str) -> contextlib.AbstractContextManager[None]:
+        return self.watchdog.excused(doing) if self.watchdog is not None else contextlib.nullcontext()
+
+    def before_step(self, start: StepStart) -> None:
+        self.beat(f"training step {start.step}", arm=not start.first)
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()

@@ -1,0 +1,36 @@
+"""The data mixture as trained: at each logged step, each source's share of the samples since the
+previous one. ``data.sources``' weights are what the shares aim at; the mixture is exact per block of
+samples, so over a short interval the shares wander around the weights, and a stage of a curriculum
+that changes the weights shows here when it took effect."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from meshtrain.checkpoint.state import Progress
+from meshtrain.data.sampling import MixtureSamples
+from meshtrain.observe.run_folder import MixtureRecord
+from meshtrain.train.loop import LoopPart, StepDone
+from meshtrain.train.records import LoopOutputs
+
+
+class MixtureLog(LoopPart):
+    def __init__(self, samples: MixtureSamples, labels: list[str], progress: Progress, outputs: LoopOutputs) -> None:
+        self.samples, self.labels, self.progress, self.outputs = samples, labels, progress, outputs
+        self._since = 0
+
+    def at_start(self) -> None:
+        self._since = self.progress.data_position
+
+    def after_step(self, done: StepDone) -> bool:
+        if not done.logged:
+            return True
+        since, until = self._since, self.progress.data_position
+        self._since = until
+        if self.outputs.on_record is not None:  # counted only where the records are written
+            counts = Counter(self.samples.source_of(index)[0] for index in range(since, until))
+            self.outputs.emit(MixtureRecord(
+                event="mixture", step=done.step, samples=[since, until],
+                sources={label: counts[k] / max(until - since, 1) for k, label in enumerate(self.labels)},
+            ))
+        return True

@@ -1,0 +1,121 @@
+"""The one list of the training loop's parts, in the order the loop calls them (see ``train.loop``).
+
+Before a step: the watchdog's beat, the replica quorum, the profiler, the notice vote, faults, the
+garbage collector; around it, the out-of-memory snapshot; after it: checkpoints, the step's metrics,
+evaluation, the step log, the mixture, stragglers, and the notices acted on. A new behaviour of the
+loop is a module with one :class:`~meshtrain.train.loop.LoopPart` and a line here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from meshtrain.checkpoint.manager import CheckpointManager
+from meshtrain.checkpoint.write_progress import bytes_written
+from meshtrain.config import MeshtrainConfig
+from meshtrain.data import TrainingData
+from meshtrain.data.sampling import MixtureSamples
+from meshtrain.distributed.replicas import ReplicaPeers
+from meshtrain.train.checkpointing import Checkpointing
+from meshtrain.train.evaluation import Evaluation
+from meshtrain.train.faults import FaultInjection
+from meshtrain.train.gc_schedule import ScheduledCollection
+from meshtrain.train.hangs import HangReport
+from meshtrain.train.healing import HealingState
+from meshtrain.train.loop import LoopPart, LoopParts
+from meshtrain.train.memory_snapshot import OutOfMemorySnapshots, cuda_allocator
+from meshtrain.train.mixture_log import MixtureLog
+from meshtrain.train.preemption import NoticeHandling, Notices, PreemptionNotice, StopVote
+from meshtrain.train.profiling import StepProfiler
+from meshtrain.train.records import StepMetrics
+from meshtrain.train.replica_steps import ReplicaSteps
+from meshtrain.train.step_log import StepLog
+from meshtrain.train.stragglers import ComputeTimer, StragglerWatch
+from meshtrain.train.watchdog import HangWatchdog, Heartbeat
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from meshtrain.train.trainer import Trainer
+
+
+def memory_snapshots(cfg: MeshtrainConfig, trainer: Trainer, run_dir: Path,
+                     planned_bytes: Callable[[], int]) -> OutOfMemorySnapshots:
+    """Built before the model, so that memory.history_entries records the model's and optimizer's
+    allocations too."""
+    return OutOfMemorySnapshots(cuda_allocator(trainer.rank.device), run_dir / "memory", trainer.rank.worker.world_rank,
+                                cfg.memory.history_entries, planned_bytes, trainer.outputs)
+
+
+def loop_parts(
+    cfg: MeshtrainConfig,
+    trainer: Trainer,
+    checkpoints: CheckpointManager | None,
+    data: TrainingData,
+    manifest: dict[str, Any],
+    joining: bool,
+) -> LoopParts:
+    """The parts of ``trainer``'s loop. The watchdog, the garbage collector's schedule and the routes of
+    SIGTERM and the driver's stop request come last, so a setup that fails leaves neither a thread, a
+    signal route nor the collector switched off."""
+    layout, outputs, progress, result = trainer.layout, trainer.outputs, trainer.progress, trainer.result
+    rank, run_dir = trainer.rank, Path(cfg.run.storage_path) / (cfg.run.name or "")
+    replica = rank.replica
+    heartbeat = Heartbeat()
+    fault_rank = layout.rank if replica is None else replica.index * layout.world_size + layout.rank
+    faults = FaultInjection(cfg.fault, fault_rank, run_dir / "faults", rank.worker.node, trainer.model)
+    checkpointing = Checkpointing(checkpoints, trainer.state, progress, manifest, cfg.train.steps, trainer.bad_steps,
+                                  outputs, faults, heartbeat.beat)
+    micro_batch, _ = cfg.batch_layout(layout.data_ranks)
+    evaluation = Evaluation(trainer.model, data.validation, cfg.eval.interval, cfg.eval.batches,
+                            cfg.train.global_batch_size, micro_batch, layout, rank.device, outputs, heartbeat.beat,
+                            result)
+    log = StepLog(cfg.train.global_batch_size, layout.world_size, progress, trainer.bad_steps, outputs, result.records,
+                  (trainer.attention_work, trainer.model.args), replicas=replica is not None)
+    metrics = outputs.metrics
+    stragglers = StragglerWatch(
+        ComputeTimer(trainer.model.layers, rank.device), cfg.metrics.straggler_factor, cfg.metrics.straggler_patience,
+        layout.rank, layout.node, outputs, layout.control_group,
+        metrics.set_rank_speed if metrics is not None else None, outputs.on_straggler,
+    )
+    profiler = StepProfiler.of(cfg.profile, run_dir / "profile", layout.rank, cfg.train.steps, trainer.model.layers,
+                               cfg.parallel.compile, rank.device, outputs.emit)
+    mixture = (MixtureLog(data.train, list(data.source_names), progress, outputs)
+               if isinstance(data.train, MixtureSamples) else None)
+    replicas: ReplicaSteps | None = None
+    if replica is not None:
+        healing = HealingState(trainer.state, trainer.guard)
+        peers = ReplicaPeers(cfg.fault_tolerance, replica, layout.rank, layout.world_size, rank.device,
+                             healing.state_dict, healing.load_state_dict, host=rank.worker.node or None)
+        if not joining:
+            peers.set_step(progress.step)
+        replicas = ReplicaSteps(peers, cfg.fault_tolerance.data == "strict", layout, trainer.batches, progress,
+                                outputs, checkpointing, joining, heartbeat, log)
+    # The loop's own small collectives (notice votes, straggler times) go on the layout's control
+    # group; every rank issues them in the same order.
+    budget = cfg.run.preemption_save_s
+    notices: Notices | None = None
+    if budget is not None:
+        notice = PreemptionNotice(budget, layout.rank)
+        vote = StopVote(notice, layout.control_group)
+        handling = NoticeHandling(notice, vote, checkpointing, outputs, layout.rank, budget,
+                                  cfg.scaling.resize_check_interval_s, heartbeat.beat,
+                                  hand_over=replicas.hand_over if replicas is not None else None)
+        notices = Notices(notice, vote, handling, result)
+
+    timeout_s = cfg.run.hang_timeout_s
+    if timeout_s:
+        heartbeat.watchdog = HangWatchdog(
+            timeout_s, layout.rank, progress=bytes_written,
+            report=HangReport.of(run_dir / "hangs", layout.rank, layout.world_size, timeout_s),
+            on_fire=replicas.peers.close if replicas is not None else None,
+        )
+    collection = ScheduledCollection(cfg.train.gc_every)
+    if notices is not None:
+        notices.listen(rank.stop_request)
+    parts: list[LoopPart | None] = [
+        heartbeat, replicas, profiler, checkpointing, StepMetrics(outputs, layout.world_size), evaluation, log, mixture,
+        stragglers, notices, faults, collection, trainer.memory,
+    ]
+    return LoopParts([part for part in parts if part is not None])
