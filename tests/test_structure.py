@@ -1,5 +1,5 @@
 """The package's shape: layered subpackages with no cycles, a config schema that imports nothing of
-the rest, and job scripts that only call the library."""
+the rest, typed packages that pass the type checker, and job scripts that only call the library."""
 
 from __future__ import annotations
 
@@ -46,6 +46,21 @@ def test_the_layers_contract_catches_an_upward_import(tmp_path: Path) -> None:
     )
     assert result.returncode != 0, result.stdout
     assert "meshtrain.config.schema -> meshtrain.train.trainer" in result.stdout, result.stdout
+
+
+def test_the_typed_packages_check_clean_and_a_misspelled_record_key_is_caught(tmp_path: Path) -> None:
+    """observe/, train/, cluster/ and distributed/ pass mypy as pyproject.toml configures it, and that
+    configuration fails a record read under a misspelled key."""
+    from mypy import api
+
+    settings = ["--config-file", str(REPO / "pyproject.toml"), "--cache-dir", str(REPO / ".mypy_cache")]
+    report, errors, status = api.run(settings)
+    assert status == 0, report + errors
+    probe = tmp_path / "probe.py"
+    probe.write_text("from meshtrain.observe.run_folder import TrainRecord\n\n\n"
+                     "def loss(record: TrainRecord) -> float:\n    return record['los']\n")
+    report, errors, status = api.run([*settings, str(probe)])
+    assert status == 1 and 'TypedDict "TrainRecord" has no key "los"' in report, report + errors
 
 
 def test_config_imports_nothing_of_meshtrain_torch_or_ray() -> None:

@@ -36,7 +36,7 @@ class _PendingSave:
     finished: list[float] = field(default_factory=list)
 
 
-Event = Callable[[dict[str, Any]], None]
+Event = Callable[[Any], None]  # given checkpoint_save and checkpoint_load records (their types are observe's, a sibling layer)
 
 
 # torch 2.11 and 2.12 empty a DefaultStager's copier at the end of every stage, so there one stager

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from meshtrain.config import one_line
+from meshtrain.observe.run_folder import EvictionRecord, StragglerRecord
 
 DRAIN_DEADLINE_S = 600  # the node is told it will be stopped; nothing stops it: it just takes no new work
 
@@ -24,10 +25,11 @@ def drain_node(node_id: str, message: str) -> tuple[bool, str]:
     import ray
     from ray.core.generated import autoscaler_pb2
 
-    gcs = ray._private.worker.global_worker.gcs_client
+    worker: Any = ray._private.worker.global_worker  # Ray's private GCS client: no public call drains a node
+    protocol: Any = autoscaler_pb2  # generated protobuf: no attributes a type checker can see
     deadline_ms = time.time_ns() // 1_000_000 + DRAIN_DEADLINE_S * 1000
-    accepted, rejection = gcs.drain_node(
-        node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), message, deadline_ms
+    accepted, rejection = worker.gcs_client.drain_node(
+        node_id, protocol.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), message, deadline_ms
     )
     return bool(accepted), str(rejection or "")
 
@@ -53,7 +55,7 @@ class StragglerEviction:
         self,
         workers: list[dict[str, Any]],
         min_workers: int,
-        emit: Callable[[dict[str, Any]], None],
+        emit: Callable[[EvictionRecord], None],
         drain: Callable[[str, str], tuple[bool, str]] = drain_node,
         find_node: Callable[[str], str | None] = node_id_of,
     ) -> None:
@@ -61,21 +63,24 @@ class StragglerEviction:
         self.drain, self.find_node = drain, find_node
         self.drained: set[str] = set()
 
-    def __call__(self, straggler: dict[str, Any]) -> None:
+    def __call__(self, straggler: StragglerRecord) -> None:
         ip = straggler["node"]
         if ip in self.drained:
             return
         remaining = sum(1 for worker in self.workers if worker["node_ip"] != ip)
-        record = {"event": "eviction", "step": straggler["step"], "rank": straggler["rank"], "node": ip}
+
+        def record(evicted: bool, reason: str) -> EvictionRecord:
+            return EvictionRecord(event="eviction", step=straggler["step"], rank=straggler["rank"], node=ip,
+                                  evicted=evicted, reason=reason)
+
         if remaining < self.min_workers:
-            self._say({**record, "evicted": False, "reason": f"{remaining} workers would remain, under "
-                       f"scaling.min_workers={self.min_workers}"})
+            self._say(record(False, f"{remaining} workers would remain, under scaling.min_workers={self.min_workers}"))
             return
         node_id = self.find_node(ip)
         if node_id is None or node_id == HEAD:
             why = "it is the head node, which holds Ray's GCS" if node_id == HEAD else "Ray knows no live node with that address"
             self.drained.add(ip)
-            self._say({**record, "evicted": False, "reason": why})
+            self._say(record(False, why))
             return
         message = f"meshtrain: rank {straggler['rank']} computes {straggler['slowdown']:.2f}x slower than the others"
         try:
@@ -83,8 +88,10 @@ class StragglerEviction:
         except Exception as exc:  # an internal Ray API: report, never stop training over it
             accepted, rejection = False, one_line(exc)
         self.drained.add(ip)
-        self._say({**record, "node_id": node_id, "evicted": accepted,
-                   "reason": "drained; the group saves and restarts without it" if accepted else f"drain refused: {rejection}"})
+        said = record(accepted, "drained; the group saves and restarts without it" if accepted
+                      else f"drain refused: {rejection}")
+        said["node_id"] = node_id
+        self._say(said)
 
-    def _say(self, record: dict[str, Any]) -> None:
+    def _say(self, record: EvictionRecord) -> None:
         self.emit(record)  # the driver prints it in the job log, from metrics.jsonl

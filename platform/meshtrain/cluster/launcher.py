@@ -39,7 +39,7 @@ from meshtrain.data import prepare_data
 from meshtrain.data.local_files import write_atomically
 from meshtrain.observe.goodput import GoodputLedger
 from meshtrain.observe.metrics import targets_name, targets_path, write_targets
-from meshtrain.observe.run_folder import RunPaths, StopRequest, read_summary, write_summary
+from meshtrain.observe.run_folder import RunPaths, StopRequest, Summary, read_summary, write_summary
 from meshtrain.observe.progress import ProgressMonitor
 from meshtrain.observe.tracker_relay import TrackerRelay
 from meshtrain.train.spec import RunSpec
@@ -82,7 +82,7 @@ def data_cache_url(cfg: MeshtrainConfig) -> str:
 ELASTIC_START_TIMEOUT_S = 25
 
 
-def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
+def launch(cfg: MeshtrainConfig) -> Summary:
     """Run the whole job; returns the summary also written to ``summary.json``."""
 
     started = time.perf_counter()
@@ -94,7 +94,7 @@ def launch(cfg: MeshtrainConfig) -> dict[str, Any]:
         return _launch(cfg, paths, launch_id, started, started_at)
 
 
-def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: float, started_at: float) -> dict[str, Any]:
+def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: float, started_at: float) -> Summary:
     check_fresh_start(cfg, paths)
     cached_tokenizer = read_run_tokenizer(paths)  # a damaged one stops the launch before anything is written
     cfg = resolve_schedule_horizon(cfg, paths)  # after preflight: it lists the (reachable) checkpoints
@@ -176,8 +176,9 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
     if downstream is not None:
         summary["downstream"] = downstream.latest
     write_summary(paths, summary)
-    if summary.get("stopped"):
-        raise TrainingFailed(_stopped_message(cfg, summary["stopped"]))
-    if summary.get("interrupted"):
-        raise Interrupted(_interrupted_message(cfg, summary["interrupted"]))
+    stopped, interrupted = summary.get("stopped"), summary.get("interrupted")
+    if stopped:
+        raise TrainingFailed(_stopped_message(cfg, stopped))
+    if interrupted:
+        raise Interrupted(_interrupted_message(cfg, interrupted))
     return summary

@@ -4,6 +4,7 @@ each prints (the failure, where the run can resume from, the restarts used)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -51,7 +52,7 @@ def _failure_message(cfg: MeshtrainConfig, failure: Failure, restarts: int) -> s
     return f"training failed: {failure.describe()}; {how}; {_last_committed(cfg)}; {resume}"
 
 
-def _interrupted_message(cfg: MeshtrainConfig, interrupted: dict[str, Any] | None) -> str:
+def _interrupted_message(cfg: MeshtrainConfig, interrupted: Mapping[str, Any] | None) -> str:
     storage, newest = newest_committed(cfg.checkpoint, cfg.run)
     if interrupted is None:
         at = "stopped at once without saving"

@@ -1,7 +1,9 @@
 """Ray Train's TorchTrainer with meshtrain's policies handed to its controller.
 
-Ray builds its controller's scaling and failure policies from the trainer's configs and has no public
-hook to replace them, so :func:`trainer_class` overrides the one method that passes them on: an
+meshtrain runs on Ray Train v2 (Ray's default; ``RAY_TRAIN_V2_ENABLED=0`` is not supported),
+so the trainer and its configs are imported from ``ray.train.v2`` directly: ``ray.train``'s own names
+switch between v1 and v2 at import time, which a type checker cannot follow. Ray builds its controller's
+scaling and failure policies from the trainer's configs and has no public hook to replace them, so :func:`trainer_class` overrides the one method that passes them on: an
 elastic run gets :class:`~meshtrain.cluster.elastic_policy.TrainableSizesPolicy`, and every run gets
 :class:`StopOnPermanentFailure`; and Ctrl-C is left to the launcher,
 which has the workers save first.
@@ -45,8 +47,8 @@ class StopOnPermanentFailure(DefaultFailurePolicy):
 def trainer_class() -> type:
     """TorchTrainer, handing Ray's controller meshtrain's failure policy and, for elastic runs, its
     scaling policy."""
-    from ray.train.torch import TorchTrainer
     from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+    from ray.train.v2.torch.torch_trainer import TorchTrainer
 
     class MeshtrainTorchTrainer(TorchTrainer):
         def __init__(self, *args: Any, elastic_policy: Callable[[Any], TrainableSizesPolicy] | None = None,
@@ -57,7 +59,8 @@ def trainer_class() -> type:
         def _initialize_and_run_controller(self, **controller_init_kwargs: Any) -> Any:
             if self._elastic_policy is not None and isinstance(controller_init_kwargs.get("scaling_policy"), ElasticScalingPolicy):
                 controller_init_kwargs["scaling_policy"] = self._elastic_policy(self.scaling_config)
-            controller_init_kwargs["failure_policy"] = StopOnPermanentFailure(self.run_config.failure_config)
+            failure_config: Any = self.run_config.failure_config  # typed as v1's config by Ray's v2 trainer
+            controller_init_kwargs["failure_policy"] = StopOnPermanentFailure(failure_config)
             return super()._initialize_and_run_controller(**controller_init_kwargs)
 
         def _register_sigint_handler(self, controller: Any) -> None:
@@ -91,8 +94,8 @@ def load_ray_callbacks(specs: list[str]) -> list[Any]:
 
 def build_trainer(spec: RunSpec, replica: ReplicaPlacement | None = None) -> Any:
     """The run's Ray Train trainer; with ``replica`` (fault_tolerance.mode=replica), one replica group's."""
-    import ray.train
     from ray.train.torch import TorchConfig
+    from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig
 
     from meshtrain.cluster.worker import train_loop_per_worker
 
@@ -118,10 +121,10 @@ def build_trainer(spec: RunSpec, replica: ReplicaPlacement | None = None) -> Any
         # only where the driver runs; the data plan holds store locations, workers map the shards themselves.
         train_loop_config={"spec": spec, "replica": replica},
         torch_config=TorchConfig(backend=backend, timeout_s=scaling.timeout_s),
-        scaling_config=ray.train.ScalingConfig(
+        scaling_config=ScalingConfig(
             # Elastic: Ray starts the group on as many workers as the cluster holds in this range,
             # and restarts it larger when a check every resize_check_interval_s finds more.
-            num_workers=(scaling.min_workers, scaling.num_workers) if scaling.elastic
+            num_workers=(scaling.required_workers, scaling.num_workers) if scaling.elastic
             else scaling.num_workers // replica.replicas if replica is not None else scaling.num_workers,
             elastic_resize_monitor_interval_s=scaling.resize_check_interval_s,
             use_gpu=scaling.use_gpu,
@@ -129,10 +132,10 @@ def build_trainer(spec: RunSpec, replica: ReplicaPlacement | None = None) -> Any
             placement_strategy=scaling.placement_strategy,
             accelerator_type=scaling.accelerator_type,
         ),
-        run_config=ray.train.RunConfig(
+        run_config=RunConfig(
             name=paths.name if replica is None else f"{paths.name}.replica{replica.index}",
             storage_path=str(paths.storage_path),
-            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
+            failure_config=FailureConfig(max_failures=cfg.run.max_failures),
             callbacks=load_ray_callbacks(cfg.metrics.ray_callbacks),
             # Read by torch when the worker starts its process group and CUDA, before our code runs.
             worker_runtime_env={"env_vars": worker_env(cfg, os.environ)},

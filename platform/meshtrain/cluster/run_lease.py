@@ -50,9 +50,9 @@ class RunLease:
         except BaseException:
             os.close(fd)
             raise
-        holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(), "launch": launch_id}
+        mine = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(), "launch": launch_id}
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        os.pwrite(fd, json.dumps(mine).encode(), 0)
         os.fsync(fd)
         return cls(path, fd)
 

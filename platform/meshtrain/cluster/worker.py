@@ -41,6 +41,7 @@ from meshtrain.observe.run_folder import (
     ResizeRecord,
     RunPaths,
     StopRequest,
+    Summary,
     WorkerStart,
     append_worker_start,
     read_worker_starts,
@@ -186,18 +187,17 @@ def start_metrics(
     return metrics
 
 
-def peak_memory(device: torch.device) -> dict[str, Any]:
+def peak_memory(device: torch.device) -> Summary:
     """The device and the largest peak over the ranks, read once after training (a collective): PyTorch's
     peak CUDA allocation on GPU workers (and the most times a rank's caching allocator freed its cache
     to retry an allocation), the process's peak resident set (all host memory) on CPU workers."""
     if device.type == "cuda":
         retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
         peaks = _gather((torch.cuda.max_memory_allocated(device), retries))
-        return {"device": torch.cuda.get_device_name(device),
-                "peak_device_memory_bytes": max(peak for peak, _ in peaks),
-                "num_alloc_retries": max(count for _, count in peaks)}
+        return Summary(device=torch.cuda.get_device_name(device), peak_device_memory_bytes=max(peak for peak, _ in peaks),
+                       num_alloc_retries=max(count for _, count in peaks))
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return {"device": "cpu", "peak_host_rss_bytes": max(_gather(peak_rss))}
+    return Summary(device="cpu", peak_host_rss_bytes=max(_gather(peak_rss)))
 
 
 def result_pointer(cfg: MeshtrainConfig, paths: RunPaths) -> dict[str, Any]:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import warnings
+from typing import cast
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
@@ -148,38 +151,40 @@ def parallelize(model: Transformer, mesh: DeviceMesh, plan: MeshPlan, cfg: Paral
     # 3. FSDP2, bottom-up: each block, then the embedding, then norm+head, then the root.
     #    Units used first in backward (last block, norm+head) keep their parameters gathered
     #    after forward: resharding them would only be undone immediately.
-    shard_kwargs = {
-        "mesh": data_mesh,
-        # No input casting: it would turn the fp32 RoPE tables each block receives into bf16. Hidden
-        # states still run in param_dtype, since they start as the output of the cast embedding.
-        "mp_policy": MixedPrecisionPolicy(
-            param_dtype=param_dtype(cfg.mixed_precision, data_mesh.device_type),
-            reduce_dtype=torch.float32,
-            cast_forward_inputs=False,
-        ),
-        # Pinned host memory makes the host<->GPU copies asynchronous; it needs an accelerator.
-        "offload_policy": (
-            CPUOffloadPolicy(pin_memory=data_mesh.device_type == "cuda") if cfg.cpu_offload else OffloadPolicy()
-        ),
-    }
+    # No input casting: it would turn the fp32 RoPE tables each block receives into bf16. Hidden
+    # states still run in param_dtype, since they start as the output of the cast embedding.
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype(cfg.mixed_precision, data_mesh.device_type),
+        reduce_dtype=torch.float32,
+        cast_forward_inputs=False,
+    )
+    # Pinned host memory makes the host<->GPU copies asynchronous; it needs an accelerator.
+    offload_policy = (
+        CPUOffloadPolicy(pin_memory=data_mesh.device_type == "cuda") if cfg.cpu_offload else OffloadPolicy()
+    )
+
+    def shard(module: nn.Module | list[nn.Module], reshard_after_forward: bool) -> None:
+        fully_shard(module, mesh=data_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                    offload_policy=offload_policy)
+
     reshard = plan.reshard_after_forward
     last = len(model.layers) - 1
     for index, block in enumerate(model.layers):
-        fully_shard(block, reshard_after_forward=reshard and index < last, **shard_kwargs)
+        shard(block, reshard_after_forward=reshard and index < last)
     if not model.args.tie_embeddings:
         # A tied weight must live in exactly one unit, so with tying both stay in the root.
-        fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **shard_kwargs)
-        fully_shard([model.norm, model.output], reshard_after_forward=False, **shard_kwargs)
-    fully_shard(model, reshard_after_forward=False, **shard_kwargs)
+        shard(model.tok_embeddings, reshard_after_forward=reshard)
+        shard([model.norm, model.output], reshard_after_forward=False)
+    shard(model, reshard_after_forward=False)
     if cfg.float8 and mesh.device_type == "cpu":
         gather_float8_as_bytes(model)
 
     # 4. Prefetch: FSDP2 already gathers one block ahead; deeper prefetch trades memory for overlap.
     if cfg.prefetch > 1:
-        blocks = list(model.layers)
-        for index, block in enumerate(blocks):
-            block.set_modules_to_forward_prefetch(blocks[index + 1 : index + 1 + cfg.prefetch])
-            block.set_modules_to_backward_prefetch(blocks[max(0, index - cfg.prefetch) : index][::-1])
+        units = [cast(FSDPModule, block) for block in model.layers]
+        for index, unit in enumerate(units):
+            unit.set_modules_to_forward_prefetch(units[index + 1 : index + 1 + cfg.prefetch])
+            unit.set_modules_to_backward_prefetch(units[max(0, index - cfg.prefetch) : index][::-1])
     return model
 
 
@@ -209,8 +214,9 @@ def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         return torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).pow(2)
     mesh, placements = grads[0].device_mesh, grads[0].placements
     if any(placement.is_partial() for placement in placements) or mesh.mesh_dim_names is None:
-        return torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).full_tensor().pow(2)
-    local = torch.nn.utils.get_total_norm([grad.to_local() for grad in grads], norm_type=2.0, foreach=True).pow(2)
+        return cast(DTensor, torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)).full_tensor().pow(2)
+    local = torch.nn.utils.get_total_norm([cast(DTensor, grad).to_local() for grad in grads], norm_type=2.0,
+                                          foreach=True).pow(2)
     split = [name for name, placement in zip(mesh.mesh_dim_names, placements) if not placement.is_replicate()]
     if split:
         # Mesh bookkeeping (the flattened group is made once, then looked up) runs on real tensors,

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import psutil
@@ -428,7 +428,7 @@ class _MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
     def start(cls, address: str, port: int, app: Any, scrapes: _ScrapeCounter) -> _MetricsServer:
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         server_class = type("MetricsServer", (cls,), {"address_family": family})
-        server = make_server(address, port, app, server_class, _handler_class(scrapes))
+        server = cast(_MetricsServer, make_server(address, port, app, server_class, _handler_class(scrapes)))
         threading.Thread(target=server.serve_forever, name="meshtrain-metrics", daemon=True).start()
         return server
 

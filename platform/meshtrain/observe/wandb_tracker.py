@@ -94,8 +94,9 @@ class WandbTracker:
     def log_text(self, step: int, name: str, rows: list[dict[str, str]]) -> None:
         import wandb
 
-        columns = list(rows[0]) if rows else ["prompt", "continuation"]
-        table = wandb.Table(columns=columns, data=[[row[column] for column in columns] for row in rows])
+        names = list(rows[0]) if rows else ["prompt", "continuation"]
+        columns: list[str | int] = list(names)
+        table = wandb.Table(columns=columns, data=[[row[name] for name in names] for row in rows])
         self.run.log({STEP_METRIC: step, name: table})
 
     def close(self, finished: bool) -> None:

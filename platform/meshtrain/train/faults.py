@@ -64,7 +64,7 @@ def maybe_slow_down(fault: FaultConfig, rank: int, node: str, step: int, model: 
         return
     if getattr(model, "_slowed_by_fault", False):
         return
-    model._slowed_by_fault = True
+    setattr(model, "_slowed_by_fault", True)  # noqa: B010 (a mark on a module, outside its declared attributes)
     sys.stdout.write(f"[meshtrain] fault injection: rank {rank} computes {fault.slow_factor:g}x slower from step {step} on\n")
     sys.stdout.flush()
     started: dict[int, float] = {}

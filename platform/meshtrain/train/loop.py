@@ -92,7 +92,7 @@ class LoopParts:
             part.before_step(start)
         return start
 
-    def around_step(self, step: int) -> AbstractContextManager[None]:
+    def around_step(self, step: int) -> AbstractContextManager[object]:
         if not self._around:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()

@@ -79,7 +79,7 @@ def loop_parts(
         layout.rank, layout.node, outputs, layout.control_group,
         metrics.set_rank_speed if metrics is not None else None, outputs.on_straggler,
     )
-    profiler = StepProfiler.of(cfg.profile, run_dir / "profile", layout.rank, cfg.train.steps, trainer.model.layers,
+    profiler = StepProfiler.of(cfg.profile, run_dir / "profile", layout.rank, cfg.train.steps, list(trainer.model.layers),
                                cfg.parallel.compile, rank.device, outputs.emit)
     mixture = (MixtureLog(data.train, list(data.source_names), progress, outputs)
                if isinstance(data.train, MixtureSamples) else None)

@@ -223,7 +223,11 @@ def defer_sigterm(notice: PreemptionNotice) -> Callable[[], None]:
     """
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, lambda _signum, _frame: notice.give("SIGTERM"))
-        return lambda: signal.signal(signal.SIGTERM, previous)
+
+        def restore() -> None:
+            signal.signal(signal.SIGTERM, previous)
+
+        return restore
     try:
         import ray._private.worker as ray_worker
 

@@ -26,7 +26,7 @@ class TrainResult:
     """What one rank's run did; the step log, the evaluation and the notices fill it in as the loop runs."""
 
     records: list[TrainRecord] = field(default_factory=list)
-    mesh_shape: tuple[int, int] = (1, 1)
+    mesh_shape: tuple[int, ...] = (1, 1)
     world_size: int = 1
     parameters: int = 0
     train_time_s: float = 0.0

@@ -106,6 +106,7 @@ class ReplicaSteps(LoopPart):
         heal_s = time.perf_counter() - asked if quorum.healed else None
         self.outputs.replicas(quorum.participants, heal_s, quorum.received_bytes if quorum.healed else None)
         if heal_s is not None:
+            assert quorum.source is not None, "a quorum that healed this group names the group it healed from"
             self.outputs.emit(ReplicaJoinedRecord(
                 event="replica_joined", step=self.progress.step, replica=placement.index,
                 participants=quorum.participants, seconds=heal_s, source=quorum.source,

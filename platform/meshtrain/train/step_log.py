@@ -44,11 +44,14 @@ class StepLog(LoopPart):
         attention over the (query, key) pairs its masks allowed, counted exactly (causal, and within each
         document under model.document_mask); ``flops_per_token_full_attention`` with every query against
         the whole window, the PaLM / torchtitan convention that other frameworks' MFU uses."""
-        attended = self.attention[0].take() if self.attention is not None else None
+        if self.attention is None:
+            return {}
+        work, args = self.attention
+        attended = work.take()
         if attended is None:
             return {}
         keys_per_query, window = attended
-        flops = ModelFlops.of(self.attention[1])
+        flops = ModelFlops.of(args)
         return {"flops_per_token": flops.per_token(keys_per_query), "flops_per_token_full_attention": flops.per_token(window)}
 
     def waited_for_replicas(self, seconds: float) -> None:

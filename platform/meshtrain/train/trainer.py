@@ -156,7 +156,7 @@ class Trainer:
         try:
             while progress.step < steps:
                 start = self.parts.before_step(StepStart(progress.step + 1, first=progress.step + 1 == first_step))
-                lr = self.scheduler.get_last_lr()[0]
+                lr = float(self.scheduler.get_last_lr()[0])
                 waiting_since = time.perf_counter()
                 with region("data wait"):
                     micro_batches = list(self.batches.next_step())
