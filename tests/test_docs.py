@@ -56,6 +56,15 @@ def test_the_configuration_reference_is_the_schemas() -> None:
     )
 
 
+def test_the_record_reference_is_the_record_types() -> None:
+    from meshtrain.cli.record_reference import REFERENCE as RECORDS, render as render_records
+
+    assert RECORDS == DOCS / "records.md"
+    assert RECORDS.read_text(encoding="utf-8") == render_records(), (
+        "docs/records.md is stale: python jobs/record_reference.py --write"
+    )
+
+
 def test_the_reference_check_fails_on_a_stale_page(tmp_path: Path) -> None:
     stale = tmp_path / "configuration.md"
     stale.write_text(render().replace("| `train.steps` |", "| `train.stepz` |"), encoding="utf-8")

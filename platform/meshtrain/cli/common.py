@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import copy
 import re
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -28,6 +29,36 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_CONFIG_ERROR, f"{self.error_prefix}: {message}; see --help\n")
+
+
+def generated_page(
+    prog: str, page: str, source: str, render: Callable[[], str], default: Path, command: str,
+    argv: list[str] | None = None,
+) -> int:
+    """The command behind a generated documentation page: print ``render()``, ``--write`` it to its file,
+    or ``--check`` that the file is current (exit 1 with one line naming ``command`` when it is not)."""
+    parser = OneLineParser(prog=prog, description=f"Print {page} generated from {source}, write it to "
+                           f"{default.name}, or check that the file is current.")
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument("--write", action="store_true", help=f"write {default.name}")
+    action.add_argument("--check", action="store_true", help=f"exit 1 when {default.name} is stale")
+    parser.add_argument("--path", type=Path, default=default, help="the page's file (default: %(default)s)")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.write:
+        args.path.parent.mkdir(parents=True, exist_ok=True)
+        args.path.write_text(text, encoding="utf-8")
+        print(f"wrote {args.path}")
+        return 0
+    if args.check:
+        current = args.path.read_text(encoding="utf-8") if args.path.is_file() else None
+        if current != text:
+            state = "is missing" if current is None else f"differs from {source}"
+            print(f"{prog.removesuffix('.py')}: {args.path} {state}; run {command}", file=sys.stderr)
+            return 1
+        return 0
+    sys.stdout.write(text)
+    return 0
 
 
 def add_storage_option(options: dict[str, Any], item: str) -> None:

@@ -10,7 +10,6 @@ fields' own descriptions, as ``python jobs/pretrain.py --help`` prints them), th
 
 from __future__ import annotations
 
-import sys
 import types
 import typing
 from pathlib import Path
@@ -20,7 +19,7 @@ import yaml
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from meshtrain.cli.common import OneLineParser
+from meshtrain.cli.common import generated_page
 from meshtrain.config import MODEL_PRESETS, MeshtrainConfig
 
 REPO = Path(__file__).resolve().parents[3]
@@ -207,28 +206,5 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(
-        prog="config_reference.py",
-        description="Print the configuration reference generated from the schema, write it to "
-        "docs/configuration.md, or check that the file is current.",
-    )
-    action = parser.add_mutually_exclusive_group()
-    action.add_argument("--write", action="store_true", help="write docs/configuration.md")
-    action.add_argument("--check", action="store_true", help="exit 1 when docs/configuration.md is stale")
-    parser.add_argument("--path", type=Path, default=REFERENCE, help="the reference file (default: %(default)s)")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.write:
-        args.path.parent.mkdir(parents=True, exist_ok=True)
-        args.path.write_text(text, encoding="utf-8")
-        print(f"wrote {args.path}")
-        return 0
-    if args.check:
-        current = args.path.read_text(encoding="utf-8") if args.path.is_file() else None
-        if current != text:
-            state = "is missing" if current is None else "differs from the schema"
-            print(f"config_reference: {args.path} {state}; run {COMMAND}", file=sys.stderr)
-            return 1
-        return 0
-    sys.stdout.write(text)
-    return 0
+    return generated_page("config_reference.py", "the configuration reference", "the schema", render, REFERENCE,
+                          COMMAND, argv)
