@@ -636,11 +636,10 @@ def test_the_config_knows_the_remote_check_block() -> None:
 
 def test_every_shared_folder_is_a_reserved_run_name(tmp_path: Path) -> None:
     """The folders the launcher and the metrics put beside the runs are the ones no run may be named."""
-    from meshtrain.cluster.launcher import data_cache_url
     from meshtrain.observe.metrics import targets_path
 
     cfg = load_config(None, [f"run.storage_path={tmp_path}"])
-    assert {Path(data_cache_url(cfg)).name, targets_path(None, str(tmp_path), "run").parent.name} == set(SHARED_FOLDERS)
+    assert {Path(cfg.data_cache_url()).name, targets_path(None, str(tmp_path), "run").parent.name} == set(SHARED_FOLDERS)
     for name in SHARED_FOLDERS:
         with pytest.raises(ConfigError, match=rf"^run.name: '{name}' is a folder every run .* choose another run.name$"):
             load_config(None, [f"run.name={name}"])

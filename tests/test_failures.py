@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 
 from meshtrain.checkpoint.errors import CheckpointStorageFull, CheckpointUnreachable, NoLoadableCheckpoint
 from meshtrain.cluster.failures import Failure, is_permanent, root_failure, stamp
-from meshtrain.cluster.outcome import _failure_message
+from meshtrain.cluster.outcome import failure_message
 from meshtrain.cluster.ray_trainer import StopOnPermanentFailure
 from meshtrain.cluster.worker import UntrainableGroupSize
 from meshtrain.config import ConfigError, load_config
@@ -108,13 +108,13 @@ def test_rays_controller_stops_at_once_on_a_permanent_failure_and_retries_the_re
 def test_the_drivers_final_line(tmp_path) -> None:
     cfg = load_config(None, [f"run.storage_path={tmp_path}", "run.name=r", "run.max_failures=3"])
     permanent = Failure(1, "10.0.0.8", "CorruptTokens: token shard a.bin: byte offset 4096 ...", permanent=True)
-    assert _failure_message(cfg, permanent, restarts=0) == (
+    assert failure_message(cfg, permanent, restarts=0) == (
         "training failed: rank 1 on 10.0.0.8: CorruptTokens: token shard a.bin: byte offset 4096 ...; not restarted, "
         "a restart cannot fix this; no checkpoint was committed; fix the cause, then run the same command again "
         "(run.name=r) to resume"
     )
     transient = Failure(0, "10.0.0.7", "RuntimeError: boom", permanent=False)
-    assert _failure_message(cfg, transient, restarts=3).startswith(
+    assert failure_message(cfg, transient, restarts=3).startswith(
         "training failed: rank 0 on 10.0.0.7: RuntimeError: boom; after 3 restart(s) (run.max_failures=3); "
     )
 

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import meshtrain.train.step as training
 from meshtrain.checkpoint.storage import CheckpointStorage, checkpoint_root
-from meshtrain.cluster.outcome import _stopped_message
+from meshtrain.cluster.outcome import stopped_message
 from meshtrain.config import MeshtrainConfig, load_config
 from meshtrain.data import DataPlan
 from meshtrain.observe.metrics import TrainingMetrics
@@ -121,7 +121,7 @@ def test_bad_steps_are_never_checkpointed_and_too_many_in_a_row_stop_the_run(
         "meshtrain_skipped_steps_total", {"run": "guard", "rank": "0", "node": "127.0.0.1"}
     ) == 3
 
-    message = _stopped_message(cfg, trainer.result.stopped)
+    message = stopped_message(cfg, trainer.result.stopped)
     assert "\n" not in message and "step 6" in message and "step-00000002 (step 2)" in message
 
     # Each rank's RNG state and the progress are stored as tensors: nothing is unpickled on load.

@@ -337,7 +337,7 @@ def checkpoint_root(checkpoint: CheckpointConfig, run: RunConfig) -> str:
         raise ValueError("run.name must be resolved before training (the launcher does this)")
     if checkpoint.path:
         return f"{checkpoint.path.rstrip('/')}/{run.name}"
-    return str(Path(run.storage_path) / run.name / "checkpoints")
+    return str(run.run_dir / "checkpoints")
 
 
 def run_checkpoints(checkpoint: CheckpointConfig, run: RunConfig) -> CheckpointStorage:

@@ -33,7 +33,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        from pathlib import Path
 
         from meshtrain.cluster.launcher import init_ray
         from meshtrain.cluster.preflight import preflight
@@ -41,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = preflight(load_config(args.config, args.overrides), tokenizer_fits=False)
 
-        output = args.output or cfg.data.cache_dir or str(Path(cfg.run.storage_path).expanduser().resolve() / "token_stores")
+        output = args.output or cfg.data_cache_url()
         init_ray()
         started = time.perf_counter()
         plan = prepare_data(

@@ -18,10 +18,10 @@ from meshtrain.cluster.interrupts import DriverInterrupts
 from meshtrain.cluster.outcome import (
     Interrupted,
     TrainingFailed,
-    _failure_message,
-    _interrupted_message,
-    _stopped_message,
+    failure_message,
+    interrupted_message,
     restarts_used,
+    stopped_message,
 )
 from meshtrain.cluster.preflight import preflight
 from meshtrain.cluster.ray_trainer import build_trainer
@@ -51,7 +51,7 @@ def resolve_run(cfg: MeshtrainConfig) -> tuple[MeshtrainConfig, RunPaths]:
     storage = Path(cfg.run.storage_path).expanduser().resolve()
     cfg = cfg.model_copy(deep=True)
     cfg.run.name, cfg.run.storage_path = name, str(storage)
-    return cfg, RunPaths(name, storage)
+    return cfg, RunPaths.of(cfg.run)
 
 
 def init_ray() -> bool:
@@ -69,10 +69,6 @@ def init_ray() -> bool:
     # cluster whose processes were killed rather than stopped with `ray stop`.
     ray.init(address="local", num_cpus=os.cpu_count())
     return True
-
-
-def data_cache_url(cfg: MeshtrainConfig) -> str:
-    return cfg.data.cache_dir or str(Path(cfg.run.storage_path) / "token_stores")
 
 
 # Ray sizes an elastic group from the resources its autoscaling coordinator last saw (refreshed every
@@ -107,7 +103,7 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
         os.environ.setdefault(START_TIMEOUT_ENV, str(ELASTIC_START_TIMEOUT_S))
     data = prepare_data(
         cfg.data,
-        data_cache_url(cfg),
+        cfg.data_cache_url(),
         cfg.data.seq_len,
         run_tokenizer=cached_tokenizer,
         log=lambda line: print(line, flush=True),
@@ -151,13 +147,13 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
                 if downstream is not None:  # the job log shows the results as they land
                     downstream.finish(cfg.eval.downstream.final_wait_s)
         except KeyboardInterrupt:
-            raise Interrupted(_interrupted_message(cfg, None)) from None
+            raise Interrupted(interrupted_message(cfg, None)) from None
         except Exception as exc:
             config_error = config_error_in(exc)
             if config_error is not None:
                 raise config_error from None
             failure = root_failure(exc)
-            raise TrainingFailed(_failure_message(cfg, failure, restarts_used(paths, launch_id)), failure) from None
+            raise TrainingFailed(failure_message(cfg, failure, restarts_used(paths, launch_id)), failure) from None
         finally:
             groups = range(cfg.replica_groups()) if cfg.fault_tolerance.mode == "replica" else [None]
             for group in groups:
@@ -178,7 +174,7 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
     write_summary(paths, summary)
     stopped, interrupted = summary.get("stopped"), summary.get("interrupted")
     if stopped:
-        raise TrainingFailed(_stopped_message(cfg, stopped))
+        raise TrainingFailed(stopped_message(cfg, stopped))
     if interrupted:
-        raise Interrupted(_interrupted_message(cfg, interrupted))
+        raise Interrupted(interrupted_message(cfg, interrupted))
     return summary

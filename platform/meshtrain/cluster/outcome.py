@@ -42,7 +42,7 @@ def restarts_used(paths: RunPaths, launch_id: str) -> int:
     return max(0, sum(entry.get("launch") == launch_id for entry in read_worker_starts(paths)) - 1)
 
 
-def _failure_message(cfg: MeshtrainConfig, failure: Failure, restarts: int) -> str:
+def failure_message(cfg: MeshtrainConfig, failure: Failure, restarts: int) -> str:
     if failure.permanent:
         how = f"not restarted, a restart cannot fix this{f' (after {restarts} restart(s))' if restarts else ''}"
         resume = f"fix the cause, then run the same command again (run.name={cfg.run.name}) to resume"
@@ -52,7 +52,7 @@ def _failure_message(cfg: MeshtrainConfig, failure: Failure, restarts: int) -> s
     return f"training failed: {failure.describe()}; {how}; {_last_committed(cfg)}; {resume}"
 
 
-def _interrupted_message(cfg: MeshtrainConfig, interrupted: Mapping[str, Any] | None) -> str:
+def interrupted_message(cfg: MeshtrainConfig, interrupted: Mapping[str, Any] | None) -> str:
     storage, newest = newest_committed(cfg.checkpoint, cfg.run)
     if interrupted is None:
         at = "stopped at once without saving"
@@ -62,7 +62,7 @@ def _interrupted_message(cfg: MeshtrainConfig, interrupted: Mapping[str, Any] | 
     return f"{at}; {saved}; run the same command (run.name={cfg.run.name}) to resume"
 
 
-def _stopped_message(cfg: MeshtrainConfig, reason: str) -> str:
+def stopped_message(cfg: MeshtrainConfig, reason: str) -> str:
     return (
         f"training stopped: {reason}; {_last_committed(cfg)}; fix the cause (e.g. lower optim.lr or raise "
         f"train.max_bad_steps) and run the same command again (run.name={cfg.run.name}) to resume from it"

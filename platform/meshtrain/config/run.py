@@ -3,6 +3,7 @@ injection for tests."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -76,6 +77,12 @@ class RunConfig(Section):
                 "put s3:// storage in checkpoint.path and data.cache_dir"
             )
         return value
+
+    @property
+    def run_dir(self) -> Path:
+        """The run folder, ``storage_path/name``: the one place it is derived (the launcher resolves ``name``
+        before any worker starts; a trainer run directly without one writes into ``storage_path``)."""
+        return Path(self.storage_path) / (self.name or "")
 
 
 class CheckpointConfig(Section):

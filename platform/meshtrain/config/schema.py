@@ -8,6 +8,8 @@ be built, printed and validated anywhere, a notebook included.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field, model_validator
 
 from meshtrain.config.data import DataConfig
@@ -241,6 +243,10 @@ class MeshtrainConfig(Section):
                 "raise train.global_batch_size to a multiple of more sizes or lower scaling.min_workers"
             )
         return sizes
+
+    def data_cache_url(self) -> str:
+        """Where token stores are prepared and found: ``data.cache_dir``, else ``token_stores`` beside the runs."""
+        return self.data.cache_dir or str(Path(self.run.storage_path).expanduser().resolve() / "token_stores")
 
     def batch_layout(self, data_parallel_size: int) -> tuple[int, int]:
         """(micro-batch size, accumulation steps) for a data-parallel degree, or ConfigError."""

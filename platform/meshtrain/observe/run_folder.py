@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypedDict
 
+from meshtrain.config import RunConfig
 from meshtrain.data.local_files import write_atomically
 from meshtrain.observe.goodput import GoodputReport
 
@@ -348,6 +349,13 @@ class RunPaths:
 
     name: str
     storage_path: Path
+
+    @classmethod
+    def of(cls, run: RunConfig) -> RunPaths:
+        """The paths of a resolved run (``run.name`` set, as the launcher does)."""
+        if run.name is None:
+            raise ValueError("run.name must be resolved first (meshtrain.cluster.launcher.resolve_run)")
+        return cls(run.name, Path(run.storage_path))
 
     @property
     def run_dir(self) -> Path:

@@ -13,12 +13,16 @@ each (event, step) is logged once per run (:class:`meshtrain.observe.trackers.Tr
 
 from __future__ import annotations
 
+import sys
 import threading
+from collections.abc import Callable
 from types import TracebackType
 
-from meshtrain.config import MeshtrainConfig
+from meshtrain.config import MeshtrainConfig, one_line
+from meshtrain.observe.mlflow_tracker import MlflowTracker
 from meshtrain.observe.run_folder import RecordFollower, RunPaths
-from meshtrain.observe.trackers import TrackerSink, logged_keys, open_trackers
+from meshtrain.observe.trackers import TrackerBackend, TrackerSink, logged_keys
+from meshtrain.observe.wandb_tracker import WandbTracker
 
 
 class TrackerRelay:
@@ -58,3 +62,21 @@ class TrackerRelay:
         for record in self.follower.new_records():
             for sink in self.sinks:
                 sink.record(record)
+
+
+def open_trackers(cfg: MeshtrainConfig, paths: RunPaths, already_logged: set[tuple[str, int]]) -> list[TrackerSink]:
+    """The driver's W&B and MLflow sinks, as configured. One that cannot open its run is reported in
+    one line and left out: a tracker never stops training (preflight checked them before Ray started)."""
+    makers: list[tuple[str, Callable[[], TrackerBackend]]] = []
+    if cfg.metrics.wandb:
+        makers.append(("wandb", lambda: WandbTracker(cfg, paths)))
+    if cfg.metrics.mlflow:
+        makers.append(("mlflow", lambda: MlflowTracker(cfg, paths)))
+    sinks = []
+    for name, make in makers:
+        try:
+            sinks.append(TrackerSink(make(), already_logged))
+        except Exception as exc:
+            print(f"[meshtrain] {name}: could not open the run ({one_line(exc)}); training goes on without it",
+                  file=sys.stderr, flush=True)
+    return sinks

@@ -13,10 +13,10 @@ from __future__ import annotations
 import hashlib
 import re
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
-from meshtrain.config import MeshtrainConfig, one_line
+from meshtrain.config import one_line
 from meshtrain.observe.run_folder import RunPaths
 
 # The numbers of each kind of record, as (record key, tracker name).
@@ -187,25 +187,3 @@ class TrackerSink:
             self._failed(exc, "close")
         if self.failures:
             print(f"[meshtrain] {self.backend.name}: {self.failures} records not logged", file=sys.stderr, flush=True)
-
-
-def open_trackers(cfg: MeshtrainConfig, paths: RunPaths, already_logged: set[tuple[str, int]]) -> list[TrackerSink]:
-    """The driver's W&B and MLflow sinks, as configured. One that cannot open its run is reported in
-    one line and left out: a tracker never stops training (preflight checked them before Ray started)."""
-    makers: list[tuple[str, Callable[[], TrackerBackend]]] = []
-    if cfg.metrics.wandb:
-        from meshtrain.observe.wandb_tracker import WandbTracker
-
-        makers.append(("wandb", lambda: WandbTracker(cfg, paths)))
-    if cfg.metrics.mlflow:
-        from meshtrain.observe.mlflow_tracker import MlflowTracker
-
-        makers.append(("mlflow", lambda: MlflowTracker(cfg, paths)))
-    sinks = []
-    for name, make in makers:
-        try:
-            sinks.append(TrackerSink(make(), already_logged))
-        except Exception as exc:
-            print(f"[meshtrain] {name}: could not open the run ({one_line(exc)}); training goes on without it",
-                  file=sys.stderr, flush=True)
-    return sinks

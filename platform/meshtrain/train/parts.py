@@ -60,7 +60,7 @@ def loop_parts(
     SIGTERM and the driver's stop request come last, so a setup that fails leaves neither a thread, a
     signal route nor the collector switched off."""
     layout, outputs, progress, result = trainer.layout, trainer.outputs, trainer.progress, trainer.result
-    rank, run_dir = trainer.rank, Path(cfg.run.storage_path) / (cfg.run.name or "")
+    rank, run_dir = trainer.rank, cfg.run.run_dir
     replica = rank.replica
     heartbeat = Heartbeat()
     fault_rank = layout.rank if replica is None else replica.index * layout.world_size + layout.rank
