@@ -26,7 +26,14 @@ from meshtrain.config.presets import MODEL_PRESETS
 from meshtrain.config.redaction import REDACTED, redact_options, redact_url
 from meshtrain.config.evaluation import EvalConfig
 from meshtrain.config.observability import MetricsConfig
-from meshtrain.config.parallelism import ParallelConfig, ScalingConfig, StrategyName, check_parallel_groups
+from meshtrain.config.parallelism import (
+    STRATEGIES,
+    ParallelConfig,
+    ScalingConfig,
+    Strategy,
+    StrategyName,
+    check_parallel_groups,
+)
 from meshtrain.config.run import SHARED_FOLDERS, CheckpointConfig, FaultConfig, RunConfig
 from meshtrain.config.fault_tolerance import FaultToleranceConfig
 from meshtrain.config.schema import MeshtrainConfig
@@ -58,6 +65,8 @@ __all__ = [
     "RunConfig",
     "ScalingConfig",
     "SourceConfig",
+    "STRATEGIES",
+    "Strategy",
     "StrategyName",
     "TrainConfig",
     "ValidationConfig",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -12,6 +13,28 @@ from meshtrain.config.section import Section
 
 
 StrategyName = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """What a ``parallel.strategy`` name means; every place that acts on the strategy reads it here."""
+
+    shards: Literal["all", "group", "none"]  # parameters over every data-parallel rank, a shard group (HSDP), none
+    keeps_params_after_forward: bool  # ZeRO-2 style: gathered from forward until backward
+
+    @property
+    def replicates(self) -> bool:
+        """It has a replicate dimension (whole model copies): fault_tolerance.mode=replica needs one."""
+        return self.shards != "all"
+
+
+STRATEGIES: dict[str, Strategy] = {
+    "full_shard": Strategy("all", keeps_params_after_forward=False),
+    "shard_grad_op": Strategy("all", keeps_params_after_forward=True),
+    "no_shard": Strategy("none", keeps_params_after_forward=False),
+    "hybrid_shard": Strategy("group", keeps_params_after_forward=False),
+    "hybrid_shard_zero2": Strategy("group", keeps_params_after_forward=True),
+}
 
 
 class ParallelConfig(Section):
@@ -101,6 +124,10 @@ class ParallelConfig(Section):
                 "parallel.float8_recipe"
             )
         return self
+
+    @property
+    def sharding(self) -> Strategy:
+        return STRATEGIES[self.strategy]
 
 
 class ScalingConfig(Section):

@@ -116,12 +116,12 @@ class MeshtrainConfig(Section):
         """fault_tolerance.mode=replica: how many replica groups (model copies) the workers form; ValueError
         when the layout cannot form two or the global batch does not split over the live ones."""
         parallel, scaling = self.parallel, self.scaling
-        if parallel.strategy not in ("hybrid_shard", "hybrid_shard_zero2", "no_shard"):
+        if not parallel.sharding.replicates:
             raise ValueError(
                 f"fault_tolerance.mode=replica replaces whole model copies, the replicate dimension of HSDP; "
                 f"parallel.strategy={parallel.strategy} has none: use hybrid_shard (with parallel.shard) or no_shard"
             )
-        if parallel.strategy == "no_shard":
+        if parallel.sharding.shards == "none":
             shard = 1
         elif parallel.shard != "auto":
             shard = parallel.shard
@@ -217,7 +217,7 @@ class MeshtrainConfig(Section):
         shard, inner = self.parallel.shard, self.parallel_group_size
         # The unit of workers a size is a whole number of: each data-parallel rank is a tensor x context
         # group of workers (one worker without TP/CP).
-        if self.parallel.strategy in ("full_shard", "shard_grad_op", "no_shard"):
+        if self.parallel.sharding.shards != "group":
             unit = inner  # the shard group is every data-parallel rank (or one): any number holds it
         elif shard != "auto":
             if shard * inner > scaling.min_workers:

@@ -13,12 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from meshtrain.config import ConfigError, StrategyName, check_parallel_groups
+from meshtrain.config import STRATEGIES, ConfigError, StrategyName, check_parallel_groups
 from meshtrain.distributed.layout import MeshPlan
-
-
-# Strategies whose parameters stay gathered between forward and backward (ZeRO-2 style).
-_KEEPS_PARAMS_AFTER_FORWARD = {"shard_grad_op", "hybrid_shard_zero2"}
 
 
 def _divisors(n: int) -> str:
@@ -38,20 +34,21 @@ def resolve_mesh_shape(
     inner = context * tensor
     check_parallel_groups(context, tensor, world_size, f"the {world_size} workers", workers_per_node,
                           f"the {workers_per_node} workers per node")
-    reshard = strategy not in _KEEPS_PARAMS_AFTER_FORWARD
+    sharding = STRATEGIES[strategy]
+    reshard = not sharding.keeps_params_after_forward
     ranks, per_node = world_size // inner, max(1, workers_per_node // inner)  # data-parallel ranks
 
     def plan(replicate: int, shard_size: int) -> MeshPlan:
         return MeshPlan(replicate, shard_size, reshard, context, tensor)
 
-    if strategy in ("full_shard", "shard_grad_op"):
+    if sharding.shards == "all":
         if shard not in ("auto", ranks):
             raise ConfigError(
                 f"parallel.shard={shard} conflicts with parallel.strategy={strategy}, which shards over all "
                 f"{ranks} {'workers' if inner == 1 else 'data-parallel ranks'}; use strategy hybrid_shard for a smaller shard group or drop parallel.shard"
             )
         return plan(1, ranks)
-    if strategy == "no_shard":
+    if sharding.shards == "none":
         if shard not in ("auto", 1):
             raise ConfigError(
                 f"parallel.shard={shard} conflicts with parallel.strategy=no_shard, which replicates "

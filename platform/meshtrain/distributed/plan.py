@@ -107,7 +107,7 @@ def planned_mesh(scaling: ScalingConfig, parallel: ParallelConfig) -> tuple[Mesh
             note = "assuming all workers on one node; set scaling.workers_per_node to be sure"
     plan = resolve_mesh_shape(scaling.num_workers, per_node, parallel.strategy, parallel.shard,
                               parallel.context, parallel.tensor)
-    if parallel.shard != "auto" or parallel.strategy not in ("hybrid_shard", "hybrid_shard_zero2"):
+    if parallel.shard != "auto" or parallel.sharding.shards != "group":
         note = ""
     return plan, note
 
