@@ -49,7 +49,7 @@ def test_the_layers_contract_catches_an_upward_import(tmp_path: Path) -> None:
 
 
 def test_the_typed_packages_check_clean_and_a_misspelled_record_key_is_caught(tmp_path: Path) -> None:
-    """observe/, train/, cluster/ and distributed/ pass mypy as pyproject.toml configures it, and that
+    """observe/, train/, cluster/, distributed/ and ray_compat pass mypy as pyproject.toml configures it, and that
     configuration fails a record read under a misspelled key."""
     from mypy import api
 
@@ -61,6 +61,38 @@ def test_the_typed_packages_check_clean_and_a_misspelled_record_key_is_caught(tm
                      "def loss(record: TrainRecord) -> float:\n    return record['los']\n")
     report, errors, status = api.run([*settings, str(probe)])
     assert status == 1 and 'TypedDict "TrainRecord" has no key "los"' in report, report + errors
+
+
+def test_every_ray_internal_is_read_through_the_adapter_and_is_where_it_says() -> None:
+    """meshtrain.ray_compat was read from the Ray that pyproject.toml pins, every internal name it lists
+    resolves in the installed Ray, and no other module imports a private or internal Ray module."""
+    import importlib.metadata
+    import re
+
+    from meshtrain import ray_compat
+
+    pinned = re.search(r'"ray\[[a-z,]+\]==([0-9.]+)"', (REPO / "pyproject.toml").read_text())
+    assert pinned is not None
+    assert ray_compat.RAY_VERSION_READ == pinned.group(1) == importlib.metadata.version("ray"), (
+        "Ray moved: read every name of meshtrain/ray_compat.py against it, then update RAY_VERSION_READ"
+    )
+    moved = []
+    for module, name in ray_compat.INTERNAL_NAMES:
+        try:
+            ray_compat.resolve(module, name)
+        except (ImportError, AttributeError) as exc:
+            moved.append(f"{module}:{name} ({exc})")
+    assert moved == []
+    private = re.compile(r"^ray\.(_private|.*\._internal)|^ray\.experimental\.internal_kv|^ray\.core\.generated")
+    elsewhere = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "ray_compat.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            elsewhere += [f"{path.relative_to(PACKAGE)}: {name}" for name in names if private.match(name)]
+    assert elsewhere == []
 
 
 def test_config_imports_nothing_of_meshtrain_torch_or_ray() -> None:

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from meshtrain import ray_compat
 from meshtrain.config import ConfigError, ScalingConfig
 
 # Ray counts resources in fixed point with four decimals (ray/src/ray/common/scheduling/fixed_point.h).
@@ -235,11 +236,8 @@ def check(
 
 def _v1_report(deadline: float) -> dict[str, Any] | None:
     """The autoscaler v1 monitor's report (what ``ray status`` prints), once it has one."""
-    import ray._private.ray_constants as ray_constants
-    from ray.experimental.internal_kv import _internal_kv_get
-
     while True:
-        status = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
+        status = ray_compat.autoscaler_status()
         report = json.loads(status).get("autoscaler_report") if status else None
         if report is not None or time.monotonic() > deadline:
             return report
@@ -249,12 +247,9 @@ def _v1_report(deadline: float) -> dict[str, Any] | None:
 def read_autoscaler(nodes: Sequence[Mapping[str, Any]]) -> Autoscaler | None:
     """What the connected Ray 2.60 cluster tells a driver about its autoscaler (``nodes`` as in
     ``ray.nodes()``); None when it has none that adds nodes."""
-    from ray._private.state import state
-    from ray.autoscaler.v2.utils import is_autoscaler_v2
-
     # Written by an autoscaler through GcsClient.report_cluster_config; Ray Train 2.60's own
     # resource check reads the same record. Ray's open-source autoscalers do not write it.
-    config = state.get_cluster_config()
+    config = ray_compat.cluster_config()
     if config is not None and config.node_group_configs:
         present = Counter((node.get("Labels") or {}).get(NODE_GROUP_LABEL) for node in nodes)
         groups = tuple(
@@ -268,7 +263,7 @@ def read_autoscaler(nodes: Sequence[Mapping[str, Any]]) -> Autoscaler | None:
         return Autoscaler(groups, dict(config.max_resources))
     # Autoscaler v2 (`ray up` starts it since Ray 2.50; KubeRay when enabled) tells drivers nothing
     # of its node types, and its read-only mode (a hand-started head with it enabled) looks the same.
-    if is_autoscaler_v2(fetch_from_server=True):
+    if ray_compat.is_autoscaler_v2():
         return Autoscaler(None, {})
     # Autoscaler v1's monitor runs on every head. Without a cluster config it is read-only and
     # names each node's type after the node id it is keyed by.

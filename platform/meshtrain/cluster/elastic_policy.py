@@ -30,13 +30,9 @@ import uuid
 from typing import Any
 
 import ray
-from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
-from ray.train.v2._internal.execution.scaling_policy.scaling_policy import (
-    NoopDecision,
-    ResizeDecision,
-    ScalingDecision,
-)
 
+from meshtrain import ray_compat
+from meshtrain.ray_compat import ElasticScalingPolicy, NoopDecision, ResizeDecision, ScalingDecision
 from meshtrain.train.preemption import request_resize, resize_answer
 
 
@@ -47,7 +43,7 @@ def unusable_nodes() -> set[str]:
         import ray
 
         dead = {node["NodeID"] for node in ray.nodes() if not node["Alive"]}
-        return dead | set(ray._private.state.state.get_draining_nodes())
+        return dead | ray_compat.draining_nodes()
     except Exception:  # not connected to Ray (unit tests), or another Ray version
         return set()
 

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from meshtrain import ray_compat
 from meshtrain.config import one_line
 from meshtrain.observe.run_folder import EvictionRecord, StragglerRecord
 
@@ -22,16 +23,7 @@ DRAIN_DEADLINE_S = 600  # the node is told it will be stopped; nothing stops it:
 
 def drain_node(node_id: str, message: str) -> tuple[bool, str]:
     """Ask Ray's GCS to drain a node (the call behind ``ray drain-node``); (accepted, why not)."""
-    import ray
-    from ray.core.generated import autoscaler_pb2
-
-    worker: Any = ray._private.worker.global_worker  # Ray's private GCS client: no public call drains a node
-    protocol: Any = autoscaler_pb2  # generated protobuf: no attributes a type checker can see
-    deadline_ms = time.time_ns() // 1_000_000 + DRAIN_DEADLINE_S * 1000
-    accepted, rejection = worker.gcs_client.drain_node(
-        node_id, protocol.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), message, deadline_ms
-    )
-    return bool(accepted), str(rejection or "")
+    return ray_compat.drain_node(node_id, message, time.time_ns() // 1_000_000 + DRAIN_DEADLINE_S * 1000)
 
 
 HEAD = "head"

@@ -17,15 +17,13 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ray.train.v2._internal.execution.failure_handling import FailureDecision
-from ray.train.v2._internal.execution.failure_handling.default import DefaultFailurePolicy
-
 from meshtrain.cluster.capacity import worker_resources
 from meshtrain.cluster.elastic_policy import TrainableSizesPolicy
 from meshtrain.cluster.failures import root_failure
 from meshtrain.cluster.worker_env import worker_env
 from meshtrain.config import ConfigError, one_line
 from meshtrain.distributed.replicas import ReplicaPlacement
+from meshtrain.ray_compat import DefaultFailurePolicy, ElasticScalingPolicy, FailureDecision
 from meshtrain.train.spec import RunSpec
 
 logger = logging.getLogger(__name__)
@@ -47,7 +45,6 @@ class StopOnPermanentFailure(DefaultFailurePolicy):
 def trainer_class() -> type:
     """TorchTrainer, handing Ray's controller meshtrain's failure policy and, for elastic runs, its
     scaling policy."""
-    from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
     from ray.train.v2.torch.torch_trainer import TorchTrainer
 
     class MeshtrainTorchTrainer(TorchTrainer):

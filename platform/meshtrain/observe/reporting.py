@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshtrain import ray_compat
 from meshtrain.observe.trackers import downstream_scores
 
 REPORTED_TRAIN_KEYS = ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "skipped_steps")
@@ -39,9 +40,7 @@ class RayTrainReporter:
         # Ray Train logs every report of every worker at INFO, which the job log receives: keep its
         # warnings only (the metrics are in metrics.jsonl and the progress line already). Ray 2.60
         # names that logger after the module's file.
-        from ray.train.v2._internal.execution import context as ray_train_context
-
-        logging.getLogger(ray_train_context.__file__).setLevel(logging.WARNING)
+        logging.getLogger(ray_compat.train_context_logger()).setLevel(logging.WARNING)
         self._last_report = -math.inf
         self._eval: dict[str, Any] = {}
 

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from meshtrain import ray_compat
 from meshtrain.observe.run_folder import (
     Interrupted,
     InterruptedRecord,
@@ -195,23 +196,12 @@ class StopRequestWatch:
 
 
 def _ray_context() -> Any:
-    if "ray" not in sys.modules:  # a Ray Train worker has imported Ray; a plain process never needs it
-        return None
-    try:
-        from ray.train.v2._internal.execution.context import get_train_context
-
-        return get_train_context()
-    except Exception:  # not in a Ray Train worker, or another Ray version: signals still work
-        return None
+    return ray_compat.train_context()
 
 
 def _ray_notice() -> Any:
     """Ray Train's notice to this worker (PreemptionInfo), read from the worker's own context."""
-    context = _ray_context()
-    try:
-        return context.preemption_context.preemption_info if context is not None else None
-    except AttributeError:
-        return None
+    return ray_compat.preemption_info(_ray_context())
 
 
 def defer_sigterm(notice: PreemptionNotice) -> Callable[[], None]:
@@ -228,26 +218,8 @@ def defer_sigterm(notice: PreemptionNotice) -> Callable[[], None]:
             signal.signal(signal.SIGTERM, previous)
 
         return restore
-    try:
-        import ray._private.worker as ray_worker
-
-        ray_exit = ray_worker.raise_sys_exit_with_custom_error_message
-    except (ImportError, AttributeError):
-        return lambda: None
-
-    def record_instead(message: Any = "", *args: Any, **kwargs: Any) -> None:
-        if "SIGTERM" in str(message):
-            notice.give("SIGTERM")
-            return
-        ray_exit(message, *args, **kwargs)
-
-    ray_worker.raise_sys_exit_with_custom_error_message = record_instead
-
-    def undo() -> None:
-        if ray_worker.raise_sys_exit_with_custom_error_message is record_instead:
-            ray_worker.raise_sys_exit_with_custom_error_message = ray_exit
-
-    return undo
+    undo = ray_compat.route_sigterm_exit(lambda: notice.give("SIGTERM"))
+    return undo if undo is not None else lambda: None
 
 
 class StopVote:
