@@ -453,12 +453,17 @@ def test_replica_mode_loses_a_node_trains_on_without_it_and_the_group_rejoins_wh
     records = read_metrics(run_dir)
     trained = [r for r in records if r["event"] == "train"]
     last = trained[-1]["step"]
-    assert [r["step"] for r in trained] == list(range(1, last + 1)), output[-3000:]
     assert "meshtrain: interrupted at step" in output, output[-3000:]
     # The groups stop at the step boundary where each sees the driver's stop request, which may differ by
     # a step: the later one then records the earlier one's leaving (after the rejoin, checked below) and
     # trains that step alone. The first loss is the node's.
     lost, *stopping = [r for r in records if r["event"] == "replica_lost"]
+    # Only the first live group writes records. When the node's group was that writer, it may die after
+    # its last step committed on both groups but before writing that step's record (seen on the clean clone
+    # of 58ee2e7: step 45 committed, the loss recorded at 46): that one record is lost with it.
+    steps = [r["step"] for r in trained]
+    unwritten = sorted(set(range(1, last + 1)) - set(steps))
+    assert steps == sorted(set(steps)) and unwritten in ([], [lost["step"] - 1]), output[-3000:]
     stopped = min([r["step"] for r in records if r["event"] == "interrupted"] + [r["step"] - 1 for r in stopping])
     # The groups start seconds apart (each its own Ray Train run): the first trains alone until the other
     # joins by healing from it at its first quorum, as a replacement does (seen: at step 22).
