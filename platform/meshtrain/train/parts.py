@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from meshtrain.checkpoint.manager import CheckpointManager
 from meshtrain.checkpoint.write_progress import bytes_written
 from meshtrain.config import MeshtrainConfig
+from meshtrain.config.observability import MemoryConfig
 from meshtrain.data import TrainingData
 from meshtrain.data.sampling import MixtureSamples
 from meshtrain.distributed.replicas import ReplicaPeers
@@ -40,12 +41,12 @@ if TYPE_CHECKING:
     from meshtrain.train.trainer import Trainer
 
 
-def memory_snapshots(cfg: MeshtrainConfig, trainer: Trainer, run_dir: Path,
+def memory_snapshots(memory: MemoryConfig, trainer: Trainer, run_dir: Path,
                      planned_bytes: Callable[[], int]) -> OutOfMemorySnapshots:
     """Built before the model, so that memory.history_entries records the model's and optimizer's
     allocations too."""
     return OutOfMemorySnapshots(cuda_allocator(trainer.rank.device), run_dir / "memory", trainer.rank.worker.world_rank,
-                                cfg.memory.history_entries, planned_bytes, trainer.outputs)
+                                memory.history_entries, planned_bytes, trainer.outputs)
 
 
 def loop_parts(

@@ -101,7 +101,7 @@ class Trainer:
         self.cfg, self.rank, self.outputs = cfg, rank, rank.outputs
         worker, device, replica = rank.worker, rank.device, rank.replica
         torch.manual_seed(cfg.train.seed)
-        self.memory = memory_snapshots(cfg, self, cfg.run.run_dir,
+        self.memory = memory_snapshots(cfg.memory, self, cfg.run.run_dir,
                                        lambda: memory_plan(cfg, model, self.layout.plan, device.type == "cuda").total)
         checkpoints = checkpoint_manager(cfg, worker, self.outputs.checkpoint_event)
         resuming = checkpoints is not None and cfg.checkpoint.resume and checkpoints.any_committed()
