@@ -1,9 +1,10 @@
 """Ray Train's TorchTrainer with meshtrain's policies handed to its controller.
 
-meshtrain runs on Ray Train v2 (Ray's default; ``RAY_TRAIN_V2_ENABLED=0`` is not supported),
-so the trainer and its configs are imported from ``ray.train.v2`` directly: ``ray.train``'s own names
-switch between v1 and v2 at import time, which a type checker cannot follow. Ray builds its controller's
-scaling and failure policies from the trainer's configs and has no public hook to replace them, so :func:`trainer_class` overrides the one method that passes them on: an
+meshtrain runs on Ray Train v2 (Ray's default; ``RAY_TRAIN_V2_ENABLED=0`` is not supported), so the
+trainer and its configs are imported from ``ray.train.v2`` directly: ``ray.train``'s own names switch
+between v1 and v2 at import time, which a type checker cannot follow. Ray builds its controller's scaling
+and failure policies from the trainer's configs and has no public hook to replace them, so
+:func:`trainer_class` overrides the one method that passes them on: an
 elastic run gets :class:`~meshtrain.cluster.elastic_policy.TrainableSizesPolicy`, and every run gets
 :class:`StopOnPermanentFailure`; and Ctrl-C is left to the launcher,
 which has the workers save first.

@@ -168,11 +168,18 @@ class MixtureSamples:
         self._block_index = -1
         self._source = self._rank = np.empty(0, dtype=np.int64)
 
+    def _sources_of_block(self, block_index: int) -> np.ndarray:
+        """The source of each sample of one block, in order."""
+        if block_index == self._block_index:
+            return self._source
+        source = np.repeat(np.arange(len(self.counts)), self.counts)
+        np.random.default_rng([self.seed, 0x31C, block_index]).shuffle(source)
+        return source
+
     def _assign(self, block_index: int) -> None:
         if block_index == self._block_index:
             return
-        source = np.repeat(np.arange(len(self.counts)), self.counts)
-        np.random.default_rng([self.seed, 0x31C, block_index]).shuffle(source)
+        source = self._sources_of_block(block_index)
         rank = np.empty_like(source)
         for k in range(len(self.counts)):
             positions = np.flatnonzero(source == k)
@@ -185,6 +192,16 @@ class MixtureSamples:
         self._assign(block_index)
         source = int(self._source[offset])
         return source, block_index * self.counts[source] + int(self._rank[offset])
+
+    def source_counts(self, start: int, stop: int) -> list[int]:
+        """How many of the global samples ``[start, stop)`` each source gives (the block the reader is in
+        stays the cached one)."""
+        counts = np.zeros(len(self.counts), dtype=np.int64)
+        for block_index in range(start // self.block, (stop - 1) // self.block + 1 if stop > start else 0):
+            first = block_index * self.block
+            sources = self._sources_of_block(block_index)[max(start - first, 0) : min(stop - first, self.block)]
+            counts += np.bincount(sources, minlength=len(self.counts))
+        return counts.tolist()
 
     def locate(self, global_index: int) -> WindowRef:
         source, index = self.source_of(global_index)

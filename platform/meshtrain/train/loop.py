@@ -8,7 +8,7 @@ import contextlib
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the step imports the parts of the model and the guard; the parts need only its types
     from meshtrain.train.step import GroupReduction, StepOutput
@@ -64,9 +64,6 @@ class LoopPart:
         """Always, last (in the reverse of the parts' order): release threads, hooks and signal routes."""
 
 
-P = TypeVar("P", bound=LoopPart)
-
-
 def _overrides(part: LoopPart, hook: str) -> bool:
     return getattr(type(part), hook) is not getattr(LoopPart, hook)
 
@@ -114,7 +111,3 @@ class LoopParts:
     def close(self) -> None:
         for part in reversed(self.parts):
             part.close()
-
-    def find(self, kind: type[P]) -> P | None:
-        """The part of this class, if the run has one (the trainer's result reads a few)."""
-        return next((part for part in self.parts if isinstance(part, kind)), None)

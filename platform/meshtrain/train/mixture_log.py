@@ -5,8 +5,6 @@ that changes the weights shows here when it took effect."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 from meshtrain.checkpoint.state import Progress
 from meshtrain.data.sampling import MixtureSamples
 from meshtrain.observe.run_folder import MixtureRecord
@@ -28,7 +26,7 @@ class MixtureLog(LoopPart):
         since, until = self._since, self.progress.data_position
         self._since = until
         if self.outputs.on_record is not None:  # counted only where the records are written
-            counts = Counter(self.samples.source_of(index)[0] for index in range(since, until))
+            counts = self.samples.source_counts(since, until)
             self.outputs.emit(MixtureRecord(
                 event="mixture", step=done.step, samples=[since, until],
                 sources={label: counts[k] / max(until - since, 1) for k, label in enumerate(self.labels)},

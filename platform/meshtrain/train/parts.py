@@ -68,9 +68,8 @@ def loop_parts(
     faults = FaultInjection(cfg.fault, fault_rank, run_dir / "faults", rank.worker.node, trainer.model)
     checkpointing = Checkpointing(checkpoints, trainer.state, progress, manifest, cfg.train.steps, trainer.bad_steps,
                                   outputs, faults, heartbeat.beat)
-    micro_batch, _ = cfg.batch_layout(layout.data_ranks)
     evaluation = Evaluation(trainer.model, data.validation, cfg.eval.interval, cfg.eval.batches,
-                            cfg.train.global_batch_size, micro_batch, layout, rank.device, outputs, heartbeat.beat,
+                            cfg.train.global_batch_size, trainer.batches.micro_batch_size, layout, rank.device, outputs, heartbeat.beat,
                             result)
     log = StepLog(cfg.train.global_batch_size, layout.world_size, progress, trainer.bad_steps, outputs, result.records,
                   (trainer.attention_work, trainer.model.args), replicas=replica is not None)
