@@ -7,6 +7,7 @@ from pathlib import Path
 
 from meshtrain.config import DataConfig
 from meshtrain.data import DataPlan, prepare_data
+from meshtrain.cluster.worker_plan import worker_plan
 
 
 def stdlib_plan(cache: Path, documents: int = 24, vocab_size: int = 512, seq_len: int = 32, **settings) -> DataPlan:
@@ -38,7 +39,7 @@ def trained_tiny_run(storage: Path, stores: Path, name: str, checkpoint_interval
     import torch
 
     from meshtrain.checkpoint.storage import checkpoint_root
-    from meshtrain.config import load_config
+    from meshtrain.config.loading import load_config
     from meshtrain.distributed.layout import WorkerLayout
     from meshtrain.train.trainer import train
 
@@ -50,7 +51,7 @@ def trained_tiny_run(storage: Path, stores: Path, name: str, checkpoint_interval
         "eval.interval=null", f"run.storage_path={storage}", f"run.name={name}",
     ])
     corpus = prepare_data(cfg.data, str(stores), cfg.data.seq_len, use_ray=False, log=lambda _: None)
-    train(cfg, corpus, WorkerLayout(), torch.device("cpu"))
+    train(worker_plan(cfg, corpus), WorkerLayout(), torch.device("cpu"))
     run_dir = Path(checkpoint_root(cfg.checkpoint, cfg.run)).parent
     (run_dir / "tokenizer.json").write_text(corpus.tokenizer_json)
     return run_dir

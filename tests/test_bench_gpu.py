@@ -126,7 +126,7 @@ def fake_gpu_run(run_dir: Path, window: Any, step_s: float, global_tokens: int, 
 
 
 def test_a_gpu_run_is_measured_against_the_h100_peak_and_its_memory_plan(tmp_path: Path) -> None:
-    from meshtrain.config import load_config
+    from meshtrain.config.loading import load_config
     from meshtrain.distributed.layout import MeshPlan
     from meshtrain.distributed.plan import memory_plan
     from meshtrain.model.args import model_args
@@ -140,7 +140,7 @@ def test_a_gpu_run_is_measured_against_the_h100_peak_and_its_memory_plan(tmp_pat
     window = Window.for_request(6, 20)
     cfg = build_config(run_settings(config, window, "fake", str(tmp_path)))
     fake_gpu_run(tmp_path / "fake", window, step_s=0.5, global_tokens=4 * 4096, flops=9e9)
-    planned = memory_plan(cfg, model_args(cfg.model, 300), MeshPlan(1, 1, True), use_gpu=True).total
+    planned = memory_plan(model_args(cfg.model, 300), MeshPlan(1, 1, True), cfg.parallel, cfg.train, cfg.data.seq_len, True, cfg.model.document_mask).total
     summary = {
         "run_dir": str(tmp_path / "fake"), "world_size": 1, "mesh_shape": [1, 1], "parameters": 1_235_814_400,
         "workers": [{"rank": 0, "node_rank": 0}], "wall_time_s": 100.0, "train_time_s": 40.5,

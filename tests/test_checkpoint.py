@@ -14,12 +14,14 @@ from torch.distributed.tensor import DTensor
 from meshtrain.checkpoint.manager import CheckpointManager
 from meshtrain.checkpoint.state import Progress, TrainState
 from meshtrain.checkpoint.storage import COMMIT_MARKER, CheckpointStorage
-from meshtrain.config import MeshtrainConfig, load_config
+from meshtrain.config.loading import load_config
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataPlan
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.train.optim import build_lr_scheduler, build_optimizer
-from meshtrain.train.setup import build_sharded_model
+from trainers import sharded_model
 from meshtrain.train.trainer import train
+from meshtrain.cluster.worker_plan import worker_plan
 from ranks import run_on_ranks
 
 
@@ -38,7 +40,7 @@ def config(storage: Path, name: str, world: int, *overrides: str) -> MeshtrainCo
 
 def _train_rank(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan, shard: int) -> dict[str, Any]:
     events: list[dict[str, Any]] = []
-    result = train(cfg, corpus, WorkerLayout(rank, world, rank % shard, shard, rank // shard), torch.device("cpu"), events.append)
+    result = train(worker_plan(cfg, corpus), WorkerLayout(rank, world, rank % shard, shard, rank // shard), torch.device("cpu"), events.append)
     return {"events": events, "mesh": result.mesh_shape}
 
 
@@ -114,7 +116,7 @@ def test_resume_is_bitwise_identical_to_never_stopping(unbroken: dict, corpus: D
 def _restore_and_gather(rank: int, world: int, cfg: MeshtrainConfig, shard: int) -> dict[str, Any]:
     """Restore the newest checkpoint on this mesh; return the full model and optimizer state."""
     layout = WorkerLayout(rank, world, rank % shard, shard, rank // shard)
-    model, _ = build_sharded_model(cfg, 512, layout, torch.device("cpu"))
+    model, _ = sharded_model(cfg, 512, layout, torch.device("cpu"))
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.train.steps)
     progress = Progress()

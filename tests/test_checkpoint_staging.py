@@ -117,10 +117,10 @@ def test_sync_saves_do_not_stage(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 
 def _sharded_saves(rank: int, world: int, root: str) -> dict[str, Any]:
     """Two async saves of an FSDP2 model (DTensor shards) on a 1x2 mesh; both loaded back."""
-    from meshtrain.config import load_config
+    from meshtrain.config.loading import load_config
     from meshtrain.distributed.layout import WorkerLayout
     from meshtrain.train.optim import build_lr_scheduler, build_optimizer
-    from meshtrain.train.setup import build_sharded_model
+    from trainers import sharded_model
 
     staged = spy_on_staging(pytest.MonkeyPatch())  # a spawned process: the patch ends with it
     cfg = load_config(None, [
@@ -131,7 +131,7 @@ def _sharded_saves(rank: int, world: int, root: str) -> dict[str, Any]:
     layout = WorkerLayout(rank, world, rank, world, 0)
 
     def fresh() -> TrainState:
-        model, _ = build_sharded_model(cfg, 64, layout, torch.device("cpu"))
+        model, _ = sharded_model(cfg, 64, layout, torch.device("cpu"))
         optimizer = build_optimizer(model, cfg.optim)
         return TrainState(model, optimizer, build_lr_scheduler(optimizer, cfg.optim, 10), Progress(), rank)
 

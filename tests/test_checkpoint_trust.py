@@ -32,7 +32,8 @@ from meshtrain.checkpoint.errors import CheckpointNotWritable, CheckpointStorage
 from meshtrain.checkpoint.manager import CheckpointManager
 from meshtrain.checkpoint.state import Progress, TrainState
 from meshtrain.checkpoint.storage import BAD_MARKER, COMMIT_MARKER, CheckpointStorage, newest_committed
-from meshtrain.config import PermanentError, load_config
+from meshtrain.config import PermanentError
+from meshtrain.config.loading import load_config
 from ranks import run_on_ranks
 
 

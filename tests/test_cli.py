@@ -20,7 +20,8 @@ import yaml
 
 import meshtrain.cluster.launcher
 from meshtrain.cli.pretrain import EXIT_CONFIG_ERROR, main
-from meshtrain.config import MeshtrainConfig, describe_fields, load_config
+from meshtrain.config.loading import describe_fields, load_config
+from meshtrain.config.schema import MeshtrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = "jobs/pretrain.py"
@@ -282,18 +283,18 @@ def test_an_allocator_setting_that_conflicts_with_the_environments_is_one_line(
 def test_workers_get_the_flight_recorder_and_the_allocator_setting_through_rays_runtime_env(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from types import SimpleNamespace
+
     from meshtrain.cluster.ray_trainer import build_trainer
-    from meshtrain.model.args import model_args
-    from meshtrain.observe.run_folder import RunPaths
-    from meshtrain.train.spec import RunSpec
+    from meshtrain.cluster.worker_plan import worker_plan
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
 
     def env_vars(*overrides: str) -> dict[str, str]:
         cfg = load_config(None, [f"run.storage_path={tmp_path}", "run.name=env", *overrides])
-        spec = RunSpec(cfg, model_args(cfg.model, 512), None, RunPaths("env", tmp_path), "x")
-        return build_trainer(spec).run_config.worker_runtime_env["env_vars"]
+        plan = worker_plan(cfg, SimpleNamespace(vocab_size=512), "x")  # the tokenizer's size alone: no data read
+        return build_trainer(plan).run_config.worker_runtime_env["env_vars"]
 
     assert env_vars() == {"TORCH_FR_BUFFER_SIZE": "2000"}  # CPU workers: no allocator setting
     assert env_vars("scaling.use_gpu=true") == {"TORCH_FR_BUFFER_SIZE": "2000",

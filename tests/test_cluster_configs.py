@@ -32,7 +32,9 @@ from ray.autoscaler._private.kuberay.autoscaling_config import (
 )
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from meshtrain.config import MeshtrainConfig, MetricsConfig, load_config
+from meshtrain.config import MetricsConfig
+from meshtrain.config.loading import load_config
+from meshtrain.config.schema import MeshtrainConfig
 from test_cli import TOTAL, check_memory, parse_dry_run, run_pretrain
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,16 +13,15 @@ from pydantic import BaseModel
 from meshtrain.config import (
     ConfigError,
     DataConfig,
-    MeshtrainConfig,
     ModelArgs,
     ModelConfig,
     SHARED_FOLDERS,
     ParallelConfig,
     ScalingConfig,
     TrainConfig,
-    describe_fields,
-    load_config,
 )
+from meshtrain.config.loading import describe_fields, load_config
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.cluster.preflight import preflight
 from meshtrain.config.presets import MODEL_PRESETS
 from meshtrain.model.args import model_args

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from meshtrain.cluster.resume import data_for_resume
-from meshtrain.config import ConfigError, load_config
+from meshtrain.config import ConfigError
+from meshtrain.config.loading import load_config
 from meshtrain.data import LEGACY_SAMPLING, SAMPLING_SCHEME, DataParallelBatches, DataPlan, TokenStore
 from meshtrain.data.permutation import FeistelPermutation
 from meshtrain.data.sampling import PackedSequences

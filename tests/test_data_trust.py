@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from meshtrain_bench.data import flip_token_bit
-from meshtrain.config import DataConfig, PermanentError, load_config
+from meshtrain.config import DataConfig, PermanentError
+from meshtrain.config.loading import load_config
 from meshtrain.data import DataParallelBatches, PackedSequences, TokenStore, prepare_data
 from meshtrain.data import sources as sources_module
 from meshtrain.data.integrity import CorruptTokens

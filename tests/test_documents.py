@@ -84,14 +84,14 @@ def test_masked_gradients_are_those_of_each_document_trained_alone(recompute: st
 
 
 def _packed_and_alone_on_a_mesh(rank: int, world: int, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from meshtrain.config import load_config
+    from meshtrain.config.loading import load_config
     from meshtrain.distributed.layout import WorkerLayout
-    from meshtrain.train.setup import build_sharded_model
+    from trainers import sharded_model
 
     cfg = load_config(None, ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
                              "model.ffn_dim=160", "model.max_seq_len=64", "data.seq_len=48", f"scaling.num_workers={world}",
                              f"parallel.shard={shard}", "train.global_batch_size=8", "train.micro_batch_size=2"])
-    model, layout = build_sharded_model(cfg, 97, WorkerLayout(rank, world, rank % shard, shard, rank // shard),
+    model, layout = sharded_model(cfg, 97, WorkerLayout(rank, world, rank % shard, shard, rank // shard),
                                         torch.device("cpu"), document_eos=EOS)
     assert layout.plan.shape == (world // shard, shard)
     return packed_and_alone(model, seq=48)

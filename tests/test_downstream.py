@@ -20,7 +20,8 @@ from corpora import trained_tiny_run
 from meshtrain.checkpoint.export import export_checkpoint
 from meshtrain.checkpoint.reading import load_model_state
 from meshtrain.cli.evaluate import main as evaluate_main
-from meshtrain.config import ConfigError, load_config
+from meshtrain.config import ConfigError
+from meshtrain.config.loading import load_config
 from meshtrain.evaluate.checkpoint_eval import results_folder
 from meshtrain.evaluate.harness import HarnessRun, metrics_of, run_harness, task_manager
 from meshtrain.evaluate.hf_model import load_checkpoint_model

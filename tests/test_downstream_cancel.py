@@ -10,7 +10,7 @@ import pytest
 
 from meshtrain.checkpoint.storage import run_checkpoints
 from meshtrain.cluster.downstream import DownstreamEvaluations
-from meshtrain.config import load_config
+from meshtrain.config.loading import load_config
 from meshtrain.observe.run_folder import RunPaths, read_records
 
 

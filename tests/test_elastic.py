@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import pytest
 
+from types import SimpleNamespace
+
 from meshtrain.cli.pretrain import main
 from meshtrain.cluster.worker import UntrainableGroupSize, check_group_size, resize_record
-from meshtrain.config import ConfigError, MeshtrainConfig, load_config
+from meshtrain.cluster.worker_plan import worker_plan
+from meshtrain.config import ConfigError
+from meshtrain.config.loading import load_config
+from meshtrain.config.schema import MeshtrainConfig
 
 BATCH = ["scaling.num_workers=8", "train.global_batch_size=32", "train.micro_batch_size=2"]
 
@@ -58,22 +63,23 @@ def test_dry_run_lists_the_sizes(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_a_size_ray_offers_but_the_run_cannot_use_fails_its_start() -> None:
     cfg = load_config(None, [*BATCH, "scaling.min_workers=2"])
-    check_group_size(cfg, 4)
+    plan = worker_plan(cfg, SimpleNamespace(vocab_size=512))
+    check_group_size(plan, 4)
     with pytest.raises(UntrainableGroupSize, match="Ray started 6 workers, but .* trains only on 2, 4, 8"):
-        check_group_size(cfg, 6)
+        check_group_size(plan, 6)
 
 
 def test_resize_records_say_why() -> None:
     cfg = load_config(None, [*BATCH, "scaling.min_workers=2"])
     start = {"launch": "a", "world_size": 8, "workers": []}
-    assert resize_record(None, "a", 8, cfg) is None
-    assert resize_record(start, "a", 8, cfg) is None
-    lost = resize_record(start, "a", 4, cfg)
+    assert resize_record(None, "a", 8, cfg.scaling) is None
+    assert resize_record(start, "a", 8, cfg.scaling) is None
+    lost = resize_record(start, "a", 4, cfg.scaling)
     assert lost is not None and (lost["from_workers"], lost["to_workers"]) == (8, 4)
     assert lost["reason"].startswith("capacity lost")
-    grown = resize_record({**start, "world_size": 4}, "a", 8, cfg)
+    grown = resize_record({**start, "world_size": 4}, "a", 8, cfg.scaling)
     assert grown is not None and grown["reason"].startswith("capacity returned")
-    relaunched = resize_record(start, "b", 4, cfg)
+    relaunched = resize_record(start, "b", 4, cfg.scaling)
     assert relaunched is not None and relaunched["reason"].startswith("a new launch")
 
 
@@ -178,12 +184,11 @@ def test_a_resize_waits_until_every_worker_has_saved_then_happens(monkeypatch) -
 def test_the_trainer_hands_ray_the_policy_for_elastic_runs(tmp_path) -> None:
     from meshtrain.cluster.elastic_policy import TrainableSizesPolicy
     from meshtrain.cluster.ray_trainer import build_trainer
-    from meshtrain.model.args import model_args
-    from meshtrain.observe.run_folder import RunPaths
-    from meshtrain.train.spec import RunSpec
+    from meshtrain.train.plan import WorkerPlan
 
-    def spec(cfg: MeshtrainConfig, name: str) -> RunSpec:
-        return RunSpec(cfg, model_args(cfg.model, 512), None, RunPaths(name, tmp_path), "x")
+    def spec(cfg: MeshtrainConfig, name: str) -> WorkerPlan:
+        assert cfg.run.name == name
+        return worker_plan(cfg, SimpleNamespace(vocab_size=512), "x")  # the tokenizer's size alone: no data read
 
     cfg = load_config(None, [*BATCH, "scaling.min_workers=2", f"run.storage_path={tmp_path}", "run.name=elastic"])
     trainer = build_trainer(spec(cfg, "elastic"))

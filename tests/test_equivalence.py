@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from corpora import short_documents_plan, stdlib_plan
-from meshtrain.config import MeshtrainConfig, load_config
+from meshtrain.config.loading import load_config
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataPlan
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.train.trainer import train
+from meshtrain.cluster.worker_plan import worker_plan
 from ranks import run_on_ranks
 
 STEPS = 10
@@ -47,13 +49,13 @@ def curves(records: list[dict[str, Any]]) -> dict[str, list[float]]:
 
 
 def single_process(cfg: MeshtrainConfig, corpus: DataPlan) -> dict[str, list[float]]:
-    return curves(train(cfg, corpus, WorkerLayout(), torch.device("cpu")).records)
+    return curves(train(worker_plan(cfg, corpus), WorkerLayout(), torch.device("cpu")).records)
 
 
 def _train_rank(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan, per_node: int) -> dict[str, Any]:
     layout = WorkerLayout(rank, world, rank % per_node, per_node, rank // per_node)
     events: list[dict[str, Any]] = []
-    result = train(cfg, corpus, layout, torch.device("cpu"), events.append)
+    result = train(worker_plan(cfg, corpus), layout, torch.device("cpu"), events.append)
     return {"mesh": result.mesh_shape, **curves(result.records), "eval": evaluations(events)}
 
 
@@ -63,7 +65,7 @@ def evaluations(events: list[dict[str, Any]]) -> list[float]:
 
 def single_process_with_eval(cfg: MeshtrainConfig, corpus: DataPlan) -> dict[str, Any]:
     events: list[dict[str, Any]] = []
-    result = train(cfg, corpus, WorkerLayout(), torch.device("cpu"), events.append)
+    result = train(worker_plan(cfg, corpus), WorkerLayout(), torch.device("cpu"), events.append)
     return {**curves(result.records), "eval": evaluations(events)}
 
 

@@ -9,12 +9,15 @@ import pytest
 import torch
 
 from corpora import stdlib_plan
-from meshtrain.config import ConfigError, MeshtrainConfig, load_config
+from meshtrain.config import ConfigError
+from meshtrain.config.loading import load_config
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataPlan, stdlib_source_files
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.observe.progress import progress_line
 from meshtrain.train.evaluation import validation_samples
 from meshtrain.train.trainer import train
+from meshtrain.cluster.worker_plan import worker_plan
 from ranks import run_on_ranks
 
 
@@ -43,7 +46,7 @@ def config(*overrides: str) -> MeshtrainConfig:
 
 def events_of(cfg: MeshtrainConfig, corpus: DataPlan, layout: WorkerLayout = WorkerLayout()) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
-    train(cfg, corpus, layout, torch.device("cpu"), events.append)
+    train(worker_plan(cfg, corpus), layout, torch.device("cpu"), events.append)
     return events
 
 

@@ -25,12 +25,15 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from meshtrain.checkpoint.export import ExportError, export_checkpoint
 from meshtrain.checkpoint.reading import load_model_state, resolve_checkpoint
 from meshtrain.checkpoint.storage import COMMIT_MARKER, CheckpointError, checkpoint_root
-from meshtrain.config import MeshtrainConfig, ModelArgs, load_config
+from meshtrain.config import ModelArgs
+from meshtrain.config.loading import load_config
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataPlan, prepare_data
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.model.args import model_args
 from meshtrain.model.llama import Transformer, build_model
 from meshtrain.train.trainer import train
+from meshtrain.cluster.worker_plan import worker_plan
 from s3server import moto_s3
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,7 +85,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, corpus: DataPlan) -> dict[str
     result = {}
     for variant in VARIANTS:
         cfg = config(storage, variant)
-        train(cfg, corpus, WorkerLayout(), torch.device("cpu"))
+        train(worker_plan(cfg, corpus), WorkerLayout(), torch.device("cpu"))
         run = Run(cfg, corpus, Path(checkpoint_root(cfg.checkpoint, cfg.run)))
         (run.run_dir / "tokenizer.json").write_text(corpus.tokenizer_json)  # as the launcher does
         result[variant] = run

@@ -21,7 +21,8 @@ from meshtrain.cluster.failures import Failure, is_permanent, root_failure, stam
 from meshtrain.cluster.outcome import failure_message
 from meshtrain.cluster.ray_trainer import StopOnPermanentFailure
 from meshtrain.cluster.worker import UntrainableGroupSize
-from meshtrain.config import ConfigError, load_config
+from meshtrain.config import ConfigError
+from meshtrain.config.loading import load_config
 from meshtrain.data.integrity import CorruptTokens
 from meshtrain.data.remote import StorageUnavailable
 from meshtrain.train.preemption import Preempted

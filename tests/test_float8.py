@@ -21,7 +21,9 @@ from safetensors.torch import load_file, load_model
 from meshtrain.checkpoint.export import export_checkpoint
 from meshtrain.checkpoint.reading import load_model_state
 from meshtrain.cluster.preflight import preflight
-from meshtrain.config import ConfigError, MeshtrainConfig, ModelArgs, load_config
+from meshtrain.config import ConfigError, ModelArgs
+from meshtrain.config.loading import load_config
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataPlan
 from meshtrain.distributed.float8 import (
     Float8Unavailable,
@@ -32,10 +34,12 @@ from meshtrain.distributed.float8 import (
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.distributed.layout import MeshPlan
 from meshtrain.distributed.torch_support import torch_release
+from meshtrain.model.args import model_args
 from meshtrain.model.llama import build_model
 from meshtrain.train.optim import build_optimizer
 from meshtrain.train.setup import fill_model, sharded_meta_model
 from meshtrain.train.trainer import train
+from meshtrain.cluster.worker_plan import worker_plan
 from ranks import run_on_ranks
 
 STEPS = 8
@@ -65,7 +69,7 @@ def config(storage: Path, name: str, *overrides: str) -> MeshtrainConfig:
 
 def _train_rank(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
-    train(cfg, corpus, WorkerLayout(rank, world, rank, world, 0), torch.device("cpu"), events.append)
+    train(worker_plan(cfg, corpus), WorkerLayout(rank, world, rank, world, 0), torch.device("cpu"), events.append)
     return events
 
 
@@ -190,8 +194,8 @@ def test_float8_is_refused_before_ray_without_torchao_or_on_gpus_older_than_sm89
 def _train_steps(cfg: MeshtrainConfig, plan: MeshPlan, steps: int) -> tuple[torch.nn.Module, list[float]]:
     """A model on ``plan`` (sharded when distributed) and its losses over ``steps`` optimizer steps,
     every rank on the same tokens."""
-    model, _ = sharded_meta_model(cfg, 512, plan, torch.device("cpu"))
-    fill_model(model, cfg, torch.device("cpu"))
+    model, _ = sharded_meta_model(model_args(cfg.model, 512), cfg.parallel, plan, torch.device("cpu"))
+    fill_model(model, torch.device("cpu"), cfg.train.seed)
     optimizer = build_optimizer(model, cfg.optim)
     tokens = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(0))
     losses = []

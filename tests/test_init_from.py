@@ -37,7 +37,9 @@ from meshtrain.checkpoint.reading import load_model_state
 from meshtrain.checkpoint.storage import checkpoint_root
 from meshtrain.cli.pretrain import main
 from meshtrain.cluster.preflight import preflight
-from meshtrain.config import MeshtrainConfig, ModelArgs, ModelConfig, RopeScaling, load_config
+from meshtrain.config import ModelArgs, ModelConfig, RopeScaling
+from meshtrain.config.loading import load_config
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import (
     DataParallelBatches,
     DataPlan,
@@ -51,8 +53,9 @@ from meshtrain.model.hf_llama import hf_config, hf_name, llama_shape
 from meshtrain.model.init import init_weights
 from meshtrain.model.llama import Transformer, build_model
 from meshtrain.model.loss import token_cross_entropy_sum
-from meshtrain.train.setup import build_sharded_model
+from trainers import sharded_model
 from meshtrain.train.trainer import train
+from meshtrain.cluster.worker_plan import worker_plan
 from ranks import run_on_ranks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -134,7 +137,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     corpus = prepare_data(
         cfg.data, str(tmp_path_factory.mktemp("stores")), cfg.data.seq_len, use_ray=False, log=lambda _: None
     )
-    train(cfg, corpus, WorkerLayout(), torch.device("cpu"))
+    train(worker_plan(cfg, corpus), WorkerLayout(), torch.device("cpu"))
     root = Path(checkpoint_root(cfg.checkpoint, cfg.run))
     (root.parent / "tokenizer.json").write_text(corpus.tokenizer_json)  # as the launcher does
     step = root / "step-00000004"
@@ -174,7 +177,7 @@ def init_from_config(directory: Path, *overrides: str) -> MeshtrainConfig:
 
 
 def load_in_one_process(cfg: MeshtrainConfig, vocab: int) -> Transformer:
-    model, layout = build_sharded_model(cfg, vocab, WorkerLayout(), torch.device("cpu"))
+    model, layout = sharded_model(cfg, vocab, WorkerLayout(), torch.device("cpu"))
     assert layout.plan.shape == (1, 1)
     return model.eval()
 
@@ -330,7 +333,7 @@ def test_continued_training_starts_from_the_weights(trained: Trained, tmp_path: 
         "eval.interval=null",
         f"run.storage_path={tmp_path}", "run.name=continued",
     )
-    result = train(cfg, trained.corpus, WorkerLayout(), torch.device("cpu"))
+    result = train(worker_plan(cfg, trained.corpus), WorkerLayout(), torch.device("cpu"))
     data = open_data(trained.corpus, cfg.data.seq_len, cfg.train.seed)
     batches = DataParallelBatches(data.train, 4, 2, dp_rank=0, dp_size=1, device=torch.device("cpu"))
     model = original_model(trained)
@@ -346,10 +349,10 @@ def test_a_resumed_run_reads_its_checkpoint_not_the_hf_weights(trained: Trained,
     checkpoint replaces anyway, are not read again (here they are no longer safetensors)."""
     hf = Path(shutil.copytree(trained.hf, tmp_path / "hf"))
     settings = [*RUN, "checkpoint.interval=2", "optim.schedule_steps=4", "eval.interval=null", f"run.storage_path={tmp_path}", "run.name=resumed"]
-    first = train(init_from_config(hf, *settings, "train.steps=2"), trained.corpus, WorkerLayout(), torch.device("cpu"))
+    first = train(worker_plan(init_from_config(hf, *settings, "train.steps=2"), trained.corpus), WorkerLayout(), torch.device("cpu"))
     for weights in hf.glob("*.safetensors"):
         weights.write_bytes(b"overwritten")
-    resumed = train(init_from_config(hf, *settings), trained.corpus, WorkerLayout(), torch.device("cpu"))
+    resumed = train(worker_plan(init_from_config(hf, *settings), trained.corpus), WorkerLayout(), torch.device("cpu"))
     assert [r["step"] for r in first.records if r["event"] == "train"] == [1, 2]
     assert [r["step"] for r in resumed.records if r["event"] == "train"] == [3, 4]
 
@@ -370,7 +373,7 @@ def _load_on_rank(rank: int, world: int, configs: list[tuple[MeshtrainConfig, in
     for cfg, vocab in configs:
         elements_read[0] = 0
         layout = WorkerLayout(rank, world, rank % 2, 2, rank // 2)
-        model, layout = build_sharded_model(cfg, vocab, layout, torch.device("cpu"))
+        model, layout = sharded_model(cfg, vocab, layout, torch.device("cpu"))
         results.append({
             "mesh": layout.plan.shape,
             "read": elements_read[0],
@@ -389,7 +392,7 @@ def _on_rank(
 ) -> dict[str, Any]:
     trained = {}
     for key, cfg in runs.items():
-        result = train(cfg, corpus, WorkerLayout(rank, world, rank % 2, 2, rank // 2), torch.device("cpu"))
+        result = train(worker_plan(cfg, corpus), WorkerLayout(rank, world, rank % 2, 2, rank // 2), torch.device("cpu"))
         trained[key] = {"mesh": result.mesh_shape, "losses": {r["step"]: r["loss"] for r in result.records}}
     return {"loaded": _load_on_rank(rank, world, loads), "trained": trained}
 

@@ -16,7 +16,8 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 import meshtrain.checkpoint.write_progress as write_progress
 import meshtrain.train.parts as parts_module
 from meshtrain.checkpoint.storage import CheckpointStorage, checkpoint_root
-from meshtrain.config import MeshtrainConfig, load_config
+from meshtrain.config.loading import load_config
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataPlan
 from meshtrain.train.trainer import Trainer
 from trainers import cpu_trainer

@@ -6,7 +6,8 @@ import pytest
 
 import meshtrain.cluster.launcher
 from meshtrain.cli.pretrain import main
-from meshtrain.config import MeshtrainConfig, load_config
+from meshtrain.config.loading import load_config
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.distributed.layout import MeshPlan
 from meshtrain.distributed.plan import (
     CONTEXT_RESERVE_GIB,
@@ -35,7 +36,7 @@ LLAMA3_8B = [
 
 def plan_for(*overrides: str, plan: MeshPlan = MeshPlan(1, 8, True)) -> MemoryPlan:
     cfg = load_config(None, [*LLAMA3_8B, *overrides])
-    return memory_plan(cfg, model_args(cfg.model, VOCAB), plan, use_gpu=True)
+    return memory_plan(model_args(cfg.model, VOCAB), plan, cfg.parallel, cfg.train, cfg.data.seq_len, True, cfg.model.document_mask)
 
 
 def test_block_shape_is_the_8b_one() -> None:

@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from corpora import stdlib_plan
-from meshtrain.config import load_config
+from meshtrain.config.loading import load_config
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.model.args import model_args
 from meshtrain.model.flops import device_peak_flops, flops_per_token, gpu_peak_flops, highest_peak_flops
@@ -35,6 +35,7 @@ from meshtrain.observe.metrics import (
 )
 from meshtrain.observe.progress import ProgressMonitor
 from meshtrain.train.trainer import train
+from meshtrain.cluster.worker_plan import worker_plan
 from test_model import initialized_model, tiny_args
 
 
@@ -252,7 +253,7 @@ def test_training_leaves_the_logged_values_in_the_metrics(tmp_path: Path) -> Non
     port = metrics.serve("127.0.0.1", 0)
     records: list[dict[str, Any]] = []
     try:
-        train(cfg, corpus, WorkerLayout(), torch.device("cpu"), records.append, metrics)
+        train(worker_plan(cfg, corpus), WorkerLayout(), torch.device("cpu"), records.append, metrics)
         value = {name: sample["value"] for name, sample in scrape(port).items()}
     finally:
         metrics.close()

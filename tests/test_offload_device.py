@@ -12,12 +12,13 @@ import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from meshtrain.config import MeshtrainConfig, load_config
+from meshtrain.config.loading import load_config
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.model.args import model_args
 from meshtrain.model.init import block_seed, fill_normal_rows, init_weights, rows_per_block
 from meshtrain.model.llama import Transformer, build_model, materialize, rope_tables
-from meshtrain.train.setup import build_sharded_model
+from trainers import sharded_model
 
 VOCAB = 97
 SEED = 7
@@ -110,7 +111,7 @@ def test_a_shard_is_filled_with_the_rows_of_its_cpu_blocks() -> None:
 
 def train_once(offload: bool) -> dict[str, Any]:
     """One forward/backward of the FSDP2 model: its initial weights, loss, grads and devices."""
-    model, _ = build_sharded_model(tiny_config(offload), VOCAB, WorkerLayout(), torch.device("cpu"))
+    model, _ = sharded_model(tiny_config(offload), VOCAB, WorkerLayout(), torch.device("cpu"))
     initial = {name: param.full_tensor().clone() for name, param in model.named_parameters()}
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten())

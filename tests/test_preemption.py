@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from meshtrain.checkpoint.storage import CheckpointStorage, checkpoint_root
-from meshtrain.config import load_config
+from meshtrain.config.loading import load_config
 from meshtrain.data import DataPlan
 from meshtrain.observe.run_folder import StopRequest
 from meshtrain.train.preemption import Preempted, PreemptionNotice, defer_sigterm

@@ -13,12 +13,14 @@ import torch
 from torch.autograd import DeviceType
 
 import meshtrain.train.profiling as profiling
-from meshtrain.config import MeshtrainConfig, load_config
+from meshtrain.config.loading import load_config
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.config.observability import ProfileConfig
 from meshtrain.data import DataPlan
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.train.profiling import StepProfiler, summary_line, top_ops
 from meshtrain.train.trainer import train
+from meshtrain.cluster.worker_plan import worker_plan
 
 REGIONS = ("data wait", "forward", "block 0", "block 1", "attention", "loss", "backward", "grad clip", "optimizer step")
 
@@ -61,7 +63,7 @@ def test_windows_trace_exactly_their_steps_and_name_the_loop(
     cfg = config(tmp_path, "train.steps=5", "profile.start_step=1", "profile.active_steps=2", "profile.every=3",
                  "profile.top=3")
     records: list[dict] = []
-    train(cfg, corpus, WorkerLayout(), torch.device("cpu"), records.append)
+    train(worker_plan(cfg, corpus), WorkerLayout(), torch.device("cpu"), records.append)
     folder = tmp_path / "profiled" / "profile"
     assert sorted(path.name for path in folder.iterdir()) == ["rank0.1.pt.trace.json", "rank0.4.pt.trace.json"]
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[meshtrain] profile")]
@@ -93,7 +95,7 @@ def test_off_builds_no_profiler_and_writes_nothing(
 
     monkeypatch.setattr(StepProfiler, "__init__", refuse)
     monkeypatch.setattr(profiling, "profile", refuse)
-    train(config(tmp_path, "train.steps=2"), corpus, WorkerLayout(), torch.device("cpu"))
+    train(worker_plan(config(tmp_path, "train.steps=2"), corpus), WorkerLayout(), torch.device("cpu"))
     assert not (tmp_path / "profiled" / "profile").exists()
     monkeypatch.undo()
     chosen = ProfileConfig(start_step=1, ranks=[1])
@@ -147,7 +149,7 @@ def test_compiled_blocks_keep_one_graph_when_a_window_adds_its_ranges(
 
     counters.clear()
     cfg = config(tmp_path, "train.steps=3", "parallel.compile=true", "profile.start_step=2", "profile.active_steps=1")
-    train(cfg, corpus, WorkerLayout(), torch.device("cpu"))
+    train(worker_plan(cfg, corpus), WorkerLayout(), torch.device("cpu"))
     assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] == 1
     names = complete_events(tmp_path / "profiled" / "profile" / "rank0.2.pt.trace.json")
     assert steps_in(names) == [2]

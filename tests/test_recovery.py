@@ -23,7 +23,8 @@ import pytest
 
 from jobs import REPO, assert_same_weights, job_command, job_env, model_weights, read_metrics, run_job
 from meshtrain_bench.faults import Crafted, flip_bit, largest_shard, rewrite_marker_for
-from meshtrain.config import FaultToleranceConfig, RunConfig, load_config
+from meshtrain.config import FaultToleranceConfig, RunConfig
+from meshtrain.config.loading import load_config
 from meshtrain.observe.goodput import goodput_of
 from meshtrain.observe.mlflow_tracker import RUN_ID_TAG, tracking_uri
 from meshtrain.observe.run_folder import RunPaths

@@ -334,7 +334,7 @@ def test_an_s3_source_that_never_answers_fails_preflight_within_its_timeouts(tmp
     (data.read_timeout_s / 10, at least 0.2 s, one attempt inside botocore) and s3fs's own tries end, so the launch gets one line and
     the endpoint saw a bounded number of connections."""
     from meshtrain.cluster.preflight import preflight
-    from meshtrain.config import load_config
+    from meshtrain.config.loading import load_config
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from meshtrain.config import MeshtrainConfig, load_config
+from meshtrain.config.loading import load_config
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataPlan
 from meshtrain.observe.run_folder import read_records
 

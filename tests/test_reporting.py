@@ -21,7 +21,7 @@ import meshtrain.train.parts as parts_module
 import meshtrain.train.trainer as trainer_module
 from corpora import stdlib_plan
 from meshtrain.cluster.failures import root_failure
-from meshtrain.config import load_config
+from meshtrain.config.loading import load_config
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.distributed.plan import GIB, memory_plan, planned_mesh
 from meshtrain.model.args import model_args
@@ -30,6 +30,7 @@ from meshtrain.train.hangs import DIAGNOSIS, HangReport, RankDump, diagnose
 from meshtrain.train.memory_snapshot import DeviceOutOfMemory
 from meshtrain.train.trainer import train
 from meshtrain.train.watchdog import HangWatchdog
+from meshtrain.cluster.worker_plan import worker_plan
 from ranks import run_on_ranks
 
 
@@ -267,7 +268,7 @@ def test_tensorboard_event_files_hold_the_logged_scalars(tmp_path: Path) -> None
         records.append(record)
         writer.record(record)
 
-    train(cfg, corpus, WorkerLayout(), torch.device("cpu"), both)
+    train(worker_plan(cfg, corpus), WorkerLayout(), torch.device("cpu"), both)
     writer.close()
     found = scalars(tmp_path / "tb")
     train_records = [r for r in records if r["event"] == "train"]
@@ -332,11 +333,11 @@ def test_a_step_out_of_cuda_memory_writes_a_snapshot_and_fails_the_run_and_a_run
 
     monkeypatch.setattr(trainer_module, "train_step", step_that_runs_out)
     with pytest.raises(DeviceOutOfMemory) as failed:
-        train(cfg, corpus, WorkerLayout(), torch.device("cpu"))
+        train(worker_plan(cfg, corpus), WorkerLayout(), torch.device("cpu"))
     assert allocator.history == [5000] and steps == [1, 2]
     snapshot = tmp_path / "oom" / "memory" / "rank0.step2.pickle"
     assert snapshot.read_bytes() == b"snapshot"
-    planned = memory_plan(cfg, model_args(cfg.model, corpus.vocab_size), planned_mesh(cfg.scaling, cfg.parallel)[0], False).total
+    planned = memory_plan(model_args(cfg.model, corpus.vocab_size), planned_mesh(cfg.scaling, cfg.parallel)[0], cfg.parallel, cfg.train, cfg.data.seq_len, False, cfg.model.document_mask).total
     assert str(failed.value) == (
         f"rank 0 ran out of CUDA memory at step 2 (plan estimate {planned / GIB:.2f} GiB per rank, real peak 1.50 GiB "
         f"allocated); memory snapshot {snapshot} (open it at https://pytorch.org/memory_viz); lower "
@@ -351,7 +352,7 @@ def test_a_step_out_of_cuda_memory_writes_a_snapshot_and_fails_the_run_and_a_run
     # last allocations, peaks included), named in a record.
     monkeypatch.setattr(trainer_module, "train_step", real_step)
     records: list[dict[str, Any]] = []
-    train(cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": "fits"})}), corpus, WorkerLayout(),
+    train(worker_plan(cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": "fits"})}), corpus), WorkerLayout(),
           torch.device("cpu"), records.append)
     end = tmp_path / "fits" / "memory" / "rank0.step3.end.pickle"
     assert end.read_bytes() == b"snapshot" and allocator.history == [5000, 5000]

@@ -11,7 +11,7 @@ from typing import Any, get_args, get_type_hints, is_typeddict
 import pytest
 import torch
 
-from meshtrain.config import load_config
+from meshtrain.config.loading import load_config
 from meshtrain.data import DataPlan
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.observe.progress import StepRecorder
@@ -30,6 +30,7 @@ from meshtrain.observe.run_folder import (
 )
 from meshtrain.observe.trackers import DRIVER_EVENTS
 from meshtrain.train.trainer import train
+from meshtrain.cluster.worker_plan import worker_plan
 from test_step_guard import corrupt_losses
 
 PACKAGE = Path(__file__).resolve().parents[1] / "platform" / "meshtrain"
@@ -120,7 +121,7 @@ def test_the_records_a_trainer_writes_to_metrics_jsonl_conform(
         ])
         recorder = StepRecorder(paths.metrics)
         try:
-            train(cfg, corpus, WorkerLayout(), torch.device("cpu"), recorder.record)
+            train(worker_plan(cfg, corpus), WorkerLayout(), torch.device("cpu"), recorder.record)
         finally:
             recorder.close()
 

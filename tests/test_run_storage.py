@@ -15,7 +15,9 @@ from meshtrain.checkpoint.storage import COMMIT_MARKER
 from meshtrain.cluster.launcher import resolve_run
 from meshtrain.cluster.resume import write_run_config
 from meshtrain.cluster.preflight import preflight
-from meshtrain.config import ConfigError, MeshtrainConfig, load_config
+from meshtrain.config import ConfigError
+from meshtrain.config.loading import load_config
+from meshtrain.config.schema import MeshtrainConfig
 from s3server import moto_s3
 
 

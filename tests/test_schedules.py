@@ -12,7 +12,9 @@ import yaml
 
 from meshtrain.cluster.launcher import resolve_run
 from meshtrain.cluster.resume import resolve_schedule_horizon, write_run_config
-from meshtrain.config import ConfigError, MeshtrainConfig, OptimConfig, load_config
+from meshtrain.config import ConfigError, OptimConfig
+from meshtrain.config.loading import load_config
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.train.optim import build_lr_scheduler, lr_multiplier
 
 # Every schedule below: 10 warmup steps, a 110-step horizon and a floor of 0.1 x lr.

@@ -17,12 +17,15 @@ from meshtrain.checkpoint.storage import COMMIT_MARKER, run_checkpoints
 from meshtrain.cli.pretrain import main
 from meshtrain.cluster.launcher import resolve_run
 from meshtrain.cluster.resume import write_run_config
-from meshtrain.config import REDACTED, ConfigError, MeshtrainConfig, load_config, redact_options, redact_url
+from meshtrain.config import REDACTED, ConfigError, redact_options, redact_url
+from meshtrain.config.loading import load_config
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.observe.mlflow_tracker import mlflow_params
 from meshtrain.observe.run_folder import RunPaths
 from meshtrain.observe.wandb_tracker import wandb_config
 from meshtrain.train.trainer import train
+from meshtrain.cluster.worker_plan import worker_plan
 from s3server import moto_s3
 
 KEY, SECRET, TOKEN, NESTED = "AKIALIVEKEY0001", "liveSecretValue/0002", "liveSessionToken0003", "nestedSecret0004"
@@ -153,7 +156,7 @@ def test_checkpoint_marker_holds_no_credential_while_s3_gets_them(
     corpus = stdlib_plan(tmp_path / "stores", documents=8, vocab_size=300, seq_len=16)
     with moto_s3(monkeypatch, "ckpts") as s3_options:
         cfg, _ = resolve_run(config_with_secrets(tmp_path, credentials(s3_options), *TINY))
-        train(cfg, corpus, WorkerLayout(), torch.device("cpu"))
+        train(worker_plan(cfg, corpus), WorkerLayout(), torch.device("cpu"))
         storage = run_checkpoints(cfg.checkpoint, cfg.run)
         [checkpoint] = storage.committed()
         marker = storage.fs.cat_file(f"{checkpoint.path}/{COMMIT_MARKER}").decode()

@@ -8,12 +8,13 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from meshtrain.config import MeshtrainConfig, load_config
+from meshtrain.config.loading import load_config
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.model.args import model_args
 from meshtrain.model.init import init_weights
 from meshtrain.model.llama import build_model, materialize
-from meshtrain.train.setup import build_sharded_model
+from trainers import sharded_model
 from ranks import run_on_ranks
 
 VOCAB = 97  # not divisible by 2 or 4: shards are uneven, which init and the byte count must handle
@@ -36,7 +37,7 @@ def _shard_and_gather(rank: int, world: int, shard: int) -> dict[str, Any]:
     for tied in (False, True):
         cfg = tiny_config(world, shard, tied)
         layout = WorkerLayout(rank, world, rank % shard, shard, rank // shard)
-        model, layout = build_sharded_model(cfg, VOCAB, layout, torch.device("cpu"))
+        model, layout = sharded_model(cfg, VOCAB, layout, torch.device("cpu"))
         params = {}
         for name, param in model.named_parameters():
             assert isinstance(param, DTensor), name
@@ -115,7 +116,7 @@ def test_shards_hold_different_values() -> None:
 
 def _compute_dtypes(rank: int, world: int) -> dict[str, str]:
     cfg = load_config(None, [f"scaling.num_workers={world}", "parallel.mixed_precision=bf16", "data.vocab_size=512"])
-    model, _ = build_sharded_model(cfg, 512, WorkerLayout(rank, world, rank, world, 0), torch.device("cpu"))
+    model, _ = sharded_model(cfg, 512, WorkerLayout(rank, world, rank, world, 0), torch.device("cpu"))
     seen: dict[str, str] = {}
     model.layers[0].attention.wq.register_forward_hook(lambda m, i, o: seen.update(block=str(o.dtype)))
     logits = model(torch.randint(0, 512, (2, 16)))

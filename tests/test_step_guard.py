@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 import meshtrain.train.step as training
 from meshtrain.checkpoint.storage import CheckpointStorage, checkpoint_root
 from meshtrain.cluster.outcome import stopped_message
-from meshtrain.config import MeshtrainConfig, load_config
+from meshtrain.config.loading import load_config
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataPlan
 from meshtrain.observe.metrics import TrainingMetrics
 from meshtrain.train.gc_schedule import ScheduledCollection

@@ -9,12 +9,14 @@ from typing import Any
 import pytest
 import torch
 
-from meshtrain.config import MeshtrainConfig, load_config
+from meshtrain.config.loading import load_config
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataPlan
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.train.records import LoopOutputs
 from meshtrain.train.stragglers import ComputeTimer, StragglerWatch, slowdowns
 from meshtrain.train.trainer import train
+from meshtrain.cluster.worker_plan import worker_plan
 from ranks import run_on_ranks
 
 
@@ -29,7 +31,7 @@ def config(*overrides: str) -> MeshtrainConfig:
 
 def _rank_events(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
-    train(cfg, corpus, WorkerLayout(rank, world, rank, world, 0, node=f"node-{rank}"), torch.device("cpu"), events.append)
+    train(worker_plan(cfg, corpus), WorkerLayout(rank, world, rank, world, 0, node=f"node-{rank}"), torch.device("cpu"), events.append)
     return events
 
 

@@ -27,15 +27,18 @@ def lint_imports(config: Path) -> subprocess.CompletedProcess[str]:
 def test_layers_hold_and_no_subpackage_imports_a_higher_one() -> None:
     result = lint_imports(REPO / "pyproject.toml")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 2 kept, 0 broken." in result.stdout, result.stdout
+    assert "Contracts: 3 kept, 0 broken." in result.stdout, result.stdout
 
 
-def test_the_layers_contract_catches_an_upward_import(tmp_path: Path) -> None:
-    """The check can fail: a copy of the package whose config imports the trainer breaks it."""
+def test_the_contracts_catch_an_upward_import_and_the_whole_config_below_the_driver(tmp_path: Path) -> None:
+    """The checks can fail: a copy of the package whose config imports the trainer, and whose loop imports
+    the whole config's schema, breaks both."""
     copy = tmp_path / "platform" / "meshtrain"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
     schema = copy / "config" / "schema.py"
     schema.write_text(schema.read_text() + "\n\ndef _upward() -> None:\n    import meshtrain.train.trainer  # noqa: F401\n")
+    loop = copy / "train" / "loop.py"
+    loop.write_text(loop.read_text() + "\n\ndef _whole() -> None:\n    import meshtrain.config.schema  # noqa: F401\n")
     config = tmp_path / "pyproject.toml"
     config.write_text((REPO / "pyproject.toml").read_text())
     command = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
@@ -46,6 +49,7 @@ def test_the_layers_contract_catches_an_upward_import(tmp_path: Path) -> None:
     )
     assert result.returncode != 0, result.stdout
     assert "meshtrain.config.schema -> meshtrain.train.trainer" in result.stdout, result.stdout
+    assert "meshtrain.train.loop -> meshtrain.config.schema" in result.stdout, result.stdout
 
 
 def test_the_typed_packages_check_clean_and_a_misspelled_record_key_is_caught(tmp_path: Path) -> None:
@@ -99,7 +103,8 @@ def test_config_imports_nothing_of_meshtrain_torch_or_ray() -> None:
     """Building, validating, dumping and describing a config loads only the config package."""
     code = (
         "import json, sys\n"
-        "from meshtrain.config import MeshtrainConfig, describe_fields, load_config\n"
+        "from meshtrain.config.loading import describe_fields, load_config\n"
+        "from meshtrain.config.schema import MeshtrainConfig\n"
         "cfg = load_config(None, ['train.steps=50', 'data.source=/nowhere/*.jsonl', 'model.init_from=/nowhere'])\n"
         "MeshtrainConfig.model_validate(cfg.model_dump(mode='json'))\n"
         "describe_fields()\n"
@@ -112,6 +117,42 @@ def test_config_imports_nothing_of_meshtrain_torch_or_ray() -> None:
     assert ours and all(m == "meshtrain" or m.startswith("meshtrain.config") for m in ours), ours
     for name in ("torch", "ray", "numpy", "datasets", "tokenizers"):
         assert name not in modules, f"importing the config loaded {name}"
+
+
+def _modules_imported(path: Path) -> set[str]:
+    """The meshtrain modules a file imports, anywhere in it; ``from package import name`` also counts the
+    module ``name`` comes from when the package's ``__init__`` re-exports it."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+            init = REPO / "platform" / Path(*node.module.split(".")) / "__init__.py"
+            if init.exists():
+                names = {alias.name for alias in node.names}
+                found.update(
+                    inner.module for inner in ast.walk(ast.parse(init.read_text()))
+                    if isinstance(inner, ast.ImportFrom) and inner.module and names & {a.name for a in inner.names}
+                )
+    return found
+
+
+def test_the_path_of_one_job_is_listed_in_order_and_short() -> None:
+    """architecture.md lists the files of the default job's path; each is imported by a file above it, so a
+    renamed file or a new hop in the path fails here until the list says so."""
+    page = (REPO / "docs" / "architecture.md").read_text()
+    listed = page.split("<!-- path-of-one-job -->")[1].split("<!-- /path-of-one-job -->")[0]
+    files = [line.split("`")[1] for line in listed.strip().splitlines()]
+    assert len(files) <= 25, f"the path of one job is {len(files)} files, more than 25"
+    for index, file in enumerate(files):
+        assert (REPO / file).is_file(), f"{file} is listed in architecture.md but does not exist"
+        if index == 0:
+            continue
+        module = ".".join(Path(file).with_suffix("").parts[1:])
+        importers = [earlier for earlier in files[:index] if module in _modules_imported(REPO / earlier)]
+        assert importers, f"{file} (listed {index + 1}.) is imported by none of the files above it"
 
 
 @pytest.mark.parametrize("job", sorted(path.name for path in (REPO / "jobs").glob("*.py")))

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from corpora import stdlib_plan
-from meshtrain.config import ConfigError, DataConfig, load_config
+from meshtrain.config import ConfigError, DataConfig
+from meshtrain.config.loading import load_config
 from meshtrain.data.integrity import CorruptTokens
 from meshtrain.data import (
     DataParallelBatches,
@@ -33,6 +34,7 @@ from meshtrain.data.sampling import apportion
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.observe.run_folder import check_record
 from meshtrain.train.trainer import train
+from meshtrain.cluster.worker_plan import worker_plan
 from s3server import moto_s3
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,7 +76,7 @@ def test_training_from_the_store_equals_training_in_memory(plan) -> None:
                              f"data.seq_len={SEQ}", "data.vocab_size=512", "scaling.num_workers=1", "checkpoint.enabled=false"])
     reference = in_memory_stream(plan.tokenizer_json, plan.eos_id, 24)
     in_memory = TrainingData(PackedSequences(reference, SEQ, 0), None, plan.vocab_size, "in-memory")
-    losses = [[r["loss"] for r in train(cfg, data, WorkerLayout(), torch.device("cpu")).records] for data in (plan, in_memory)]
+    losses = [[r["loss"] for r in train(worker_plan(cfg, data), WorkerLayout(), torch.device("cpu")).records] for data in (plan, in_memory)]
     assert losses[0] == losses[1]  # bitwise
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain.config import load_config
+from meshtrain.config.loading import load_config
 from meshtrain.distributed.plan import memory_plan, planned_mesh
 from meshtrain.model.args import model_args
 from meshtrain.model.llama import build_model, count_parameters
@@ -26,14 +26,14 @@ def test_a_32_rank_step_is_traced_on_one_cpu_process_and_the_plan_holds_within_1
     args = model_args(cfg.model, cfg.data.vocab_size)
     plan, _ = planned_mesh(cfg.scaling, cfg.parallel)
     assert plan.shape == (4, 8)
-    peak = trace_step(cfg, args, plan)
+    peak = trace_step(args, plan, cfg.parallel, cfg.train, cfg.optim, cfg.data.seq_len, cfg.scaling.use_gpu)
     # The sharded state is exact: fp32 parameters and two AdamW moments, one eighth each (rows padded to 8).
     shard_bytes = 4 * count_parameters(build_model(args, "meta")) / 8
     assert peak.by_kind["Sharded Param"] == pytest.approx(shard_bytes, rel=0.01)
     assert peak.by_kind["OptState"] == pytest.approx(2 * shard_bytes, rel=0.01)
     # Activations were computed in bf16, as on the GPU: collectives, gathered units and activations all appear.
     assert peak.by_kind["Activation"] > 0 and peak.by_kind["Unsharded Param"] > 0
-    planned = memory_plan(cfg, args, plan, use_gpu=True).total
+    planned = memory_plan(args, plan, cfg.parallel, cfg.train, cfg.data.seq_len, True, cfg.model.document_mask).total
     assert abs(planned / peak.total - 1) < 0.10, (planned, peak)
 
 

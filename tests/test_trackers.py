@@ -12,7 +12,9 @@ import pytest
 
 from jobs import REPO
 from meshtrain.cluster.preflight import preflight
-from meshtrain.config import ConfigError, MeshtrainConfig, load_config
+from meshtrain.config import ConfigError
+from meshtrain.config.loading import load_config
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.observe.progress import StepRecorder
 from meshtrain.observe.run_folder import RecordFollower, RunPaths, append_records, read_records
 from meshtrain.observe.tracker_relay import TrackerRelay
@@ -208,7 +210,7 @@ from pathlib import Path
 from meshtrain.cli.pretrain import main
 from meshtrain.cluster.preflight import preflight
 from meshtrain.observe.tracker_relay import TrackerRelay
-from meshtrain.config import load_config
+from meshtrain.config.loading import load_config
 from meshtrain.observe.run_folder import RunPaths
 cfg = preflight(load_config(None, ["run.storage_path={tmp_path}", "run.name=plain"]))
 assert TrackerRelay.open(cfg, RunPaths("plain", Path("{tmp_path}"))) is None

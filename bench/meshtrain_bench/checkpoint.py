@@ -25,7 +25,7 @@ from meshtrain.checkpoint.checksums import ALGORITHM
 from meshtrain.checkpoint.manager import CheckpointManager
 from meshtrain.checkpoint.state import Progress, TrainState
 from meshtrain.checkpoint.storage import CheckpointStorage, CommittedCheckpoint
-from meshtrain.config import load_config
+from meshtrain.config.loading import load_config
 from meshtrain.model.args import model_args
 from meshtrain.model.init import init_weights
 from meshtrain.model.llama import build_model, materialize

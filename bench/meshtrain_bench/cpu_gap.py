@@ -35,7 +35,7 @@ def plain_loop(overrides: list[str], steps: int, warmup: int, workdir: str) -> f
     import torch
     import torch.nn.functional as F
 
-    from meshtrain.config import load_config
+    from meshtrain.config.loading import load_config
     from meshtrain.data import DataParallelBatches, open_data, prepare_data
     from meshtrain.model.args import model_args
     from meshtrain.model.init import init_weights
@@ -82,9 +82,10 @@ def trainer_in_process(overrides: list[str], steps: int, warmup: int, workdir: s
     import torch
     import torch.distributed as dist
 
-    from meshtrain.config import load_config
+    from meshtrain.config.loading import load_config
     from meshtrain.data import prepare_data
     from meshtrain.distributed.layout import WorkerLayout
+    from meshtrain.cluster.worker_plan import worker_plan
     from meshtrain.train.trainer import train
 
     cfg = load_config(None, [*overrides, *RUN_SETTINGS, "scaling.num_workers=1", f"train.steps={steps}",
@@ -93,7 +94,7 @@ def trainer_in_process(overrides: list[str], steps: int, warmup: int, workdir: s
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     records: list[dict] = []
     try:
-        train(cfg, plan, WorkerLayout(), torch.device("cpu"), records.append)
+        train(worker_plan(cfg, plan), WorkerLayout(), torch.device("cpu"), records.append)
     finally:
         dist.destroy_process_group()
     return median_rate(records, warmup)

@@ -59,7 +59,7 @@ def download_wheels(target: Path, python_version: str) -> list[Path]:
 
 def prepare_store(target: Path) -> Path:
     """The standard-library corpus tokenized as the debug preset's runs do, without Ray."""
-    from meshtrain.config import load_config
+    from meshtrain.config.loading import load_config
     from meshtrain.data import prepare_data
 
     cfg = load_config(None, ["data.source=stdlib"])

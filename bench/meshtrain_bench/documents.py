@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from meshtrain_bench.single_process import alternating_medians, single_process_run
-from meshtrain.config import load_config
+from meshtrain.config.loading import load_config
 from meshtrain.distributed.layout import RankLayout
 from meshtrain.train.step import train_step
 

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from meshtrain.config import load_config
+from meshtrain.config.loading import load_config
 
 TASKS = Path(__file__).resolve().parents[2] / "tests" / "data" / "downstream"
 

@@ -49,7 +49,8 @@ import torch.distributed as dist
 
 from meshtrain_bench.gpu_configs import Window, build_config
 from meshtrain_bench.gpu_measure import device_peak, timed_figures
-from meshtrain.config import ConfigError, MeshtrainConfig, one_line
+from meshtrain.config import ConfigError, one_line
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataPlan, prepare_data
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.distributed.mesh import resolve_mesh_shape
@@ -271,7 +272,7 @@ class Runner:
             args = model_args(cfg.model, data.vocab_size)
             plan = resolve_mesh_shape(1, 1, cfg.parallel.strategy, cfg.parallel.shard, cfg.parallel.context,
                                       cfg.parallel.tensor)
-            planned = memory_plan(cfg, args, plan, device.type == "cuda").total
+            planned = memory_plan(args, plan, cfg.parallel, cfg.train, cfg.data.seq_len, device.type == "cuda", cfg.model.document_mask).total
             if check.kind == "resume":
                 records = self._train_resumed(cfg, data, device)
             else:
@@ -290,13 +291,14 @@ class Runner:
         return row
 
     def _train(self, cfg: MeshtrainConfig, data: DataPlan, device: torch.device) -> list[dict[str, Any]]:
+        from meshtrain.cluster.worker_plan import worker_plan
         from meshtrain.train.trainer import train
 
         if device.type == "cuda":
             set_matmul_precision(use_tf32(cfg.train.tf32, cfg.parallel.mixed_precision, device.type))
             torch.cuda.reset_peak_memory_stats(device)
         records: list[dict[str, Any]] = []
-        result = train(cfg, data, WorkerLayout(), device, records.append)
+        result = train(worker_plan(cfg, data), WorkerLayout(), device, records.append)
         records.append({"event": "result", "parameters": result.parameters})
         self._keep_diagnostics(records)
         return records

@@ -16,7 +16,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: benchmarks run its jobs/ and read its configs
 
-from meshtrain.config import ConfigError, MeshtrainConfig, ScalingConfig, TrainConfig, load_config
+from meshtrain.config import ConfigError, ScalingConfig, TrainConfig
+from meshtrain.config.loading import load_config
+from meshtrain.config.schema import MeshtrainConfig
 
 DEFAULT_MATRIX = REPO / "jobs" / "bench_gpu.yaml"
 PROFILED_STEPS = 1  # traced by rank 0 after the timed steps, the step before them starting the profiler

@@ -3,7 +3,8 @@ a traced step on fake tensors), without Ray."""
 
 from __future__ import annotations
 
-from meshtrain.config import ConfigError, MeshtrainConfig
+from meshtrain.config import ConfigError
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import tokenizer_vocab_size
 from meshtrain.distributed.plan import GIB, MemoryPlan, describe_plan, memory_plan, planned_device, planned_mesh
 from meshtrain.model.args import model_args
@@ -65,7 +66,8 @@ def dry_run(
                 build_config(run_settings(config, window, "dry-run", "runs/bench_gpu", profile)), device_type
             )
             args = model_args(cfg.model, tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size))
-            report = describe_plan(cfg, args)
+            report = describe_plan(args, cfg.parallel, cfg.scaling, cfg.train, cfg.data.seq_len,
+                                   cfg.model.document_mask, cfg.elastic_sizes())
         except ConfigError as exc:
             print(f"config error: {exc}\n")
             summary.append((config.name, "-", "-", f"config error: {exc}"))
@@ -74,13 +76,14 @@ def dry_run(
         print(f"model FLOPs per token: {flops_per_token(args, cfg.data.seq_len):.4g} ({FLOPS_FORMULA})")
         print(report + "\n")
         plan, _ = planned_mesh(cfg.scaling, cfg.parallel)
-        memory = memory_plan(cfg, args, plan, cfg.scaling.use_gpu)
+        memory = memory_plan(args, plan, cfg.parallel, cfg.train, cfg.data.seq_len, cfg.scaling.use_gpu, cfg.model.document_mask)
         verdict = short_verdict(cfg, memory)
         row = (config.name, f"{memory.total / GIB:.1f}", f"{cfg.scaling.num_workers}", verdict)
         if trace:
             from meshtrain.train.trace import trace_step
 
-            traced = trace_step(cfg, args, plan).on_device(cfg.parallel.cpu_offload)
+            traced = trace_step(args, plan, cfg.parallel, cfg.train, cfg.optim, cfg.data.seq_len,
+                                cfg.scaling.use_gpu).on_device(cfg.parallel.cpu_offload)
             print(f"traced peak per rank: {traced / GIB:.2f} GiB; plan/traced {memory.total / traced:.3f}\n", flush=True)
             row = (*row[:2], f"{traced / GIB:.1f}", f"{memory.total / traced:.3f}", *row[2:])
         summary.append(row)

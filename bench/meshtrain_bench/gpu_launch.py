@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshtrain.config import MeshtrainConfig
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.observe.run_folder import RunPaths, read_records, read_worker_starts
 from meshtrain.train.profiling import summary_line
 from meshtrain_bench.gpu_configs import BenchConfig, Window, build_config, run_settings

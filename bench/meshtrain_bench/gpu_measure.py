@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from meshtrain.config import MeshtrainConfig, ModelArgs
+from meshtrain.config import ModelArgs
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import tokenizer_vocab_size
 from meshtrain.distributed.layout import MeshPlan
 from meshtrain.distributed.mesh import resolve_mesh_shape
@@ -173,7 +174,7 @@ def _fill_memory(row: Row, cfg: MeshtrainConfig, args: ModelArgs, summary: dict[
     on_gpu = "peak_device_memory_bytes" in summary
     row.measured_peak_bytes = summary.get("peak_device_memory_bytes" if on_gpu else "peak_host_rss_bytes")
     row.measured_kind = "cuda_max_allocated" if on_gpu else "host_peak_rss"
-    row.planned_bytes = memory_plan(cfg, args, actual_mesh(cfg, summary), cfg.scaling.use_gpu).total
+    row.planned_bytes = memory_plan(args, actual_mesh(cfg, summary), cfg.parallel, cfg.train, cfg.data.seq_len, cfg.scaling.use_gpu, cfg.model.document_mask).total
     if on_gpu and row.measured_peak_bytes is not None:
         row.measured_over_planned = row.measured_peak_bytes / row.planned_bytes
     row.alloc_retries = summary.get("num_alloc_retries")

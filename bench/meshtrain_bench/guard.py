@@ -21,7 +21,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]  # the checkout: benchmarks run its jobs/ and read its configs
 
 from meshtrain_bench.single_process import alternating_medians, single_process_run
-from meshtrain.config import load_config
+from meshtrain.config.loading import load_config
 from meshtrain.distributed.layout import RankLayout
 from meshtrain.distributed.parallelize import clip_grad_norm_
 from meshtrain.model.loss import token_cross_entropy_sum

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from meshtrain.config import MeshtrainConfig, load_config
+from meshtrain.config.loading import load_config
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataPlan, prepare_data
 
 LAYOUTS_2 = {"FSDP 2": [], "TP 2": ["parallel.tensor=2"], "CP 2": ["parallel.context=2"]}
@@ -43,13 +44,14 @@ def _free_port() -> int:
 
 def _rank(rank: int, world: int, port: int, cfg: MeshtrainConfig, data: DataPlan, out: str) -> None:
     from meshtrain.distributed.layout import WorkerLayout
+    from meshtrain.cluster.worker_plan import worker_plan
     from meshtrain.train.trainer import train
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        result = train(cfg, data, WorkerLayout(rank, world, rank, world, 0), torch.device("cpu"))
+        result = train(worker_plan(cfg, data), WorkerLayout(rank, world, rank, world, 0), torch.device("cpu"))
         if rank == 0:
             Path(out).write_text(repr([r["tokens_per_s"] for r in result.records]))
     finally:

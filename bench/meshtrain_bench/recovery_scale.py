@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from meshtrain.config import ModelArgs, load_config
+from meshtrain.config import ModelArgs
+from meshtrain.config.loading import load_config
 
 GB = 1e9
 

@@ -64,10 +64,10 @@ def probe_training(summary: dict[str, Any], steps: int, workdir: str) -> dict[st
     """Train ``steps`` steps on the store in this process; what one rank holds afterwards."""
     import torch
 
-    from meshtrain.config import load_config
+    from meshtrain.config.loading import load_config
     from meshtrain.data import open_data
     from meshtrain.distributed.layout import WorkerLayout
-    from meshtrain.model.args import model_args
+    from meshtrain.cluster.worker_plan import worker_plan
     from meshtrain.train.trainer import RankContext, Trainer
 
     torch.set_num_threads(1)
@@ -82,7 +82,7 @@ def probe_training(summary: dict[str, Any], steps: int, workdir: str) -> dict[st
     started = time.perf_counter()
     data = open_data(_plan(summary, {}), SEQ_LEN, cfg.train.seed)
     opened_s = time.perf_counter() - started
-    trainer = Trainer(cfg, model_args(cfg.model, data.vocab_size), data, RankContext(WorkerLayout(), torch.device("cpu")))
+    trainer = Trainer(worker_plan(cfg, data), data, RankContext(WorkerLayout(), torch.device("cpu")))
     try:
         result = trainer.run()
         after = {"fds": _descriptors() - fds, "maps": _mappings() - maps, "fds_total": _descriptors(),

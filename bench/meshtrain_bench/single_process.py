@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from meshtrain.config import MeshtrainConfig
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataParallelBatches, TrainingData, open_data, prepare_data
 from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.model.args import model_args
 from meshtrain.model.llama import Transformer
 from meshtrain.train.guard import StepGuard
 from meshtrain.train.setup import build_sharded_model
@@ -40,11 +41,12 @@ def single_process_run(
     plan = prepare_data(cfg.data, workdir, cfg.data.seq_len, use_ray=False, log=lambda _: None)
     data = open_data(plan, cfg.data.seq_len, cfg.train.seed)
     masked = cfg.model.document_mask if document_mask is None else document_mask
-    model, _ = build_sharded_model(cfg, data.vocab_size, WorkerLayout(), device,
+    model, _ = build_sharded_model(model_args(cfg.model, data.vocab_size), cfg.parallel, WorkerLayout(), device,
+                                   cfg.train.seed, cfg.scaling.workers_per_node, cfg.model.init_from,
                                    document_eos=data.eos_id if masked else None)
     optimizer = build_optimizer(model, cfg.optim)
     guard = StepGuard(optimizer, device, cfg.train.loss_spike_factor, cfg.train.loss_spike_window)
-    micro, _ = cfg.batch_layout(1)
+    micro, _ = cfg.train.batch_layout(1)
     batches = DataParallelBatches(data.train, cfg.train.global_batch_size, micro, 0, 1, device)
     return SingleProcessRun(cfg, device, data, model, optimizer, guard, [list(batches.next_step()) for _ in range(steps)])
 

@@ -20,7 +20,8 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from meshtrain.cli.common import generated_page
-from meshtrain.config import MODEL_PRESETS, MeshtrainConfig
+from meshtrain.config import MODEL_PRESETS
+from meshtrain.config.schema import MeshtrainConfig
 
 REPO = Path(__file__).resolve().parents[3]
 REFERENCE = REPO / "docs" / "configuration.md"

@@ -12,7 +12,8 @@ import sys
 import time
 
 from meshtrain.cli.common import CONFIG_ERROR_PREFIX, EXIT_CONFIG_ERROR, OneLineParser, fail, interrupted
-from meshtrain.config import ConfigError, config_error_in, load_config
+from meshtrain.config import ConfigError, config_error_in
+from meshtrain.config.loading import load_config
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -12,7 +12,9 @@ from meshtrain.cli.common import (
     EXIT_TRAINING_FAILED,
     OneLineParser,
 )
-from meshtrain.config import ConfigError, MeshtrainConfig, ModelArgs, describe_fields, load_config
+from meshtrain.config import ConfigError, ModelArgs
+from meshtrain.config.loading import describe_fields, load_config
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.observe.goodput import goodput_line
 
 
@@ -55,7 +57,8 @@ def dry_run(cfg: MeshtrainConfig, trace: bool = False) -> None:
     from meshtrain.model.args import model_args
 
     args = model_args(cfg.model, tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size))
-    report = describe_plan(cfg, args)  # may raise ConfigError: then nothing goes to stdout
+    report = describe_plan(args, cfg.parallel, cfg.scaling, cfg.train, cfg.data.seq_len, cfg.model.document_mask,
+                           cfg.elastic_sizes())  # may raise ConfigError: then nothing goes to stdout
     print(config_yaml(cfg), end="")
     print("---")
     print(report, flush=True)
@@ -69,8 +72,9 @@ def traced_report(cfg: MeshtrainConfig, args: ModelArgs) -> str:
     from meshtrain.train.trace import trace_step
 
     plan, _ = planned_mesh(cfg.scaling, cfg.parallel)
-    planned = memory_plan(cfg, args, plan, cfg.scaling.use_gpu).total
-    peak = trace_step(cfg, args, plan)
+    use_gpu, seq_len = cfg.scaling.use_gpu, cfg.data.seq_len
+    planned = memory_plan(args, plan, cfg.parallel, cfg.train, seq_len, use_gpu, cfg.model.document_mask).total
+    peak = trace_step(args, plan, cfg.parallel, cfg.train, cfg.optim, seq_len, use_gpu)
     traced = peak.on_device(cfg.parallel.cpu_offload)
     kinds = ", ".join(f"{kind} {value / GIB:.3f}" for kind, value in peak.by_kind.items() if value)
     return "\n".join([

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.checkpoint.storage import CheckpointStorage, CommittedCheckpoint, run_checkpoints
-from meshtrain.config import MeshtrainConfig, one_line
+from meshtrain.config import one_line
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.evaluate.checkpoint_eval import (
     DOWNSTREAM_DIR,
     RESULTS_FILE,

@@ -33,8 +33,10 @@ from meshtrain.cluster.resume import (
     resolve_schedule_horizon,
     write_run_config,
 )
+from meshtrain.cluster.worker_plan import worker_plan
 from meshtrain.cluster.run_lease import RunLease
-from meshtrain.config import MeshtrainConfig, config_error_in, redact_url
+from meshtrain.config import config_error_in, redact_url
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import prepare_data
 from meshtrain.data.local_files import write_atomically
 from meshtrain.observe.goodput import GoodputLedger
@@ -42,7 +44,6 @@ from meshtrain.observe.metrics import targets_name, targets_path, write_targets
 from meshtrain.observe.run_folder import RunPaths, StopRequest, Summary, read_summary, write_summary
 from meshtrain.observe.progress import ProgressMonitor
 from meshtrain.observe.tracker_relay import TrackerRelay
-from meshtrain.train.spec import RunSpec
 
 
 def resolve_run(cfg: MeshtrainConfig) -> tuple[MeshtrainConfig, RunPaths]:
@@ -118,7 +119,7 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
         f"vocab {data.vocab_size} from {stores}; outputs in {paths.run_dir}",
         flush=True,
     )
-    spec = RunSpec.resolve(cfg, data, paths, launch_id)
+    plan = worker_plan(cfg, data, launch_id)
     endpoint = DriverEndpoint.open(cfg.metrics, cfg.run.storage_path, paths.name)
     exporter = endpoint.metrics if endpoint is not None else None
     downstream = (DownstreamEvaluations(cfg, paths, exporter=exporter)
@@ -140,9 +141,9 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
                                     listeners=[follow_goodput]), \
                     downstream if downstream is not None else contextlib.nullcontext():
                 if cfg.fault_tolerance.mode == "replica":
-                    fit_replica_groups(spec, build_trainer)
+                    fit_replica_groups(plan, build_trainer)
                 else:
-                    build_trainer(spec).fit()
+                    build_trainer(plan).fit()
                 trained_at = time.time()
                 if downstream is not None:  # the job log shows the results as they land
                     downstream.finish(cfg.eval.downstream.final_wait_s)

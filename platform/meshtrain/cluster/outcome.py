@@ -10,7 +10,7 @@ from typing import Any
 
 from meshtrain.checkpoint.storage import newest_committed
 from meshtrain.cluster.failures import Failure
-from meshtrain.config import MeshtrainConfig
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.observe.run_folder import RunPaths, read_worker_starts
 
 

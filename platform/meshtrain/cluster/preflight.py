@@ -25,7 +25,8 @@ from fsspec.core import split_protocol
 from meshtrain.checkpoint.hf_weights import check_weight_headers
 from meshtrain.checkpoint.storage import CheckpointStorage, checkpoint_root
 from meshtrain.cluster.worker_env import worker_env
-from meshtrain.config import ConfigError, DataConfig, MeshtrainConfig, ModelConfig, one_line, redact_url, require_extra
+from meshtrain.config import ConfigError, DataConfig, ModelConfig, one_line, redact_url, require_extra
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import expand_local_source, tokenizer_vocab_size
 from meshtrain.data.location import with_timeouts
 from meshtrain.data.store import is_token_store
@@ -84,7 +85,7 @@ def preflight(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> Meshtrain
     _check_metrics_address(cfg)
     _check_float8(cfg)
     _check_downstream(cfg)
-    worker_env(cfg, os.environ)  # an allocator setting that conflicts with the environment's
+    worker_env(cfg.run, cfg.scaling, cfg.memory, os.environ)  # an allocator setting that conflicts with the environment's
     check_wandb(cfg)
     check_mlflow(cfg)
     return cfg

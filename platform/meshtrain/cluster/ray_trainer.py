@@ -25,7 +25,7 @@ from meshtrain.cluster.worker_env import worker_env
 from meshtrain.config import ConfigError, one_line
 from meshtrain.distributed.replicas import ReplicaPlacement
 from meshtrain.ray_compat import DefaultFailurePolicy, ElasticScalingPolicy, FailureDecision
-from meshtrain.train.spec import RunSpec
+from meshtrain.train.plan import WorkerPlan
 
 logger = logging.getLogger(__name__)
 
@@ -90,18 +90,17 @@ def load_ray_callbacks(specs: list[str]) -> list[Any]:
     return callbacks
 
 
-def build_trainer(spec: RunSpec, replica: ReplicaPlacement | None = None) -> Any:
+def build_trainer(plan: WorkerPlan, replica: ReplicaPlacement | None = None) -> Any:
     """The run's Ray Train trainer; with ``replica`` (fault_tolerance.mode=replica), one replica group's."""
     from ray.train.torch import TorchConfig
     from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig
 
     from meshtrain.cluster.worker import train_loop_per_worker
 
-    cfg, paths = spec.config, spec.paths
-    scaling = cfg.scaling
+    paths, scaling = plan.paths, plan.scaling
     if not scaling.use_gpu:
         backend = "gloo"
-    elif cfg.parallel.cpu_offload:
+    elif plan.parallel.cpu_offload:
         backend = "cpu:gloo,cuda:nccl"  # offloaded gradients are clipped with collectives on host memory
     else:
         backend = "nccl"
@@ -110,14 +109,14 @@ def build_trainer(spec: RunSpec, replica: ReplicaPlacement | None = None) -> Any
         # Only trainable sizes; a resize first has the group save where it is (without checkpoints the
         # ranks answer at once).
         elastic_policy = functools.partial(
-            TrainableSizesPolicy, sizes=cfg.elastic_sizes(), grow_save_timeout_s=scaling.grow_save_timeout_s
+            TrainableSizesPolicy, sizes=list(plan.group_sizes), grow_save_timeout_s=scaling.grow_save_timeout_s
         )
     return trainer_class()(
         train_loop_per_worker,
         elastic_policy=elastic_policy,
         # The resolved objects themselves: re-validating on workers would re-check data paths that exist
         # only where the driver runs; the data plan holds store locations, workers map the shards themselves.
-        train_loop_config={"spec": spec, "replica": replica},
+        train_loop_config={"plan": plan, "replica": replica},
         torch_config=TorchConfig(backend=backend, timeout_s=scaling.timeout_s),
         scaling_config=ScalingConfig(
             # Elastic: Ray starts the group on as many workers as the cluster holds in this range,
@@ -133,9 +132,9 @@ def build_trainer(spec: RunSpec, replica: ReplicaPlacement | None = None) -> Any
         run_config=RunConfig(
             name=paths.name if replica is None else f"{paths.name}.replica{replica.index}",
             storage_path=str(paths.storage_path),
-            failure_config=FailureConfig(max_failures=cfg.run.max_failures),
-            callbacks=load_ray_callbacks(cfg.metrics.ray_callbacks),
+            failure_config=FailureConfig(max_failures=plan.run.max_failures),
+            callbacks=load_ray_callbacks(plan.metrics.ray_callbacks),
             # Read by torch when the worker starts its process group and CUDA, before our code runs.
-            worker_runtime_env={"env_vars": worker_env(cfg, os.environ)},
+            worker_runtime_env={"env_vars": worker_env(plan.run, plan.scaling, plan.memory, os.environ)},
         ),
     )

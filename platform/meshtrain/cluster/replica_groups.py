@@ -18,21 +18,21 @@ import ray
 
 from meshtrain.checkpoint.storage import newest_committed
 from meshtrain.distributed.replicas import LighthouseServer, ReplicaPlacement
-from meshtrain.train.spec import RunSpec
+from meshtrain.train.plan import WorkerPlan
 
 
-def fit_replica_groups(spec: RunSpec, build: Callable[[RunSpec, ReplicaPlacement], Any]) -> None:
+def fit_replica_groups(plan: WorkerPlan, build: Callable[[WorkerPlan, ReplicaPlacement], Any]) -> None:
     """Train with every replica group; return once one group trained to the end, or raise the first
     group's failure once every group has failed (Ray restarts each up to run.max_failures times).
 
     ``build`` makes a group's trainer. Groups still restarting when the run ends (a replacement
     waiting for capacity) are left to Ray, which ends them with the job; those still stepping finish
     the same last step and are waited for, up to fault_tolerance.quorum_timeout_s."""
-    cfg = spec.config
-    replicas = cfg.replica_groups()
-    lighthouse = LighthouseServer(cfg.fault_tolerance, replicas)
+    replicas = plan.replica_groups
+    assert replicas is not None, "fault_tolerance.mode=replica resolves the replica groups"
+    lighthouse = LighthouseServer(plan.fault_tolerance, replicas)
     address = lighthouse.address_on(ray.util.get_node_ip_address())
-    _, newest = newest_committed(cfg.checkpoint, cfg.run)
+    _, newest = newest_committed(plan.checkpoint, plan.run)
     resume_step = newest.step if newest is not None else 0
     outcomes: dict[int, BaseException | None] = {}
     changed = threading.Condition()
@@ -40,7 +40,7 @@ def fit_replica_groups(spec: RunSpec, build: Callable[[RunSpec, ReplicaPlacement
     def fit(index: int) -> None:
         error: BaseException | None = None
         try:
-            build(spec, ReplicaPlacement(index, replicas, address, resume_step=resume_step)).fit()
+            build(plan, ReplicaPlacement(index, replicas, address, resume_step=resume_step)).fit()
         except BaseException as exc:  # handed to the driver's thread
             error = exc
         with changed:
@@ -58,7 +58,7 @@ def fit_replica_groups(spec: RunSpec, build: Callable[[RunSpec, ReplicaPlacement
                     first_failure = next(error for error in outcomes.values() if error is not None)
                     raise first_failure
                 changed.wait()
-        deadline = time.monotonic() + cfg.fault_tolerance.quorum_timeout_s
+        deadline = time.monotonic() + plan.fault_tolerance.quorum_timeout_s
         for thread in threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
     finally:

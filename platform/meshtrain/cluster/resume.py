@@ -12,7 +12,8 @@ from typing import Any
 import yaml
 
 from meshtrain.checkpoint.storage import run_checkpoints
-from meshtrain.config import ConfigError, MeshtrainConfig, one_line
+from meshtrain.config import ConfigError, one_line
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import SAMPLING_SCHEME, DataPlan, checkpoint_sampling
 from meshtrain.data.local_files import write_atomically
 from meshtrain.observe.run_folder import RunPaths

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.checkpoint.storage import newest_committed
-from meshtrain.config import MeshtrainConfig, ModelArgs
+from meshtrain.config import CheckpointConfig, RunConfig, ScalingConfig
 from meshtrain.cluster.eviction import StragglerEviction
 from meshtrain.cluster.failures import stamp
 from meshtrain.distributed.layout import WorkerLayout
@@ -48,7 +48,7 @@ from meshtrain.observe.run_folder import (
     write_summary,
 )
 from meshtrain.observe.trackers import DRIVER_EVENTS
-from meshtrain.train.spec import RunSpec
+from meshtrain.train.plan import WorkerPlan
 from meshtrain.train.trainer import train
 
 
@@ -60,7 +60,7 @@ def _gather(value: Any) -> list[Any]:
     return gathered
 
 
-def resize_record(previous: WorkerStart | None, launch_id: str, world_size: int, cfg: MeshtrainConfig) -> ResizeRecord | None:
+def resize_record(previous: WorkerStart | None, launch_id: str, world_size: int, scaling: ScalingConfig) -> ResizeRecord | None:
     """The ``resize`` event when this group's size differs from the run's previous start, else None."""
     if previous is None:
         return None
@@ -72,11 +72,11 @@ def resize_record(previous: WorkerStart | None, launch_id: str, world_size: int,
     elif world_size < before:
         reason = (
             f"capacity lost: Ray restarted the group on the {world_size} workers the cluster holds "
-            f"(scaling.min_workers={cfg.scaling.required_workers})"
+            f"(scaling.min_workers={scaling.required_workers})"
         )
     else:
         reason = (
-            f"capacity returned: Ray's check every scaling.resize_check_interval_s={cfg.scaling.resize_check_interval_s:g}s "
+            f"capacity returned: Ray's check every scaling.resize_check_interval_s={scaling.resize_check_interval_s:g}s "
             f"found room for {world_size} workers"
         )
     return ResizeRecord(event="resize", time=time.time(), from_workers=before, to_workers=world_size, reason=reason)
@@ -101,21 +101,22 @@ class UntrainableGroupSize(RuntimeError):
     """Ray started an elastic group of a size the run cannot train on; its next start may fit."""
 
 
-def check_group_size(cfg: MeshtrainConfig, world_size: int, replica: ReplicaPlacement | None = None) -> None:
+def check_group_size(plan: WorkerPlan, world_size: int, replica: ReplicaPlacement | None = None) -> None:
     """An elastic group of a size the run cannot train on (a partial shard group, or a global batch
     it does not divide) fails its start with one line; Ray then retries (not a permanent failure:
     the cluster's capacity changes). A replica group has the one size of a replica."""
-    sizes = [cfg.scaling.num_workers // replica.replicas] if replica is not None else cfg.elastic_sizes()
+    scaling = plan.scaling
+    sizes = [scaling.num_workers // replica.replicas] if replica is not None else list(plan.group_sizes)
     if world_size not in sizes:
         raise UntrainableGroupSize(
-            f"Ray started {world_size} workers, but scaling.min_workers={cfg.scaling.required_workers} to "
-            f"scaling.num_workers={cfg.scaling.num_workers} trains only on {', '.join(map(str, sizes))} (whole shard "
+            f"Ray started {world_size} workers, but scaling.min_workers={scaling.required_workers} to "
+            f"scaling.num_workers={scaling.num_workers} trains only on {', '.join(map(str, sizes))} (whole shard "
             "groups that divide train.global_batch_size); give nodes whole multiples of the shard group"
         )
 
 
 def record_worker_start(
-    paths: RunPaths, launch_id: str, layout: WorkerLayout, cfg: MeshtrainConfig, replica: int | None = None
+    paths: RunPaths, launch_id: str, layout: WorkerLayout, scaling: ScalingConfig, replica: int | None = None
 ) -> tuple[int, list[dict[str, Any]], ResizeRecord | None]:
     """Log this worker group's start, with where every rank runs, in the run directory.
 
@@ -135,7 +136,7 @@ def record_worker_start(
     if layout.world_rank == 0:
         earlier = read_worker_starts(paths)
         if replica is None:
-            resize = resize_record(earlier[-1] if earlier else None, launch_id, layout.world_size, cfg)
+            resize = resize_record(earlier[-1] if earlier else None, launch_id, layout.world_size, scaling)
         start: WorkerStart = {"launch": launch_id, "time": time.time(), "world_size": layout.world_size,
                               "workers": workers}
         if replica is not None:
@@ -148,21 +149,21 @@ def record_worker_start(
 
 
 def start_metrics(
-    cfg: MeshtrainConfig, layout: WorkerLayout, device: torch.device, args: ModelArgs, restarts: int,
-    replica: int | None = None,
+    plan: WorkerPlan, layout: WorkerLayout, device: torch.device, restarts: int, replica: int | None = None,
 ) -> TrainingMetrics:
     """Serve this worker's /metrics and (rank 0) publish every worker's endpoint for Prometheus.
 
     Replica groups may share a node: each serves on ports of its own, and publishes its own targets file."""
-    assert cfg.run.name is not None
+    settings, run = plan.metrics, plan.run
+    assert run.name is not None
     offset = layout.local_rank if replica is None else replica * layout.world_size + layout.local_rank
     node_ip = ray.util.get_node_ip_address()
     peak = device_peak_flops(
         device,
-        param_dtype(cfg.parallel.mixed_precision, device.type),
-        cfg.metrics.peak_flops_per_s,
-        cfg.metrics.cpu_peak_flops_per_s,
-        tf32=use_tf32(cfg.train.tf32, cfg.parallel.mixed_precision, device.type),
+        param_dtype(plan.parallel.mixed_precision, device.type),
+        settings.peak_flops_per_s,
+        settings.cpu_peak_flops_per_s,
+        tf32=use_tf32(plan.train.tf32, plan.parallel.mixed_precision, device.type),
     )
     if peak is None and layout.world_rank == 0:
         print(
@@ -170,20 +171,19 @@ def start_metrics(
             "set metrics.peak_flops_per_s to get meshtrain_mfu_ratio"
         )
     metrics = TrainingMetrics(
-        run=cfg.run.name,
+        run=run.name,
         rank=layout.world_rank,
         node=node_ip,
         device=device,
-        flops_per_token=flops_per_token(args, cfg.data.seq_len),
+        flops_per_token=flops_per_token(plan.model, plan.data_config.seq_len),
         peak_flops_per_s=peak,
     )
     metrics.restarts.set(restarts)
-    metrics.set_plan(cfg.scaling.num_workers, cfg.checkpoint.interval if cfg.checkpoint.enabled else None)
-    port = metrics.serve(cfg.metrics.bind_address, cfg.metrics.port + offset)
-    endpoints = _gather(Endpoint(advertised_host(cfg.metrics.bind_address, node_ip), port))
+    metrics.set_plan(plan.scaling.num_workers, plan.checkpoint.interval if plan.checkpoint.enabled else None)
+    port = metrics.serve(settings.bind_address, settings.port + offset)
+    endpoints = _gather(Endpoint(advertised_host(settings.bind_address, node_ip), port))
     if layout.world_rank == 0:
-        write_targets(targets_path(cfg.metrics.targets_dir, cfg.run.storage_path, targets_name(cfg.run.name, replica)),
-                      endpoints)
+        write_targets(targets_path(settings.targets_dir, run.storage_path, targets_name(run.name, replica)), endpoints)
     return metrics
 
 
@@ -200,9 +200,9 @@ def peak_memory(device: torch.device) -> Summary:
     return Summary(device="cpu", peak_host_rss_bytes=max(_gather(peak_rss)))
 
 
-def result_pointer(cfg: MeshtrainConfig, paths: RunPaths) -> dict[str, Any]:
+def result_pointer(checkpoint: CheckpointConfig, run: RunConfig, paths: RunPaths) -> dict[str, Any]:
     """What the run's last Ray report points at: the run directory and the newest committed checkpoint."""
-    storage, newest = newest_committed(cfg.checkpoint, cfg.run)
+    storage, newest = newest_committed(checkpoint, run)
     return {
         "run_dir": str(paths.run_dir),
         "checkpoint": storage.display(newest.path) if newest is not None else None,
@@ -222,8 +222,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
 
 def _train_worker(loop_config: dict[str, Any]) -> None:
-    spec: RunSpec = loop_config["spec"]
-    cfg, data, paths = spec.config, spec.data, spec.paths
+    plan: WorkerPlan = loop_config["plan"]
+    paths = plan.paths
     context = ray.train.get_context()
     layout = WorkerLayout(
         world_rank=context.get_world_rank(),
@@ -235,15 +235,15 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
     )
     device = ray.train.torch.get_device()
     check_torch()  # this node's torch: the driver checked only its own
-    check_group_size(cfg, layout.world_size, loop_config.get("replica"))
+    check_group_size(plan, layout.world_size, loop_config.get("replica"))
     if device.type == "cuda":
-        set_matmul_precision(use_tf32(cfg.train.tf32, cfg.parallel.mixed_precision, device.type))
+        set_matmul_precision(use_tf32(plan.train.tf32, plan.parallel.mixed_precision, device.type))
     replica: ReplicaPlacement | None = loop_config.get("replica")
     index = replica.index if replica is not None else None
-    restarts, workers, resize = record_worker_start(paths, spec.launch_id, layout, cfg, index)
+    restarts, workers, resize = record_worker_start(paths, plan.launch_id, layout, plan.scaling, index)
     if replica is not None:
         replica = dataclasses.replace(replica, joining=restarts > 0)  # Ray restarted this group: it replaces one
-    metrics = start_metrics(cfg, layout, device, spec.model, restarts, index) if cfg.metrics.port else None
+    metrics = start_metrics(plan, layout, device, restarts, index) if plan.metrics.port else None
     sinks: list[Any] = []
     board = None
     if layout.world_rank == 0:
@@ -251,14 +251,14 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
         # The driver relays metrics.jsonl to the trackers; this tells them which start of the group it is.
         recorder.record(GroupStartRecord(event="group_start", restarts=restarts, workers=layout.world_size, time=time.time()))
         sinks.append(recorder)
-        if cfg.metrics.tensorboard:
+        if plan.metrics.tensorboard:
             board = TensorBoardWriter(paths.run_dir / "tensorboard")
             sinks.append(board)
 
     # The driver appends its downstream evaluations to metrics.jsonl; at each logged step rank 0 hands
     # those it has not seen to TensorBoard (the driver serves them to Prometheus and the trackers).
     downstream = (RecordFollower(paths.metrics, set(DRIVER_EVENTS))
-                  if board is not None and (cfg.eval.downstream.enabled or cfg.eval.samples.prompts) else None)
+                  if board is not None and (plan.eval.downstream.enabled or plan.eval.samples.prompts) else None)
 
     def on_record(record: MetricsRecord) -> None:
         for sink in sinks:
@@ -270,16 +270,16 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
     if resize is not None:
         on_record(resize)
 
-    reporter = RayTrainReporter(cfg.metrics.ray_report_interval_s, layout.world_rank, device)
+    reporter = RayTrainReporter(plan.metrics.ray_report_interval_s, layout.world_rank, device)
     eviction = None
-    if cfg.scaling.evict_stragglers and layout.world_rank == 0:
-        eviction = StragglerEviction(workers, cfg.scaling.required_workers, on_record)
+    if plan.scaling.evict_stragglers and layout.world_rank == 0:
+        eviction = StragglerEviction(workers, plan.scaling.required_workers, on_record)
     try:
-        stop_request = StopRequest(str(paths.stop_request), spec.launch_id)
-        result = train(cfg, data, layout, device, on_record if sinks else None, metrics, reporter, eviction,
-                       stop_request, model=spec.model, replica=replica)
+        stop_request = StopRequest(str(paths.stop_request), plan.launch_id)
+        result = train(plan, layout, device, on_record if sinks else None, metrics, reporter, eviction,
+                       stop_request, replica=replica)
         if metrics is not None:
-            metrics.await_final_scrape(cfg.metrics.final_scrape_timeout_s)
+            metrics.await_final_scrape(plan.metrics.final_scrape_timeout_s)
     finally:
         for sink in sinks:
             sink.close()
@@ -291,7 +291,7 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
             paths,
             {
                 "run": paths.name,
-                "steps": cfg.train.steps,
+                "steps": plan.train.steps,
                 "final_loss": result.final_loss,
                 "eval_loss": result.eval_loss,
                 "eval_loss_by_source": result.eval_loss_by_source,
@@ -314,5 +314,5 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
         {"step": result.records[-1]["step"] if result.records else 0, "loss": result.final_loss,
          "eval_loss": result.eval_loss, "tokens": result.tokens, "mean_tokens_per_s": result.mean_tokens_per_s,
          "skipped_steps": result.skipped_steps, "stopped": result.stopped},
-        result_pointer(cfg, paths) if layout.world_rank == 0 else {},
+        result_pointer(plan.checkpoint, plan.run, paths) if layout.world_rank == 0 else {},
     )

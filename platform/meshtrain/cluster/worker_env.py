@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from meshtrain.config import ConfigError, MeshtrainConfig
+from meshtrain.config import ConfigError, RunConfig, ScalingConfig
+from meshtrain.config.observability import MemoryConfig
 
 FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
@@ -23,10 +24,10 @@ USER_ALLOC_CONF_ENVS = (ALLOC_CONF_ENV, "PYTORCH_ALLOC_CONF")
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
 
 
-def cuda_alloc_conf(cfg: MeshtrainConfig, environ: Mapping[str, str]) -> str | None:
+def cuda_alloc_conf(memory: MemoryConfig, environ: Mapping[str, str]) -> str | None:
     """The PYTORCH_CUDA_ALLOC_CONF meshtrain sets for the GPU workers; None leaves the environment's."""
     given = {name: environ[name] for name in USER_ALLOC_CONF_ENVS if name in environ}
-    wanted = cfg.memory.cuda_alloc_conf
+    wanted = memory.cuda_alloc_conf
     if wanted is None:
         return None if given else DEFAULT_ALLOC_CONF
     for name, value in given.items():
@@ -39,13 +40,13 @@ def cuda_alloc_conf(cfg: MeshtrainConfig, environ: Mapping[str, str]) -> str | N
     return wanted
 
 
-def worker_env(cfg: MeshtrainConfig, environ: Mapping[str, str]) -> dict[str, str]:
+def worker_env(run: RunConfig, scaling: ScalingConfig, memory: MemoryConfig, environ: Mapping[str, str]) -> dict[str, str]:
     """Environment variables for every training worker (Ray's ``worker_runtime_env``)."""
     env = {}
-    if cfg.run.hang_timeout_s is not None and cfg.run.flight_recorder_entries:
-        env[FLIGHT_RECORDER_ENV] = str(cfg.run.flight_recorder_entries)
-    if cfg.scaling.use_gpu:
-        conf = cuda_alloc_conf(cfg, environ)
+    if run.hang_timeout_s is not None and run.flight_recorder_entries:
+        env[FLIGHT_RECORDER_ENV] = str(run.flight_recorder_entries)
+    if scaling.use_gpu:
+        conf = cuda_alloc_conf(memory, environ)
         if conf is not None:
             env[ALLOC_CONF_ENV] = conf
     return env

@@ -1,4 +1,7 @@
-"""The configuration schema: typed sections, YAML and ``key=value`` loading, one-line errors.
+"""The configuration's sections, one-line errors and redaction. The whole tree (``config.schema``'s
+``MeshtrainConfig``) and its loading (``config.loading``) are imported from their modules: only the
+driver's layers (``cli``, ``cluster``) see the whole config; a contract keeps the layers below on the
+sections (``train.plan.WorkerPlan`` carries them to the workers).
 
 Pure by design: nothing here imports the rest of meshtrain, torch or Ray, or looks at files, stores
 or clusters beyond the YAML it is given; ``meshtrain.cluster.preflight`` checks the config against
@@ -20,7 +23,6 @@ from meshtrain.config.errors import (
     require_extra,
     wrapped_errors,
 )
-from meshtrain.config.loading import describe_fields, load_config
 from meshtrain.config.model import ModelArgs, ModelConfig, RopeScaling
 from meshtrain.config.presets import MODEL_PRESETS
 from meshtrain.config.redaction import REDACTED, redact_options, redact_url
@@ -36,7 +38,6 @@ from meshtrain.config.parallelism import (
 )
 from meshtrain.config.run import SHARED_FOLDERS, CheckpointConfig, FaultConfig, RunConfig
 from meshtrain.config.fault_tolerance import FaultToleranceConfig
-from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.config.training import OptimConfig, TrainConfig
 
 __all__ = [
@@ -55,7 +56,6 @@ __all__ = [
     "EvalConfig",
     "FaultConfig",
     "FaultToleranceConfig",
-    "MeshtrainConfig",
     "MetricsConfig",
     "ModelArgs",
     "ModelConfig",
@@ -71,8 +71,6 @@ __all__ = [
     "TrainConfig",
     "ValidationConfig",
     "config_error_in",
-    "describe_fields",
-    "load_config",
     "redact_options",
     "redact_url",
     "source_labels",

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from meshtrain.config.errors import ConfigError
+from meshtrain.config.model import ModelArgs
 from meshtrain.config.section import Section
 
 
@@ -128,6 +129,23 @@ class ParallelConfig(Section):
     @property
     def sharding(self) -> Strategy:
         return STRATEGIES[self.strategy]
+
+    @property
+    def group_size(self) -> int:
+        """Workers that share one data-parallel rank: a tensor- and context-parallel group."""
+        return self.tensor * self.context
+
+    def check_model(self, model: ModelArgs) -> None:
+        """ConfigError when ``parallel.tensor`` does not divide what it splits of ``model``."""
+        tensor = self.tensor
+        if tensor == 1:
+            return
+        for name, value in (("model.n_heads", model.n_heads), ("model.n_kv_heads", model.n_kv_heads),
+                            ("model.ffn_dim", model.ffn_dim), ("the vocabulary (model.vocab_size)", model.vocab_size)):
+            if value % tensor:
+                raise ConfigError(f"parallel.tensor={tensor} does not divide {name}={value}; choose a degree that "
+                                  f"divides {model.n_heads} heads, {model.n_kv_heads} KV heads, FFN {model.ffn_dim} "
+                                  f"and vocabulary {model.vocab_size}")
 
 
 class ScalingConfig(Section):

@@ -139,8 +139,7 @@ class MeshtrainConfig(Section):
 
     @property
     def parallel_group_size(self) -> int:
-        """Workers that share one data-parallel rank: a tensor- and context-parallel group."""
-        return self.parallel.tensor * self.parallel.context
+        return self.parallel.group_size
 
     def _check_metrics_ports(self) -> None:
         """Each worker serves /metrics on metrics.port + its local rank: the highest must be a port."""
@@ -172,16 +171,7 @@ class MeshtrainConfig(Section):
                              "parallel.compile=true (inductor pipelines the collectives on CUDA); drop it or set those")
 
     def check_model_parallel(self, model: ModelArgs) -> None:
-        """ConfigError when ``parallel.tensor`` does not divide what it splits of ``model``."""
-        tensor = self.parallel.tensor
-        if tensor == 1:
-            return
-        for name, value in (("model.n_heads", model.n_heads), ("model.n_kv_heads", model.n_kv_heads),
-                            ("model.ffn_dim", model.ffn_dim), ("the vocabulary (model.vocab_size)", model.vocab_size)):
-            if value % tensor:
-                raise ConfigError(f"parallel.tensor={tensor} does not divide {name}={value}; choose a degree that "
-                                  f"divides {model.n_heads} heads, {model.n_kv_heads} KV heads, FFN {model.ffn_dim} "
-                                  f"and vocabulary {model.vocab_size}")
+        self.parallel.check_model(model)
 
     def _check_eviction_can_happen(self, sizes: list[int]) -> None:
         """scaling.evict_stragglers with settings under which no straggler could ever be evicted
@@ -249,15 +239,7 @@ class MeshtrainConfig(Section):
         return self.data.cache_dir or str(Path(self.run.storage_path).expanduser().resolve() / "token_stores")
 
     def batch_layout(self, data_parallel_size: int) -> tuple[int, int]:
-        """(micro-batch size, accumulation steps) for a data-parallel degree, or ConfigError."""
-        micro, total = self.train.micro_batch_size, self.train.global_batch_size
-        per_step = micro * data_parallel_size
-        if total % per_step:
-            raise ConfigError(
-                f"train.global_batch_size={total} is not a multiple of train.micro_batch_size "
-                f"({micro}) x data-parallel workers ({data_parallel_size}); make it a multiple of {per_step}"
-            )
-        return micro, total // per_step
+        return self.train.batch_layout(data_parallel_size)
 
     def check_seq_len(self, model: ModelArgs) -> None:
         """ConfigError when data.seq_len exceeds the model's RoPE table."""

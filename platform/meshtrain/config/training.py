@@ -114,3 +114,14 @@ class TrainConfig(Section):
         description="Python's automatic garbage collection is off during training; every rank collects at the same "
         "steps, every N (0 = leave automatic collection on).",
     )
+
+    def batch_layout(self, data_parallel_size: int) -> tuple[int, int]:
+        """(micro-batch size, accumulation steps) for a data-parallel degree, or ConfigError."""
+        micro, total = self.micro_batch_size, self.global_batch_size
+        per_step = micro * data_parallel_size
+        if total % per_step:
+            raise ConfigError(
+                f"train.global_batch_size={total} is not a multiple of train.micro_batch_size "
+                f"({micro}) x data-parallel workers ({data_parallel_size}); make it a multiple of {per_step}"
+            )
+        return micro, total // per_step

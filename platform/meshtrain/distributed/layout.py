@@ -148,7 +148,7 @@ class RankLayout:
             dist.destroy_process_group(self.control_group)
 
 
-def workers_per_node(layout: WorkerLayout, expected: int | None) -> tuple[int, list[int]]:
+def node_placement(layout: WorkerLayout, expected: int | None) -> tuple[int, list[int]]:
     """Workers per node, checked to be the same on every node (HSDP shard groups need that), and
     the node of every rank, in rank order (to check where the shard groups landed)."""
     placements = [(layout.local_world_size, layout.node_rank)]

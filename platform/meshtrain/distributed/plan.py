@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from meshtrain.config import MeshtrainConfig, ModelArgs, ParallelConfig, ScalingConfig
+from meshtrain.config import ModelArgs, ParallelConfig, ScalingConfig, TrainConfig
 from meshtrain.distributed.layout import MeshPlan
 from meshtrain.distributed.mesh import resolve_mesh_shape
 from meshtrain.model.llama import Transformer, build_model, count_parameters
@@ -202,38 +203,40 @@ def gathered_kv_bytes(args: ModelArgs, recompute: str, tokens: int, element_byte
     return per_block * (1 if recompute == "full" else args.n_layers)
 
 
-def document_mask_bytes(cfg: MeshtrainConfig, micro_batch: int, use_gpu: bool, element_bytes: int) -> int:
+def document_mask_bytes(document_mask: bool, seq_len: int, micro_batch: int, use_gpu: bool, element_bytes: int) -> int:
     """The CPU kernel's additive (seq, seq) mask per sample, shared by every block; flex attention's
     block mask on GPU is negligible (a few bytes per 128x128 block)."""
-    if not cfg.model.document_mask or use_gpu:
+    if not document_mask or use_gpu:
         return 0
-    return micro_batch * cfg.data.seq_len**2 * element_bytes
+    return micro_batch * seq_len**2 * element_bytes
 
 
-def memory_plan(cfg: MeshtrainConfig, args: ModelArgs, plan: MeshPlan, use_gpu: bool) -> MemoryPlan:
+def memory_plan(args: ModelArgs, plan: MeshPlan, parallel: ParallelConfig, train: TrainConfig, seq_len: int,
+                use_gpu: bool, document_mask: bool = False) -> MemoryPlan:
+    """One rank's peak memory for ``args`` on ``plan``'s mesh, by part (arithmetic; ``train.trace``
+    checks it against a traced step). ``document_mask``: model.document_mask."""
     model = build_model(args, "meta")
-    element_bytes = compute_bytes(cfg.parallel.mixed_precision, use_gpu)
-    micro, _ = cfg.batch_layout(plan.data_parallel_size)
-    tokens = micro * cfg.data.seq_len // plan.context  # this rank's share of its windows
+    element_bytes = compute_bytes(parallel.mixed_precision, use_gpu)
+    micro, _ = train.batch_layout(plan.data_parallel_size)
+    tokens = micro * seq_len // plan.context  # this rank's share of its windows
     tensor = plan.tensor
+    recompute = parallel.activation_checkpointing
     # FSDP shards over shard x context, tensor parallel splits each block, head and embedding further.
     sharded = -(-count_parameters(model) // (plan.shard * plan.context * tensor))
-    on_device = 0 if cfg.parallel.cpu_offload else 1
+    on_device = 0 if parallel.cpu_offload else 1
     return MemoryPlan(
         parameters=4 * sharded * on_device,
         gradients=4 * sharded * on_device,
         optimizer=8 * sharded * on_device,
-        gathered_blocks=gathered_blocks_bytes(model, plan, cfg.parallel.prefetch, element_bytes) // tensor,
+        gathered_blocks=gathered_blocks_bytes(model, plan, parallel.prefetch, element_bytes) // tensor,
         head_unit=head_unit_bytes(model, element_bytes) // tensor,
-        activations=activation_bytes(args, cfg.parallel.activation_checkpointing, tokens, element_bytes, tensor)
-        + document_mask_bytes(cfg, micro, use_gpu, element_bytes) // plan.context
-        + gathered_kv_bytes(args, cfg.parallel.activation_checkpointing, tokens, element_bytes, plan.context),
+        activations=activation_bytes(args, recompute, tokens, element_bytes, tensor)
+        + document_mask_bytes(document_mask, seq_len, micro, use_gpu, element_bytes) // plan.context
+        + gathered_kv_bytes(args, recompute, tokens, element_bytes, plan.context),
         logits=logits_bytes(args, tokens, element_bytes) // tensor,
-        recompute_block=recompute_block_bytes(args, cfg.parallel.activation_checkpointing, tokens, element_bytes)
-        // tensor,
+        recompute_block=recompute_block_bytes(args, recompute, tokens, element_bytes) // tensor,
         head_reduce=4 * head_elements(model) // tensor,
-        gathered_block_weights=gathered_block_weights_bytes(model, plan, cfg.parallel.prefetch, element_bytes)
-        // tensor,
+        gathered_block_weights=gathered_block_weights_bytes(model, plan, parallel.prefetch, element_bytes) // tensor,
     )
 
 
@@ -272,23 +275,24 @@ def fit_verdict(memory: MemoryPlan, device: Device | None) -> str:
     )
 
 
-def _elastic_lines(cfg: MeshtrainConfig) -> list[str]:
-    if not cfg.scaling.elastic:
+def _elastic_lines(scaling: ScalingConfig, train: TrainConfig, group_size: int, sizes: Sequence[int]) -> list[str]:
+    if not scaling.elastic:
         return []
-    sizes = cfg.elastic_sizes()
-    each = ", ".join(f"{size} (accumulation {cfg.batch_layout(size // cfg.parallel_group_size)[1]})" for size in sizes)
+    each = ", ".join(f"{size} (accumulation {train.batch_layout(size // group_size)[1]})" for size in sizes)
     return [
-        f"elastic: scaling.min_workers={cfg.scaling.min_workers} to scaling.num_workers={cfg.scaling.num_workers}; "
+        f"elastic: scaling.min_workers={scaling.min_workers} to scaling.num_workers={scaling.num_workers}; "
         f"trains on {each} workers, same global batch; Ray offering another size fails that start"
     ]
 
 
-def describe_plan(cfg: MeshtrainConfig, args: ModelArgs) -> str:
-    """The human-readable dry-run report (config excluded)."""
-    plan, note = planned_mesh(cfg.scaling, cfg.parallel)
+def describe_plan(args: ModelArgs, parallel: ParallelConfig, scaling: ScalingConfig, train: TrainConfig, seq_len: int,
+                  document_mask: bool, group_sizes: Sequence[int]) -> str:
+    """The human-readable dry-run report (config excluded); ``group_sizes``: the worker-group sizes the
+    run trains on (``MeshtrainConfig.elastic_sizes``)."""
+    plan, note = planned_mesh(scaling, parallel)
     total = count_parameters(build_model(args, "meta"))
-    micro, accumulation = cfg.batch_layout(plan.data_parallel_size)
-    memory = memory_plan(cfg, args, plan, cfg.scaling.use_gpu)
+    micro, accumulation = train.batch_layout(plan.data_parallel_size)
+    memory = memory_plan(args, plan, parallel, train, seq_len, scaling.use_gpu, document_mask)
     lines = [
         f"parameters: {total:,} ({total / 1e6:.1f}M)",
         f"model: dim={args.dim} layers={args.n_layers} heads={args.n_heads} kv_heads={args.n_kv_heads} "
@@ -298,23 +302,23 @@ def describe_plan(cfg: MeshtrainConfig, args: ModelArgs) -> str:
            f"high={args.rope_scaling.high_freq_factor:g}, original={args.rope_scaling.original_max_position_embeddings})"),
         f"mesh: ({', '.join(f'{name}={size}' for name, size in zip(plan.dim_names, plan.shape))}) on "
         f"{plan.world_size} workers, "
-        f"strategy={cfg.parallel.strategy}, reshard_after_forward={plan.reshard_after_forward}"
+        f"strategy={parallel.strategy}, reshard_after_forward={plan.reshard_after_forward}"
         + (f" ({note})" if note else ""),
-        f"batch: {cfg.train.global_batch_size} sequences x {cfg.data.seq_len} tokens per step = "
+        f"batch: {train.global_batch_size} sequences x {seq_len} tokens per step = "
         f"micro-batch {micro} x {plan.data_parallel_size} "
         f"{'workers' if plan.model_parallel_size == 1 else 'data-parallel ranks'} x {accumulation} accumulation steps",
-        *_elastic_lines(cfg),
+        *_elastic_lines(scaling, train, parallel.group_size, group_sizes),
         # Above the table, which readers (and tests) parse as "label value" lines to the end.
-        *([fit_verdict(memory, planned_device(cfg.scaling))] if cfg.scaling.use_gpu else []),
+        *([fit_verdict(memory, planned_device(scaling))] if scaling.use_gpu else []),
         "memory per rank (GiB):"
-        + (" [sharded state offloaded to host memory]" if cfg.parallel.cpu_offload else ""),
+        + (" [sharded state offloaded to host memory]" if parallel.cpu_offload else ""),
     ]
     for label, value in (
         ("parameters (fp32, sharded)", memory.parameters),
         ("gradients (fp32, sharded)", memory.gradients),
         ("optimizer state (AdamW, sharded)", memory.optimizer),
         ("gathered units + their grads", memory.gathered),
-        (f"activations (estimate, recompute={cfg.parallel.activation_checkpointing})", memory.activations),
+        (f"activations (estimate, recompute={parallel.activation_checkpointing})", memory.activations),
         ("logits + loss (estimate)", memory.logits),
         *([("block recomputed in backward (estimate)", memory.recompute_block)] if memory.recompute_block else []),
         ("head gradient, fp32 for its reduce-scatter", memory.head_reduce),

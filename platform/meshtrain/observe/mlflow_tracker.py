@@ -7,7 +7,8 @@ import json
 import time
 from typing import Any
 
-from meshtrain.config import ConfigError, MeshtrainConfig, redact_url, require_extra
+from meshtrain.config import ConfigError, redact_url, require_extra
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.observe.run_folder import RunPaths
 from meshtrain.observe.trackers import flat_settings, tracker_run_id, unreachable
 

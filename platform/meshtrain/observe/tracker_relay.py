@@ -18,7 +18,8 @@ import threading
 from collections.abc import Callable
 from types import TracebackType
 
-from meshtrain.config import MeshtrainConfig, one_line
+from meshtrain.config import one_line
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.observe.mlflow_tracker import MlflowTracker
 from meshtrain.observe.run_folder import RecordFollower, RunPaths
 from meshtrain.observe.trackers import TrackerBackend, TrackerSink, logged_keys

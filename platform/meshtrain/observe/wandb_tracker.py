@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from meshtrain.config import ConfigError, MeshtrainConfig, require_extra
+from meshtrain.config import ConfigError, require_extra
+from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.observe.run_folder import RunPaths
 from meshtrain.observe.trackers import tracker_run_id, unreachable
 

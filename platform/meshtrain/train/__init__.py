@@ -1,4 +1,5 @@
-"""One rank's training: the trainer and its loop (``trainer``), one optimizer step (``step``), building
+"""One rank's training: what the driver resolves for it (``plan``: the ``WorkerPlan``, the only way the
+whole run's settings reach this layer), the trainer and its loop (``trainer``), one optimizer step (``step``), building
 the sharded model (``setup``), the parts of the loop (the protocol in ``loop``, their one list in
 ``parts``: ``evaluation``, ``checkpointing``, ``step_log``, ``mixture_log``, ``records``, ``watchdog`` and
 ``hangs``, ``preemption``, ``stragglers``, ``profiling``, ``memory_snapshot``, ``gc_schedule``, ``faults``,

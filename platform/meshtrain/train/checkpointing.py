@@ -10,7 +10,7 @@ from typing import Any
 from meshtrain.checkpoint.manager import CheckpointManager
 from meshtrain.checkpoint.state import Progress, TrainState
 from meshtrain.checkpoint.storage import run_checkpoints
-from meshtrain.config import MeshtrainConfig
+from meshtrain.config import CheckpointConfig, RunConfig
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.observe.run_folder import CheckpointLoadRecord, CheckpointSaveRecord, CheckpointSkippedRecord
 from meshtrain.train.faults import FaultInjection
@@ -20,18 +20,19 @@ from meshtrain.train.records import LoopOutputs
 
 
 def checkpoint_manager(
-    cfg: MeshtrainConfig, layout: WorkerLayout, on_event: Callable[[CheckpointSaveRecord | CheckpointLoadRecord], None]
+    checkpoint: CheckpointConfig, run: RunConfig, layout: WorkerLayout,
+    on_event: Callable[[CheckpointSaveRecord | CheckpointLoadRecord], None],
 ) -> CheckpointManager | None:
     """This run's checkpoint manager, or None with checkpoints off."""
-    if not cfg.checkpoint.enabled:
+    if not checkpoint.enabled:
         return None
     return CheckpointManager(
-        run_checkpoints(cfg.checkpoint, cfg.run),
+        run_checkpoints(checkpoint, run),
         rank=layout.world_rank,
         world_size=layout.world_size,
-        interval=cfg.checkpoint.interval,
-        keep=cfg.checkpoint.keep,
-        asynchronous=cfg.checkpoint.mode == "async",
+        interval=checkpoint.interval,
+        keep=checkpoint.keep,
+        asynchronous=checkpoint.mode == "async",
         on_event=on_event,
     )
 

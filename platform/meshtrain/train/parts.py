@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 from meshtrain.checkpoint.manager import CheckpointManager
 from meshtrain.checkpoint.write_progress import bytes_written
-from meshtrain.config import MeshtrainConfig
 from meshtrain.config.observability import MemoryConfig
 from meshtrain.data import TrainingData
 from meshtrain.data.sampling import MixtureSamples
@@ -27,6 +26,7 @@ from meshtrain.train.healing import HealingState
 from meshtrain.train.loop import LoopPart, LoopParts
 from meshtrain.train.memory_snapshot import OutOfMemorySnapshots, cuda_allocator
 from meshtrain.train.mixture_log import MixtureLog
+from meshtrain.train.plan import WorkerPlan
 from meshtrain.train.preemption import NoticeHandling, Notices, PreemptionNotice, StopVote
 from meshtrain.train.profiling import StepProfiler
 from meshtrain.train.records import StepMetrics
@@ -50,7 +50,7 @@ def memory_snapshots(memory: MemoryConfig, trainer: Trainer, run_dir: Path,
 
 
 def loop_parts(
-    cfg: MeshtrainConfig,
+    plan: WorkerPlan,
     trainer: Trainer,
     checkpoints: CheckpointManager | None,
     data: TrainingData,
@@ -61,57 +61,57 @@ def loop_parts(
     SIGTERM and the driver's stop request come last, so a setup that fails leaves neither a thread, a
     signal route nor the collector switched off."""
     layout, outputs, progress, result = trainer.layout, trainer.outputs, trainer.progress, trainer.result
-    rank, run_dir = trainer.rank, cfg.run.run_dir
+    rank, run_dir = trainer.rank, plan.run.run_dir
     replica = rank.replica
     heartbeat = Heartbeat()
     fault_rank = layout.rank if replica is None else replica.index * layout.world_size + layout.rank
-    faults = FaultInjection(cfg.fault, fault_rank, run_dir / "faults", rank.worker.node, trainer.model)
-    checkpointing = Checkpointing(checkpoints, trainer.state, progress, manifest, cfg.train.steps, trainer.bad_steps,
+    faults = FaultInjection(plan.fault, fault_rank, run_dir / "faults", rank.worker.node, trainer.model)
+    checkpointing = Checkpointing(checkpoints, trainer.state, progress, manifest, plan.train.steps, trainer.bad_steps,
                                   outputs, faults, heartbeat.beat)
-    evaluation = Evaluation(trainer.model, data.validation, cfg.eval.interval, cfg.eval.batches,
-                            cfg.train.global_batch_size, trainer.batches.micro_batch_size, layout, rank.device, outputs, heartbeat.beat,
+    evaluation = Evaluation(trainer.model, data.validation, plan.eval.interval, plan.eval.batches,
+                            plan.train.global_batch_size, trainer.batches.micro_batch_size, layout, rank.device, outputs, heartbeat.beat,
                             result)
-    log = StepLog(cfg.train.global_batch_size, layout.world_size, progress, trainer.bad_steps, outputs, result.records,
+    log = StepLog(plan.train.global_batch_size, layout.world_size, progress, trainer.bad_steps, outputs, result.records,
                   (trainer.attention_work, trainer.model.args), replicas=replica is not None)
     metrics = outputs.metrics
     stragglers = StragglerWatch(
-        ComputeTimer(trainer.model.layers, rank.device), cfg.metrics.straggler_factor, cfg.metrics.straggler_patience,
+        ComputeTimer(trainer.model.layers, rank.device), plan.metrics.straggler_factor, plan.metrics.straggler_patience,
         layout.rank, layout.node, outputs, layout.control_group,
         metrics.set_rank_speed if metrics is not None else None, outputs.on_straggler,
     )
-    profiler = StepProfiler.of(cfg.profile, run_dir / "profile", layout.rank, cfg.train.steps, list(trainer.model.layers),
-                               cfg.parallel.compile, rank.device, outputs.emit)
+    profiler = StepProfiler.of(plan.profile, run_dir / "profile", layout.rank, plan.train.steps, list(trainer.model.layers),
+                               plan.parallel.compile, rank.device, outputs.emit)
     mixture = (MixtureLog(data.train, list(data.source_names), progress, outputs)
                if isinstance(data.train, MixtureSamples) else None)
     replicas: ReplicaSteps | None = None
     if replica is not None:
         healing = HealingState(trainer.state, trainer.guard)
-        peers = ReplicaPeers(cfg.fault_tolerance, replica, layout.rank, layout.world_size, rank.device,
+        peers = ReplicaPeers(plan.fault_tolerance, replica, layout.rank, layout.world_size, rank.device,
                              healing.state_dict, healing.load_state_dict, host=rank.worker.node or None)
         if not joining:
             peers.set_step(progress.step)
-        replicas = ReplicaSteps(peers, cfg.fault_tolerance.data == "strict", layout, trainer.batches, progress,
+        replicas = ReplicaSteps(peers, plan.fault_tolerance.data == "strict", layout, trainer.batches, progress,
                                 outputs, checkpointing, joining, heartbeat, log)
     # The loop's own small collectives (notice votes, straggler times) go on the layout's control
     # group; every rank issues them in the same order.
-    budget = cfg.run.preemption_save_s
+    budget = plan.run.preemption_save_s
     notices: Notices | None = None
     if budget is not None:
         notice = PreemptionNotice(budget, layout.rank)
         vote = StopVote(notice, layout.control_group)
         handling = NoticeHandling(notice, vote, checkpointing, outputs, layout.rank, budget,
-                                  cfg.scaling.resize_check_interval_s, heartbeat.beat,
+                                  plan.scaling.resize_check_interval_s, heartbeat.beat,
                                   hand_over=replicas.hand_over if replicas is not None else None)
         notices = Notices(notice, vote, handling, result)
 
-    timeout_s = cfg.run.hang_timeout_s
+    timeout_s = plan.run.hang_timeout_s
     if timeout_s:
         heartbeat.watchdog = HangWatchdog(
             timeout_s, layout.rank, progress=bytes_written,
             report=HangReport.of(run_dir / "hangs", layout.rank, layout.world_size, timeout_s),
             on_fire=replicas.peers.close if replicas is not None else None,
         )
-    collection = ScheduledCollection(cfg.train.gc_every)
+    collection = ScheduledCollection(plan.train.gc_every)
     if notices is not None:
         notices.listen(rank.stop_request)
     parts: list[LoopPart | None] = [

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from meshtrain.config import ConfigError, MeshtrainConfig, ModelArgs
+from meshtrain.config import ConfigError, ModelArgs, OptimConfig, ParallelConfig, TrainConfig
 from meshtrain.distributed.layout import MeshPlan
 from meshtrain.distributed.parallelize import param_dtype
 from meshtrain.train.guard import StepGuard
@@ -55,65 +55,65 @@ class TracedPeak:
         return device - sum(self.by_kind.get(kind, 0) for kind in host)
 
 
-def cpu_kernel_bytes(cfg: MeshtrainConfig, plan: MeshPlan, micro_batch: int) -> int:
+def cpu_kernel_bytes(parallel: ParallelConfig, use_gpu: bool, seq_len: int, plan: MeshPlan, micro_batch: int) -> int:
     """What the traced step holds for a GPU run that the GPU does not: under context parallel, CPU
     attention takes this rank's rows of the window's mask as an additive (seq/CP, seq) tensor per
     sample, kept for the whole step, where flex attention on a GPU keeps a block mask of a few bytes
     per 128x128 block."""
-    if not cfg.scaling.use_gpu or plan.context == 1:
+    if not use_gpu or plan.context == 1:
         return 0
-    element = 2 if param_dtype(cfg.parallel.mixed_precision, "cuda") == torch.bfloat16 else 4
-    return micro_batch * (cfg.data.seq_len // plan.context) * cfg.data.seq_len * element
+    element = 2 if param_dtype(parallel.mixed_precision, "cuda") == torch.bfloat16 else 4
+    return micro_batch * (seq_len // plan.context) * seq_len * element
 
 
-def traced_config(cfg: MeshtrainConfig) -> MeshtrainConfig:
-    """``cfg`` as the trace runs it: the compute dtype of the device the run is for, no compile."""
-    traced = cfg.model_copy(deep=True)
-    device_type = "cuda" if cfg.scaling.use_gpu else "cpu"
-    traced.parallel.mixed_precision = "bf16" if param_dtype(cfg.parallel.mixed_precision, device_type) == torch.bfloat16 else "fp32"
-    traced.parallel.compile = False
-    return traced
+def traced_parallel(parallel: ParallelConfig, use_gpu: bool) -> ParallelConfig:
+    """``parallel`` as the trace runs it: the compute dtype of the device the run is for, no compile."""
+    device_type = "cuda" if use_gpu else "cpu"
+    precision = "bf16" if param_dtype(parallel.mixed_precision, device_type) == torch.bfloat16 else "fp32"
+    return parallel.model_copy(update={"mixed_precision": precision, "compile": False})
 
 
-def trace_step(cfg: MeshtrainConfig, args: ModelArgs, plan: MeshPlan) -> TracedPeak:
-    """Peak memory of rank 0 over one training step (after a first step has made the optimizer state)."""
+def trace_step(args: ModelArgs, plan: MeshPlan, parallel: ParallelConfig, train: TrainConfig, optim: OptimConfig,
+               seq_len: int, use_gpu: bool) -> TracedPeak:
+    """Peak memory of rank 0 over one training step (after a first step has made the optimizer state)
+    of ``args`` on ``plan``'s mesh, for a run on GPUs (``use_gpu``: scaling.use_gpu) or CPUs."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     if dist.is_initialized():
         raise ConfigError("--trace runs in a process of its own; it cannot join a running process group")
-    cfg = traced_config(cfg)
+    parallel = traced_parallel(parallel, use_gpu)
     cpu = torch.device("cpu")
     started = time.perf_counter()
+    micro, accumulation = train.batch_layout(plan.data_parallel_size)
     dist.init_process_group("fake", rank=0, world_size=plan.world_size, store=dist.HashStore())
     try:
-        model, layout = sharded_meta_model(cfg, args.vocab_size, plan, cpu)  # the mesh is built outside fake mode
+        model, layout = sharded_meta_model(args, parallel, plan, cpu)  # the mesh is built outside fake mode
         with FakeTensorMode(allow_non_fake_inputs=True):
-            fill_model(model, cfg, cpu, read_init_from=False)
+            fill_model(model, cpu, train.seed, offload=parallel.cpu_offload)
             # torchao's float8 weights take the truth value of a precomputed scale when the tracker
             # counts their storage, which a fake tensor cannot give; the scales are a few bytes.
-            optimizer = build_optimizer(model, cfg.optim, precompute_float8_scales=False)
-            guard = StepGuard(optimizer, cpu, cfg.train.loss_spike_factor, cfg.train.loss_spike_window)
-            micro, accumulation = cfg.batch_layout(plan.data_parallel_size)
+            optimizer = build_optimizer(model, optim, precompute_float8_scales=False)
+            guard = StepGuard(optimizer, cpu, train.loss_spike_factor, train.loss_spike_window)
             micro_batches = []
             for _ in range(min(accumulation, _TRACED_MICRO_BATCHES)):
-                tokens = torch.randint(0, args.vocab_size, (micro, cfg.data.seq_len + 1))
+                tokens = torch.randint(0, args.vocab_size, (micro, seq_len + 1))
                 micro_batches.append((tokens[:, :-1], tokens[:, 1:]))
             # The first step creates the optimizer state. Traced, DTensor's sharding propagation of
             # that creation would count global-sized temporaries that a real run never allocates.
-            train_step(model, guard, micro_batches, layout, cfg.optim.grad_clip)
+            train_step(model, guard, micro_batches, layout, optim.grad_clip)
             tracker = FSDPMemTracker(model, optimizer)
             tracker.track_inputs(tuple(micro_batches))
             with tracker:
-                train_step(model, guard, micro_batches, layout, cfg.optim.grad_clip)
+                train_step(model, guard, micro_batches, layout, optim.grad_clip)
             peak = tracker.get_tracker_snapshot("peak")[cpu]
     finally:
         dist.destroy_process_group()
     by_kind = {getattr(kind, "value", str(kind)): int(value) for kind, value in peak.items()}
     total = by_kind.pop("Total")
-    micro, _ = cfg.batch_layout(plan.data_parallel_size)
-    return TracedPeak(total, by_kind, time.perf_counter() - started, cpu_kernel_bytes(cfg, plan, micro))
+    return TracedPeak(total, by_kind, time.perf_counter() - started,
+                      cpu_kernel_bytes(parallel, use_gpu, seq_len, plan, micro))
 
 
-__all__ = ["TracedPeak", "cpu_kernel_bytes", "trace_step", "traced_config"]
+__all__ = ["TracedPeak", "cpu_kernel_bytes", "trace_step", "traced_parallel"]

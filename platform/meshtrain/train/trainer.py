@@ -15,12 +15,11 @@ from typing import Any
 import torch
 
 from meshtrain.checkpoint.state import Progress, TrainState
-from meshtrain.config import ConfigError, MeshtrainConfig, ModelArgs
+from meshtrain.config import ConfigError
 from meshtrain.data import DataParallelBatches, DataPlan, TrainingData, checkpoint_sampling, open_data
 from meshtrain.distributed.layout import RankLayout, WorkerLayout
 from meshtrain.distributed.plan import memory_plan
 from meshtrain.distributed.replicas import ReplicaPlacement
-from meshtrain.model.args import model_args
 from meshtrain.model.flops import AttentionWork
 from meshtrain.model.llama import count_parameters
 from meshtrain.observe.metrics import TrainingMetrics
@@ -31,6 +30,7 @@ from meshtrain.train.guard import BadStepLimit, StepGuard
 from meshtrain.train.loop import StepDone, StepStart
 from meshtrain.train.optim import build_lr_scheduler, build_optimizer
 from meshtrain.train.parts import loop_parts, memory_snapshots
+from meshtrain.train.plan import WorkerPlan
 from meshtrain.train.profiling import region
 from meshtrain.train.records import LoopOutputs, TrainResult
 from meshtrain.train.setup import build_sharded_model
@@ -63,8 +63,7 @@ def check_sampling(manifest: dict[str, Any], reading: str, step: int) -> None:
 
 
 def train(
-    cfg: MeshtrainConfig,
-    data: DataPlan | TrainingData,
+    plan: WorkerPlan,
     worker: WorkerLayout,
     device: torch.device,
     on_record: Callable[[MetricsRecord], None] | None = None,
@@ -72,22 +71,20 @@ def train(
     reporter: RayTrainReporter | None = None,
     on_straggler: Callable[[StragglerRecord], None] | None = None,
     stop_request: StopRequest | None = None,
-    model: ModelArgs | None = None,
     replica: ReplicaPlacement | None = None,
 ) -> TrainResult:
-    """Train until ``cfg.train.steps``, resuming from the newest committed checkpoint if any.
+    """Train until ``plan.train.steps``, resuming from the newest committed checkpoint if any.
 
     ``on_record`` receives every logged step, evaluation and checkpoint event (rank 0 emits the save
     events); ``metrics`` (when given) is updated every step; ``reporter`` (every rank, or none) hands
     logged steps to Ray Train; ``stop_request`` is where the driver asks the ranks to save and stop;
-    ``model`` is the model's shape as the driver resolved it (``RunSpec.model``; resolved here when not given);
     ``replica`` (fault_tolerance.mode=replica) places this worker's group among the run's replica groups.
     """
+    data = plan.data
     if isinstance(data, DataPlan):
-        data = open_data(data, cfg.data.seq_len, cfg.train.seed)
-    args = model if model is not None else model_args(cfg.model, data.vocab_size)
+        data = open_data(data, plan.data_config.seq_len, plan.train.seed)
     outputs = LoopOutputs(on_record, metrics, reporter, on_straggler)
-    trainer = Trainer(cfg, args, data, RankContext(worker, device, outputs, replica, stop_request))
+    trainer = Trainer(plan, data, RankContext(worker, device, outputs, replica, stop_request))
     try:
         return trainer.run()
     finally:
@@ -97,23 +94,30 @@ def train(
 class Trainer:
     """One rank's run: setup here, then the loop in ``run``."""
 
-    def __init__(self, cfg: MeshtrainConfig, model: ModelArgs, data: TrainingData, rank: RankContext) -> None:
-        self.cfg, self.rank, self.outputs = cfg, rank, rank.outputs
+    def __init__(self, plan: WorkerPlan, data: TrainingData, rank: RankContext) -> None:
+        self.plan, self.rank, self.outputs = plan, rank, rank.outputs
         worker, device, replica = rank.worker, rank.device, rank.replica
-        torch.manual_seed(cfg.train.seed)
-        self.memory = memory_snapshots(cfg.memory, self, cfg.run.run_dir,
-                                       lambda: memory_plan(cfg, model, self.layout.plan, device.type == "cuda").total)
-        checkpoints = checkpoint_manager(cfg, worker, self.outputs.checkpoint_event)
-        resuming = checkpoints is not None and cfg.checkpoint.resume and checkpoints.any_committed()
-        self.model, layout = build_sharded_model(cfg, model, worker, device, read_init_from=not resuming,
-                                                 document_eos=data.eos_id if cfg.model.document_mask else None)
+        train, model = plan.train, plan.model
+        torch.manual_seed(train.seed)
+        self.memory = memory_snapshots(
+            plan.memory, self, plan.run.run_dir,
+            lambda: memory_plan(model, self.layout.plan, plan.parallel, train, plan.data_config.seq_len,
+                                device.type == "cuda", plan.model_config.document_mask).total,
+        )
+        checkpoints = checkpoint_manager(plan.checkpoint, plan.run, worker, self.outputs.checkpoint_event)
+        resuming = checkpoints is not None and plan.checkpoint.resume and checkpoints.any_committed()
+        self.model, layout = build_sharded_model(
+            model, plan.parallel, worker, device, train.seed, plan.scaling.workers_per_node,
+            init_from=None if resuming else plan.model_config.init_from,
+            document_eos=data.eos_id if plan.model_config.document_mask else None,
+        )
         # Every part of the loop asks this one layout which ranks it works with.
         self.layout: RankLayout = layout.with_control_group()
-        layout, plan = self.layout, self.layout.plan
+        layout, mesh = self.layout, self.layout.plan
         self.attention_work = AttentionWork()  # the (query, key) pairs the steps attend, for MFU
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, cfg.optim.schedule_steps or cfg.train.steps)
-        self.guard = StepGuard(self.optimizer, device, cfg.train.loss_spike_factor, cfg.train.loss_spike_window)
+        self.optimizer = build_optimizer(self.model, plan.optim)
+        self.scheduler = build_lr_scheduler(self.optimizer, plan.optim, plan.horizon)
+        self.guard = StepGuard(self.optimizer, device, train.loss_spike_factor, train.loss_spike_window)
         self.progress = Progress()
         self.state = TrainState(self.model, self.optimizer, self.scheduler, self.progress, layout.rank)
         # A replica group that replaces a lost one receives its state from a live peer, not from storage.
@@ -124,28 +128,28 @@ class Trainer:
             if restored is not None:
                 check_sampling(restored.manifest, data.sampling, restored.step)
         self.guard.skipped_before = self.progress.skipped_steps
-        micro_batch, _ = cfg.batch_layout(layout.data_ranks)
+        micro_batch, _ = train.batch_layout(layout.data_ranks)
         self.batches = DataParallelBatches(
-            data.train, cfg.train.global_batch_size, micro_batch, dp_rank=layout.data_rank,
+            data.train, train.global_batch_size, micro_batch, dp_rank=layout.data_rank,
             dp_size=layout.data_ranks, device=device, position=self.progress.data_position,
-            read_ahead_steps=cfg.data.read_ahead_steps, read_threads=cfg.data.read_threads,
+            read_ahead_steps=plan.data_config.read_ahead_steps, read_threads=plan.data_config.read_threads,
         )
         self.result = TrainResult(
-            mesh_shape=plan.shape, world_size=layout.world_size, parameters=count_parameters(self.model)
+            mesh_shape=mesh.shape, world_size=layout.world_size, parameters=count_parameters(self.model)
         )
         manifest: dict[str, Any] = {
             "world_size": layout.world_size,
-            "mesh_shape": list(plan.shape),
+            "mesh_shape": list(mesh.shape),
             "model_args": model.model_dump(),
             "data_fingerprint": data.fingerprint,
             "sampling": data.sampling,
-            "config": cfg.model_dump(mode="json"),
+            "config": dict(plan.settings),
         }
-        self.bad_steps = BadStepLimit(self.guard, cfg.train.max_bad_steps, self.progress, self.outputs)
-        self.parts = loop_parts(cfg, self, checkpoints, data, manifest, joining)
+        self.bad_steps = BadStepLimit(self.guard, train.max_bad_steps, self.progress, self.outputs)
+        self.parts = loop_parts(plan, self, checkpoints, data, manifest, joining)
 
     def run(self) -> TrainResult:
-        progress, steps, log_every = self.progress, self.cfg.train.steps, self.cfg.train.log_every
+        progress, steps, log_every = self.progress, self.plan.train.steps, self.plan.train.log_every
         self.outputs.started(self.layout.world_size, self.layout.plan.sizes, progress)
         self.model.train()
         started = time.perf_counter()
@@ -160,7 +164,7 @@ class Trainer:
                     micro_batches = list(self.batches.next_step())
                 data_wait = time.perf_counter() - waiting_since
                 with self.parts.around_step(start.step):
-                    output = train_step(self.model, self.guard, micro_batches, self.layout, self.cfg.optim.grad_clip,
+                    output = train_step(self.model, self.guard, micro_batches, self.layout, self.plan.optim.grad_clip,
                                         attention_work=self.attention_work, reduction=start.reduction)
                 if output is None:  # the reduction was not committed (a replica group failed): train it again
                     self.parts.step_abandoned(start)

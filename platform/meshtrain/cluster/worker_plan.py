@@ -1,0 +1,40 @@
+"""The one place the driver turns the checked config into the workers' plan (``train.plan.WorkerPlan``).
+
+It imports no Ray, so the dry run, the one-process benchmarks and the tests build the same plan the
+launcher ships.
+"""
+
+from __future__ import annotations
+
+from meshtrain.config.schema import MeshtrainConfig
+from meshtrain.data import DataPlan, TrainingData
+from meshtrain.model.args import model_args
+from meshtrain.train.plan import WorkerPlan
+
+
+def worker_plan(config: MeshtrainConfig, data: DataPlan | TrainingData, launch_id: str = "") -> WorkerPlan:
+    """The plan of ``config`` (checked, with run.name and optim.schedule_steps resolved by the launcher
+    when it launches) for ``data`` (its tokenizer's vocabulary sizes the model)."""
+    return WorkerPlan(
+        model=model_args(config.model, data.vocab_size),
+        data=data,
+        horizon=config.optim.schedule_steps or config.train.steps,
+        group_sizes=tuple(config.elastic_sizes()),
+        replica_groups=config.replica_groups() if config.fault_tolerance.mode == "replica" else None,
+        settings=config.model_dump(mode="json"),
+        launch_id=launch_id,
+        model_config=config.model,
+        data_config=config.data,
+        optim=config.optim,
+        train=config.train,
+        eval=config.eval,
+        parallel=config.parallel,
+        scaling=config.scaling,
+        run=config.run,
+        checkpoint=config.checkpoint,
+        metrics=config.metrics,
+        fault_tolerance=config.fault_tolerance,
+        fault=config.fault,
+        profile=config.profile,
+        memory=config.memory,
+    )
