@@ -45,7 +45,7 @@ def test_defaults_validate() -> None:
     assert cfg.parallel.strategy == "hybrid_shard" and cfg.parallel.shard == "auto"
     assert cfg.scaling.num_workers == 2 and cfg.scaling.use_gpu is False
     # The defaults must also describe a runnable batch layout and model.
-    micro, accumulation = cfg.batch_layout(cfg.scaling.num_workers)
+    micro, accumulation = cfg.train.batch_layout(cfg.scaling.num_workers)
     assert micro * cfg.scaling.num_workers * accumulation == cfg.train.global_batch_size
     args = model_args(cfg.model, cfg.data.vocab_size)
     assert isinstance(args, ModelArgs)
@@ -595,12 +595,12 @@ def test_batch_layout(global_batch: int, micro: int, dp: int, expected: tuple[in
         train=TrainConfig(global_batch_size=global_batch, micro_batch_size=micro),
         scaling=ScalingConfig(num_workers=dp),
     )
-    assert cfg.batch_layout(dp) == expected
+    assert cfg.train.batch_layout(dp) == expected
 
 
 def test_batch_layout_error() -> None:
     with pytest.raises(ConfigError) as info:
-        MeshtrainConfig().batch_layout(3)
+        MeshtrainConfig().train.batch_layout(3)
     assert str(info.value) == (
         "train.global_batch_size=16 is not a multiple of train.micro_batch_size (8) x "
         "data-parallel workers (3); make it a multiple of 24"
@@ -616,7 +616,7 @@ JOB_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "jobs" / "configs").
 def test_shipped_job_config_validates(path: Path) -> None:
     cfg = load_config(path)
     assert cfg.model.preset in MODEL_PRESETS
-    assert cfg.batch_layout(cfg.scaling.num_workers // cfg.parallel_group_size)[1] >= 1
+    assert cfg.train.batch_layout(cfg.scaling.num_workers // cfg.parallel.group_size)[1] >= 1
 
 
 def test_debug_job_config_is_the_default() -> None:

@@ -49,7 +49,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     run = single_process_run(cfg, args.workdir, device, 8)
     model, optimizer, guard, data, steps = run.model, run.optimizer, run.guard, run.data, run.steps
-    micro, _ = cfg.batch_layout(1)
+    micro, _ = cfg.train.batch_layout(1)
 
     def guarded_steps(count: int) -> None:
         for index in range(count):

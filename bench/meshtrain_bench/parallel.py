@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, extra in layouts.items():
         cfg = load_config(None, [*base, *extra])
         # The same global batch: a layout with fewer data-parallel ranks takes larger micro-batches.
-        cfg.train.micro_batch_size = 8 // (args.workers // cfg.parallel_group_size)
+        cfg.train.micro_batch_size = 8 // (args.workers // cfg.parallel.group_size)
         rate = tokens_per_second(cfg, data, args.warmup)
         baseline = baseline or rate
         print(f"| {name} | {rate:,.0f} | {rate / baseline:.2f} |", flush=True)

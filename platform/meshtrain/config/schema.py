@@ -58,11 +58,11 @@ class MeshtrainConfig(Section):
             )
             model = self.model.resolved(tokenizer_vocab)
             self.check_seq_len(model)
-            self.check_model_parallel(model)
+            self.parallel.check_model(model)
         self._check_parallel_degrees()
         self._check_metrics_ports()
         # TP and CP peers read the same samples: the data-parallel ranks are the workers over TP x CP.
-        self.batch_layout(self.scaling.num_workers // self.parallel_group_size)
+        self.train.batch_layout(self.scaling.num_workers // self.parallel.group_size)
         sizes = self.elastic_sizes()
         if self.scaling.evict_stragglers and self.fault_tolerance.mode == "replica":
             # A slow node's whole replica group is slow, and ranks compare speeds only inside their group.
@@ -126,20 +126,16 @@ class MeshtrainConfig(Section):
         elif parallel.shard != "auto":
             shard = parallel.shard
         elif scaling.workers_per_node is not None:
-            shard = max(1, scaling.workers_per_node // self.parallel_group_size)
+            shard = max(1, scaling.workers_per_node // self.parallel.group_size)
         else:
             raise ValueError(
                 "fault_tolerance.mode=replica needs the size of a replica group: set parallel.shard (data-parallel "
                 "ranks per replica), or scaling.workers_per_node (one replica per node)"
             )
         return check_replica_mode(
-            self.fault_tolerance, scaling.num_workers, shard * self.parallel_group_size, shard,
-            scaling.min_workers not in (None, scaling.num_workers), self.batch_layout,
+            self.fault_tolerance, scaling.num_workers, shard * self.parallel.group_size, shard,
+            scaling.min_workers not in (None, scaling.num_workers), self.train.batch_layout,
         )
-
-    @property
-    def parallel_group_size(self) -> int:
-        return self.parallel.group_size
 
     def _check_metrics_ports(self) -> None:
         """Each worker serves /metrics on metrics.port + its local rank: the highest must be a port."""
@@ -153,7 +149,7 @@ class MeshtrainConfig(Section):
 
     def _check_parallel_degrees(self) -> None:
         """parallel.tensor / parallel.context against the workers, the nodes, the window and the paths."""
-        parallel, scaling, inner = self.parallel, self.scaling, self.parallel_group_size
+        parallel, scaling, inner = self.parallel, self.scaling, self.parallel.group_size
         if inner == 1:
             if parallel.async_tensor:
                 raise ValueError("parallel.async_tensor needs tensor parallelism; set parallel.tensor > 1 or drop it")
@@ -204,7 +200,7 @@ class MeshtrainConfig(Section):
                 f"scaling.min_workers={scaling.min_workers} exceeds scaling.num_workers={scaling.num_workers}; "
                 "set it to at most scaling.num_workers (or unset it: not elastic)"
             )
-        shard, inner = self.parallel.shard, self.parallel_group_size
+        shard, inner = self.parallel.shard, self.parallel.group_size
         # The unit of workers a size is a whole number of: each data-parallel rank is a tensor x context
         # group of workers (one worker without TP/CP).
         if self.parallel.sharding.shards != "group":
@@ -237,9 +233,6 @@ class MeshtrainConfig(Section):
     def data_cache_url(self) -> str:
         """Where token stores are prepared and found: ``data.cache_dir``, else ``token_stores`` beside the runs."""
         return self.data.cache_dir or str(Path(self.run.storage_path).expanduser().resolve() / "token_stores")
-
-    def batch_layout(self, data_parallel_size: int) -> tuple[int, int]:
-        return self.train.batch_layout(data_parallel_size)
 
     def check_seq_len(self, model: ModelArgs) -> None:
         """ConfigError when data.seq_len exceeds the model's RoPE table."""
