@@ -311,7 +311,7 @@ def test_mlflow_holds_one_run_with_every_logged_step_once(midsave: Path) -> None
     paths = RunPaths("midsave", midsave.parent)
     records = read_metrics(midsave)
     assert len([r for r in records if r["event"] == "train"]) > 40  # steps 11.. were trained and logged twice
-    client = MlflowClient(tracking_uri(load_config(None, [*TRACKERS]), paths))
+    client = MlflowClient(tracking_uri(load_config(None, [*TRACKERS]).metrics, paths))
     runs = client.search_runs([client.get_experiment_by_name("meshtrain").experiment_id])
     assert len(runs) == 1
     run = runs[0]

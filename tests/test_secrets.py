@@ -23,7 +23,6 @@ from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.observe.mlflow_tracker import mlflow_params
 from meshtrain.observe.run_folder import RunPaths
-from meshtrain.observe.wandb_tracker import wandb_config
 from meshtrain.train.trainer import train
 from meshtrain.cluster.worker_plan import worker_plan
 from s3server import moto_s3
@@ -86,10 +85,11 @@ def test_config_yaml_repr_and_trackers_redact_while_the_object_keeps_live_values
         "key": REDACTED, "secret": REDACTED, "token": REDACTED, "client_kwargs": {"aws_account_id": REDACTED},
     }
     assert stored["metrics"]["mlflow_tracking_uri"] == f"https://alice:{REDACTED}@mlflow.example/"
+    settings = cfg.model_dump(mode="json")  # what the driver hands the trackers: the W&B config, the MLflow params
     for shown, where in ((repr(cfg), "repr"), (str(cfg), "str"), (repr(cfg.checkpoint), "repr(checkpoint)"),
-                         (json.dumps(wandb_config(cfg)), "W&B config"), (repr(mlflow_params(cfg)), "MLflow params")):
+                         (json.dumps(settings), "W&B config"), (repr(mlflow_params(settings)), "MLflow params")):
         assert_no_secret(shown, where)
-    assert ("checkpoint.storage_options.key", REDACTED) in mlflow_params(cfg)
+    assert ("checkpoint.storage_options.key", REDACTED) in mlflow_params(settings)
     # The live object, handed to fsspec and pickled to workers, is untouched.
     assert cfg.checkpoint.storage_options == credentials() and cfg.data.storage_options == credentials()
     assert PASSWORD in cfg.metrics.mlflow_tracking_uri and PASSWORD in cfg.data.sources[0].source

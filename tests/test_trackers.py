@@ -159,14 +159,14 @@ def test_an_mlflow_run_is_continued_by_a_restart(tmp_path: Path) -> None:
 
     cfg = config(tmp_path, "metrics.mlflow=true", "train.steps=70")
     paths = RunPaths("tracked", tmp_path)
-    first = MlflowTracker(cfg, paths)
+    first = MlflowTracker(cfg.metrics, paths, cfg.model_dump(mode="json"))
     first.log(1, {"train/loss": 3.0}, 10.0)
     first.close(finished=False)
-    second = MlflowTracker(cfg, paths)
+    second = MlflowTracker(cfg.metrics, paths, cfg.model_dump(mode="json"))
     second.log(2, {"train/loss": 2.5}, None)
     second.close(finished=True)
     assert second.run_id == first.run_id
-    client = MlflowClient(tracking_uri(cfg, paths))
+    client = MlflowClient(tracking_uri(cfg.metrics, paths))
     run = client.get_run(first.run_id)
     assert run.info.status == "FINISHED" and run.data.params["train.steps"] == "70"
     assert [(m.step, m.value) for m in client.get_metric_history(first.run_id, "train/loss")] == [(1, 3.0), (2, 2.5)]
@@ -213,7 +213,7 @@ from meshtrain.observe.tracker_relay import TrackerRelay
 from meshtrain.config.loading import load_config
 from meshtrain.observe.run_folder import RunPaths
 cfg = preflight(load_config(None, ["run.storage_path={tmp_path}", "run.name=plain"]))
-assert TrackerRelay.open(cfg, RunPaths("plain", Path("{tmp_path}"))) is None
+assert TrackerRelay.open(cfg.metrics, RunPaths("plain", Path("{tmp_path}")), cfg.model_dump(mode="json")) is None
 loaded = sorted(name for name in sys.modules if name.split(".")[0] in ("wandb", "mlflow"))
 assert not loaded, loaded
 print("neither")

@@ -124,7 +124,7 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
     exporter = endpoint.metrics if endpoint is not None else None
     downstream = (DownstreamEvaluations(cfg, paths, exporter=exporter)
                   if cfg.eval.downstream.enabled or cfg.eval.samples.prompts else None)
-    trackers = TrackerRelay.open(cfg, paths)
+    trackers = TrackerRelay.open(cfg.metrics, paths, cfg.model_dump(mode="json"))
     goodput = GoodputLedger(started_at)
     trained_at = None
 

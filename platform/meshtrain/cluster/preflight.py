@@ -86,8 +86,8 @@ def preflight(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> Meshtrain
     _check_float8(cfg)
     _check_downstream(cfg)
     worker_env(cfg.run, cfg.scaling, cfg.memory, os.environ)  # an allocator setting that conflicts with the environment's
-    check_wandb(cfg)
-    check_mlflow(cfg)
+    check_wandb(cfg.metrics)
+    check_mlflow(cfg.metrics)
     return cfg
 
 

@@ -7,8 +7,7 @@ import json
 import time
 from typing import Any
 
-from meshtrain.config import ConfigError, redact_url, require_extra
-from meshtrain.config.schema import MeshtrainConfig
+from meshtrain.config import ConfigError, MetricsConfig, redact_url, require_extra
 from meshtrain.observe.run_folder import RunPaths
 from meshtrain.observe.trackers import flat_settings, tracker_run_id, unreachable
 
@@ -17,8 +16,8 @@ _PARAM_VALUE_LIMIT = 6000  # MLflow's longest parameter value
 _BATCH_LIMIT = 100  # parameters per log_batch call
 
 
-def tracking_uri(cfg: MeshtrainConfig, paths: RunPaths) -> str:
-    return cfg.metrics.mlflow_tracking_uri or f"sqlite:///{paths.run_dir.resolve() / 'mlflow.db'}"
+def tracking_uri(metrics: MetricsConfig, paths: RunPaths) -> str:
+    return metrics.mlflow_tracking_uri or f"sqlite:///{paths.run_dir.resolve() / 'mlflow.db'}"
 
 
 def _client(uri: str, paths: RunPaths) -> Any:
@@ -32,20 +31,20 @@ def _client(uri: str, paths: RunPaths) -> Any:
     return MlflowClient(tracking_uri=uri, registry_uri=registry)
 
 
-def _artifact_location(cfg: MeshtrainConfig, paths: RunPaths) -> str | None:
+def _artifact_location(metrics: MetricsConfig, paths: RunPaths) -> str | None:
     """With the run's local store, artifacts (text samples) go into the run folder too; a tracking
     server keeps its own artifact root."""
-    if cfg.metrics.mlflow_tracking_uri is not None:
+    if metrics.mlflow_tracking_uri is not None:
         return None
     return (paths.run_dir.resolve() / "mlflow-artifacts").as_uri()
 
 
-def check_mlflow(cfg: MeshtrainConfig) -> None:
+def check_mlflow(metrics: MetricsConfig) -> None:
     """ConfigError (one line) before Ray starts: mlflow missing, or the tracking server unreachable."""
-    if not cfg.metrics.mlflow:
+    if not metrics.mlflow:
         return
     require_extra("metrics.mlflow", "mlflow", "mlflow")
-    uri = cfg.metrics.mlflow_tracking_uri
+    uri = metrics.mlflow_tracking_uri
     if uri is None or not uri.startswith(("http://", "https://")):
         return  # a local store is created on first use
     reason = unreachable(uri)
@@ -56,23 +55,25 @@ def check_mlflow(cfg: MeshtrainConfig) -> None:
         )
 
 
-def mlflow_params(cfg: MeshtrainConfig) -> list[tuple[str, str]]:
-    """The run's settings as MLflow parameters (dotted key, value as text), credentials redacted."""
-    return [(key, str(value)[:_PARAM_VALUE_LIMIT]) for key, value in flat_settings(cfg.model_dump(mode="json"))]
+def mlflow_params(settings: dict[str, Any]) -> list[tuple[str, str]]:
+    """The run's settings (the config's JSON dump, credentials redacted) as MLflow parameters (dotted key,
+    value as text)."""
+    return [(key, str(value)[:_PARAM_VALUE_LIMIT]) for key, value in flat_settings(settings)]
 
 
 class MlflowTracker:
     name = "mlflow"
 
-    def __init__(self, cfg: MeshtrainConfig, paths: RunPaths) -> None:
+    def __init__(self, metrics: MetricsConfig, paths: RunPaths, settings: dict[str, Any]) -> None:
+        """``settings``: the run's config as JSON (redacted), logged as the new run's parameters."""
         from mlflow.entities import Param
 
         self.paths = paths
-        self.client = _client(tracking_uri(cfg, paths), paths)
-        experiment = self.client.get_experiment_by_name(cfg.metrics.mlflow_experiment)
+        self.client = _client(tracking_uri(metrics, paths), paths)
+        experiment = self.client.get_experiment_by_name(metrics.mlflow_experiment)
         experiment_id = (
             experiment.experiment_id if experiment is not None else self.client.create_experiment(
-                cfg.metrics.mlflow_experiment, artifact_location=_artifact_location(cfg, paths))
+                metrics.mlflow_experiment, artifact_location=_artifact_location(metrics, paths))
         )
         run_id = tracker_run_id(paths)
         found = self.client.search_runs([experiment_id], filter_string=f"tags.`{RUN_ID_TAG}` = '{run_id}'", max_results=1)
@@ -84,7 +85,7 @@ class MlflowTracker:
             experiment_id, run_name=paths.name, tags={RUN_ID_TAG: run_id, "meshtrain.run_dir": str(paths.run_dir)}
         )
         self.run_id = run.info.run_id
-        params = [Param(key, value) for key, value in mlflow_params(cfg)]
+        params = [Param(key, value) for key, value in mlflow_params(settings)]
         for start in range(0, len(params), _BATCH_LIMIT):
             self.client.log_batch(self.run_id, params=params[start : start + _BATCH_LIMIT])
 

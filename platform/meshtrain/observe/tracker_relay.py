@@ -17,9 +17,9 @@ import sys
 import threading
 from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
-from meshtrain.config import one_line
-from meshtrain.config.schema import MeshtrainConfig
+from meshtrain.config import MetricsConfig, one_line
 from meshtrain.observe.mlflow_tracker import MlflowTracker
 from meshtrain.observe.run_folder import RecordFollower, RunPaths
 from meshtrain.observe.trackers import TrackerBackend, TrackerSink, logged_keys
@@ -36,12 +36,14 @@ class TrackerRelay:
         self._thread = threading.Thread(target=self._follow, name="meshtrain-trackers", daemon=True)
 
     @classmethod
-    def open(cls, cfg: MeshtrainConfig, paths: RunPaths) -> TrackerRelay | None:
-        """None when no tracker is configured (neither package is imported then)."""
-        if not (cfg.metrics.wandb or cfg.metrics.mlflow):
+    def open(cls, metrics: MetricsConfig, paths: RunPaths, settings: dict[str, Any]) -> TrackerRelay | None:
+        """None when no tracker is configured (neither package is imported then). ``settings``: the run's
+        config as JSON (redacted), which each new tracker run logs."""
+        if not (metrics.wandb or metrics.mlflow):
             return None
         follower = RecordFollower(paths.metrics)
-        sinks = open_trackers(cfg, paths, logged_keys(follower.new_records()))  # the earlier launches' records
+        already_logged = logged_keys(follower.new_records())  # the earlier launches' records
+        sinks = open_trackers(metrics, paths, settings, already_logged)
         return cls(sinks, follower) if sinks else None
 
     def __enter__(self) -> TrackerRelay:
@@ -65,14 +67,15 @@ class TrackerRelay:
                 sink.record(record)
 
 
-def open_trackers(cfg: MeshtrainConfig, paths: RunPaths, already_logged: set[tuple[str, int]]) -> list[TrackerSink]:
+def open_trackers(metrics: MetricsConfig, paths: RunPaths, settings: dict[str, Any],
+                  already_logged: set[tuple[str, int]]) -> list[TrackerSink]:
     """The driver's W&B and MLflow sinks, as configured. One that cannot open its run is reported in
     one line and left out: a tracker never stops training (preflight checked them before Ray started)."""
     makers: list[tuple[str, Callable[[], TrackerBackend]]] = []
-    if cfg.metrics.wandb:
-        makers.append(("wandb", lambda: WandbTracker(cfg, paths)))
-    if cfg.metrics.mlflow:
-        makers.append(("mlflow", lambda: MlflowTracker(cfg, paths)))
+    if metrics.wandb:
+        makers.append(("wandb", lambda: WandbTracker(metrics, paths, settings)))
+    if metrics.mlflow:
+        makers.append(("mlflow", lambda: MlflowTracker(metrics, paths, settings)))
     sinks = []
     for name, make in makers:
         try:

@@ -11,8 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from meshtrain.config import ConfigError, require_extra
-from meshtrain.config.schema import MeshtrainConfig
+from meshtrain.config import ConfigError, MetricsConfig, require_extra
 from meshtrain.observe.run_folder import RunPaths
 from meshtrain.observe.trackers import tracker_run_id, unreachable
 
@@ -20,9 +19,9 @@ _OFFLINE_MODES = ("offline", "dryrun", "disabled")
 STEP_METRIC = "step"  # the x-axis of every logged series: the training step
 
 
-def check_wandb(cfg: MeshtrainConfig) -> None:
+def check_wandb(metrics: MetricsConfig) -> None:
     """ConfigError (one line) before Ray starts: wandb missing, or (online) no credentials."""
-    if not cfg.metrics.wandb:
+    if not metrics.wandb:
         return
     require_extra("metrics.wandb", "wandb", "wandb")
     if os.environ.get("WANDB_MODE", "online") in _OFFLINE_MODES:
@@ -61,26 +60,22 @@ def _has_api_key() -> bool:
         return False
 
 
-def wandb_config(cfg: MeshtrainConfig) -> dict[str, Any]:
-    """The run's settings as the W&B run's config, credentials redacted."""
-    return cfg.model_dump(mode="json")
-
-
 class WandbTracker:
     name = "wandb"
 
-    def __init__(self, cfg: MeshtrainConfig, paths: RunPaths) -> None:
+    def __init__(self, metrics: MetricsConfig, paths: RunPaths, settings: dict[str, Any]) -> None:
+        """``settings``: the run's config as JSON (redacted), the W&B run's config."""
         import wandb
 
         paths.run_dir.mkdir(parents=True, exist_ok=True)
         self.run: Any = wandb.init(
-            project=cfg.metrics.wandb_project,
-            entity=cfg.metrics.wandb_entity,
+            project=metrics.wandb_project,
+            entity=metrics.wandb_entity,
             id=tracker_run_id(paths),
             name=paths.name,
             resume="allow",
-            tags=cfg.metrics.wandb_tags or None,
-            config=wandb_config(cfg),
+            tags=metrics.wandb_tags or None,
+            config=settings,
             dir=str(paths.run_dir),
             settings=wandb.Settings(console="off", silent=True),
         )
