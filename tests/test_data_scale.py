@@ -164,17 +164,21 @@ def test_positional_reads_equal_the_stream_with_bounded_descriptors_and_no_maps(
 def test_a_resumed_run_keeps_the_scheme_its_checkpoints_were_trained_with(tmp_path: Path) -> None:
     cfg = load_config(None, [f"run.storage_path={tmp_path}", "run.name=r"])
     plan = DataPlan(stores=(), tokenizer_json="{}", vocab_size=10, eos_id=0)
-    assert data_for_resume(cfg, plan).sampling == SAMPLING_SCHEME  # no checkpoint: the current scheme
+
+    def resumed() -> DataPlan:
+        return data_for_resume(cfg.checkpoint, cfg.run, plan, allow_fingerprint_change=False)
+
+    assert resumed().sampling == SAMPLING_SCHEME  # no checkpoint: the current scheme
     step = tmp_path / "r" / "checkpoints" / "step-00000010"
     step.mkdir(parents=True)
     marker = {"step": 10, "data_fingerprint": plan.fingerprint, "files": {}}
     (step / "COMMITTED").write_text(json.dumps(marker))  # written before checkpoints recorded a scheme
-    assert data_for_resume(cfg, plan).sampling == LEGACY_SAMPLING
+    assert resumed().sampling == LEGACY_SAMPLING
     (step / "COMMITTED").write_text(json.dumps({**marker, "sampling": SAMPLING_SCHEME}))
-    assert data_for_resume(cfg, plan).sampling == SAMPLING_SCHEME
+    assert resumed().sampling == SAMPLING_SCHEME
     (step / "COMMITTED").write_text(json.dumps({**marker, "sampling": "zigzag-v9"}))
     with pytest.raises(ConfigError, match=r"^data: the checkpoints of run r were trained with sampling scheme 'zigzag-v9'"):
-        data_for_resume(cfg, plan)
+        resumed()
     with pytest.raises(ConfigError) as info:
         check_sampling({"step": 10}, SAMPLING_SCHEME, 10)
     assert f"'permutation-v0', this worker reads with '{SAMPLING_SCHEME}'" in str(info.value) and "\n" not in str(info.value)

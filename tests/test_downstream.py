@@ -150,7 +150,8 @@ def test_every_nth_committed_checkpoint_and_the_last_step_are_scored(every: int,
     cfg = load_config(None, ["eval.downstream.tasks=[meshtrain_mc]", f"eval.downstream.every={every}",
                              "checkpoint.interval=10", f"train.steps={steps}"])
     committed = [*range(10, steps + 1, 10), steps]
-    assert sorted({step for step in committed if chosen_step(step, cfg)}) == chosen
+    every = cfg.checkpoint.interval * cfg.eval.downstream.every
+    assert sorted({step for step in committed if chosen_step(step, every, cfg.train.steps)}) == chosen
 
 
 @pytest.mark.parametrize(
@@ -166,7 +167,7 @@ def test_each_evaluation_task_reserves_its_own_resources(overrides: list[str], r
     from meshtrain.cluster.downstream import task_resources
 
     cfg = load_config(None, ["eval.downstream.tasks=[meshtrain_mc]", *overrides])
-    assert task_resources(cfg) == resources
+    assert task_resources(cfg.eval.downstream, cfg.scaling.use_gpu) == resources
 
 
 def test_without_the_harness_installed_downstream_evaluation_is_refused(

@@ -27,7 +27,8 @@ def test_evaluations_not_waited_for_are_cancelled_and_release_their_checkpoints(
         folder.mkdir(parents=True)
         (folder / "COMMITTED").write_text(json.dumps({"step": step, "files": {}}))
     lines: list[str] = []
-    evaluations = DownstreamEvaluations(cfg, RunPaths("r", tmp_path), print_line=lines.append)
+    evaluations = DownstreamEvaluations(cfg.eval, cfg.checkpoint, cfg.run, RunPaths("r", tmp_path),
+                                        use_gpu=cfg.scaling.use_gpu, last_step=cfg.train.steps, print_line=lines.append)
     cancelled: list[object] = []
     monkeypatch.setattr(ray, "cancel", lambda ref, force=False: cancelled.append(ref))
     for checkpoint in storage.committed():  # as _submit_new leaves them: leased, their tasks running

@@ -109,13 +109,13 @@ def test_rays_controller_stops_at_once_on_a_permanent_failure_and_retries_the_re
 def test_the_drivers_final_line(tmp_path) -> None:
     cfg = load_config(None, [f"run.storage_path={tmp_path}", "run.name=r", "run.max_failures=3"])
     permanent = Failure(1, "10.0.0.8", "CorruptTokens: token shard a.bin: byte offset 4096 ...", permanent=True)
-    assert failure_message(cfg, permanent, restarts=0) == (
+    assert failure_message(cfg.checkpoint, cfg.run, permanent, restarts=0) == (
         "training failed: rank 1 on 10.0.0.8: CorruptTokens: token shard a.bin: byte offset 4096 ...; not restarted, "
         "a restart cannot fix this; no checkpoint was committed; fix the cause, then run the same command again "
         "(run.name=r) to resume"
     )
     transient = Failure(0, "10.0.0.7", "RuntimeError: boom", permanent=False)
-    assert failure_message(cfg, transient, restarts=3).startswith(
+    assert failure_message(cfg.checkpoint, cfg.run, transient, restarts=3).startswith(
         "training failed: rank 0 on 10.0.0.7: RuntimeError: boom; after 3 restart(s) (run.max_failures=3); "
     )
 

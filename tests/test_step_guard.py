@@ -122,7 +122,7 @@ def test_bad_steps_are_never_checkpointed_and_too_many_in_a_row_stop_the_run(
         "meshtrain_skipped_steps_total", {"run": "guard", "rank": "0", "node": "127.0.0.1"}
     ) == 3
 
-    message = stopped_message(cfg, trainer.result.stopped)
+    message = stopped_message(cfg.checkpoint, cfg.run, trainer.result.stopped)
     assert "\n" not in message and "step 6" in message and "step-00000002 (step 2)" in message
 
     # Each rank's RNG state and the progress are stored as tensors: nothing is unpickled on load.

@@ -352,10 +352,10 @@ def test_resume_on_other_data_is_refused(plan, tmp_path) -> None:
     step.mkdir(parents=True)
     (step / "COMMITTED").write_text(json.dumps({"step": 10, "data_fingerprint": "0" * 64, "files": {}}))
     with pytest.raises(ConfigError, match=f"trained on data 0000000000000000, this launch reads {plan.fingerprint[:16]}.*allow_fingerprint_change"):
-        data_for_resume(cfg, plan)
-    data_for_resume(load_config(None, [f"run.storage_path={tmp_path}", "run.name=r", "data.allow_fingerprint_change=true"]), plan)
+        data_for_resume(cfg.checkpoint, cfg.run, plan, allow_fingerprint_change=False)
+    data_for_resume(cfg.checkpoint, cfg.run, plan, allow_fingerprint_change=True)
     (step / "COMMITTED").write_text(json.dumps({"step": 10, "data_fingerprint": plan.fingerprint, "files": {}}))
-    data_for_resume(cfg, plan)
+    data_for_resume(cfg.checkpoint, cfg.run, plan, allow_fingerprint_change=False)
 
 
 def test_hub_source_without_network_fails_fast_in_one_line(tmp_path) -> None:

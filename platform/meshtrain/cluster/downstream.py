@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.checkpoint.storage import CheckpointStorage, CommittedCheckpoint, run_checkpoints
-from meshtrain.config import one_line
-from meshtrain.config.schema import MeshtrainConfig
+from meshtrain.config import CheckpointConfig, EvalConfig, RunConfig, one_line
+from meshtrain.config.evaluation import DownstreamEvalConfig
 from meshtrain.evaluate.checkpoint_eval import (
     DOWNSTREAM_DIR,
     RESULTS_FILE,
@@ -49,16 +49,15 @@ from meshtrain.observe.run_folder import (
 POLL_S = 5.0
 
 
-def chosen_step(step: int, cfg: MeshtrainConfig) -> bool:
-    """Whether the committed checkpoint of ``step`` is one to score."""
-    interval = cfg.checkpoint.interval
-    return step == cfg.train.steps or (step % (interval * cfg.eval.downstream.every) == 0)
+def chosen_step(step: int, every: int, last_step: int) -> bool:
+    """Whether the committed checkpoint of ``step`` is one to score: every ``every`` steps
+    (``eval.downstream.every`` x ``checkpoint.interval``), and the run's ``last_step`` (``train.steps``)."""
+    return step == last_step or (step % every == 0)
 
 
-def task_resources(cfg: MeshtrainConfig) -> dict[str, Any]:
-    """What Ray reserves for one evaluation task."""
-    downstream = cfg.eval.downstream
-    gpus = downstream.num_gpus if downstream.num_gpus is not None else (1.0 if cfg.scaling.use_gpu else 0.0)
+def task_resources(downstream: DownstreamEvalConfig, use_gpu: bool) -> dict[str, Any]:
+    """What Ray reserves for one evaluation task (``use_gpu``: ``scaling.use_gpu``)."""
+    gpus = downstream.num_gpus if downstream.num_gpus is not None else (1.0 if use_gpu else 0.0)
     resources: dict[str, Any] = {"num_cpus": downstream.num_cpus, "num_gpus": gpus}
     if downstream.memory_gb is not None:
         resources["memory"] = int(downstream.memory_gb * 2**30)
@@ -88,16 +87,22 @@ def _score(checkpoint: str, harness: HarnessRun | None, samples: SampleRun | Non
 class DownstreamEvaluations:
     """The driver's evaluations of a run's checkpoints (see the module's docstring)."""
 
-    def __init__(self, cfg: MeshtrainConfig, paths: RunPaths, print_line: Callable[[str], None] = print,
-                 poll_s: float = POLL_S, exporter: DriverMetrics | None = None) -> None:
-        """``exporter``: the driver's Prometheus endpoint, which serves the newest scores."""
+    def __init__(self, evaluation: EvalConfig, checkpoint: CheckpointConfig, run: RunConfig, paths: RunPaths, *,
+                 use_gpu: bool, last_step: int, fail_step: int | None = None,
+                 print_line: Callable[[str], None] = print, poll_s: float = POLL_S,
+                 exporter: DriverMetrics | None = None) -> None:
+        """``use_gpu``: ``scaling.use_gpu``; ``last_step``: ``train.steps``; ``fail_step``:
+        ``fault.downstream_fail_step``; ``exporter``: the driver's Prometheus endpoint, which serves the
+        newest scores."""
         import ray
 
-        self.cfg, self.paths, self.print_line, self.poll_s = cfg, paths, print_line, poll_s
-        self.harness = HarnessRun.of(cfg.eval.downstream) if cfg.eval.downstream.enabled else None
-        self.samples = SampleRun.of(cfg.eval.samples)
-        self.storage = run_checkpoints(cfg.checkpoint, cfg.run)
-        self.task = ray.remote(max_retries=0, **task_resources(cfg))(_score)
+        self.paths, self.print_line, self.poll_s = paths, print_line, poll_s
+        self.every, self.last_step = checkpoint.interval * evaluation.downstream.every, last_step
+        self.fail_step, self.storage_options = fail_step, checkpoint.storage_options
+        self.harness = HarnessRun.of(evaluation.downstream) if evaluation.downstream.enabled else None
+        self.samples = SampleRun.of(evaluation.samples)
+        self.storage = run_checkpoints(checkpoint, run)
+        self.task = ray.remote(max_retries=0, **task_resources(evaluation.downstream, use_gpu))(_score)
         self.pending: dict[Any, CommittedCheckpoint] = {}  # task -> the checkpoint it scores
         self.latest: dict[str, dict[str, Any]] = {}  # task -> its newest downstream_eval record
         self.started: set[int] = {step for step in self._scored_steps()}
@@ -142,16 +147,16 @@ class DownstreamEvaluations:
 
     def _submit_new(self) -> None:
         for checkpoint in sorted(self.storage.committed(), key=lambda c: c.step):
-            if checkpoint.step in self.started or not chosen_step(checkpoint.step, self.cfg):
+            if checkpoint.step in self.started or not chosen_step(checkpoint.step, self.every, self.last_step):
                 continue
             self.started.add(checkpoint.step)
             # Evaluations may queue behind training for resources: pruning must leave this one alone.
             self.storage.lease(checkpoint.path, holder=f"downstream evaluation of run {self.paths.name}")
             url = self.storage.display(checkpoint.path)
             fault = (f"fault.downstream_fail_step={checkpoint.step}: injected evaluation failure"
-                     if self.cfg.fault.downstream_fail_step == checkpoint.step else None)
+                     if self.fail_step == checkpoint.step else None)
             ref = self.task.remote(url, self.harness, self.samples, str(self.paths.run_dir),
-                                   self.cfg.checkpoint.storage_options, fault)
+                                   self.storage_options, fault)
             self.pending[ref] = checkpoint
 
     def _collect(self, timeout_s: float) -> None:

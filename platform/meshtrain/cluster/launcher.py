@@ -92,7 +92,7 @@ def launch(cfg: MeshtrainConfig) -> Summary:
 
 
 def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: float, started_at: float) -> Summary:
-    check_fresh_start(cfg, paths)
+    check_fresh_start(cfg.checkpoint, cfg.run, paths)
     cached_tokenizer = read_run_tokenizer(paths)  # a damaged one stops the launch before anything is written
     cfg = resolve_schedule_horizon(cfg, paths)  # after preflight: it lists the (reachable) checkpoints
     write_run_config(cfg, paths)
@@ -110,7 +110,7 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
         log=lambda line: print(line, flush=True),
         progress_interval_s=cfg.metrics.progress_interval_s,
     )
-    data = data_for_resume(cfg, data)
+    data = data_for_resume(cfg.checkpoint, cfg.run, data, allow_fingerprint_change=cfg.data.allow_fingerprint_change)
     if cached_tokenizer is None:
         write_atomically(paths.tokenizer, data.tokenizer_json)
     stores = ", ".join(redact_url(ref.url) for ref in data.stores)
@@ -122,7 +122,9 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
     plan = worker_plan(cfg, data, launch_id)
     endpoint = DriverEndpoint.open(cfg.metrics, cfg.run.storage_path, paths.name)
     exporter = endpoint.metrics if endpoint is not None else None
-    downstream = (DownstreamEvaluations(cfg, paths, exporter=exporter)
+    downstream = (DownstreamEvaluations(cfg.eval, cfg.checkpoint, cfg.run, paths, use_gpu=cfg.scaling.use_gpu,
+                                        last_step=cfg.train.steps, fail_step=cfg.fault.downstream_fail_step,
+                                        exporter=exporter)
                   if cfg.eval.downstream.enabled or cfg.eval.samples.prompts else None)
     trackers = TrackerRelay.open(cfg.metrics, paths, cfg.model_dump(mode="json"))
     goodput = GoodputLedger(started_at)
@@ -148,13 +150,13 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
                 if downstream is not None:  # the job log shows the results as they land
                     downstream.finish(cfg.eval.downstream.final_wait_s)
         except KeyboardInterrupt:
-            raise Interrupted(interrupted_message(cfg, None)) from None
+            raise Interrupted(interrupted_message(cfg.checkpoint, cfg.run, None)) from None
         except Exception as exc:
             config_error = config_error_in(exc)
             if config_error is not None:
                 raise config_error from None
             failure = root_failure(exc)
-            raise TrainingFailed(failure_message(cfg, failure, restarts_used(paths, launch_id)), failure) from None
+            raise TrainingFailed(failure_message(cfg.checkpoint, cfg.run, failure, restarts_used(paths, launch_id)), failure) from None
         finally:
             groups = range(cfg.replica_groups()) if cfg.fault_tolerance.mode == "replica" else [None]
             for group in groups:
@@ -175,7 +177,7 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
     write_summary(paths, summary)
     stopped, interrupted = summary.get("stopped"), summary.get("interrupted")
     if stopped:
-        raise TrainingFailed(stopped_message(cfg, stopped))
+        raise TrainingFailed(stopped_message(cfg.checkpoint, cfg.run, stopped))
     if interrupted:
-        raise Interrupted(interrupted_message(cfg, interrupted))
+        raise Interrupted(interrupted_message(cfg.checkpoint, cfg.run, interrupted))
     return summary

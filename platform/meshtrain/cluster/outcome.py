@@ -10,7 +10,7 @@ from typing import Any
 
 from meshtrain.checkpoint.storage import newest_committed
 from meshtrain.cluster.failures import Failure
-from meshtrain.config.schema import MeshtrainConfig
+from meshtrain.config import CheckpointConfig, RunConfig
 from meshtrain.observe.run_folder import RunPaths, read_worker_starts
 
 
@@ -29,11 +29,11 @@ class Interrupted(RuntimeError):
     what was saved and how to resume."""
 
 
-def _last_committed(cfg: MeshtrainConfig) -> str:
-    storage, newest = newest_committed(cfg.checkpoint, cfg.run)
+def _last_committed(checkpoint: CheckpointConfig, run: RunConfig) -> str:
+    storage, newest = newest_committed(checkpoint, run)
     if newest is not None:
         return f"last committed checkpoint: {storage.display(newest.path)} (step {newest.step})"
-    bad = len(storage.all_committed()) if cfg.checkpoint.enabled else 0
+    bad = len(storage.all_committed()) if checkpoint.enabled else 0
     return f"no loadable checkpoint ({bad} committed, marked bad)" if bad else "no checkpoint was committed"
 
 
@@ -42,28 +42,28 @@ def restarts_used(paths: RunPaths, launch_id: str) -> int:
     return max(0, sum(entry.get("launch") == launch_id for entry in read_worker_starts(paths)) - 1)
 
 
-def failure_message(cfg: MeshtrainConfig, failure: Failure, restarts: int) -> str:
+def failure_message(checkpoint: CheckpointConfig, run: RunConfig, failure: Failure, restarts: int) -> str:
     if failure.permanent:
         how = f"not restarted, a restart cannot fix this{f' (after {restarts} restart(s))' if restarts else ''}"
-        resume = f"fix the cause, then run the same command again (run.name={cfg.run.name}) to resume"
+        resume = f"fix the cause, then run the same command again (run.name={run.name}) to resume"
     else:
-        how = f"after {restarts} restart(s) (run.max_failures={cfg.run.max_failures})"
-        resume = f"run the same command again (run.name={cfg.run.name}) to resume"
-    return f"training failed: {failure.describe()}; {how}; {_last_committed(cfg)}; {resume}"
+        how = f"after {restarts} restart(s) (run.max_failures={run.max_failures})"
+        resume = f"run the same command again (run.name={run.name}) to resume"
+    return f"training failed: {failure.describe()}; {how}; {_last_committed(checkpoint, run)}; {resume}"
 
 
-def interrupted_message(cfg: MeshtrainConfig, interrupted: Mapping[str, Any] | None) -> str:
-    storage, newest = newest_committed(cfg.checkpoint, cfg.run)
+def interrupted_message(checkpoint: CheckpointConfig, run: RunConfig, interrupted: Mapping[str, Any] | None) -> str:
+    storage, newest = newest_committed(checkpoint, run)
     if interrupted is None:
         at = "stopped at once without saving"
     else:
         at = f"interrupted at step {interrupted['step']}"
     saved = f"checkpoint step {newest.step} committed" if newest is not None else "no checkpoint committed"
-    return f"{at}; {saved}; run the same command (run.name={cfg.run.name}) to resume"
+    return f"{at}; {saved}; run the same command (run.name={run.name}) to resume"
 
 
-def stopped_message(cfg: MeshtrainConfig, reason: str) -> str:
+def stopped_message(checkpoint: CheckpointConfig, run: RunConfig, reason: str) -> str:
     return (
-        f"training stopped: {reason}; {_last_committed(cfg)}; fix the cause (e.g. lower optim.lr or raise "
-        f"train.max_bad_steps) and run the same command again (run.name={cfg.run.name}) to resume from it"
+        f"training stopped: {reason}; {_last_committed(checkpoint, run)}; fix the cause (e.g. lower optim.lr or raise "
+        f"train.max_bad_steps) and run the same command again (run.name={run.name}) to resume from it"
     )

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from meshtrain.checkpoint.storage import run_checkpoints
-from meshtrain.config import ConfigError, one_line
+from meshtrain.config import CheckpointConfig, ConfigError, RunConfig, one_line
 from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import SAMPLING_SCHEME, DataPlan, checkpoint_sampling
 from meshtrain.data.local_files import write_atomically
@@ -108,12 +108,12 @@ def read_run_tokenizer(paths: RunPaths) -> str | None:
     return text
 
 
-def check_fresh_start(cfg: MeshtrainConfig, paths: RunPaths) -> None:
+def check_fresh_start(checkpoint: CheckpointConfig, run: RunConfig, paths: RunPaths) -> None:
     """``checkpoint.resume=false`` on a run with committed checkpoints would overwrite them with another
     training that a later plain relaunch could mix up with them: refused."""
-    if not cfg.checkpoint.enabled or cfg.checkpoint.resume:
+    if not checkpoint.enabled or checkpoint.resume:
         return
-    storage = run_checkpoints(cfg.checkpoint, cfg.run)
+    storage = run_checkpoints(checkpoint, run)
     committed = storage.committed()
     if committed:
         steps = ", ".join(str(c.step) for c in sorted(committed, key=lambda c: c.step))
@@ -159,28 +159,30 @@ def write_run_config(cfg: MeshtrainConfig, paths: RunPaths) -> None:
     write_atomically(paths.config, text)
 
 
-def data_for_resume(cfg: MeshtrainConfig, plan: DataPlan) -> DataPlan:
+def data_for_resume(checkpoint: CheckpointConfig, run: RunConfig, plan: DataPlan, *,
+                    allow_fingerprint_change: bool) -> DataPlan:
     """The data plan a resumed run continues with: checkpoints trained on other token data are
-    refused (unless the user says so), and the sampling scheme they were trained with is kept, so
-    the data order never changes mid-run. A run without checkpoints gets the plan as it is."""
-    if not (cfg.checkpoint.enabled and cfg.checkpoint.resume):
+    refused (unless the user says so: ``data.allow_fingerprint_change``), and the sampling scheme they
+    were trained with is kept, so the data order never changes mid-run. A run without checkpoints gets
+    the plan as it is."""
+    if not (checkpoint.enabled and checkpoint.resume):
         return plan
-    committed = run_checkpoints(cfg.checkpoint, cfg.run).committed()
+    committed = run_checkpoints(checkpoint, run).committed()
     if not committed:
         return plan
     manifest = committed[0].manifest
-    scheme = checkpoint_sampling(manifest, f"the checkpoints of run {cfg.run.name}")
+    scheme = checkpoint_sampling(manifest, f"the checkpoints of run {run.name}")
     resumed = dataclasses.replace(plan, sampling=scheme)
     trained_on = manifest.get("data_fingerprint")
-    if not cfg.data.allow_fingerprint_change and trained_on is not None and trained_on != resumed.fingerprint:
+    if not allow_fingerprint_change and trained_on is not None and trained_on != resumed.fingerprint:
         raise ConfigError(
-            f"data.source: the checkpoints of run {cfg.run.name} were trained on data {trained_on[:16]}, this launch "
+            f"data.source: the checkpoints of run {run.name} were trained on data {trained_on[:16]}, this launch "
             f"reads {resumed.fingerprint[:16]}; use the same data, another run.name, or set "
             "data.allow_fingerprint_change=true to continue on the new data deliberately"
         )
     if scheme != plan.sampling:
         print(
-            f"[meshtrain] run {cfg.run.name} keeps the data order its checkpoints were trained with ({scheme}); "
+            f"[meshtrain] run {run.name} keeps the data order its checkpoints were trained with ({scheme}); "
             f"a new run.name uses {SAMPLING_SCHEME}",
             flush=True,
         )
