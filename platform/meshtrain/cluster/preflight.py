@@ -25,7 +25,22 @@ from fsspec.core import split_protocol
 from meshtrain.checkpoint.hf_weights import check_weight_headers
 from meshtrain.checkpoint.storage import CheckpointStorage, checkpoint_root
 from meshtrain.cluster.worker_env import worker_env
-from meshtrain.config import ConfigError, DataConfig, ModelConfig, one_line, redact_url, require_extra
+from meshtrain.config import (
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    MetricsConfig,
+    ModelArgs,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    ScalingConfig,
+    TrainConfig,
+    one_line,
+    redact_url,
+    require_extra,
+)
+from meshtrain.config.evaluation import DownstreamEvalConfig
 from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import expand_local_source, tokenizer_vocab_size
 from meshtrain.data.location import with_timeouts
@@ -55,18 +70,21 @@ def preflight(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> Meshtrain
     run; preparing data does not need the model). Calling it again on its result changes nothing."""
     check_torch()
     cfg = cfg.model_copy(deep=True)
-    _check_init_from_shape(cfg.model, resumes=_resumes_from_checkpoint(cfg))
+    resumes = cfg.model.init_from is not None and _resumes_from_checkpoint(cfg.checkpoint, cfg.run)
+    _check_init_from_shape(cfg.model, resumes=resumes)
     _check_data_paths(cfg.data)
     _check_local_directory(Path(cfg.run.storage_path), "run.storage_path")
     if cfg.checkpoint.enabled and cfg.checkpoint.path is not None:
         _check_checkpoint_root(cfg.checkpoint.path, cfg.checkpoint.storage_options)
-    if cfg.model.init_from is not None:
-        if cfg.data.tokenizer == "train":
-            # Continued pretraining keeps the tokenizer the weights were trained with.
-            cfg.data.tokenizer = init_from_tokenizer(cfg.model.init_from)
-        shape = model_args(cfg.model, None)
-        cfg.check_seq_len(shape)
-        cfg.check_model_parallel(shape)
+    if cfg.model.init_from is not None and cfg.data.tokenizer == "train":
+        # Continued pretraining keeps the tokenizer the weights were trained with.
+        cfg.data.tokenizer = init_from_tokenizer(cfg.model.init_from)
+    # The model's shape, resolved once for every check below. The schema checked the shape it could
+    # resolve without files; this one has model.init_from's config.json and, with tokenizer_fits,
+    # the tokenizer file's vocabulary (a broken file, or one too large for the model, fails here).
+    args = model_args(cfg.model, _tokenizer_vocab(cfg.data, cfg.model, loads_tokenizer=tokenizer_fits))
+    cfg.check_seq_len(args)
+    cfg.parallel.check_model(args)
     if cfg.parallel.shard != "auto" or cfg.scaling.workers_per_node is not None:
         resolve_mesh_shape(
             cfg.scaling.num_workers,
@@ -76,49 +94,60 @@ def preflight(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> Meshtrain
             cfg.parallel.context,
             cfg.parallel.tensor,
         )
-    if tokenizer_fits and cfg.data.tokenizer != "train":
-        # A broken tokenizer file, or one too large for the model, fails here, before Ray starts.
-        cfg.check_model_parallel(model_args(cfg.model, tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size)))
     if cfg.fault_tolerance.mode == "replica":
         check_torchft()
-    _check_preemption_budget(cfg)
-    _check_metrics_address(cfg)
-    _check_float8(cfg)
-    _check_downstream(cfg)
+    _check_preemption_budget(cfg.run, cfg.scaling, cfg.train, cfg.data.seq_len, args)
+    _check_metrics_address(cfg.metrics)
+    _check_float8(cfg.parallel, cfg.scaling)
+    _check_downstream(cfg.eval.downstream, cfg.scaling.use_gpu, args)
     worker_env(cfg.run, cfg.scaling, cfg.memory, os.environ)  # an allocator setting that conflicts with the environment's
     check_wandb(cfg.metrics)
     check_mlflow(cfg.metrics)
     return cfg
 
 
-def _check_float8(cfg: MeshtrainConfig) -> None:
+def _tokenizer_vocab(data: DataConfig, model: ModelConfig, loads_tokenizer: bool) -> int | None:
+    """The tokenizer's vocabulary as far as it is known before the data is prepared: data.vocab_size for
+    one to be trained (it has at most that many tokens); a tokenizer file's own when ``loads_tokenizer``;
+    without loading it, none with model.init_from (its config.json gives the vocabulary), else the
+    schema's stand-in (model.vocab_size, or data.vocab_size)."""
+    if data.tokenizer == "train":
+        return data.vocab_size
+    if loads_tokenizer:
+        return tokenizer_vocab_size(data.tokenizer, data.vocab_size)
+    if model.init_from is not None:
+        return None
+    return model.vocab_size or data.vocab_size
+
+
+def _check_float8(parallel: ParallelConfig, scaling: ScalingConfig) -> None:
     """parallel.float8 needs torchao, and a GPU of compute capability 8.9+ when the type is known
     (workers check their device again: an unnamed type is only known there)."""
-    if not cfg.parallel.float8:
+    if not parallel.float8:
         return
     require_extra("parallel.float8", "torchao", "float8")
-    accelerator = cfg.scaling.accelerator_type
-    if cfg.scaling.use_gpu and accelerator is not None and accelerator_lacks_float8(accelerator):
+    accelerator = scaling.accelerator_type
+    if scaling.use_gpu and accelerator is not None and accelerator_lacks_float8(accelerator):
         raise ConfigError(
-            f"{float8_requirement(cfg.parallel.float8_recipe)}; scaling.accelerator_type={accelerator} is older: "
+            f"{float8_requirement(parallel.float8_recipe)}; scaling.accelerator_type={accelerator} is older: "
             f"set parallel.float8=false"
         )
-    if cfg.scaling.use_gpu and accelerator is None and not os.environ.get("RAY_ADDRESS"):
+    if scaling.use_gpu and accelerator is None and not os.environ.get("RAY_ADDRESS"):
         # A local Ray trains on this machine's GPUs, so they can be asked now.
         import torch
 
         for index in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
             try:
                 check_float8_device(torch.device("cuda", index), holder="this machine",
-                                    recipe=cfg.parallel.float8_recipe)
+                                    recipe=parallel.float8_recipe)
             except Float8Unavailable as exc:
                 raise ConfigError(str(exc)) from None
 
 
-def _check_downstream(cfg: MeshtrainConfig) -> None:
+def _check_downstream(downstream: DownstreamEvalConfig, use_gpu: bool, args: ModelArgs) -> None:
     """eval.downstream: the harness installed, every task known, and a memory reservation that can
-    hold the model's weights (fp32 on CPU, bf16 on a GPU)."""
-    downstream = cfg.eval.downstream
+    hold the weights of the model of shape ``args`` (fp32 on CPU, bf16 on a GPU; ``use_gpu``:
+    scaling.use_gpu, the default of eval.downstream.num_gpus)."""
     if not downstream.enabled:
         return
     if importlib.util.find_spec("lm_eval") is None or importlib.util.find_spec("accelerate") is None:
@@ -126,9 +155,8 @@ def _check_downstream(cfg: MeshtrainConfig) -> None:
                           "eval.downstream.tasks=[]")
     task_manager(HarnessRun.of(downstream))
     if downstream.memory_gb is not None:
-        on_gpu = (downstream.num_gpus if downstream.num_gpus is not None else float(cfg.scaling.use_gpu)) > 0
-        vocab = cfg.model.vocab_size or cfg.data.vocab_size
-        weights = count_parameters(build_model(model_args(cfg.model, None if cfg.model.init_from else vocab), "meta"))
+        on_gpu = (downstream.num_gpus if downstream.num_gpus is not None else float(use_gpu)) > 0
+        weights = count_parameters(build_model(args, "meta"))
         weights *= 2 if on_gpu else 4
         if weights > downstream.memory_gb * 2**30:
             raise ConfigError(
@@ -138,11 +166,11 @@ def _check_downstream(cfg: MeshtrainConfig) -> None:
             )
 
 
-def _check_metrics_address(cfg: MeshtrainConfig) -> None:
+def _check_metrics_address(metrics: MetricsConfig) -> None:
     """A local run's workers serve /metrics on this machine: an address it does not have is refused here
     (on a cluster each worker checks its own node, and a wrong address stops the run at once)."""
-    address = cfg.metrics.bind_address
-    if not cfg.metrics.port or ipaddress.ip_address(address).is_unspecified or os.environ.get("RAY_ADDRESS"):
+    address = metrics.bind_address
+    if not metrics.port or ipaddress.ip_address(address).is_unspecified or os.environ.get("RAY_ADDRESS"):
         return
     family = socket.AF_INET6 if ipaddress.ip_address(address).version == 6 else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
@@ -155,24 +183,24 @@ def _check_metrics_address(cfg: MeshtrainConfig) -> None:
             ) from None
 
 
-def _check_preemption_budget(cfg: MeshtrainConfig) -> None:
+def _check_preemption_budget(run: RunConfig, scaling: ScalingConfig, train: TrainConfig, seq_len: int,
+                             args: ModelArgs) -> None:
     """run.preemption_save_s must hold at least one step. A step's time is known once measured (the
     trainer then warns); before that, a known GPU type bounds it from below: the step's model FLOPs per
-    rank at the highest peak that type may have, i.e. at 100% MFU on its fastest variant."""
-    budget = cfg.run.preemption_save_s
-    if budget is None or not cfg.scaling.use_gpu or cfg.scaling.accelerator_type is None:
+    rank (of ``seq_len``-token windows, a model of shape ``args``) at the highest peak that type may
+    have, i.e. at 100% MFU on its fastest variant."""
+    budget = run.preemption_save_s
+    if budget is None or not scaling.use_gpu or scaling.accelerator_type is None:
         return
-    peak = highest_peak_flops(cfg.scaling.accelerator_type)
+    peak = highest_peak_flops(scaling.accelerator_type)
     if peak is None:
         return
-    vocab = cfg.data.vocab_size if cfg.data.tokenizer == "train" else (cfg.model.vocab_size or cfg.data.vocab_size)
-    args = model_args(cfg.model, vocab)
-    tokens_per_rank = cfg.train.global_batch_size * cfg.data.seq_len / cfg.scaling.num_workers
-    floor_s = tokens_per_rank * flops_per_token(args, cfg.data.seq_len) / peak
+    tokens_per_rank = train.global_batch_size * seq_len / scaling.num_workers
+    floor_s = tokens_per_rank * flops_per_token(args, seq_len) / peak
     if budget < floor_s:
         raise ConfigError(
             f"run.preemption_save_s={budget:g} is shorter than one step: {tokens_per_rank:,.0f} tokens per "
-            f"{cfg.scaling.accelerator_type} take at least {floor_s:.1f} s even at 100% MFU; raise it toward the "
+            f"{scaling.accelerator_type} take at least {floor_s:.1f} s even at 100% MFU; raise it toward the "
             "notice period (AWS spot: 120 s) or lower train.global_batch_size"
         )
 
@@ -197,16 +225,16 @@ def _check_init_from_shape(model: ModelConfig, resumes: bool = False) -> None:
         _check_init_from_weights(model, shape)
 
 
-def _resumes_from_checkpoint(cfg: MeshtrainConfig) -> bool:
+def _resumes_from_checkpoint(checkpoint: CheckpointConfig, run: RunConfig) -> bool:
     """Whether the run will resume from a committed checkpoint (then, as the trainer decides, it reads no
     init_from weights). Storage that cannot be listed counts as no: the weights are checked then."""
-    if cfg.model.init_from is None or not (cfg.checkpoint.enabled and cfg.checkpoint.resume) or cfg.run.name is None:
+    if not (checkpoint.enabled and checkpoint.resume) or run.name is None:
         return False
-    options = cfg.checkpoint.storage_options
-    if split_protocol(cfg.checkpoint.path or "")[0] in ("s3", "s3a"):
+    options = checkpoint.storage_options
+    if split_protocol(checkpoint.path or "")[0] in ("s3", "s3a"):
         options = with_timeouts(options, _PROBE_TIMEOUT_S)  # an unreachable endpoint does not hang the check
     try:
-        return bool(CheckpointStorage(checkpoint_root(cfg.checkpoint, cfg.run), options).all_committed())
+        return bool(CheckpointStorage(checkpoint_root(checkpoint, run), options).all_committed())
     except Exception:  # unreachable or refused: _check_checkpoint_root says why, in one line
         return False
 
