@@ -126,7 +126,7 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
                                         last_step=cfg.train.steps, fail_step=cfg.fault.downstream_fail_step,
                                         exporter=exporter)
                   if cfg.eval.downstream.enabled or cfg.eval.samples.prompts else None)
-    trackers = TrackerRelay.open(cfg.metrics, paths, cfg.model_dump(mode="json"))
+    trackers = TrackerRelay.open(cfg.metrics, paths, plan.settings)
     goodput = GoodputLedger(started_at)
     trained_at = None
 

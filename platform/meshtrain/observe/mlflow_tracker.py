@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from meshtrain.config import ConfigError, MetricsConfig, redact_url, require_extra
@@ -55,7 +56,7 @@ def check_mlflow(metrics: MetricsConfig) -> None:
         )
 
 
-def mlflow_params(settings: dict[str, Any]) -> list[tuple[str, str]]:
+def mlflow_params(settings: Mapping[str, Any]) -> list[tuple[str, str]]:
     """The run's settings (the config's JSON dump, credentials redacted) as MLflow parameters (dotted key,
     value as text)."""
     return [(key, str(value)[:_PARAM_VALUE_LIMIT]) for key, value in flat_settings(settings)]
@@ -64,7 +65,7 @@ def mlflow_params(settings: dict[str, Any]) -> list[tuple[str, str]]:
 class MlflowTracker:
     name = "mlflow"
 
-    def __init__(self, metrics: MetricsConfig, paths: RunPaths, settings: dict[str, Any]) -> None:
+    def __init__(self, metrics: MetricsConfig, paths: RunPaths, settings: Mapping[str, Any]) -> None:
         """``settings``: the run's config as JSON (redacted), logged as the new run's parameters."""
         from mlflow.entities import Param
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -36,7 +36,7 @@ class TrackerRelay:
         self._thread = threading.Thread(target=self._follow, name="meshtrain-trackers", daemon=True)
 
     @classmethod
-    def open(cls, metrics: MetricsConfig, paths: RunPaths, settings: dict[str, Any]) -> TrackerRelay | None:
+    def open(cls, metrics: MetricsConfig, paths: RunPaths, settings: Mapping[str, Any]) -> TrackerRelay | None:
         """None when no tracker is configured (neither package is imported then). ``settings``: the run's
         config as JSON (redacted), which each new tracker run logs."""
         if not (metrics.wandb or metrics.mlflow):
@@ -67,7 +67,7 @@ class TrackerRelay:
                 sink.record(record)
 
 
-def open_trackers(metrics: MetricsConfig, paths: RunPaths, settings: dict[str, Any],
+def open_trackers(metrics: MetricsConfig, paths: RunPaths, settings: Mapping[str, Any],
                   already_logged: set[tuple[str, int]]) -> list[TrackerSink]:
     """The driver's W&B and MLflow sinks, as configured. One that cannot open its run is reported in
     one line and left out: a tracker never stops training (preflight checked them before Ray started)."""

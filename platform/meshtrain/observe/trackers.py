@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import re
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 from meshtrain.config import one_line
@@ -103,7 +103,7 @@ def unreachable(url: str) -> str | None:
     return None
 
 
-def flat_settings(config: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+def flat_settings(config: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
     """A nested config as (dotted key, value) pairs, the form trackers show as parameters."""
     for key, value in config.items():
         if isinstance(value, dict) and value:

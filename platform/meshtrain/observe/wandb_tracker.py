@@ -9,6 +9,7 @@ Each worker-group start writes its own offline folder under the same run id.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from meshtrain.config import ConfigError, MetricsConfig, require_extra
@@ -63,7 +64,7 @@ def _has_api_key() -> bool:
 class WandbTracker:
     name = "wandb"
 
-    def __init__(self, metrics: MetricsConfig, paths: RunPaths, settings: dict[str, Any]) -> None:
+    def __init__(self, metrics: MetricsConfig, paths: RunPaths, settings: Mapping[str, Any]) -> None:
         """``settings``: the run's config as JSON (redacted), the W&B run's config."""
         import wandb
 
@@ -75,7 +76,7 @@ class WandbTracker:
             name=paths.name,
             resume="allow",
             tags=metrics.wandb_tags or None,
-            config=settings,
+            config=dict(settings),
             dir=str(paths.run_dir),
             settings=wandb.Settings(console="off", silent=True),
         )
