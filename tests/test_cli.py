@@ -561,7 +561,7 @@ def test_an_unexpected_failure_in_a_dry_run_surfaces_as_itself(monkeypatch: pyte
     handler of launch failures once masked it as an UnboundLocalError)."""
     import meshtrain.cli.pretrain as cli
 
-    def broken(cfg: MeshtrainConfig, trace: bool) -> None:
+    def broken(cfg: MeshtrainConfig, args: object, trace: bool) -> None:
         raise RuntimeError("the traced step broke")
 
     monkeypatch.setattr(cli, "dry_run", broken)

@@ -49,14 +49,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def dry_run(cfg: MeshtrainConfig, trace: bool = False) -> None:
-    """Print the resolved (preflighted) config and the plan; ConfigError, and nothing on stdout, when the plan fails."""
+def dry_run(cfg: MeshtrainConfig, args: ModelArgs, trace: bool = False) -> None:
+    """Print the resolved (preflighted) config and the plan of the model ``args`` it resolved; ConfigError, and
+    nothing on stdout, when the plan fails."""
     from meshtrain.cluster.resume import config_yaml
-    from meshtrain.data import tokenizer_vocab_size
     from meshtrain.distributed.plan import describe_plan
-    from meshtrain.model.args import model_args
 
-    args = model_args(cfg.model, tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size))
     report = describe_plan(args, cfg.parallel, cfg.scaling, cfg.train, cfg.data.seq_len, cfg.model.document_mask,
                            cfg.elastic_sizes())  # may raise ConfigError: then nothing goes to stdout
     print(config_yaml(cfg), end="")
@@ -89,13 +87,14 @@ def traced_report(cfg: MeshtrainConfig, args: ModelArgs) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        from meshtrain.cluster.preflight import preflight
+        from meshtrain.cluster.preflight import preflighted
 
         if args.trace and not args.dry_run:
             raise ConfigError("--trace goes with --dry-run: add --dry-run")
         cfg = load_config(args.config, args.overrides)
         if args.dry_run:
-            dry_run(preflight(cfg), args.trace)
+            checked = preflighted(cfg)
+            dry_run(checked.config, checked.model, args.trace)
             return 0
         from meshtrain.cluster.launcher import launch
         from meshtrain.cluster.outcome import Interrupted, TrainingFailed

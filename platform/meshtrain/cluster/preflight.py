@@ -17,7 +17,7 @@ import socket
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import fsspec
 from fsspec.core import split_protocol
@@ -63,11 +63,21 @@ from meshtrain.observe.mlflow_tracker import check_mlflow
 from meshtrain.observe.wandb_tracker import check_wandb
 
 
+class Preflighted(NamedTuple):
+    config: MeshtrainConfig
+    model: ModelArgs  # the model's shape as far as it is known before the data is prepared (the dry run's)
+
+
 def preflight(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> MeshtrainConfig:
     """``cfg`` checked against the world, with what it takes from it: with ``model.init_from`` and
     ``data.tokenizer=train``, the tokenizer the weights were trained with. ``tokenizer_fits`` also
     loads a ``data.tokenizer`` file and checks its vocabulary against the model (a run and its dry
     run; preparing data does not need the model). Calling it again on its result changes nothing."""
+    return preflighted(cfg, tokenizer_fits=tokenizer_fits).config
+
+
+def preflighted(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> Preflighted:
+    """:func:`preflight`, with the model's shape it checked."""
     check_torch()
     cfg = cfg.model_copy(deep=True)
     resumes = cfg.model.init_from is not None and _resumes_from_checkpoint(cfg.checkpoint, cfg.run)
@@ -103,7 +113,7 @@ def preflight(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> Meshtrain
     worker_env(cfg.run, cfg.scaling, cfg.memory, os.environ)  # an allocator setting that conflicts with the environment's
     check_wandb(cfg.metrics)
     check_mlflow(cfg.metrics)
-    return cfg
+    return Preflighted(cfg, args)
 
 
 def _tokenizer_vocab(data: DataConfig, model: ModelConfig, loads_tokenizer: bool) -> int | None:

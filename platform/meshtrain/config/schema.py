@@ -166,9 +166,6 @@ class MeshtrainConfig(Section):
             raise ValueError("parallel.async_tensor needs parallel.tensor > 1, scaling.use_gpu=true and "
                              "parallel.compile=true (inductor pipelines the collectives on CUDA); drop it or set those")
 
-    def check_model_parallel(self, model: ModelArgs) -> None:
-        self.parallel.check_model(model)
-
     def _check_eviction_can_happen(self, sizes: list[int]) -> None:
         """scaling.evict_stragglers with settings under which no straggler could ever be evicted
         (``sizes``: the trainable group sizes, :meth:`elastic_sizes`)."""
