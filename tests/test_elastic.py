@@ -3,11 +3,14 @@ the resize record a restarted group writes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from meshtrain.cli.pretrain import main
 from meshtrain.cluster.worker import UntrainableGroupSize, check_group_size, resize_record
 from meshtrain.config import ConfigError, MeshtrainConfig, load_config
+from meshtrain.observe.run_folder import WorkerStart
 
 BATCH = ["scaling.num_workers=8", "train.global_batch_size=32", "train.micro_batch_size=2"]
 
@@ -65,16 +68,16 @@ def test_a_size_ray_offers_but_the_run_cannot_use_fails_its_start() -> None:
 
 def test_resize_records_say_why() -> None:
     cfg = load_config(None, [*BATCH, "scaling.min_workers=2"])
-    start = {"launch": "a", "world_size": 8, "workers": []}
+    start = WorkerStart(launch="a", time=1.0, world_size=8, workers=[])
     assert resize_record(None, "a", 8, cfg) is None
     assert resize_record(start, "a", 8, cfg) is None
     lost = resize_record(start, "a", 4, cfg)
-    assert lost is not None and (lost["from_workers"], lost["to_workers"]) == (8, 4)
-    assert lost["reason"].startswith("capacity lost")
-    grown = resize_record({**start, "world_size": 4}, "a", 8, cfg)
-    assert grown is not None and grown["reason"].startswith("capacity returned")
+    assert lost is not None and (lost.from_workers, lost.to_workers) == (8, 4)
+    assert lost.reason.startswith("capacity lost")
+    grown = resize_record(replace(start, world_size=4), "a", 8, cfg)
+    assert grown is not None and grown.reason.startswith("capacity returned")
     relaunched = resize_record(start, "b", 4, cfg)
-    assert relaunched is not None and relaunched["reason"].startswith("a new launch")
+    assert relaunched is not None and relaunched.reason.startswith("a new launch")
 
 
 class _Actor:

@@ -51,6 +51,7 @@ from meshtrain.model.hf_llama import hf_config, hf_name, llama_shape
 from meshtrain.model.init import init_weights
 from meshtrain.model.llama import Transformer, build_model
 from meshtrain.model.loss import token_cross_entropy_sum
+from meshtrain.observe.run_folder import TrainRecord
 from meshtrain.train.setup import build_sharded_model
 from meshtrain.train.trainer import train
 from ranks import run_on_ranks
@@ -338,7 +339,7 @@ def test_continued_training_starts_from_the_weights(trained: Trained, tmp_path: 
         micro_batches = list(batches.next_step())
         loss_sum = sum(token_cross_entropy_sum(model(inputs), targets) for inputs, targets in micro_batches)
     expected = loss_sum.item() / sum(targets.numel() for _, targets in micro_batches)
-    assert result.records[0]["loss"] == pytest.approx(expected, rel=1e-6)
+    assert result.records[0].loss == pytest.approx(expected, rel=1e-6)
 
 
 def test_a_resumed_run_reads_its_checkpoint_not_the_hf_weights(trained: Trained, tmp_path: Path) -> None:
@@ -350,8 +351,8 @@ def test_a_resumed_run_reads_its_checkpoint_not_the_hf_weights(trained: Trained,
     for weights in hf.glob("*.safetensors"):
         weights.write_bytes(b"overwritten")
     resumed = train(init_from_config(hf, *settings), trained.corpus, WorkerLayout(), torch.device("cpu"))
-    assert [r["step"] for r in first.records if r["event"] == "train"] == [1, 2]
-    assert [r["step"] for r in resumed.records if r["event"] == "train"] == [3, 4]
+    assert [r.step for r in first.records if isinstance(r, TrainRecord)] == [1, 2]
+    assert [r.step for r in resumed.records if isinstance(r, TrainRecord)] == [3, 4]
 
 
 # --- a 2x2 mesh ---------------------------------------------------------------------------------
@@ -390,7 +391,7 @@ def _on_rank(
     trained = {}
     for key, cfg in runs.items():
         result = train(cfg, corpus, WorkerLayout(rank, world, rank % 2, 2, rank // 2), torch.device("cpu"))
-        trained[key] = {"mesh": result.mesh_shape, "losses": {r["step"]: r["loss"] for r in result.records}}
+        trained[key] = {"mesh": result.mesh_shape, "losses": {r.step: r.loss for r in result.records}}
     return {"loaded": _load_on_rank(rank, world, loads), "trained": trained}
 
 

@@ -7,7 +7,6 @@ import os
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 
 from meshtrain.cluster.capacity import START_TIMEOUT_ENV, check_capacity
@@ -39,7 +38,15 @@ from meshtrain.data import prepare_data
 from meshtrain.data.local_files import write_atomically
 from meshtrain.observe.goodput import GoodputLedger
 from meshtrain.observe.metrics import targets_name, targets_path, write_targets
-from meshtrain.observe.run_folder import RunPaths, StopRequest, Summary, read_summary, write_summary
+from meshtrain.observe.run_folder import (
+    ReadRecord,
+    RunPaths,
+    StopRequest,
+    Summary,
+    TrainRecord,
+    read_summary,
+    write_summary,
+)
 from meshtrain.observe.progress import ProgressMonitor
 from meshtrain.observe.tracker_relay import TrackerRelay
 from meshtrain.train.spec import RunSpec
@@ -127,9 +134,9 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
     goodput = GoodputLedger(started_at)
     trained_at = None
 
-    def follow_goodput(record: dict[str, Any]) -> None:
+    def follow_goodput(record: ReadRecord) -> None:
         goodput.add(record)
-        if exporter is not None and record["event"] == "train":
+        if exporter is not None and isinstance(record, TrainRecord):
             exporter.goodput(goodput.report(time.time()))
 
     with endpoint if endpoint is not None else contextlib.nullcontext():
@@ -170,7 +177,7 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
     if cfg.fault_tolerance.mode == "replica":
         summary["replica_groups"] = cfg.replica_groups()  # world_size and mesh_shape are one group's
     if downstream is not None:
-        summary["downstream"] = downstream.latest
+        summary["downstream"] = {task: record.to_json() for task, record in downstream.latest.items()}
     write_summary(paths, summary)
     stopped, interrupted = summary.get("stopped"), summary.get("interrupted")
     if stopped:

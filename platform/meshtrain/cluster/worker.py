@@ -38,16 +38,18 @@ from meshtrain.observe.run_folder import (
     MetricsRecord,
     Placement,
     RecordFollower,
+    Resize,
     ResizeRecord,
     RunPaths,
     StopRequest,
     Summary,
+    TrainRecord,
     WorkerStart,
     append_worker_start,
     read_worker_starts,
     write_summary,
 )
-from meshtrain.observe.trackers import DRIVER_EVENTS
+from meshtrain.observe.trackers import DRIVER_RECORDS
 from meshtrain.train.spec import RunSpec
 from meshtrain.train.trainer import train
 
@@ -64,10 +66,10 @@ def resize_record(previous: WorkerStart | None, launch_id: str, world_size: int,
     """The ``resize`` event when this group's size differs from the run's previous start, else None."""
     if previous is None:
         return None
-    before = previous.get("world_size", len(previous["workers"]))
+    before = previous.world_size
     if before == world_size:
         return None
-    if previous["launch"] != launch_id:
+    if previous.launch != launch_id:
         reason = "a new launch with another scaling.num_workers or cluster"
     elif world_size < before:
         reason = (
@@ -79,21 +81,16 @@ def resize_record(previous: WorkerStart | None, launch_id: str, world_size: int,
             f"capacity returned: Ray's check every scaling.resize_check_interval_s={cfg.scaling.resize_check_interval_s:g}s "
             f"found room for {world_size} workers"
         )
-    return ResizeRecord(event="resize", time=time.time(), from_workers=before, to_workers=world_size, reason=reason)
+    return ResizeRecord(time=time.time(), from_workers=before, to_workers=world_size, reason=reason)
 
 
-def resizes(paths: RunPaths) -> list[dict[str, Any]]:
+def resizes(paths: RunPaths) -> list[Resize]:
     """Every change of the run's worker-group size so far: when, from, to (from worker_starts.jsonl)."""
-    starts = read_worker_starts(paths)
     return [
-        {
-            "time": entry["time"],
-            "from_workers": entry["resized_from"],
-            "to_workers": entry["world_size"],
-            "reason": entry["resize_reason"],
-        }
-        for entry in starts
-        if "resized_from" in entry
+        Resize(time=entry.time, from_workers=entry.resized_from, to_workers=entry.world_size,
+               reason=entry.resize_reason or "")
+        for entry in read_worker_starts(paths)
+        if entry.resized_from is not None
     ]
 
 
@@ -116,34 +113,27 @@ def check_group_size(cfg: MeshtrainConfig, world_size: int, replica: ReplicaPlac
 
 def record_worker_start(
     paths: RunPaths, launch_id: str, layout: WorkerLayout, cfg: MeshtrainConfig, replica: int | None = None
-) -> tuple[int, list[dict[str, Any]], ResizeRecord | None]:
+) -> tuple[int, list[Placement], ResizeRecord | None]:
     """Log this worker group's start, with where every rank runs, in the run directory.
 
     Returns the restarts of this launch (earlier starts with the same launch id, of the same replica
     group in replica mode), the placements, and the resize from the run's previous start (rank 0; None
     elsewhere, in replica mode, or when the size is the same).
     """
-    placement: Placement = {
-        "rank": layout.world_rank,
-        "node_rank": layout.node_rank,
-        "local_rank": layout.local_rank,
-        "node_ip": ray.util.get_node_ip_address(),
-        "pid": os.getpid(),
-    }
-    workers = _gather(placement)
+    placement = Placement(rank=layout.world_rank, node_rank=layout.node_rank, local_rank=layout.local_rank,
+                          node_ip=ray.util.get_node_ip_address(), pid=os.getpid())
+    workers: list[Placement] = _gather(placement)
     restarts, resize = 0, None
     if layout.world_rank == 0:
         earlier = read_worker_starts(paths)
         if replica is None:
             resize = resize_record(earlier[-1] if earlier else None, launch_id, layout.world_size, cfg)
-        start: WorkerStart = {"launch": launch_id, "time": time.time(), "world_size": layout.world_size,
-                              "workers": workers}
-        if replica is not None:
-            start["replica"] = replica
-        if resize is not None:
-            start["resized_from"], start["resize_reason"] = resize["from_workers"], resize["reason"]
-        append_worker_start(paths, start)
-        restarts = sum(entry["launch"] == launch_id and entry.get("replica") == replica for entry in earlier)
+        append_worker_start(paths, WorkerStart(
+            launch=launch_id, time=time.time(), world_size=layout.world_size, workers=workers, replica=replica,
+            resized_from=resize.from_workers if resize is not None else None,
+            resize_reason=resize.reason if resize is not None else None,
+        ))
+        restarts = sum(entry.launch == launch_id and entry.replica == replica for entry in earlier)
     return _gather(restarts)[0], workers, resize
 
 
@@ -249,7 +239,7 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
     if layout.world_rank == 0:
         recorder = StepRecorder(paths.metrics)
         # The driver relays metrics.jsonl to the trackers; this tells them which start of the group it is.
-        recorder.record(GroupStartRecord(event="group_start", restarts=restarts, workers=layout.world_size, time=time.time()))
+        recorder.record(GroupStartRecord(restarts=restarts, workers=layout.world_size, time=time.time()))
         sinks.append(recorder)
         if cfg.metrics.tensorboard:
             board = TensorBoardWriter(paths.run_dir / "tensorboard")
@@ -257,13 +247,13 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
 
     # The driver appends its downstream evaluations to metrics.jsonl; at each logged step rank 0 hands
     # those it has not seen to TensorBoard (the driver serves them to Prometheus and the trackers).
-    downstream = (RecordFollower(paths.metrics, set(DRIVER_EVENTS))
+    downstream = (RecordFollower(paths.metrics, DRIVER_RECORDS)
                   if board is not None and (cfg.eval.downstream.enabled or cfg.eval.samples.prompts) else None)
 
     def on_record(record: MetricsRecord) -> None:
         for sink in sinks:
             sink.record(record)
-        if downstream is not None and board is not None and record["event"] == "train":
+        if downstream is not None and board is not None and isinstance(record, TrainRecord):
             for scored in downstream.new_records():
                 board.record(scored)
 
@@ -311,7 +301,7 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
             },
         )
     reporter.final(
-        {"step": result.records[-1]["step"] if result.records else 0, "loss": result.final_loss,
+        {"step": result.records[-1].step if result.records else 0, "loss": result.final_loss,
          "eval_loss": result.eval_loss, "tokens": result.tokens, "mean_tokens_per_s": result.mean_tokens_per_s,
          "skipped_steps": result.skipped_steps, "stopped": result.stopped},
         result_pointer(cfg, paths) if layout.world_rank == 0 else {},
