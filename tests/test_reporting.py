@@ -382,10 +382,10 @@ def test_the_cuda_alloc_retries_gauge_reads_the_allocator(monkeypatch: pytest.Mo
 
 
 def test_the_run_summary_carries_the_cuda_peak_and_allocator_retries(monkeypatch: pytest.MonkeyPatch) -> None:
-    from meshtrain.cluster.worker import peak_memory
+    from meshtrain.cluster.worker import PeakMemory, peak_memory
 
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 5 * GIB)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {"num_alloc_retries": 2})
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
-    assert peak_memory(torch.device("cuda", 0)) == {
-        "device": "NVIDIA H100 80GB HBM3", "peak_device_memory_bytes": 5 * GIB, "num_alloc_retries": 2}
+    assert peak_memory(torch.device("cuda", 0)) == PeakMemory(
+        device="NVIDIA H100 80GB HBM3", peak_device_memory_bytes=5 * GIB, num_alloc_retries=2)

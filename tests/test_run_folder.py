@@ -39,6 +39,7 @@ from meshtrain.observe.run_folder import (
     ResizeRecord,
     ResizeSaveRecord,
     RunPaths,
+    RunResult,
     StopRequest,
     StoppedRecord,
     StragglerRecord,
@@ -53,8 +54,10 @@ from meshtrain.observe.run_folder import (
     check_record,
     parse_record,
     read_records,
+    read_result,
     read_summary,
     read_worker_starts,
+    write_result,
     write_summary,
 )
 from meshtrain.observe.trackers import DRIVER_RECORDS
@@ -129,8 +132,17 @@ def test_records_encode_to_the_keys_of_their_kind_and_parse_back() -> None:
 def test_summary_worker_starts_and_stop_requests_round_trip(tmp_path: Path) -> None:
     paths = RunPaths("r", tmp_path)
     paths.run_dir.mkdir()
-    write_summary(paths, {"run": "r", "steps": 10, "final_loss": 4.5})
-    assert read_summary(paths) == {"run": "r", "steps": 10, "final_loss": 4.5}
+    result = example(RunResult)
+    write_result(paths, result)
+    assert read_result(paths) == result
+    goodput = {"goodput": 0.5, "wall_s": 2.0, "productive_s": 1.0, "lost_s": {"start_up": 1.0}}
+    scored = example(DownstreamEvalRecord)
+    summary = write_summary(paths, result, wall_time_s=3.0, goodput=goodput, replica_groups=2,
+                            downstream={scored.task: scored})
+    assert read_summary(paths) == summary == {**result.to_json(), "wall_time_s": 3.0, "goodput": goodput,
+                                              "replica_groups": 2, "downstream": {scored.task: scored.to_json()}}
+    assert list(summary)[:2] == ["run", "steps"]  # rank 0's keys first, then the driver's
+    assert write_summary(paths, result, 3.0, goodput).keys() == {*result.to_json(), "wall_time_s", "goodput"}
     placement = Placement(rank=0, node_rank=0, local_rank=0, node_ip="10.0.0.1", pid=7)
     append_worker_start(paths, WorkerStart(launch="a", time=1.0, world_size=1, workers=[placement]))
     with paths.worker_starts.open("ab") as file:

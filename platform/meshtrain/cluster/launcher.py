@@ -44,7 +44,7 @@ from meshtrain.observe.run_folder import (
     StopRequest,
     Summary,
     TrainRecord,
-    read_summary,
+    read_result,
     write_summary,
 )
 from meshtrain.observe.progress import ProgressMonitor
@@ -170,16 +170,15 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
         report = goodput.report(trained_at if trained_at is not None else time.time())
         if endpoint is not None:
             endpoint.finish(report)
-    # The workers wrote the run outputs; the driver adds the job's wall time.
-    summary = read_summary(paths)
-    summary["wall_time_s"] = time.perf_counter() - started
-    summary["goodput"] = report
-    if cfg.fault_tolerance.mode == "replica":
-        summary["replica_groups"] = cfg.replica_groups()  # world_size and mesh_shape are one group's
-    if downstream is not None:
-        summary["downstream"] = {task: record.to_json() for task, record in downstream.latest.items()}
-    write_summary(paths, summary)
-    stopped, interrupted = summary.get("stopped"), summary.get("interrupted")
+    # Rank 0 wrote its result; the summary is it and the job's wall time, goodput and downstream scores.
+    result = read_result(paths)
+    summary = write_summary(
+        paths, result, wall_time_s=time.perf_counter() - started, goodput=report,
+        # replica mode: world_size and mesh_shape are one group's
+        replica_groups=cfg.replica_groups() if cfg.fault_tolerance.mode == "replica" else None,
+        downstream=downstream.latest if downstream is not None else None,
+    )
+    stopped, interrupted = result.stopped, result.interrupted
     if stopped:
         raise TrainingFailed(stopped_message(cfg, stopped))
     if interrupted:

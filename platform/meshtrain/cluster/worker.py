@@ -7,7 +7,7 @@ import os
 import resource
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 import ray.train
@@ -41,13 +41,13 @@ from meshtrain.observe.run_folder import (
     Resize,
     ResizeRecord,
     RunPaths,
+    RunResult,
     StopRequest,
-    Summary,
     TrainRecord,
     WorkerStart,
     append_worker_start,
     read_worker_starts,
-    write_summary,
+    write_result,
 )
 from meshtrain.observe.trackers import DRIVER_RECORDS
 from meshtrain.train.spec import RunSpec
@@ -177,17 +177,24 @@ def start_metrics(
     return metrics
 
 
-def peak_memory(device: torch.device) -> Summary:
+class PeakMemory(NamedTuple):
+    device: str
+    peak_device_memory_bytes: int | None = None
+    num_alloc_retries: int | None = None
+    peak_host_rss_bytes: int | None = None
+
+
+def peak_memory(device: torch.device) -> PeakMemory:
     """The device and the largest peak over the ranks, read once after training (a collective): PyTorch's
     peak CUDA allocation on GPU workers (and the most times a rank's caching allocator freed its cache
     to retry an allocation), the process's peak resident set (all host memory) on CPU workers."""
     if device.type == "cuda":
         retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
         peaks = _gather((torch.cuda.max_memory_allocated(device), retries))
-        return Summary(device=torch.cuda.get_device_name(device), peak_device_memory_bytes=max(peak for peak, _ in peaks),
-                       num_alloc_retries=max(count for _, count in peaks))
+        return PeakMemory(device=torch.cuda.get_device_name(device), peak_device_memory_bytes=max(peak for peak, _ in peaks),
+                          num_alloc_retries=max(count for _, count in peaks))
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return Summary(device="cpu", peak_host_rss_bytes=max(_gather(peak_rss)))
+    return PeakMemory(device="cpu", peak_host_rss_bytes=max(_gather(peak_rss)))
 
 
 def result_pointer(cfg: MeshtrainConfig, paths: RunPaths) -> dict[str, Any]:
@@ -277,29 +284,29 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
             metrics.close()
     memory = peak_memory(device)
     if layout.world_rank == 0:
-        write_summary(
-            paths,
-            {
-                "run": paths.name,
-                "steps": cfg.train.steps,
-                "final_loss": result.final_loss,
-                "eval_loss": result.eval_loss,
-                "eval_loss_by_source": result.eval_loss_by_source,
-                "skipped_steps": result.skipped_steps,
-                "stopped": result.stopped,
-                "interrupted": result.interrupted,
-                "mean_tokens_per_s": result.mean_tokens_per_s,
-                "tokens": result.tokens,
-                "train_time_s": result.train_time_s,
-                "mesh_shape": list(result.mesh_shape),
-                "world_size": result.world_size,
-                "parameters": result.parameters,
-                "run_dir": str(paths.run_dir),
-                "workers": workers,
-                "resizes": resizes(paths),
-                **memory,
-            },
-        )
+        write_result(paths, RunResult(
+            run=paths.name,
+            steps=cfg.train.steps,
+            final_loss=result.final_loss,
+            eval_loss=result.eval_loss,
+            eval_loss_by_source=result.eval_loss_by_source,
+            skipped_steps=result.skipped_steps,
+            stopped=result.stopped,
+            interrupted=result.interrupted,
+            mean_tokens_per_s=result.mean_tokens_per_s,
+            tokens=result.tokens,
+            train_time_s=result.train_time_s,
+            mesh_shape=list(result.mesh_shape),
+            world_size=result.world_size,
+            parameters=result.parameters,
+            run_dir=str(paths.run_dir),
+            workers=workers,
+            resizes=resizes(paths),
+            device=memory.device,
+            peak_device_memory_bytes=memory.peak_device_memory_bytes,
+            num_alloc_retries=memory.num_alloc_retries,
+            peak_host_rss_bytes=memory.peak_host_rss_bytes,
+        ))
     reporter.final(
         {"step": result.records[-1].step if result.records else 0, "loss": result.final_loss,
          "eval_loss": result.eval_loss, "tokens": result.tokens, "mean_tokens_per_s": result.mean_tokens_per_s,

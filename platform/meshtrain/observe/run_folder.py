@@ -9,8 +9,11 @@ file                   written by                                  read by
                        (downstream results), both through          0 (the driver's results, for its trackers),
                        :class:`LineAppender`                       trackers, benchmarks: :func:`read_records`,
                                                                    :class:`RecordFollower`
-``summary.json``       rank 0, then the driver (wall time,         the driver, benchmarks, tests:
-                       downstream): :func:`write_summary`          :func:`read_summary`
+``result.json``        rank 0, when training ends:                 the driver: :func:`read_result`
+                       :func:`write_result`
+``summary.json``       the driver alone: rank 0's result, wall     benchmarks, tests, you: :func:`read_summary`
+                       time, goodput, downstream:
+                       :func:`write_summary`
 ``worker_starts.jsonl``  rank 0 of each worker group start:        the driver (restarts used), rank 0 (resizes),
                        :func:`append_worker_start`                 benchmarks: :func:`read_worker_starts`
 ``stop_request.json``  the driver (Ctrl-C, ``ray job stop``):      every worker: :meth:`StopRequest.read`
@@ -43,7 +46,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple, TypedDict, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple, TypedDict, TypeVar, cast, overload
 
 from meshtrain.config import RunConfig
 from meshtrain.data.local_files import write_atomically
@@ -238,7 +241,7 @@ class PreemptedRecord(Record):
 
 
 class Interrupted(TypedDict):
-    """Where the driver's stop request left the run (also ``summary.json``'s ``interrupted``)."""
+    """Where the driver's stop request left the run (``result.json``'s and ``summary.json``'s ``interrupted``)."""
 
     step: int
     saved: bool
@@ -528,6 +531,11 @@ class RunPaths:
         return self.run_dir / "metrics.jsonl"
 
     @property
+    def result(self) -> Path:
+        """Rank 0's account of the training, for the driver's summary."""
+        return self.run_dir / "result.json"
+
+    @property
     def summary(self) -> Path:
         return self.run_dir / "summary.json"
 
@@ -641,7 +649,7 @@ class RecordFollower:
         return _parsed(lines, self.kinds)
 
 
-# --- summary.json --------------------------------------------------------------------------------
+# --- result.json and summary.json ----------------------------------------------------------------
 
 
 class Placement(TypedDict):
@@ -659,9 +667,49 @@ class Resize(TypedDict):
     reason: str
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunResult(JsonObject):
+    """``result.json``: what rank 0's training did, written by rank 0 when training ends; the driver's
+    ``summary.json`` is it and the driver's own keys."""
+
+    run: str
+    steps: int
+    final_loss: float | None
+    eval_loss: float | None
+    eval_loss_by_source: dict[str, float | None]
+    skipped_steps: int
+    stopped: str | None
+    interrupted: Interrupted | None
+    mean_tokens_per_s: float | None
+    tokens: int
+    train_time_s: float
+    mesh_shape: list[int]
+    world_size: int
+    parameters: int
+    run_dir: str
+    workers: list[Placement]
+    resizes: list[Resize]
+    device: str
+    peak_device_memory_bytes: int | None = None  # GPU workers
+    num_alloc_retries: int | None = None  # GPU workers
+    peak_host_rss_bytes: int | None = None  # CPU workers
+
+
+def write_result(paths: RunPaths, result: RunResult) -> None:
+    write_atomically(paths.result, json.dumps(result.to_json(), indent=2) + "\n")
+
+
+def read_result(paths: RunPaths) -> RunResult:
+    """Rank 0's result; ValueError when the file lacks a key (not written by this version)."""
+    result: RunResult | None = _codec(RunResult).decode(json.loads(paths.result.read_text()))
+    if result is None:
+        raise ValueError(f"{paths.result} lacks keys of a training result")
+    return result
+
+
 class Summary(TypedDict, total=False):
-    """``summary.json``: rank 0 writes it when training ends; the driver adds ``wall_time_s``,
-    ``goodput`` and ``downstream`` and writes it again."""
+    """``summary.json``: rank 0's :class:`RunResult` (its keys), and the driver's: ``wall_time_s``,
+    ``goodput``, ``replica_groups`` and ``downstream``. Written by the driver alone (:func:`write_summary`)."""
 
     run: str
     steps: int
@@ -685,13 +733,29 @@ class Summary(TypedDict, total=False):
     num_alloc_retries: int
     peak_host_rss_bytes: int
     wall_time_s: float
-    downstream: dict[str, Any]
-    replica_groups: int  # fault_tolerance.mode=replica (the driver's): mesh_shape and world_size are one group's
     goodput: GoodputReport  # the driver's, from this launch's records (meshtrain.observe.goodput)
+    replica_groups: int  # fault_tolerance.mode=replica (the driver's): mesh_shape and world_size are one group's
+    downstream: dict[str, Any]  # the newest downstream_eval record per task
 
 
-def write_summary(paths: RunPaths, summary: Summary) -> None:
+def write_summary(
+    paths: RunPaths,
+    result: RunResult,
+    wall_time_s: float,
+    goodput: GoodputReport,
+    replica_groups: int | None = None,
+    downstream: Mapping[str, DownstreamEvalRecord] | None = None,
+) -> Summary:
+    """The driver's ``summary.json``: rank 0's result and the driver's keys (``replica_groups`` and
+    ``downstream`` when given); returns it."""
+    summary = cast(Summary, result.to_json())  # rank 0's keys first, as they were written
+    summary["wall_time_s"], summary["goodput"] = wall_time_s, goodput
+    if replica_groups is not None:
+        summary["replica_groups"] = replica_groups
+    if downstream is not None:
+        summary["downstream"] = {task: record.to_json() for task, record in downstream.items()}
     write_atomically(paths.summary, json.dumps(summary, indent=2) + "\n")
+    return summary
 
 
 def read_summary(paths: RunPaths) -> Summary:
