@@ -33,8 +33,9 @@ and a record of a known kind that lacks one of its keys (malformed: the writer's
 drops keys a kind does not have and keeps a kind it does not know (a newer writer's) as an
 :class:`UnknownRecord`. Values are not checked.
 
-A new kind of record is a class here, its entry in :data:`RECORD_KINDS`, its writer, and the record
-reference regenerated (``python jobs/record_reference.py --write``).
+A new kind of record is a class here (and a member of :data:`MetricsRecord`), its entry in
+:data:`RECORD_KINDS`, its writer, and the record reference regenerated (``python jobs/record_reference.py
+--write``): three files.
 """
 
 from __future__ import annotations
