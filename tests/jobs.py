@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from meshtrain.observe.run_folder import ReadRecord, read_records
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,11 +40,9 @@ def run_job(*args: str, timeout: float = 300, own_ray: bool = False, **env: str)
     )
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def read_metrics(run_dir: Path) -> list[ReadRecord]:
+    """The run's records, as every reader parses them (meshtrain.observe.run_folder.read_records)."""
+    return read_records(run_dir / "metrics.jsonl")
 
 
 def model_weights(checkpoint: Path | str, scratch: Path) -> dict[str, torch.Tensor]:

@@ -15,6 +15,8 @@ import pytest
 import yaml
 
 from jobs import REPO, job_env, read_metrics
+from meshtrain.observe.run_folder import ProfileRecord, TrainRecord, append_records
+from record_samples import make
 
 BENCH = REPO / "jobs" / "bench_gpu.py"
 MATRIX = yaml.safe_load((REPO / "jobs" / "bench_gpu.yaml").read_text())["sets"]
@@ -116,13 +118,13 @@ def fake_gpu_run(run_dir: Path, window: Any, step_s: float, global_tokens: int, 
     tokenizer.save(str(run_dir / "tokenizer.json"))
     warmup_s = 30.0  # compilation
     records = [
-        {"event": "train", "step": step, "tokens": step * global_tokens, "loss": 5.0, "data_wait_s": 0.002,
-         "elapsed_s": warmup_s * min(step, window.warmup) / window.warmup + step_s * max(0, step - window.warmup),
-         # The attended pairs differ a little by interval (documents end at other places).
-         "flops_per_token": flops * (1 + 0.01 * (step % 2))}
+        make(TrainRecord, step=step, tokens=step * global_tokens, loss=5.0, data_wait_s=0.002,
+             elapsed_s=warmup_s * min(step, window.warmup) / window.warmup + step_s * max(0, step - window.warmup),
+             # The attended pairs differ a little by interval (documents end at other places).
+             flops_per_token=flops * (1 + 0.01 * (step % 2)))
         for step in range(window.log_every, window.total + 1, window.log_every)
     ]
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    append_records(run_dir / "metrics.jsonl", records)
 
 
 def test_a_gpu_run_is_measured_against_the_h100_peak_and_its_memory_plan(tmp_path: Path) -> None:
@@ -170,13 +172,12 @@ def test_a_gpu_run_is_measured_against_the_h100_peak_and_its_memory_plan(tmp_pat
     (run_dir / "memory").mkdir()
     for rank in (0, 1):
         (run_dir / "memory" / f"rank{rank}.step29.end.pickle").write_bytes(b"")
-    with (run_dir / "metrics.jsonl").open("a") as records:
-        for rank in (1, 0):
-            records.write(json.dumps({
-                "event": "profile", "step": 29, "rank": rank, "first_step": 29, "device": "cuda",
-                "top_ms_per_step": [["sm90_gemm", 4.0], ["Memcpy HtoD", 0.5]],
-                "trace": str(run_dir / "profile" / f"rank{rank}.29.pt.trace.json"),
-            }) + "\n")
+    append_records(run_dir / "metrics.jsonl", [
+        ProfileRecord(step=29, rank=rank, first_step=29, device="cuda",
+                      top_ms_per_step=[["sm90_gemm", 4.0], ["Memcpy HtoD", 0.5]],
+                      trace=str(run_dir / "profile" / f"rank{rank}.29.pt.trace.json"))
+        for rank in (1, 0)
+    ])
     read_diagnostics(row, run_dir)
     assert row.memory_snapshots == ["memory/rank0.step29.end.pickle", "memory/rank1.step29.end.pickle"]
     assert row.profile_trace == "profile/rank0.29.pt.trace.json"
@@ -220,10 +221,10 @@ def test_tiny_cpu_benchmark_runs_every_configuration_through_ray(tmp_path: Path)
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["peak_host_rss_bytes"] == row["measured_peak_bytes"]
         assert "peak_device_memory_bytes" not in summary
-        steps = [r for r in read_metrics(run_dir) if r["event"] == "train"]
+        steps = [r for r in read_metrics(run_dir) if isinstance(r, TrainRecord)]
         # Steps 1-2 warm up, 3-5 are timed, 6 starts the profiler and rank 0 traces 7.
-        assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6, 7] and all(r["data_wait_s"] >= 0 for r in steps)
-        assert row["flops_per_token_full_attention"] == steps[-1]["flops_per_token_full_attention"]
+        assert [r.step for r in steps] == [1, 2, 3, 4, 5, 6, 7] and all(r.data_wait_s >= 0 for r in steps)
+        assert row["flops_per_token_full_attention"] == steps[-1].flops_per_token_full_attention
         assert row["profile_trace"] == "profile/rank0.7.pt.trace.json"
         assert [p.name for p in (run_dir / "profile").iterdir()] == ["rank0.7.pt.trace.json"]
         assert row["profile_summary"].startswith("[meshtrain] profile rank 0 step 7: top CPU ops by self ms/step: ")

@@ -5,16 +5,25 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from meshtrain.observe.run_folder import (
+    CheckpointLoadRecord,
+    CheckpointSaveRecord,
+    GroupStartRecord,
+    ReadRecord,
+    ReplicaJoinedRecord,
+    ReplicaLostRecord,
+    TrainRecord,
+)
 from meshtrain_bench.recovery import (
     bytes_read, goodput, kill_gap, rejoin_s, steps_redone, tokens_per_s, unbroken_step_s,
 )
 from meshtrain_bench.recovery_scale import (
     CASES, ScaleInputs, assumptions, evaluate, model_shape, parameter_count, scale,
 )
+from record_samples import make
 
 
 def test_parameter_count_is_the_models() -> None:
@@ -61,18 +70,17 @@ def test_the_inputs_are_printed() -> None:
     assert sum(line.startswith("goal: ") for line in lines) == len(CASES)
 
 
-def train(step: int, time: float, step_time_s: float = 0.2) -> dict[str, Any]:
-    return {"event": "train", "step": step, "time": time, "step_time_s": step_time_s,
-            "tokens_per_s": 2048 / step_time_s}
+def train(step: int, time: float, step_time_s: float = 0.2) -> TrainRecord:
+    return make(TrainRecord, step=step, time=time, step_time_s=step_time_s, tokens_per_s=2048 / step_time_s)
 
 
-def restart_records(checkpoint: Path) -> list[dict[str, Any]]:
+def restart_records(checkpoint: Path) -> list[ReadRecord]:
     """Steps 1-6 at 1 s each, a checkpoint at 4, rank killed before step 7; the group restarts 10 s
     later, loads step 4 and trains 5 and 6 again before 7 and 8."""
-    records = [train(step, 100.0 + step) for step in range(1, 7)]
-    records.insert(4, {"event": "checkpoint_save", "step": 4, "path": str(checkpoint), "bytes": 999})
-    records.append({"event": "group_start", "restarts": 1, "workers": 2, "time": 114.0})
-    records.append({"event": "checkpoint_load", "step": 4, "path": str(checkpoint), "load_s": 0.1})
+    records: list[ReadRecord] = [train(step, 100.0 + step) for step in range(1, 7)]
+    records.insert(4, make(CheckpointSaveRecord, step=4, path=str(checkpoint), bytes=999))
+    records.append(GroupStartRecord(restarts=1, workers=2, time=114.0))
+    records.append(make(CheckpointLoadRecord, step=4, path=str(checkpoint), load_s=0.1))
     records += [train(5, 116.0), train(6, 117.0), train(7, 118.0), train(8, 119.0)]
     return records
 
@@ -99,12 +107,10 @@ def test_restart_mode_records(tmp_path: Path) -> None:
 
 
 def test_replica_mode_records() -> None:
-    records = [train(step, 100.0 + step) for step in range(1, 7)]
-    records.append({"event": "replica_lost", "step": 7, "participants": 1, "replicas": 2, "stall_s": 3.0,
-                    "quorum_s": 1.1, "time": 107.5})
+    records: list[ReadRecord] = [train(step, 100.0 + step) for step in range(1, 7)]
+    records.append(ReplicaLostRecord(step=7, participants=1, replicas=2, stall_s=3.0, quorum_s=1.1, time=107.5))
     records += [train(7, 109.5, step_time_s=3.3), train(8, 110.0, step_time_s=0.4)]
-    records.append({"event": "replica_joined", "step": 8, "replica": 1, "participants": 2, "seconds": 0.3,
-                    "source": 0, "bytes": 4096, "time": 115.0})
+    records.append(ReplicaJoinedRecord(step=8, replica=1, participants=2, seconds=0.3, source=0, bytes=4096, time=115.0))
     records.append(train(9, 116.0))
     assert kill_gap(records, 7) == (3.5, 3.5)
     assert steps_redone(records) == 0

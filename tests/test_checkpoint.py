@@ -18,6 +18,7 @@ from meshtrain.config.loading import load_config
 from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataPlan
 from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.observe.run_folder import CheckpointLoadRecord, CheckpointSaveRecord, Record, TrainRecord
 from meshtrain.train.optim import build_lr_scheduler, build_optimizer
 from trainers import sharded_model
 from meshtrain.train.trainer import train
@@ -39,7 +40,7 @@ def config(storage: Path, name: str, world: int, *overrides: str) -> MeshtrainCo
 
 
 def _train_rank(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan, shard: int) -> dict[str, Any]:
-    events: list[dict[str, Any]] = []
+    events: list[Record] = []
     result = train(worker_plan(cfg, corpus), WorkerLayout(rank, world, rank % shard, shard, rank // shard), torch.device("cpu"), events.append)
     return {"events": events, "mesh": result.mesh_shape}
 
@@ -49,7 +50,7 @@ def run(cfg: MeshtrainConfig, corpus: DataPlan, world: int, shard: int | None = 
 
 
 def losses(outcome: dict[str, Any]) -> dict[int, float]:
-    return {e["step"]: e["loss"] for e in outcome["events"] if e["event"] == "train"}
+    return {e.step: e.loss for e in outcome["events"] if isinstance(e, TrainRecord)}
 
 
 def ckpt_dir(storage: Path, name: str, step: int) -> Path:
@@ -90,11 +91,11 @@ def unbroken(corpus: DataPlan, tmp_path_factory: pytest.TempPathFactory) -> dict
 
 def test_saves_are_committed_on_the_cadence_with_their_measurements(unbroken: dict) -> None:
     storage = unbroken["storage"]
-    saves = [e for e in unbroken["outcome"]["events"] if e["event"] == "checkpoint_save"]
-    assert [s["step"] for s in saves] == [4, 8, 12]
+    saves = [e for e in unbroken["outcome"]["events"] if isinstance(e, CheckpointSaveRecord)]
+    assert [s.step for s in saves] == [4, 8, 12]
     for save in saves:
-        assert save["mode"] == "async" and save["bytes"] > 0 and 0 < save["blocking_s"] <= save["total_s"]
-        assert (ckpt_dir(storage, "unbroken", save["step"]) / COMMIT_MARKER).is_file()
+        assert save.mode == "async" and save.bytes > 0 and 0 < save.blocking_s <= save.total_s
+        assert (ckpt_dir(storage, "unbroken", save.step) / COMMIT_MARKER).is_file()
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
@@ -103,8 +104,8 @@ def test_resume_is_bitwise_identical_to_never_stopping(unbroken: dict, corpus: D
     name = f"resumed-{mode}"
     seed_run_with(storage, name, ckpt_dir(storage, "unbroken", 4))
     outcome = run(config(storage, name, 2, f"checkpoint.mode={mode}"), corpus, 2)
-    loads = [e for e in outcome["events"] if e["event"] == "checkpoint_load"]
-    assert [(e["step"], e["rng_restored"]) for e in loads] == [(4, True)]
+    loads = [e for e in outcome["events"] if isinstance(e, CheckpointLoadRecord)]
+    assert [(e.step, e.rng_restored) for e in loads] == [(4, True)]
     expected = losses(unbroken["outcome"])
     assert losses(outcome) == {step: expected[step] for step in range(5, 13)}  # exact float equality
     assert_bitwise_equal(
@@ -158,13 +159,13 @@ def test_resharding_2x2_to_1x2_to_1x4_restores_state_and_continues_the_data(
     assert_bitwise_equal(restored["optimizer"], saved["optimizer"], "optimizer")
     second = run(config(storage, "mesh1x2", 2), corpus, 2)
     assert second["mesh"] == (1, 2)
-    assert [e["step"] for e in second["events"] if e["event"] == "checkpoint_load"] == [4]
+    assert [e.step for e in second["events"] if isinstance(e, CheckpointLoadRecord)] == [4]
 
     # 1x2 -> 1x4, from the 1x2 run's step-8 checkpoint.
     seed_run_with(storage, "mesh1x4", ckpt_dir(storage, "mesh1x2", 8))
     third = run(config(storage, "mesh1x4", 4), corpus, 4)
     assert third["mesh"] == (1, 4)
-    assert [(e["step"], e["rng_restored"]) for e in third["events"] if e["event"] == "checkpoint_load"] == [(8, False)]
+    assert [(e.step, e.rng_restored) for e in third["events"] if isinstance(e, CheckpointLoadRecord)] == [(8, False)]
 
     continued = {**losses(second), **losses(third)}
     assert sorted(continued) == list(range(5, 13))
@@ -207,7 +208,7 @@ def test_checkpoints_move_between_tensor_context_and_data_parallel_layouts(corpu
     for name, source, step, world, overrides, mesh in chain:
         seed_run_with(storage, name, ckpt_dir(storage, source, step))
         outcome = run(config(storage, name, world, horizon, *overrides), corpus, world)
-        assert outcome["mesh"] == mesh and [e["step"] for e in outcome["events"] if e["event"] == "checkpoint_load"] == [step]
+        assert outcome["mesh"] == mesh and [e.step for e in outcome["events"] if isinstance(e, CheckpointLoadRecord)] == [step]
         continued.update(losses(outcome))
     reference = losses(unbroken)
     assert sorted(continued) == list(range(5, 13))
@@ -239,7 +240,7 @@ def test_broken_newest_checkpoint_falls_back_to_the_previous_one(
         (broken / ".metadata").unlink()
         detail = ".metadata is missing"
     outcome = run(config(tmp_path, "broken", 2), corpus, 2)
-    assert [e["step"] for e in outcome["events"] if e["event"] == "checkpoint_load"] == [4]
+    assert [e.step for e in outcome["events"] if isinstance(e, CheckpointLoadRecord)] == [4]
     out = capfd.readouterr().out
     assert f"checkpoint {broken}: {detail}" in out and "falling back to the previous committed checkpoint" in out
     expected = losses(unbroken["outcome"])
@@ -263,5 +264,5 @@ def test_uncommitted_checkpoint_is_ignored_and_cleared(unbroken: dict, corpus: D
     seed_run_with(tmp_path, "partial", ckpt_dir(unbroken["storage"], "unbroken", 8))
     (ckpt_dir(tmp_path, "partial", 8) / COMMIT_MARKER).unlink()  # as if killed before the commit
     outcome = run(config(tmp_path, "partial", 2, "train.steps=12"), corpus, 2)
-    assert [e["step"] for e in outcome["events"] if e["event"] == "checkpoint_load"] == [4]
+    assert [e.step for e in outcome["events"] if isinstance(e, CheckpointLoadRecord)] == [4]
     assert (ckpt_dir(tmp_path, "partial", 8) / COMMIT_MARKER).is_file()  # rewritten by this run

@@ -213,7 +213,7 @@ def test_legacy_checkpoints_resume_exactly_and_refuse_another_scheme(tmp_path: P
     manifest.pop("marker_sha256", None)
     marker.write_text(json.dumps(manifest))
     resumed = _train([*run, "run.name=resumed", "train.steps=4"], legacy)
-    assert [r["loss"] for r in resumed.result.records] == [r["loss"] for r in unbroken.result.records[2:]]
+    assert [r.loss for r in resumed.result.records] == [r.loss for r in unbroken.result.records[2:]]
     current = DataPlan(**{**legacy.__dict__, "sampling": SAMPLING_SCHEME})
     with pytest.raises(ConfigError, match=f"trained with sampling scheme 'permutation-v0', this worker reads with '{SAMPLING_SCHEME}'"):
         _train([*run, "run.name=resumed", "train.steps=6"], current)

@@ -182,12 +182,12 @@ def test_logged_steps_report_mfu_from_the_flops_computed_and_over_the_whole_wind
 
     record = records[-1]
     pairs = 2 * sum(n * (n + 1) // 2 for n in (10, 22, 16))
-    assert record["flops_per_token"] == ModelFlops.of(args).per_token(pairs / tokens.numel())
-    assert record["flops_per_token_full_attention"] == flops_per_token(args, 48) > record["flops_per_token"]
+    assert record.flops_per_token == ModelFlops.of(args).per_token(pairs / tokens.numel())
+    assert record.flops_per_token_full_attention == flops_per_token(args, 48) > record.flops_per_token
 
     def gauge(name: str) -> float:
         return metrics.registry.get_sample_value(name, {"run": "r", "rank": "0", "node": "n"})
 
-    assert gauge("meshtrain_mfu_ratio") == pytest.approx(record["tokens_per_s"] * record["flops_per_token"] / peak)
+    assert gauge("meshtrain_mfu_ratio") == pytest.approx(record.tokens_per_s * record.flops_per_token / peak)
     assert gauge("meshtrain_mfu_full_attention_ratio") == pytest.approx(
-        record["tokens_per_s"] * record["flops_per_token_full_attention"] / peak)
+        record.tokens_per_s * record.flops_per_token_full_attention / peak)

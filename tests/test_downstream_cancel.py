@@ -11,7 +11,7 @@ import pytest
 from meshtrain.checkpoint.storage import run_checkpoints
 from meshtrain.cluster.downstream import DownstreamEvaluations
 from meshtrain.config.loading import load_config
-from meshtrain.observe.run_folder import RunPaths, read_records
+from meshtrain.observe.run_folder import DownstreamEvalFailedRecord, RunPaths, read_records
 
 
 def test_evaluations_not_waited_for_are_cancelled_and_release_their_checkpoints(
@@ -40,8 +40,8 @@ def test_evaluations_not_waited_for_are_cancelled_and_release_their_checkpoints(
 
     assert sorted(cancelled) == ["task-10", "task-20"] and evaluations.pending == {}
     assert not any(storage.leased(c.path) for c in storage.committed())  # pruning may take them again
-    failed = read_records(tmp_path / "r" / "metrics.jsonl", ["downstream_eval_failed"])
-    assert [r["step"] for r in failed] == [10, 20] and all("final_wait_s=0s" in r["error"] for r in failed)
+    failed = read_records(tmp_path / "r" / "metrics.jsonl", DownstreamEvalFailedRecord)
+    assert [r.step for r in failed] == [10, 20] and all("final_wait_s=0s" in r.error for r in failed)
     assert lines == [f"[meshtrain] downstream evaluation of step(s) 10, 20 not scored (cancelled: the driver waited "
                      f"eval.downstream.final_wait_s=0s after training); score them with python jobs/evaluate.py "
                      f"{tmp_path / 'r'}, or raise eval.downstream.final_wait_s"]

@@ -3,9 +3,10 @@ the resize record a restarted group writes."""
 
 from __future__ import annotations
 
-import pytest
-
+from dataclasses import replace
 from types import SimpleNamespace
+
+import pytest
 
 from meshtrain.cli.pretrain import main
 from meshtrain.cluster.worker import UntrainableGroupSize, check_group_size, resize_record
@@ -13,6 +14,7 @@ from meshtrain.cluster.worker_plan import worker_plan
 from meshtrain.config import ConfigError
 from meshtrain.config.loading import load_config
 from meshtrain.config.schema import MeshtrainConfig
+from meshtrain.observe.run_folder import WorkerStart
 
 BATCH = ["scaling.num_workers=8", "train.global_batch_size=32", "train.micro_batch_size=2"]
 
@@ -63,7 +65,7 @@ def test_dry_run_lists_the_sizes(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_a_size_ray_offers_but_the_run_cannot_use_fails_its_start() -> None:
     cfg = load_config(None, [*BATCH, "scaling.min_workers=2"])
-    plan = worker_plan(cfg, SimpleNamespace(vocab_size=512))
+    plan = worker_plan(cfg, SimpleNamespace(vocab_size=512))  # the tokenizer's size alone: no data read
     check_group_size(plan, 4)
     with pytest.raises(UntrainableGroupSize, match="Ray started 6 workers, but .* trains only on 2, 4, 8"):
         check_group_size(plan, 6)
@@ -71,16 +73,16 @@ def test_a_size_ray_offers_but_the_run_cannot_use_fails_its_start() -> None:
 
 def test_resize_records_say_why() -> None:
     cfg = load_config(None, [*BATCH, "scaling.min_workers=2"])
-    start = {"launch": "a", "world_size": 8, "workers": []}
+    start = WorkerStart(launch="a", time=1.0, world_size=8, workers=[])
     assert resize_record(None, "a", 8, cfg.scaling) is None
     assert resize_record(start, "a", 8, cfg.scaling) is None
     lost = resize_record(start, "a", 4, cfg.scaling)
-    assert lost is not None and (lost["from_workers"], lost["to_workers"]) == (8, 4)
-    assert lost["reason"].startswith("capacity lost")
-    grown = resize_record({**start, "world_size": 4}, "a", 8, cfg.scaling)
-    assert grown is not None and grown["reason"].startswith("capacity returned")
+    assert lost is not None and (lost.from_workers, lost.to_workers) == (8, 4)
+    assert lost.reason.startswith("capacity lost")
+    grown = resize_record(replace(start, world_size=4), "a", 8, cfg.scaling)
+    assert grown is not None and grown.reason.startswith("capacity returned")
     relaunched = resize_record(start, "b", 4, cfg.scaling)
-    assert relaunched is not None and relaunched["reason"].startswith("a new launch")
+    assert relaunched is not None and relaunched.reason.startswith("a new launch")
 
 
 class _Actor:

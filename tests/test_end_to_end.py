@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from jobs import REPO, read_metrics, run_job
+from meshtrain.observe.run_folder import CheckpointSaveRecord, EvalRecord, TrainRecord
 from raynodes import RAY, SharedHead, ray_env, wait_until
 
 STEPS = 100
@@ -67,28 +68,28 @@ def test_default_job_submitted_with_ray_job_submit(tmp_path: Path) -> None:
 
 def check_default_run(run_dir: Path) -> None:
     records = read_metrics(run_dir)
-    saves = [r for r in records if r["event"] == "checkpoint_save"]
-    evals = [r for r in records if r["event"] == "eval"]
-    records = [r for r in records if r["event"] == "train"]
-    assert [r["step"] for r in records] == list(range(5, STEPS + 1, 5))
-    assert [s["step"] for s in saves] == [50, 100]
+    saves = [r for r in records if isinstance(r, CheckpointSaveRecord)]
+    evals = [r for r in records if isinstance(r, EvalRecord)]
+    records = [r for r in records if isinstance(r, TrainRecord)]
+    assert [r.step for r in records] == list(range(5, STEPS + 1, 5))
+    assert [s.step for s in saves] == [50, 100]
     for record in records:
-        assert STEP_KEYS <= record.keys()
-    first, last = records[0]["loss"], sum(r["loss"] for r in records[-5:]) / 5
+        assert STEP_KEYS <= record.to_json().keys()
+    first, last = records[0].loss, sum(r.loss for r in records[-5:]) / 5
     assert last < first - 1.5, f"loss should fall clearly: {first:.3f} -> {last:.3f}"
-    assert records[-1]["tokens"] == STEPS * 16 * 128
+    assert records[-1].tokens == STEPS * 16 * 128
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS
-    assert summary["final_loss"] == pytest.approx(records[-1]["loss"])
+    assert summary["final_loss"] == pytest.approx(records[-1].loss)
     assert summary["mesh_shape"] == [1, 2] and summary["world_size"] == 2
     assert summary["mean_tokens_per_s"] > 0 and summary["wall_time_s"] > summary["train_time_s"] > 0
     # Validation on the held-out 1% every 50 steps; it falls with the training loss.
     # Only documents held out whole are scored: in this corpus of long files, one global batch of windows.
-    assert [e["step"] for e in evals] == [50, 100] and evals[-1]["samples"] == 16
-    assert evals[-1]["tokens"] > 1000 and list(evals[-1]["sources"]) == ["stdlib"]
-    assert summary["eval_loss_by_source"] == {"stdlib": evals[-1]["loss"]}
-    assert evals[-1]["loss"] < evals[0]["loss"] and summary["eval_loss"] == evals[-1]["loss"]
+    assert [e.step for e in evals] == [50, 100] and evals[-1].samples == 16
+    assert evals[-1].tokens > 1000 and list(evals[-1].sources) == ["stdlib"]
+    assert summary["eval_loss_by_source"] == {"stdlib": evals[-1].loss}
+    assert evals[-1].loss < evals[0].loss and summary["eval_loss"] == evals[-1].loss
     assert summary["skipped_steps"] == 0 and summary["stopped"] is None
 
     config = yaml.safe_load((run_dir / "config.yaml").read_text())

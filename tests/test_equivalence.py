@@ -13,6 +13,7 @@ from meshtrain.config.loading import load_config
 from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataPlan
 from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.observe.run_folder import EvalRecord, Record, TrainRecord
 from meshtrain.train.trainer import train
 from meshtrain.cluster.worker_plan import worker_plan
 from ranks import run_on_ranks
@@ -44,8 +45,8 @@ def config(*overrides: str) -> MeshtrainConfig:
     )
 
 
-def curves(records: list[dict[str, Any]]) -> dict[str, list[float]]:
-    return {key: [r[key] for r in records] for key in ("loss", "grad_norm")}
+def curves(records: list[TrainRecord]) -> dict[str, list[float]]:
+    return {key: [getattr(r, key) for r in records] for key in ("loss", "grad_norm")}
 
 
 def single_process(cfg: MeshtrainConfig, corpus: DataPlan) -> dict[str, list[float]]:
@@ -54,17 +55,17 @@ def single_process(cfg: MeshtrainConfig, corpus: DataPlan) -> dict[str, list[flo
 
 def _train_rank(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan, per_node: int) -> dict[str, Any]:
     layout = WorkerLayout(rank, world, rank % per_node, per_node, rank // per_node)
-    events: list[dict[str, Any]] = []
+    events: list[Record] = []
     result = train(worker_plan(cfg, corpus), layout, torch.device("cpu"), events.append)
     return {"mesh": result.mesh_shape, **curves(result.records), "eval": evaluations(events)}
 
 
-def evaluations(events: list[dict[str, Any]]) -> list[float]:
-    return [event["loss"] for event in events if event["event"] == "eval"]
+def evaluations(events: list[Record]) -> list[float]:
+    return [event.loss for event in events if isinstance(event, EvalRecord)]
 
 
 def single_process_with_eval(cfg: MeshtrainConfig, corpus: DataPlan) -> dict[str, Any]:
-    events: list[dict[str, Any]] = []
+    events: list[Record] = []
     result = train(worker_plan(cfg, corpus), WorkerLayout(), torch.device("cpu"), events.append)
     return {**curves(result.records), "eval": evaluations(events)}
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pytest
 import torch
@@ -15,10 +14,23 @@ from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataPlan, stdlib_source_files
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.observe.progress import progress_line
+from meshtrain.observe.run_folder import (
+    EvalRecord,
+    EvictionRecord,
+    PreemptedRecord,
+    Record,
+    ResizeSaveRecord,
+    StoppedRecord,
+    StragglerRecord,
+    TrainRecord,
+    WarningRecord,
+    parse_record,
+)
 from meshtrain.train.evaluation import validation_samples
 from meshtrain.train.trainer import train
 from meshtrain.cluster.worker_plan import worker_plan
 from ranks import run_on_ranks
+from record_samples import make
 
 
 @pytest.fixture(scope="module")
@@ -44,39 +56,39 @@ def config(*overrides: str) -> MeshtrainConfig:
     )
 
 
-def events_of(cfg: MeshtrainConfig, corpus: DataPlan, layout: WorkerLayout = WorkerLayout()) -> list[dict[str, Any]]:
-    events: list[dict[str, Any]] = []
+def events_of(cfg: MeshtrainConfig, corpus: DataPlan, layout: WorkerLayout = WorkerLayout()) -> list[Record]:
+    events: list[Record] = []
     train(worker_plan(cfg, corpus), layout, torch.device("cpu"), events.append)
     return events
 
 
-def _rank_events(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan) -> list[dict[str, Any]]:
+def _rank_events(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan) -> list[Record]:
     return events_of(cfg, corpus, WorkerLayout(rank, world, rank % 2, 2, rank // 2))
 
 
 def test_validation_loss_is_the_same_on_one_process_and_a_2x2_mesh(corpus: DataPlan) -> None:
-    single = [e for e in events_of(config(), corpus) if e["event"] == "eval"]
+    single = [e for e in events_of(config(), corpus) if isinstance(e, EvalRecord)]
     ranks = run_on_ranks(_rank_events, 4, config("scaling.num_workers=4", "parallel.shard=2"), corpus)
-    meshed = [e for e in ranks[0] if e["event"] == "eval"]
-    assert [e["step"] for e in single] == [e["step"] for e in meshed] == [4, 6]  # every interval and the end
-    assert all(e["samples"] == 24 for e in single + meshed)
+    meshed = [e for e in ranks[0] if isinstance(e, EvalRecord)]
+    assert [e.step for e in single] == [e.step for e in meshed] == [4, 6]  # every interval and the end
+    assert all(e.samples == 24 for e in single + meshed)
     for a, b in zip(single, meshed):
-        assert math.isfinite(a["loss"]) and abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (a, b)
-        assert a["perplexity"] == pytest.approx(math.exp(a["loss"]))
+        assert math.isfinite(a.loss) and abs(a.loss - b.loss) <= 1e-5 * a.loss, (a, b)
+        assert a.perplexity == pytest.approx(math.exp(a.loss))
         # Every source is evaluated, on its own, with the same tokens and loss on either mesh.
-        assert list(a["sources"]) == list(b["sources"]) == ["stdlib", "tail"]
-        for name, scores in a["sources"].items():
-            assert scores["tokens"] > 0 and scores["tokens"] == b["sources"][name]["tokens"]
-            assert abs(scores["loss"] - b["sources"][name]["loss"]) <= 1e-5 * scores["loss"], (name, a, b)
-        total = sum(s["loss"] * s["tokens"] for s in a["sources"].values()) / a["tokens"]
-        assert total == pytest.approx(a["loss"], rel=1e-9)  # overall = every scored token alike
-    print(f"eval 1x1 vs 2x2: {[(a['loss'], b['loss']) for a, b in zip(single, meshed)]}")
+        assert list(a.sources) == list(b.sources) == ["stdlib", "tail"]
+        for name, scores in a.sources.items():
+            assert scores["tokens"] > 0 and scores["tokens"] == b.sources[name]["tokens"]
+            assert abs(scores["loss"] - b.sources[name]["loss"]) <= 1e-5 * scores["loss"], (name, a, b)
+        total = sum(s["loss"] * s["tokens"] for s in a.sources.values()) / a.tokens
+        assert total == pytest.approx(a.loss, rel=1e-9)  # overall = every scored token alike
+    print(f"eval 1x1 vs 2x2: {[(a.loss, b.loss) for a, b in zip(single, meshed)]}")
 
 
 def test_evaluation_does_not_change_training(corpus: DataPlan) -> None:
-    with_eval = [e for e in events_of(config("eval.interval=1"), corpus) if e["event"] == "train"]
-    without = [e for e in events_of(config("eval.interval=null"), corpus) if e["event"] == "train"]
-    assert [(e["loss"], e["grad_norm"]) for e in with_eval] == [(e["loss"], e["grad_norm"]) for e in without]
+    with_eval = [e for e in events_of(config("eval.interval=1"), corpus) if isinstance(e, TrainRecord)]
+    without = [e for e in events_of(config("eval.interval=null"), corpus) if isinstance(e, TrainRecord)]
+    assert [(e.loss, e.grad_norm) for e in with_eval] == [(e.loss, e.grad_norm) for e in without]
 
 
 def test_the_validation_set_is_whole_global_batches_of_what_is_held_out() -> None:
@@ -96,22 +108,22 @@ def test_eval_settings_are_checked() -> None:
 
 
 def test_progress_shows_evaluations_skips_and_stops() -> None:
-    assert progress_line({"event": "eval", "step": 50, "loss": 5.0, "perplexity": 148.41, "samples": 64}, 200) == (
+    assert progress_line(make(EvalRecord, step=50, loss=5.0, perplexity=148.41, samples=64), 200) == (
         "[meshtrain] eval step 50: validation loss 5.0000, perplexity 148.41 (64 sequences)"
     )
-    assert progress_line({"event": "stopped", "step": 7, "reason": "why"}, 9) == "[meshtrain] stopped at step 7: why"
+    assert progress_line(StoppedRecord(step=7, reason="why"), 9) == "[meshtrain] stopped at step 7: why"
 
 
 def test_progress_shows_every_kind_of_record_and_never_fails_on_an_unknown_one() -> None:
     """The driver prints what the workers record; a record it does not know is shown as it is (a
     KeyError here once ended a finished run with 'training failed')."""
     lines = {
-        "straggler": {"event": "straggler", "step": 9, "rank": 2, "node": "10.0.0.2", "slowdown": 3.0, "logged_steps": 3},
-        "eviction": {"event": "eviction", "step": 9, "rank": 2, "node": "10.0.0.2", "evicted": True, "reason": "drained"},
-        "preempted": {"event": "preempted", "step": 15, "reason": "SIGTERM", "saved": True, "save_s": 0.25},
-        "resize_save": {"event": "resize_save", "step": 10, "saved": True, "save_s": 0.5},
-        "warning": {"event": "warning", "step": 4, "message": "run.preemption_save_s=1 is short"},
-        "future": {"event": "something_new", "step": 3, "value": 1},
+        "straggler": make(StragglerRecord, step=9, rank=2, node="10.0.0.2", slowdown=3.0, logged_steps=3),
+        "eviction": make(EvictionRecord, step=9, rank=2, node="10.0.0.2", evicted=True, reason="drained"),
+        "preempted": make(PreemptedRecord, step=15, reason="SIGTERM", saved=True, save_s=0.25),
+        "resize_save": ResizeSaveRecord(step=10, saved=True, save_s=0.5),
+        "warning": make(WarningRecord, step=4, message="run.preemption_save_s=1 is short"),
+        "future": parse_record({"event": "something_new", "step": 3, "value": 1}),
     }
     shown = {name: progress_line(record, 30) for name, record in lines.items()}
     assert shown["straggler"].startswith("[meshtrain] straggler: rank 2 on node 10.0.0.2 computes 3.00x slower")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -36,6 +35,7 @@ from meshtrain.distributed.layout import MeshPlan
 from meshtrain.distributed.torch_support import torch_release
 from meshtrain.model.args import model_args
 from meshtrain.model.llama import build_model
+from meshtrain.observe.run_folder import CheckpointLoadRecord, Record, TrainRecord
 from meshtrain.train.optim import build_optimizer
 from meshtrain.train.setup import fill_model, sharded_meta_model
 from meshtrain.train.trainer import train
@@ -67,20 +67,20 @@ def config(storage: Path, name: str, *overrides: str) -> MeshtrainConfig:
     )
 
 
-def _train_rank(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan) -> list[dict[str, Any]]:
-    events: list[dict[str, Any]] = []
+def _train_rank(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan) -> list[Record]:
+    events: list[Record] = []
     train(worker_plan(cfg, corpus), WorkerLayout(rank, world, rank, world, 0), torch.device("cpu"), events.append)
     return events
 
 
-def run(cfg: MeshtrainConfig, corpus: DataPlan) -> list[dict[str, Any]]:
+def run(cfg: MeshtrainConfig, corpus: DataPlan) -> list[Record]:
     if cfg.scaling.num_workers == 1:
         return _train_rank(0, 1, cfg, corpus)
     return run_on_ranks(_train_rank, cfg.scaling.num_workers, cfg, corpus)[0]
 
 
-def curve(events: list[dict[str, Any]], key: str = "loss") -> dict[int, float]:
-    return {e["step"]: e[key] for e in events if e["event"] == "train"}
+def curve(events: list[Record], key: str = "loss") -> dict[int, float]:
+    return {e.step: getattr(e, key) for e in events if isinstance(e, TrainRecord)}
 
 
 def largest_relative_difference(a: dict[int, float], b: dict[int, float]) -> float:
@@ -242,14 +242,14 @@ def test_float8_all_gather_scales_are_precomputed_and_sharded_rowwise_steps_equa
 
 
 @pytest.fixture(scope="module")
-def sharded_float8(corpus: DataPlan, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def sharded_float8(corpus: DataPlan, tmp_path_factory: pytest.TempPathFactory) -> list[Record]:
     """Two ranks, fp32 base, float8 linears with float8 all-gathers, eager."""
     storage = tmp_path_factory.mktemp("runs")
     return run(config(storage, "float8-sharded", "parallel.float8=true", "checkpoint.enabled=false"), corpus)
 
 
 def test_float8_tracks_high_precision_and_sharded_and_tensor_parallel_float8_equal_single_process(
-    corpus: DataPlan, tmp_path: Path, sharded_float8: list[dict[str, Any]]
+    corpus: DataPlan, tmp_path: Path, sharded_float8: list[Record]
 ) -> None:
     bf16_base = ["parallel.mixed_precision=bf16", "checkpoint.enabled=false"]
     bf16 = run(config(tmp_path, "bf16", *bf16_base), corpus)
@@ -289,7 +289,7 @@ def test_float8_tracks_high_precision_and_sharded_and_tensor_parallel_float8_equ
     assert 0 < difference <= FLOAT8_LOSS_RTOL
 
 
-def test_float8_on_a_2x2_hsdp_mesh_equals_1x2(corpus: DataPlan, tmp_path: Path, sharded_float8: list[dict[str, Any]]) -> None:
+def test_float8_on_a_2x2_hsdp_mesh_equals_1x2(corpus: DataPlan, tmp_path: Path, sharded_float8: list[Record]) -> None:
     """The scale precompute reduces each weight's amax over the shard dim of a 2D mesh; replicas
     hold the same weights, so HSDP gives what one shard group gives (measured: 8e-8)."""
     hsdp = run(
@@ -301,7 +301,7 @@ def test_float8_on_a_2x2_hsdp_mesh_equals_1x2(corpus: DataPlan, tmp_path: Path, 
 
 
 def test_compiled_float8_blocks_with_selective_recompute_track_eager_float8(
-    corpus: DataPlan, tmp_path: Path, sharded_float8: list[dict[str, Any]]
+    corpus: DataPlan, tmp_path: Path, sharded_float8: list[Record]
 ) -> None:
     """What the GPU runs (compiled blocks, float8 casts inside their graphs, selective recompute
     saving the float8 matmuls' outputs), on inductor's CPU backend."""
@@ -324,11 +324,11 @@ def test_float8_checkpoints_resume_exactly_load_into_high_precision_and_export_p
         shutil.copytree(step4, tmp_path / name / "checkpoints" / step4.name)
 
     resumed = run(config(tmp_path, "resumed", "parallel.float8=true"), corpus)
-    assert [e["step"] for e in resumed if e["event"] == "checkpoint_load"] == [4]
+    assert [e.step for e in resumed if isinstance(e, CheckpointLoadRecord)] == [4]
     assert curve(resumed) == {step: loss for step, loss in curve(unbroken).items() if step > 4}  # exact
 
     plain = run(config(tmp_path, "high-precision", "parallel.float8=false"), corpus)
-    assert [e["step"] for e in plain if e["event"] == "checkpoint_load"] == [4]
+    assert [e.step for e in plain if isinstance(e, CheckpointLoadRecord)] == [4]
     after_load = curve(plain)
     assert after_load.keys() == set(range(5, STEPS + 1))
     # The same weights without float8 casts: the next loss is close to float8's, not a restart's.

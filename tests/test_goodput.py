@@ -8,11 +8,21 @@ from typing import Any
 import pytest
 
 from meshtrain.observe.goodput import CAUSES, GoodputLedger, goodput_line, goodput_of
+from meshtrain.observe.run_folder import (
+    CheckpointLoadRecord,
+    CheckpointSaveRecord,
+    EvalRecord,
+    GroupStartRecord,
+    ReplicaLostRecord,
+    TrainRecord,
+    parse_record,
+)
+from record_samples import make
 
 
-def train(step: int, end: float, steps: int = 1, step_s: float = 1.0, data_wait_s: float = 0.0, **extra: Any) -> dict:
-    return {"event": "train", "step": step, "time": end, "interval_steps": steps, "step_time_s": step_s,
-            "data_wait_s": data_wait_s, **extra}
+def train(step: int, end: float, steps: int = 1, step_s: float = 1.0, data_wait_s: float = 0.0, **extra: Any) -> TrainRecord:
+    return make(TrainRecord, step=step, time=end, interval_steps=steps, step_time_s=step_s, data_wait_s=data_wait_s,
+                  **extra)
 
 
 def accounted(report: dict) -> float:
@@ -23,7 +33,7 @@ def test_an_unbroken_run_loses_its_start_its_waits_its_saves_and_its_end() -> No
     # Launch at 0, first step from 5 to 6, ten steps of 1 s (0.1 s of each waiting for data), an eval of
     # 0.5 s and a save blocking 0.25 s inside step 10's second, training over at 17.
     records = [train(step, 5.0 + step, data_wait_s=0.1) for step in range(1, 10)]
-    records += [{"event": "eval", "step": 10, "seconds": 0.5}, {"event": "checkpoint_save", "step": 10, "blocking_s": 0.25},
+    records += [make(EvalRecord, step=10, seconds=0.5), make(CheckpointSaveRecord, step=10, blocking_s=0.25),
                 train(10, 15.0, data_wait_s=0.1)]
     report = goodput_of(records, started=0.0, ended=17.0)
     lost = report["lost_s"]
@@ -39,7 +49,7 @@ def test_a_restart_loses_the_gap_and_the_steps_after_the_checkpoint_once() -> No
     # Steps 1..8 at one per second from t=1; the group dies, and the next one starts training at t=20
     # from the checkpoint of step 5: steps 6..8 are trained again, 9 and 10 follow.
     first_life = [train(step, 1.0 + step) for step in range(1, 9)]
-    second_life = [{"event": "group_start", "restarts": 1}, {"event": "checkpoint_load", "step": 5}]
+    second_life: list[object] = [make(GroupStartRecord, restarts=1), make(CheckpointLoadRecord, step=5)]
     second_life += [train(step, 20.0 + step - 5) for step in range(6, 11)]
     report = goodput_of(first_life + second_life, started=0.0, ended=25.0)
     lost = report["lost_s"]
@@ -72,7 +82,7 @@ def test_replica_mode_loses_its_waits_and_a_new_writer_continues_the_timeline() 
     # takes over at 6; step 4 waited 3 s for its quorum after a peer was lost.
     records = [train(step, float(step) + (3.0 if step >= 4 else 0.0), step_s=4.0 if step == 4 else 1.0,
                      replica_wait_s=3.0 if step == 4 else 0.05) for step in range(1, 6)]
-    records += [{"event": "replica_lost", "step": 4}, {"event": "group_start", "restarts": 1}]
+    records += [make(ReplicaLostRecord, step=4), make(GroupStartRecord, restarts=1)]
     records += [train(step, float(step) + 3.0 + 0.01, replica_wait_s=0.05) for step in range(6, 9)]
     report = goodput_of(records, started=0.0, ended=11.1)
     lost = report["lost_s"]
@@ -98,6 +108,7 @@ def test_a_joining_writers_wait_during_the_previous_writers_step_is_counted_once
 
 def test_records_without_intervals_and_an_untrained_launch_count_as_start_up() -> None:
     ledger = GoodputLedger(started=100.0)
-    ledger.add({"event": "train", "step": 3, "time": 104.0, "step_time_s": 1.0})  # an older writer's record
+    older = {"event": "train", "step": 3, "time": 104.0, "step_time_s": 1.0}  # an older writer's record: no interval
+    assert parse_record(older) is None  # a reader never hands it over
     report = ledger.report(ended=110.0)
     assert report["productive_s"] == 0.0 and report["lost_s"]["start_up"] == 10.0 and report["goodput"] == 0.0

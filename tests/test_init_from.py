@@ -53,6 +53,7 @@ from meshtrain.model.hf_llama import hf_config, hf_name, llama_shape
 from meshtrain.model.init import init_weights
 from meshtrain.model.llama import Transformer, build_model
 from meshtrain.model.loss import token_cross_entropy_sum
+from meshtrain.observe.run_folder import TrainRecord
 from trainers import sharded_model
 from meshtrain.train.trainer import train
 from meshtrain.cluster.worker_plan import worker_plan
@@ -341,7 +342,7 @@ def test_continued_training_starts_from_the_weights(trained: Trained, tmp_path: 
         micro_batches = list(batches.next_step())
         loss_sum = sum(token_cross_entropy_sum(model(inputs), targets) for inputs, targets in micro_batches)
     expected = loss_sum.item() / sum(targets.numel() for _, targets in micro_batches)
-    assert result.records[0]["loss"] == pytest.approx(expected, rel=1e-6)
+    assert result.records[0].loss == pytest.approx(expected, rel=1e-6)
 
 
 def test_a_resumed_run_reads_its_checkpoint_not_the_hf_weights(trained: Trained, tmp_path: Path) -> None:
@@ -353,8 +354,8 @@ def test_a_resumed_run_reads_its_checkpoint_not_the_hf_weights(trained: Trained,
     for weights in hf.glob("*.safetensors"):
         weights.write_bytes(b"overwritten")
     resumed = train(worker_plan(init_from_config(hf, *settings), trained.corpus), WorkerLayout(), torch.device("cpu"))
-    assert [r["step"] for r in first.records if r["event"] == "train"] == [1, 2]
-    assert [r["step"] for r in resumed.records if r["event"] == "train"] == [3, 4]
+    assert [r.step for r in first.records if isinstance(r, TrainRecord)] == [1, 2]
+    assert [r.step for r in resumed.records if isinstance(r, TrainRecord)] == [3, 4]
 
 
 # --- a 2x2 mesh ---------------------------------------------------------------------------------
@@ -393,7 +394,7 @@ def _on_rank(
     trained = {}
     for key, cfg in runs.items():
         result = train(worker_plan(cfg, corpus), WorkerLayout(rank, world, rank % 2, 2, rank // 2), torch.device("cpu"))
-        trained[key] = {"mesh": result.mesh_shape, "losses": {r["step"]: r["loss"] for r in result.records}}
+        trained[key] = {"mesh": result.mesh_shape, "losses": {r.step: r.loss for r in result.records}}
     return {"loaded": _load_on_rank(rank, world, loads), "trained": trained}
 
 

@@ -34,8 +34,17 @@ from meshtrain.observe.metrics import (
     write_targets,
 )
 from meshtrain.observe.progress import ProgressMonitor
+from meshtrain.observe.run_folder import (
+    CheckpointLoadRecord,
+    CheckpointSaveRecord,
+    DownstreamEvalRecord,
+    Record,
+    TrainRecord,
+    append_records,
+)
 from meshtrain.train.trainer import train
 from meshtrain.cluster.worker_plan import worker_plan
+from record_samples import make
 from test_model import initialized_model, tiny_args
 
 
@@ -121,12 +130,12 @@ def test_exposition_follows_prometheus_conventions_and_shows_only_known_values()
         for step in (11, 12, 13):
             time.sleep(0.02)
             metrics.step_done(step, 128, data_wait_s=0.5)
-        metrics.logged({"loss": 2.5, "lr": 1e-3, "grad_norm": 0.75, "tokens": 6536, "tokens_per_s": 2000.0}, world_size=4)
+        metrics.logged(make(TrainRecord, loss=2.5, lr=1e-3, grad_norm=0.75, tokens=6536, tokens_per_s=2000.0), world_size=4)
         metrics.checkpoint_blocked(0.25)
         committed_before = time.time()
-        metrics.checkpoint_event({"event": "checkpoint_save", "step": 12, "total_s": 1.5, "bytes": 4096})
+        metrics.checkpoint_event(make(CheckpointSaveRecord, step=12, total_s=1.5, bytes=4096))
         committed_after = time.time()
-        metrics.checkpoint_event({"event": "checkpoint_load", "step": 12, "load_s": 0.125})
+        metrics.checkpoint_event(make(CheckpointLoadRecord, step=12, load_s=0.125))
         after = scrape(port)
     finally:
         metrics.close()
@@ -156,10 +165,10 @@ def test_the_driver_exports_goodput_and_downstream_scores_per_task_and_metric() 
     metrics = DriverMetrics("r1")
     port = metrics.serve("127.0.0.1", 0)
     try:
-        metrics.scored({"event": "downstream_eval", "step": 40, "task": "arc_easy", "acc": 0.5,
-                        "acc_norm": 0.25, "samples": 8, "seconds": 3.0, "time": 1.0})
-        metrics.goodput(goodput_of([{"event": "train", "step": 1, "time": 3.0, "interval_steps": 1, "step_time_s": 1.0,
-                                     "data_wait_s": 0.25}], started=0.0, ended=4.0))
+        metrics.scored(DownstreamEvalRecord(step=40, task="arc_easy", scores={"acc": 0.5, "acc_norm": 0.25}, samples=8,
+                                            seconds=3.0, time=1.0))
+        metrics.goodput(goodput_of([make(TrainRecord, step=1, time=3.0, interval_steps=1, step_time_s=1.0,
+                                           data_wait_s=0.25)], started=0.0, ended=4.0))
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
             families = {family.name: family for family in text_string_to_metric_families(response.read().decode())}
     finally:
@@ -251,23 +260,23 @@ def test_training_leaves_the_logged_values_in_the_metrics(tmp_path: Path) -> Non
     )
     metrics = new_metrics(flops_per_token=flops_per_token(model_args(cfg.model, corpus.vocab_size), 32))
     port = metrics.serve("127.0.0.1", 0)
-    records: list[dict[str, Any]] = []
+    records: list[Record] = []
     try:
         train(worker_plan(cfg, corpus), WorkerLayout(), torch.device("cpu"), records.append, metrics)
         value = {name: sample["value"] for name, sample in scrape(port).items()}
     finally:
         metrics.close()
-    logged = [r for r in records if r["event"] == "train"]
-    saves = [r for r in records if r["event"] == "checkpoint_save"]
+    logged = [r for r in records if isinstance(r, TrainRecord)]
+    saves = [r for r in records if isinstance(r, CheckpointSaveRecord)]
     last = logged[-1]
-    assert value["meshtrain_step"] == last["step"] == 6
-    assert value["meshtrain_loss"] == last["loss"] and value["meshtrain_grad_norm"] == last["grad_norm"]
-    assert value["meshtrain_learning_rate"] == last["lr"]
-    assert value["meshtrain_tokens_total"] == value["meshtrain_run_tokens"] == last["tokens"] == 6 * 4 * 32
-    assert value["meshtrain_tokens_per_second"] == last["tokens_per_s"]
+    assert value["meshtrain_step"] == last.step == 6
+    assert value["meshtrain_loss"] == last.loss and value["meshtrain_grad_norm"] == last.grad_norm
+    assert value["meshtrain_learning_rate"] == last.lr
+    assert value["meshtrain_tokens_total"] == value["meshtrain_run_tokens"] == last.tokens == 6 * 4 * 32
+    assert value["meshtrain_tokens_per_second"] == last.tokens_per_s
     assert value["meshtrain_step_duration_seconds_count"] == 6
     assert value["meshtrain_checkpoint_saves_total"] == len(saves) == 2
-    assert value["meshtrain_checkpoint_size_bytes"] == saves[-1]["bytes"]
+    assert value["meshtrain_checkpoint_size_bytes"] == saves[-1].bytes
     assert value["meshtrain_checkpoint_step"] == 6
     assert (value["meshtrain_workers"], value["meshtrain_mesh_shard_degree"]) == (1, 1)
 
@@ -277,17 +286,13 @@ class FakeTerminal(io.StringIO):
         return True
 
 
-def _write(path: Path, records: list[dict[str, Any]]) -> None:
-    with path.open("a") as file:
-        for record in records:
-            file.write(json.dumps(record) + "\n")
+def _write(path: Path, records: list[Record]) -> None:
+    append_records(path, records)
 
 
-def _step(step: int) -> dict[str, Any]:
-    return {
-        "event": "train", "step": step, "loss": 3.0, "lr": 1e-3, "grad_norm": 1.0, "tokens": step * 100,
-        "tokens_per_s": 1000.0, "step_time_s": 0.1, "elapsed_s": step * 0.1,
-    }
+def _step(step: int) -> TrainRecord:
+    return make(TrainRecord, step=step, loss=3.0, lr=1e-3, grad_norm=1.0, tokens=step * 100, tokens_per_s=1000.0,
+                  step_time_s=0.1, elapsed_s=step * 0.1, world_size=1)
 
 
 def test_progress_in_a_log_is_throttled_but_keeps_checkpoints_and_the_end(tmp_path: Path) -> None:
@@ -296,7 +301,7 @@ def test_progress_in_a_log_is_throttled_but_keeps_checkpoints_and_the_end(tmp_pa
     out = io.StringIO()
     with ProgressMonitor(path, total_steps=100, interval_s=3600, stream=out, poll_s=0.05) as monitor:
         _write(path, [_step(s) for s in range(2, 50)])
-        _write(path, [{"event": "checkpoint_save", "step": 50, "path": "/c/50", "blocking_s": 0.1, "total_s": 0.2, "bytes": 2**20}])
+        _write(path, [make(CheckpointSaveRecord, step=50, path="/c/50", blocking_s=0.1, total_s=0.2, bytes=2**20)])
         monitor.poll()
         _write(path, [_step(s) for s in range(50, 101)])
     lines = out.getvalue().splitlines()
@@ -324,7 +329,7 @@ def test_progress_on_a_terminal_rewrites_one_line(tmp_path: Path) -> None:
     with ProgressMonitor(path, total_steps=3, interval_s=3600, stream=out, poll_s=0.05) as monitor:
         _write(path, [_step(1), _step(2)])
         monitor.poll()
-        _write(path, [{"event": "checkpoint_load", "step": 2, "path": "/c/2", "load_s": 0.5}, _step(3)])
+        _write(path, [make(CheckpointLoadRecord, step=2, path="/c/2", load_s=0.5), _step(3)])
     text = out.getvalue()
     assert text.count("\n") == 2  # the checkpoint line and the final newline
     assert text.count("\r\033[K") == 4

@@ -17,7 +17,15 @@ import torch
 from meshtrain.checkpoint.storage import CheckpointStorage, checkpoint_root
 from meshtrain.config.loading import load_config
 from meshtrain.data import DataPlan
-from meshtrain.observe.run_folder import StopRequest
+from meshtrain.observe.run_folder import (
+    CheckpointLoadRecord,
+    InterruptedRecord,
+    PreemptedRecord,
+    Record,
+    ResizeSaveRecord,
+    StopRequest,
+    WarningRecord,
+)
 from meshtrain.train.preemption import Preempted, PreemptionNotice, defer_sigterm
 from meshtrain.train.faults import FaultInjection
 from meshtrain.train.loop import StepStart
@@ -55,7 +63,7 @@ def test_sigterm_saves_the_step_and_the_resumed_run_matches_an_unbroken_one(
 
     monkeypatch.setattr(FaultInjection, "before_step", original)
     resumed, events = run(cfg, corpus)
-    assert [e["step"] for e in events if e["event"] == "checkpoint_load"] == [6]
+    assert [e.step for e in events if isinstance(e, CheckpointLoadRecord)] == [6]
     expected, got = snapshot(unbroken), snapshot(resumed)
     assert expected.keys() == got.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
 
@@ -78,20 +86,20 @@ def test_the_drivers_stop_request_saves_the_step_and_finishes_without_a_restart(
         original(self, start)
 
     monkeypatch.setattr(FaultInjection, "before_step", interrupt_at_step_3)
-    events: list[dict] = []
+    events: list[Record] = []
     trainer = cpu_trainer(cfg, corpus, events.append, stop_request=request)
     try:
         result = trainer.run()
     finally:
         trainer.close()
     assert result.interrupted == {"step": 4, "saved": True, "reason": "SIGINT to the driver"}
-    assert [e for e in events if e["event"] == "interrupted"] == [{"event": "interrupted", **result.interrupted}]
+    assert [e for e in events if isinstance(e, InterruptedRecord)] == [InterruptedRecord(**result.interrupted)]
     assert [c.step for c in CheckpointStorage(checkpoint_root(cfg.checkpoint, cfg.run)).committed()] == [4]
 
     monkeypatch.setattr(FaultInjection, "before_step", original)
     request.clear()
     resumed, events = run(cfg, corpus)
-    assert [e["step"] for e in events if e["event"] == "checkpoint_load"] == [4]
+    assert [e.step for e in events if isinstance(e, CheckpointLoadRecord)] == [4]
     expected, got = snapshot(unbroken), snapshot(resumed)
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
@@ -140,11 +148,11 @@ def test_in_a_ray_worker_thread_rays_sigterm_exit_becomes_a_notice() -> None:
 
 def test_a_budget_shorter_than_a_step_is_reported_once(corpus: DataPlan, tmp_path: Path) -> None:
     _, events = run(config(tmp_path, "tight", "train.steps=4", "run.preemption_save_s=0.000001"), corpus)
-    warnings = [e for e in events if e["event"] == "warning"]
-    assert len(warnings) == 1 and warnings[0]["setting"] == "run.preemption_save_s"
-    assert warnings[0]["message"].startswith("run.preemption_save_s=1e-06 is shorter than one step (")
+    warnings = [e for e in events if isinstance(e, WarningRecord)]
+    assert len(warnings) == 1 and warnings[0].setting == "run.preemption_save_s"
+    assert warnings[0].message.startswith("run.preemption_save_s=1e-06 is shorter than one step (")
     _, quiet = run(config(tmp_path, "roomy", "train.steps=4"), corpus)
-    assert not [e for e in quiet if e["event"] == "warning"]
+    assert not [e for e in quiet if isinstance(e, WarningRecord)]
 
 
 def test_rays_notices_are_a_preemption_and_the_elastic_policys_requests_a_resize_answered_after_the_save(monkeypatch) -> None:
@@ -191,7 +199,7 @@ def test_a_drain_notice_during_the_resize_wait_leaves_at_once_from_the_saved_ste
     vote = type("Vote", (), {"result": lambda self: notice.local()})()
     saves: list[int] = []
     checkpointing = type("Checkpointing", (), {"save_now": lambda self, step: saves.append(step) or True})()
-    records: list[dict] = []
+    records: list[Record] = []
     outputs = type("Outputs", (), {"emit": lambda self, record: records.append(record)})()
     beats: list[str] = []
 
@@ -205,7 +213,7 @@ def test_a_drain_notice_during_the_resize_wait_leaves_at_once_from_the_saved_ste
     with pytest.raises(Preempted, match="stopped at step 7 .*Ray drains node.s. ab12.*checkpoint of step 7 committed"):
         handling.after_step(7)
     assert saves == [7] and len(beats) == 2  # it stopped waiting at the beat that saw the drain
-    assert [(r["event"], r["step"], r["saved"]) for r in records] == [("resize_save", 7, True), ("preempted", 7, True)]
+    assert [(type(r), r.step, r.saved) for r in records] == [(ResizeSaveRecord, 7, True), (PreemptedRecord, 7, True)]
     assert preemption.resize_answer("grow") == (7, True)  # the policy may resize: the step is saved
 
 

@@ -18,6 +18,7 @@ from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.config.observability import ProfileConfig
 from meshtrain.data import DataPlan
 from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.observe.run_folder import ProfileRecord, Record
 from meshtrain.train.profiling import StepProfiler, summary_line, top_ops
 from meshtrain.train.trainer import train
 from meshtrain.cluster.worker_plan import worker_plan
@@ -62,17 +63,17 @@ def test_windows_trace_exactly_their_steps_and_name_the_loop(
     each naming every part of the loop, and one summary line per window."""
     cfg = config(tmp_path, "train.steps=5", "profile.start_step=1", "profile.active_steps=2", "profile.every=3",
                  "profile.top=3")
-    records: list[dict] = []
+    records: list[Record] = []
     train(worker_plan(cfg, corpus), WorkerLayout(), torch.device("cpu"), records.append)
     folder = tmp_path / "profiled" / "profile"
     assert sorted(path.name for path in folder.iterdir()) == ["rank0.1.pt.trace.json", "rank0.4.pt.trace.json"]
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[meshtrain] profile")]
     # The run's records carry each window's figures, the same as its line (metrics.jsonl, for tools).
-    windows = [r for r in records if r["event"] == "profile"]
-    assert [(r["first_step"], r["step"], r["rank"], r["device"]) for r in windows] == [(1, 2, 0, "cpu"), (4, 5, 0, "cpu")]
+    windows = [r for r in records if isinstance(r, ProfileRecord)]
+    assert [(r.first_step, r.step, r.rank, r.device) for r in windows] == [(1, 2, 0, "cpu"), (4, 5, 0, "cpu")]
     for record, line in zip(windows, lines, strict=True):
-        ops = [(name, ms) for name, ms in record["top_ms_per_step"]]
-        assert line == summary_line(0, record["first_step"], record["step"], False, ops, Path(record["trace"]))
+        ops = [(name, ms) for name, ms in record.top_ms_per_step]
+        assert line == summary_line(0, record.first_step, record.step, False, ops, Path(record.trace))
     for first, line in zip((1, 4), lines, strict=True):
         names = complete_events(folder / f"rank0.{first}.pt.trace.json")
         assert steps_in(names) == [first, first + 1]

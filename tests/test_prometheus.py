@@ -24,6 +24,14 @@ import pytest
 import yaml
 
 from jobs import REPO, read_metrics, run_job
+from meshtrain.observe.run_folder import (
+    CheckpointLoadRecord,
+    CheckpointSaveRecord,
+    DownstreamEvalFailedRecord,
+    DownstreamEvalRecord,
+    TextSamplesRecord,
+    TrainRecord,
+)
 from ports import free_port
 
 
@@ -165,14 +173,14 @@ def test_dashboard_queries_return_data_from_a_real_run(prometheus: tuple[Prometh
     time.sleep(2)
     window = ended - started
     records = read_metrics(storage / RUN)
-    logged = [r for r in records if r["event"] == "train"]
-    saves = [r for r in records if r["event"] == "checkpoint_save"]
-    loads = [r for r in records if r["event"] == "checkpoint_load"]
-    assert logged[-1]["step"] == 60 and len(loads) == 1 and loads[0]["step"] == 20
+    logged = [r for r in records if isinstance(r, TrainRecord)]
+    saves = [r for r in records if isinstance(r, CheckpointSaveRecord)]
+    loads = [r for r in records if isinstance(r, CheckpointLoadRecord)]
+    assert logged[-1].step == 60 and len(loads) == 1 and loads[0].step == 20
     assert json.loads((storage / "prometheus" / f"{RUN}.json").read_text()) == []  # the job ended
     assert json.loads((storage / "prometheus" / "driver" / f"{RUN}.json").read_text()) == []
 
-    scored = [r for r in records if r["event"] == "downstream_eval"]
+    scored = [r for r in records if isinstance(r, DownstreamEvalRecord)]
     empty = []
     for expr in exprs:
         series = server.range_query(grafana_substitute(expr, window), started, ended)
@@ -187,31 +195,31 @@ def test_dashboard_queries_return_data_from_a_real_run(prometheus: tuple[Prometh
         return server.instant(f'last_over_time({selector}run="{RUN}"}}[{int(window) + 60}s])', ended)
 
     assert last("meshtrain_step") == {"0": 60.0, "1": 60.0}
-    assert last("meshtrain_loss")["0"] == pytest.approx(logged[-1]["loss"], rel=1e-12)
-    assert last("meshtrain_learning_rate")["0"] == pytest.approx(logged[-1]["lr"], rel=1e-12)
-    assert last("meshtrain_grad_norm")["0"] == pytest.approx(logged[-1]["grad_norm"], rel=1e-12)
-    assert last("meshtrain_run_tokens")["0"] == logged[-1]["tokens"]
-    assert last("meshtrain_tokens_per_second")["0"] == pytest.approx(logged[-1]["tokens_per_s"] / 2, rel=1e-12)
+    assert last("meshtrain_loss")["0"] == pytest.approx(logged[-1].loss, rel=1e-12)
+    assert last("meshtrain_learning_rate")["0"] == pytest.approx(logged[-1].lr, rel=1e-12)
+    assert last("meshtrain_grad_norm")["0"] == pytest.approx(logged[-1].grad_norm, rel=1e-12)
+    assert last("meshtrain_run_tokens")["0"] == logged[-1].tokens
+    assert last("meshtrain_tokens_per_second")["0"] == pytest.approx(logged[-1].tokens_per_s / 2, rel=1e-12)
     assert last("meshtrain_run_restarts") == {"0": 1.0, "1": 1.0}
-    assert last("meshtrain_checkpoint_step")["0"] == saves[-1]["step"] == 60
-    assert last("meshtrain_checkpoint_size_bytes")["0"] == saves[-1]["bytes"]
-    assert last("meshtrain_checkpoint_save_duration_seconds")["0"] == pytest.approx(saves[-1]["total_s"], rel=1e-12)
-    assert last("meshtrain_checkpoint_load_duration_seconds")["0"] == pytest.approx(loads[0]["load_s"], rel=1e-12)
+    assert last("meshtrain_checkpoint_step")["0"] == saves[-1].step == 60
+    assert last("meshtrain_checkpoint_size_bytes")["0"] == saves[-1].bytes
+    assert last("meshtrain_checkpoint_save_duration_seconds")["0"] == pytest.approx(saves[-1].total_s, rel=1e-12)
+    assert last("meshtrain_checkpoint_load_duration_seconds")["0"] == pytest.approx(loads[0].load_s, rel=1e-12)
     assert last("meshtrain_workers") == {"0": 2.0, "1": 2.0}
     assert last("meshtrain_mesh_shard_degree")["0"] == 2 and last("meshtrain_mesh_replicate_degree")["0"] == 1
     # The restarted group trained steps 21-60 (it resumed from step 20), half of each step's tokens per rank.
-    per_rank_step = logged[-1]["tokens"] / 60 / 2
+    per_rank_step = logged[-1].tokens / 60 / 2
     assert last("meshtrain_tokens_total") == {"0": 40 * per_rank_step, "1": 40 * per_rank_step}
     assert last("meshtrain_step_duration_seconds_count") == {"0": 40.0, "1": 40.0}
 
     # The driver's evaluations landed in metrics.jsonl and the run folder, and the driver exported each
     # as it landed: step 60's too, which finishes after the workers are gone.
-    assert sorted((r["step"], r["task"]) for r in scored) == [
+    assert sorted((r.step, r.task) for r in scored) == [
         (step, task) for step in (40, 60) for task in ("meshtrain_mc", "meshtrain_ppl")], scored
     assert all((storage / RUN / "downstream" / f"step-{step:08d}" / "results.json").is_file() for step in (40, 60))
-    assert sorted(r["step"] for r in records if r["event"] == "text_samples") == [40, 60]
-    [failed] = [r for r in records if r["event"] == "downstream_eval_failed"]
-    assert failed["step"] == 20 and failed["error"].startswith("RuntimeError: fault.downstream_fail_step=20"), failed
+    assert sorted(r.step for r in records if isinstance(r, TextSamplesRecord)) == [40, 60]
+    [failed] = [r for r in records if isinstance(r, DownstreamEvalFailedRecord)]
+    assert failed.step == 20 and failed.error.startswith("RuntimeError: fault.downstream_fail_step=20"), failed
     assert job.stdout.count("[meshtrain] downstream evaluation of step 20 failed (RuntimeError: ") == 1, job.stdout[-3000:]
     assert "training is not affected" in job.stdout
     assert "[meshtrain] sample step 60: 'import os' -> " in job.stdout, job.stdout[-3000:]
@@ -219,8 +227,8 @@ def test_dashboard_queries_return_data_from_a_real_run(prometheus: tuple[Prometh
     assert {task: r["step"] for task, r in summary["downstream"].items()} == {"meshtrain_mc": 60, "meshtrain_ppl": 60}
     for task in ("meshtrain_mc", "meshtrain_ppl"):
         assert last(f'meshtrain_downstream_step{{task="{task}"') == {"": 60.0}, task
-    [final] = [r for r in scored if r["step"] == 60 and r["task"] == "meshtrain_mc"]
-    assert last('meshtrain_downstream_score{task="meshtrain_mc", metric="acc"') == {"": pytest.approx(final["acc"], rel=1e-12)}
+    [final] = [r for r in scored if r.step == 60 and r.task == "meshtrain_mc"]
+    assert last('meshtrain_downstream_score{task="meshtrain_mc", metric="acc"') == {"": pytest.approx(final.scores["acc"], rel=1e-12)}
 
     # The driver's goodput: live while the run trained, and its final value (summary.json's) scraped before
     # the driver closed its endpoint. The restart cost this run its gap and the steps after step 20 once more.

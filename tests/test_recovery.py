@@ -17,7 +17,6 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -27,7 +26,20 @@ from meshtrain.config import FaultToleranceConfig, RunConfig
 from meshtrain.config.loading import load_config
 from meshtrain.observe.goodput import goodput_of
 from meshtrain.observe.mlflow_tracker import RUN_ID_TAG, tracking_uri
-from meshtrain.observe.run_folder import RunPaths
+from meshtrain.observe.run_folder import (
+    CheckpointLoadRecord,
+    CheckpointSaveRecord,
+    DownstreamEvalRecord,
+    EvalRecord,
+    InterruptedRecord,
+    PreemptedRecord,
+    ReadRecord,
+    ReplicaJoinedRecord,
+    ReplicaLostRecord,
+    RunPaths,
+    TextSamplesRecord,
+    TrainRecord,
+)
 from meshtrain.observe.trackers import tracker_run_id, tracker_values
 from s3server import moto_s3
 
@@ -46,7 +58,7 @@ def final_checkpoint(run_dir: Path) -> Path:
 
 
 def loads(run_dir: Path) -> list[int]:
-    return [r["step"] for r in read_metrics(run_dir) if r["event"] == "checkpoint_load"]
+    return [r.step for r in read_metrics(run_dir) if isinstance(r, CheckpointLoadRecord)]
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +81,8 @@ def unbroken(storage: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_logged_metrics_reach_ray_train_callbacks(storage: Path, unbroken: dict) -> None:
     *reports, final = [json.loads(line) for line in (storage / "unbroken-reports.jsonl").read_text().splitlines()]
-    logged = {r["step"]: r for r in read_metrics(storage / "unbroken") if r["event"] == "train"}
-    evals = [r for r in read_metrics(storage / "unbroken") if r["event"] == "eval"]
+    logged = {r.step: r for r in read_metrics(storage / "unbroken") if isinstance(r, TrainRecord)}
+    evals = [r for r in read_metrics(storage / "unbroken") if isinstance(r, EvalRecord)]
     # The last report carries a checkpoint (what Ray 2.60 builds Result.metrics and Result.checkpoint
     # from): a folder in Ray's run storage pointing at meshtrain's newest committed checkpoint.
     summary = json.loads((storage / "unbroken" / "summary.json").read_text())
@@ -84,8 +96,8 @@ def test_logged_metrics_reach_ray_train_callbacks(storage: Path, unbroken: dict)
     assert reports and reports[0]["step"] == 1 and reports[-1]["step"] == 40  # the first and the last step
     assert len(reports) < len(logged)  # spaced by metrics.ray_report_interval_s, not one per logged step
     for report in reports:
-        assert report["loss"] == logged[report["step"]]["loss"] and report["lr"] == logged[report["step"]]["lr"]
-    assert reports[-1]["eval_loss"] == evals[-1]["loss"] and reports[-1]["eval_step"] == 40
+        assert report["loss"] == logged[report["step"]].loss and report["lr"] == logged[report["step"]].lr
+    assert reports[-1]["eval_loss"] == evals[-1].loss and reports[-1]["eval_step"] == 40
 
 
 def worker_pids(job_pid: int) -> list[int]:
@@ -108,10 +120,10 @@ def worker_pids(job_pid: int) -> list[int]:
 
 def _wait_for_step(job: subprocess.Popen[str], run_dir: Path, step: int) -> int:
     deadline = time.monotonic() + 240
-    while not any(r["event"] == "train" and r["step"] >= step for r in read_metrics(run_dir)):
+    while not any(isinstance(r, TrainRecord) and r.step >= step for r in read_metrics(run_dir)):
         assert job.poll() is None and time.monotonic() < deadline, f"the job ended before step {step}"
         time.sleep(0.05)
-    return max(r["step"] for r in read_metrics(run_dir) if r["event"] == "train")
+    return max(r.step for r in read_metrics(run_dir) if isinstance(r, TrainRecord))
 
 
 def test_sigterm_then_sigkill_from_outside_lose_nothing_then_only_since_the_checkpoint(
@@ -142,20 +154,20 @@ def test_sigterm_then_sigkill_from_outside_lose_nothing_then_only_since_the_chec
     assert job.returncode == 0, output[-3000:]
     assert "preemption notice (SIGTERM)" in output
     records = read_metrics(run_dir)
-    [preempted] = [r for r in records if r["event"] == "preempted"]
-    assert preempted["saved"], preempted
-    step = preempted["step"]
+    [preempted] = [r for r in records if isinstance(r, PreemptedRecord)]
+    assert preempted.saved, preempted
+    step = preempted.step
     assert noticed_after <= step <= noticed_after + 3 and step % 10, (noticed_after, step)  # not a scheduled save
-    assert preempted["notice_to_commit_s"] < RunConfig().preemption_save_s  # committed within the notice budget
-    assert step in [r["step"] for r in records if r["event"] == "checkpoint_save"]
+    assert preempted.notice_to_commit_s < RunConfig().preemption_save_s  # committed within the notice budget
+    assert step in [r.step for r in records if isinstance(r, CheckpointSaveRecord)]
     assert loads(run_dir)[0] == step and len(loads(run_dir)) == 2  # the notice lost no step; the SIGKILL a few
     assert loads(run_dir)[1] >= 20
     # The run's own account of what the two restarts cost: their gaps, and the steps after the checkpoint
     # the SIGKILLed group had logged, trained a second time (the notice's restart redid none).
     first_runs, redone = {}, 0.0
-    for record in (r for r in records if r["event"] == "train"):
-        redone += first_runs.get(record["step"], 0.0)
-        first_runs[record["step"]] = record["step_time_s"]
+    for record in (r for r in records if isinstance(r, TrainRecord)):
+        redone += first_runs.get(record.step, 0.0)
+        first_runs[record.step] = record.step_time_s
     goodput = json.loads((run_dir / "summary.json").read_text())["goodput"]
     assert redone > 0 and goodput["lost_s"]["redone"] == pytest.approx(redone, abs=2e-3), goodput
     assert goodput["lost_s"]["restarts"] > 1.0 and goodput["lost_s"]["replica_waits"] == 0.0, goodput
@@ -215,47 +227,47 @@ def test_replica_mode_loses_a_replica_without_a_restart_and_trains_what_restart_
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "workers outlived the driver and its lighthouse"
     assert "fault injection: rank 3 sends itself SIGKILL at step 12" in output
     first = read_metrics(run_dir)
-    trained = [r for r in first if r["event"] == "train"]
+    trained = [r for r in first if isinstance(r, TrainRecord)]
     # The workers end within moments of the driver: one of them may log a step or two more.
-    assert [r["step"] for r in trained] == list(range(1, trained[-1]["step"] + 1)) and trained[-1]["step"] >= killed_after
-    lost = [r for r in first if r["event"] == "replica_lost"]
-    assert [(r["step"], r["participants"]) for r in lost] == [(12, 1)]
-    joined = [r for r in first if r["event"] == "replica_joined" and r["replica"] == 1 and r["step"] >= 12]
-    assert len(joined) == 1 and joined[0]["participants"] == 2 and joined[0]["source"] == 0
+    assert [r.step for r in trained] == list(range(1, trained[-1].step + 1)) and trained[-1].step >= killed_after
+    lost = [r for r in first if isinstance(r, ReplicaLostRecord)]
+    assert [(r.step, r.participants) for r in lost] == [(12, 1)]
+    joined = [r for r in first if isinstance(r, ReplicaJoinedRecord) and r.replica == 1 and r.step >= 12]
+    assert len(joined) == 1 and joined[0].participants == 2 and joined[0].source == 0
     assert "[meshtrain] replica group 1 joined at step" in output and "with replica group 0's state (" in output
-    times = [r["time"] for r in trained]
+    times = [r.time for r in trained]
     # The lost group stops heartbeating at once: its other worker fails at its next collective with the
     # killed one and leaves the quorum (measured 0.13 s after the kill), or Ray ends the group when that worker
     # waits in the quorum (0.7 s). So the survivors' quorum went on after about one heartbeat timeout (measured
     # 2.4 s), and their stall is that wait plus the discarded attempt: both ended by the heartbeat, never by the
     # cross-replica collective's timeout, and no gap between steps waited that long.
     collective_timeout_s = FaultToleranceConfig().timeout_s
-    assert lost[0]["quorum_s"] <= lost[0]["stall_s"] < collective_timeout_s, lost[0]
+    assert lost[0].quorum_s <= lost[0].stall_s < collective_timeout_s, lost[0]
     assert max(b - a for a, b in zip(times, times[1:])) < collective_timeout_s
     assert loads(run_dir) == []  # nothing was read back from storage
     starts = [entry.get("replica") for entry in map(json.loads, (run_dir / "worker_starts.jsonl").read_text().splitlines())]
     assert sorted(starts) == [0, 1, 1]  # only replica 1's group was restarted
-    committed = max(r["step"] for r in first if r["event"] == "checkpoint_save")
+    committed = max(r.step for r in first if isinstance(r, CheckpointSaveRecord))
 
     rerun = run_job(*arguments)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "mesh (1, 1, 2) on 2 workers x 2 replica groups" in rerun.stdout  # replicate, shard, tensor
     records = read_metrics(run_dir)
     assert loads(run_dir) and set(loads(run_dir)) == {committed}  # the relaunch's groups loaded the newest checkpoint
-    again = [r for r in records[len(first):] if r["event"] == "train"]
-    assert [r["step"] for r in again] == list(range(committed + 1, 41))
-    expected = {r["step"]: r["loss"] for r in read_metrics(storage / "unbroken") if r["event"] == "train"}
+    again = [r for r in records[len(first):] if isinstance(r, TrainRecord)]
+    assert [r.step for r in again] == list(range(committed + 1, 41))
+    expected = {r.step: r.loss for r in read_metrics(storage / "unbroken") if isinstance(r, TrainRecord)}
     for record in trained + again:
-        assert record["loss"] == pytest.approx(expected[record["step"]], rel=1e-4), record["step"]
+        assert record.loss == pytest.approx(expected[record.step], rel=1e-4), record.step
     # The first launch's own account (goodput is per launch; the killed driver wrote no summary): no
     # restart gap and nothing redone; the survivor's stall is its replica waits.
-    goodput = goodput_of(first, trained[0]["time"] - trained[0]["step_time_s"], trained[-1]["time"])
-    step_s = statistics.median(r["step_time_s"] for r in trained)  # the gaps between records are jitter, not a restart
+    goodput = goodput_of(first, trained[0].time - trained[0].step_time_s, trained[-1].time)
+    step_s = statistics.median(r.step_time_s for r in trained)  # the gaps between records are jitter, not a restart
     assert goodput["lost_s"]["redone"] == 0.0 and goodput["lost_s"]["restarts"] < step_s, (goodput, step_s)
     assert goodput["lost_s"]["replica_waits"] >= heartbeat_s / 2, goodput
     relaunch = json.loads((run_dir / "summary.json").read_text())["goodput"]
     assert relaunch["productive_s"] + sum(relaunch["lost_s"].values()) == pytest.approx(relaunch["wall_s"], rel=1e-3)
-    assert [r["step"] for r in records if r["event"] == "checkpoint_save"][-2:] == [30, 40]
+    assert [r.step for r in records if isinstance(r, CheckpointSaveRecord)][-2:] == [30, 40]
     # Not bitwise: the unbroken run reduce-scatters over a 2-way shard group and clips with a norm summed
     # over shards; the replicas sum whole gradients. After 40 AdamW steps that rounding is ~4e-5 (measured);
     # tests/test_replicas.py holds replica mode to 1e-5 against one worker.
@@ -272,19 +284,20 @@ def test_kill_during_a_checkpoint_write_leaves_it_uncommitted_and_resumes_from_t
     # The marker keeps the restarted worker from failing again at the same step.
     assert (run_dir / "faults" / "killed-rank1-step20").is_file()
     assert loads(run_dir) == [10]  # step 20 was never committed, so the restart used step 10
-    saves = [r["step"] for r in read_metrics(run_dir) if r["event"] == "checkpoint_save"]
+    saves = [r.step for r in read_metrics(run_dir) if isinstance(r, CheckpointSaveRecord)]
     assert saves == [10, 20, 30, 40]  # the second 20 is the resumed run's
     assert_same_weights(model_weights(final_checkpoint(run_dir), tmp_path), unbroken)
 
 
-def first_values(records: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
+def first_values(records: list[ReadRecord]) -> dict[str, dict[int, float]]:
     """Each tracker series from metrics.jsonl, by step, as first logged (a retrained step repeats)."""
     series: dict[str, dict[int, float]] = {}
     for record in records:
-        if "step" not in record:
+        step = getattr(record, "step", None)
+        if step is None:
             continue
         for name, value in tracker_values(record).items():
-            series.setdefault(name, {}).setdefault(record["step"], value)
+            series.setdefault(name, {}).setdefault(step, value)
     return series
 
 
@@ -296,12 +309,12 @@ def test_every_checkpoint_is_scored_downstream_once(midsave: Path) -> None:
     """Rank 1 died while step 20 was being saved: the steps scored are the committed ones, each once,
     the first group's and the resumed group's, and step 40's after training."""
     records = read_metrics(midsave)
-    scored = sorted((r["step"], f"downstream_eval/{r['task']}") for r in records if r["event"] == "downstream_eval")
+    scored = sorted((r.step, f"downstream_eval/{r.task}") for r in records if isinstance(r, DownstreamEvalRecord))
     assert scored == [(step, f"downstream_eval/{task}") for step in (10, 20, 30, 40)
                       for task in ("meshtrain_mc", "meshtrain_ppl")]
-    sampled = [r for r in records if r["event"] == "text_samples"]
-    assert sorted(r["step"] for r in sampled) == [10, 20, 30, 40]
-    assert all(len(r["samples"]) == 1 and r["samples"][0]["prompt"] == "def main" for r in sampled)
+    sampled = [r for r in records if isinstance(r, TextSamplesRecord)]
+    assert sorted(r.step for r in sampled) == [10, 20, 30, 40]
+    assert all(len(r.samples) == 1 and r.samples[0]["prompt"] == "def main" for r in sampled)
     assert (midsave / "downstream" / "step-00000040" / "text_samples.jsonl").is_file()
 
 
@@ -310,7 +323,7 @@ def test_mlflow_holds_one_run_with_every_logged_step_once(midsave: Path) -> None
 
     paths = RunPaths("midsave", midsave.parent)
     records = read_metrics(midsave)
-    assert len([r for r in records if r["event"] == "train"]) > 40  # steps 11.. were trained and logged twice
+    assert len([r for r in records if isinstance(r, TrainRecord)]) > 40  # steps 11.. were trained and logged twice
     client = MlflowClient(tracking_uri(load_config(None, [*TRACKERS]).metrics, paths))
     runs = client.search_runs([client.get_experiment_by_name("meshtrain").experiment_id])
     assert len(runs) == 1
@@ -391,16 +404,16 @@ def test_ctrl_c_saves_then_the_rerun_resumes_there_and_exhausted_restarts_name_t
     with log.open("w") as output:
         driver = subprocess.Popen(job_command(*args), cwd=REPO, env=job_env(), stdout=output, stderr=output, text=True)
         deadline = time.monotonic() + 240
-        while not any(r.get("step", 0) >= 12 for r in read_metrics(run_dir) if r["event"] == "train"):
+        while not any(r.step >= 12 for r in read_metrics(run_dir) if isinstance(r, TrainRecord)):
             assert driver.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
         driver.send_signal(signal.SIGINT)
         driver.wait(timeout=120)
     stderr = log.read_text()
     assert driver.returncode == 130, stderr[-3000:]
-    (interrupted,) = [r for r in read_metrics(run_dir) if r["event"] == "interrupted"]
-    step = interrupted["step"]
-    assert 12 <= step < 30 and interrupted["saved"]
+    (interrupted,) = [r for r in read_metrics(run_dir) if isinstance(r, InterruptedRecord)]
+    step = interrupted.step
+    assert 12 <= step < 30 and interrupted.saved
     assert [line for line in stderr.splitlines() if line.startswith("meshtrain: ")] == [(
         f"meshtrain: interrupted at step {step}; checkpoint step {step} committed; "
         "run the same command (run.name=doomed) to resume"
@@ -438,12 +451,12 @@ def test_a_diverged_elastic_run_trains_on_the_largest_size_it_can_and_stops_at_m
     assert "run.name=diverged" in lines[0]
     run_dir = storage / "diverged"
     records = read_metrics(run_dir)
-    assert [r["step"] for r in records if r["event"] == "checkpoint_save"] == [10]
+    assert [r.step for r in records if isinstance(r, CheckpointSaveRecord)] == [10]
     assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step-")) == ["step-00000010"]
-    assert [r["step"] for r in records if r["event"] == "train"][-1] == 13
+    assert [r.step for r in records if isinstance(r, TrainRecord)][-1] == 13
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["skipped_steps"] == 2 and summary["world_size"] == 2
-    assert {r["world_size"] for r in records if r["event"] == "train"} == {2}
+    assert {r.world_size for r in records if isinstance(r, TrainRecord)} == {2}
 
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -485,7 +498,7 @@ def test_a_hung_worker_is_diagnosed_and_the_run_resumes_from_s3_to_the_same_weig
         diagnosis,
     ), diagnosis
     assert diagnosis in output
-    assert [r["path"] for r in read_metrics(run_dir) if r["event"] == "checkpoint_load"] == [
+    assert [r.path for r in read_metrics(run_dir) if isinstance(r, CheckpointLoadRecord)] == [
         "s3://meshtrain/runs/on-s3/step-00000010"
     ]
     assert not (run_dir / "checkpoints").exists()  # nothing went to local storage

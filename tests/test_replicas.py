@@ -20,7 +20,16 @@ import torch
 from meshtrain.config.loading import load_config
 from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataPlan
-from meshtrain.observe.run_folder import read_records
+from meshtrain.observe.run_folder import (
+    CheckpointLoadRecord,
+    CheckpointSaveRecord,
+    PreemptedRecord,
+    Record,
+    ReplicaJoinedRecord,
+    ReplicaLostRecord,
+    TrainRecord,
+    read_records,
+)
 
 if importlib.util.find_spec("torchft") is None:  # not importorskip: importing it here would set its log level
     pytest.skip("torchft (the ft extra) is not installed", allow_module_level=True)
@@ -133,17 +142,17 @@ def assert_close_weights(weights: dict[str, torch.Tensor], expected: dict[str, t
         assert drift <= 3e-5, (name, drift)
 
 
-def train_records(run_dir: Path) -> list[dict[str, Any]]:
-    return [r for r in read_records(run_dir / "metrics.jsonl") if r["event"] == "train"]
+def train_records(run_dir: Path) -> list[TrainRecord]:
+    return [r for r in read_records(run_dir / "metrics.jsonl") if isinstance(r, TrainRecord)]
 
 
 @pytest.fixture(scope="module")
 def reference(corpus: DataPlan, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
     """The same steps on one worker in restart mode: the losses and weights replica mode must give."""
     cfg = config(tmp_path_factory.mktemp("reference"), "reference", "scaling.num_workers=1")
-    records: list[dict[str, Any]] = []
+    records: list[Record] = []
     trainer = run_one_worker(cfg, corpus, records.append)
-    return {r["step"]: r["loss"] for r in records if r["event"] == "train"}, weights(trainer.model)
+    return {r.step: r.loss for r in records if isinstance(r, TrainRecord)}, weights(trainer.model)
 
 
 @pytest.mark.parametrize("killed, how", [(1, "before"), (0, "before"), (1, "backward"), (1, "healing")],
@@ -206,40 +215,40 @@ def test_a_killed_replica_costs_the_survivor_no_restart_and_its_replacement_heal
     trained = train_records(run_dir)
     # Every step trained and logged once, in order, by the first live group: the killed one before its
     # death when it was writing, the survivor after.
-    assert [r["step"] for r in trained] == list(range(1, STEPS + 1))
+    assert [r.step for r in trained] == list(range(1, STEPS + 1))
     for record in trained:
-        assert record["loss"] == pytest.approx(expected_losses[record["step"]], rel=1e-4), record["step"]
+        assert record.loss == pytest.approx(expected_losses[record.step], rel=1e-4), record.step
     # Each record names the replica groups that trained its step: both, the survivor alone, both again.
-    assert trained[0]["replicas"] == trained[-1]["replicas"] == 2 and {r["replicas"] for r in trained} == {1, 2}
+    assert trained[0].replicas == trained[-1].replicas == 2 and {r.replicas for r in trained} == {1, 2}
     # The survivor stalled about one heartbeat timeout (the lighthouse dropped the killed group then), not
     # a restart and not the cross-replica collective's timeout (the test's own hold aside).
-    times = {r["step"]: r["time"] for r in trained}
+    times = {r.step: r.time for r in trained}
     gaps = {step: times[step] - times[step - 1] for step in range(2, STEPS + 1) if hold_after is None or step != hold_after + 1}
     assert max(gaps.values()) < COLLECTIVE_TIMEOUT_S, gaps
-    lost_records = [r for r in records if r["event"] == "replica_lost"]
-    lost = [(r["step"], r["participants"]) for r in lost_records]
+    lost_records = [r for r in records if isinstance(r, ReplicaLostRecord)]
+    lost = [(r.step, r.participants) for r in lost_records]
     assert lost[0] == (KILL_AT, 1)
-    assert lost_records[0]["quorum_s"] <= lost_records[0]["stall_s"] < COLLECTIVE_TIMEOUT_S, lost_records[0]
+    assert lost_records[0].quorum_s <= lost_records[0].stall_s < COLLECTIVE_TIMEOUT_S, lost_records[0]
     # The replacement that died while loading its state was in one quorum, when the survivor's quorum
     # counted it before it died (a second loss; that step was trained again), else in none.
     assert len(lost) in ((1, 2) if how == "healing" else (1,)) and all(live == 1 for _, live in lost), lost
-    joined = [r for r in records if r["event"] == "replica_joined"]
-    assert len(joined) == 1 and joined[0]["replica"] == killed and joined[0]["participants"] == 2
+    joined = [r for r in records if isinstance(r, ReplicaJoinedRecord)]
+    assert len(joined) == 1 and joined[0].replica == killed and joined[0].participants == 2
     # From the survivor's memory: the weights and both AdamW moments (fp32), the step counters and the guard.
     weight_bytes = sum(value.numel() * value.element_size() for value in expected_weights.values())
-    assert joined[0]["source"] == 1 - killed and 3 * weight_bytes <= joined[0]["bytes"] <= 3 * weight_bytes + 2**20
-    assert KILL_AT <= joined[0]["step"] < STEPS
-    assert joined[0]["time"] - killed_at <= 60
-    assert not [r for r in records if r["event"] == "checkpoint_load"]  # no checkpoint was read
-    saved = [r["step"] for r in records if r["event"] == "checkpoint_save"]
+    assert joined[0].source == 1 - killed and 3 * weight_bytes <= joined[0].bytes <= 3 * weight_bytes + 2**20
+    assert KILL_AT <= joined[0].step < STEPS
+    assert joined[0].time - killed_at <= 60
+    assert not [r for r in records if isinstance(r, CheckpointLoadRecord)]  # no checkpoint was read
+    saved = [r.step for r in records if isinstance(r, CheckpointSaveRecord)]
     assert saved == list(range(4, STEPS + 1, 4))  # by one group each
     final = {index: torch.load(out[index]) for index in (0, 1)}
     for name in expected_weights:
         assert torch.equal(final[0][name], final[1][name]), name  # the replicas hold one model
     assert_close_weights(final[0], expected_weights)
-    summary = {"joined_after_kill_s": round(joined[0]["time"] - killed_at, 1),
-               "longest_gap_s": round(max(gaps.values()), 2), "stall_s": round(lost_records[0]["stall_s"], 2),
-               "quorum_s": round(lost_records[0]["quorum_s"], 2)}
+    summary = {"joined_after_kill_s": round(joined[0].time - killed_at, 1),
+               "longest_gap_s": round(max(gaps.values()), 2), "stall_s": round(lost_records[0].stall_s, 2),
+               "quorum_s": round(lost_records[0].quorum_s, 2)}
     print(json.dumps(summary))
 
 
@@ -274,7 +283,7 @@ def test_a_preempted_replica_hands_over_without_a_save_and_its_replacement_heals
         for process in [*processes, replacement]:
             process.start()
         deadline = time.monotonic() + 120
-        while not any(r["event"] == "train" and r["step"] >= KILL_AT for r in read_records(run_dir / "metrics.jsonl")):
+        while not any(isinstance(r, TrainRecord) and r.step >= KILL_AT for r in read_records(run_dir / "metrics.jsonl")):
             assert time.monotonic() < deadline and processes[1].is_alive(), "replica 1 never reached the step"
             time.sleep(0.05)
         os.kill(processes[1].pid, signal.SIGTERM)
@@ -292,21 +301,21 @@ def test_a_preempted_replica_hands_over_without_a_save_and_its_replacement_heals
         lighthouse.close()
 
     records = read_records(run_dir / "metrics.jsonl")
-    [preempted] = [r for r in records if r["event"] == "preempted"]
-    assert preempted["reason"] == "SIGTERM" and preempted["replica_peers_live"] == 1 and not preempted["saved"], preempted
-    assert preempted["step"] >= KILL_AT
+    [preempted] = [r for r in records if isinstance(r, PreemptedRecord)]
+    assert preempted.reason == "SIGTERM" and preempted.replica_peers_live == 1 and not preempted.saved, preempted
+    assert preempted.step >= KILL_AT
     # Only the scheduled saves, by one group each: the leaving group saved nothing of its own.
-    assert [r["step"] for r in records if r["event"] == "checkpoint_save"] == list(range(4, STEPS + 1, 4))
-    assert not [r for r in records if r["event"] == "checkpoint_load"]
+    assert [r.step for r in records if isinstance(r, CheckpointSaveRecord)] == list(range(4, STEPS + 1, 4))
+    assert not [r for r in records if isinstance(r, CheckpointLoadRecord)]
     trained = train_records(run_dir)
-    assert [r["step"] for r in trained] == list(range(1, STEPS + 1))
+    assert [r.step for r in trained] == list(range(1, STEPS + 1))
     for record in trained:
-        assert record["loss"] == pytest.approx(expected_losses[record["step"]], rel=1e-4), record["step"]
-    lost = [(r["step"], r["participants"]) for r in records if r["event"] == "replica_lost"]
-    assert lost == [(preempted["step"] + 1, 1)], lost
-    [joined] = [r for r in records if r["event"] == "replica_joined"]
-    assert joined["replica"] == 1 and joined["source"] == 0 and joined["time"] - noticed_at <= 60
-    times = [r["time"] for r in trained]
+        assert record.loss == pytest.approx(expected_losses[record.step], rel=1e-4), record.step
+    lost = [(r.step, r.participants) for r in records if isinstance(r, ReplicaLostRecord)]
+    assert lost == [(preempted.step + 1, 1)], lost
+    [joined] = [r for r in records if isinstance(r, ReplicaJoinedRecord)]
+    assert joined.replica == 1 and joined.source == 0 and joined.time - noticed_at <= 60
+    times = [r.time for r in trained]
     assert max(b - a for a, b in zip(times, times[1:])) <= HEARTBEAT_S + 2 + 3 * STEP_S
     final = {index: torch.load(out[index]) for index in (0, 1)}
     for name in expected_weights:
@@ -332,20 +341,20 @@ def test_a_hung_replica_holds_the_others_up_only_until_its_watchdog_ends_it(
 
     records = read_records(run_dir / "metrics.jsonl")
     trained = train_records(run_dir)
-    assert [r["step"] for r in trained] == list(range(1, STEPS + 1))
+    assert [r.step for r in trained] == list(range(1, STEPS + 1))
     for record in trained:
-        assert record["loss"] == pytest.approx(expected_losses[record["step"]], rel=1e-4), record["step"]
-    assert {r["replicas"] for r in trained if r["step"] >= KILL_AT} == {1}
-    [lost] = [r for r in records if r["event"] == "replica_lost"]
-    assert lost["step"] == KILL_AT and lost["participants"] == 1, lost
+        assert record.loss == pytest.approx(expected_losses[record.step], rel=1e-4), record.step
+    assert {r.replicas for r in trained if r.step >= KILL_AT} == {1}
+    [lost] = [r for r in records if isinstance(r, ReplicaLostRecord)]
+    assert lost.step == KILL_AT and lost.participants == 1, lost
     # The wait: from the step's start, the hung group's watchdog (hang_s and at most one watch period of
     # hang_s / 4), then its last heartbeat's timeout, within one watchdog period; the steps after it do
     # not wait again (each gap shorter than the collective timeout a wait would take).
-    assert hang_s <= lost["stall_s"] < 2 * hang_s, lost
-    times = {r["step"]: r["time"] for r in trained}
+    assert hang_s <= lost.stall_s < 2 * hang_s, lost
+    times = {r.step: r.time for r in trained}
     assert max(times[step] - times[step - 1] for step in range(KILL_AT + 2, STEPS + 1)) < timeout_s, times
     assert_close_weights(torch.load(tmp_path / "replica0.pt"), expected_weights)
-    print(json.dumps({"stall_s": round(lost["stall_s"], 2), "quorum_s": round(lost["quorum_s"], 2)}))
+    print(json.dumps({"stall_s": round(lost.stall_s, 2), "quorum_s": round(lost.quorum_s, 2)}))
 
 
 def run_replicas(cfg: MeshtrainConfig, corpus: DataPlan, tmp_path: Path, exitcodes: tuple[int, int] = (0, 0)) -> None:
@@ -407,11 +416,11 @@ def test_a_checkpoint_of_either_mode_resumes_in_the_other_with_the_unbroken_loss
         run_replicas(replicas(), corpus, tmp_path)
     records = read_records(tmp_path / "switched" / "metrics.jsonl")
     loaded_by = 1 if first == "replica" else 2  # each replica group of a start reads it
-    assert [r["step"] for r in records if r["event"] == "checkpoint_load"] == [STEPS // 2] * loaded_by
-    trained = [r for r in records if r["event"] == "train"]
-    assert [r["step"] for r in trained] == list(range(1, STEPS + 1))
+    assert [r.step for r in records if isinstance(r, CheckpointLoadRecord)] == [STEPS // 2] * loaded_by
+    trained = [r for r in records if isinstance(r, TrainRecord)]
+    assert [r.step for r in trained] == list(range(1, STEPS + 1))
     for record in trained:
-        assert record["loss"] == pytest.approx(expected_losses[record["step"]], rel=1e-4), record["step"]
+        assert record.loss == pytest.approx(expected_losses[record.step], rel=1e-4), record.step
 
 
 class _Planted:

@@ -10,6 +10,7 @@ import struct
 import threading
 import time
 from pathlib import Path
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,12 +27,14 @@ from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.distributed.plan import GIB, memory_plan, planned_mesh
 from meshtrain.model.args import model_args
 from meshtrain.observe.reporting import RayTrainReporter, TensorBoardWriter
+from meshtrain.observe.run_folder import EvalRecord, MemorySnapshotRecord, Record, TrainRecord
 from meshtrain.train.hangs import DIAGNOSIS, HangReport, RankDump, diagnose
 from meshtrain.train.memory_snapshot import DeviceOutOfMemory
 from meshtrain.train.trainer import train
 from meshtrain.train.watchdog import HangWatchdog
 from meshtrain.cluster.worker_plan import worker_plan
 from ranks import run_on_ranks
+from record_samples import make
 
 
 def test_the_watchdog_fires_once_armed_and_silent_and_not_while_progress_continues() -> None:
@@ -219,18 +222,18 @@ def test_reports_are_spaced_by_time_but_always_include_the_last_step(monkeypatch
 
     reports: list[dict[str, Any]] = []
     monkeypatch.setattr(ray.train, "report", reports.append)
-    record = {"step": 0, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens": 0, "tokens_per_s": 9.0,
-              "step_time_s": 0.1, "skipped_steps": 0, "event": "train", "elapsed_s": 1.0}
+    record = make(TrainRecord, step=0, loss=2.0, lr=1e-3, grad_norm=1.0, tokens=0, tokens_per_s=9.0, step_time_s=0.1,
+                  skipped_steps=0, elapsed_s=1.0)
     spaced = RayTrainReporter(3600.0, rank=0, device=torch.device("cpu"))
-    spaced.evaluated({"step": 2, "loss": 1.5, "perplexity": 4.48})
+    spaced.evaluated(make(EvalRecord, step=2, loss=1.5, perplexity=4.48))
     for step in range(1, 6):
-        spaced.logged({**record, "step": step}, last=step == 5)
+        spaced.logged(replace(record, step=step), last=step == 5)
     assert [r["step"] for r in reports] == [1, 5]
     assert reports[-1]["eval_loss"] == 1.5 and "event" not in reports[-1] and "elapsed_s" not in reports[-1]
     reports.clear()
     every = RayTrainReporter(0.0, rank=0, device=torch.device("cpu"))
     for step in range(1, 4):
-        every.logged({**record, "step": step}, last=False)
+        every.logged(replace(record, step=step), last=False)
     assert [r["step"] for r in reports] == [1, 2, 3]
     reports.clear()
     RayTrainReporter(0.0, rank=1, device=torch.device("cpu")).logged(record, last=True)
@@ -262,17 +265,17 @@ def test_tensorboard_event_files_hold_the_logged_scalars(tmp_path: Path) -> None
         "scaling.num_workers=1", "checkpoint.enabled=false", "eval.interval=2", "eval.batches=1",
     ])
     writer = TensorBoardWriter(tmp_path / "tb")
-    records: list[dict[str, Any]] = []
+    records: list[Record] = []
 
-    def both(record: dict[str, Any]) -> None:
+    def both(record: Record) -> None:
         records.append(record)
         writer.record(record)
 
     train(worker_plan(cfg, corpus), WorkerLayout(), torch.device("cpu"), both)
     writer.close()
     found = scalars(tmp_path / "tb")
-    train_records = [r for r in records if r["event"] == "train"]
-    assert found["train/loss"] == [(r["step"], pytest.approx(r["loss"])) for r in train_records]
+    train_records = [r for r in records if isinstance(r, TrainRecord)]
+    assert found["train/loss"] == [(r.step, pytest.approx(r.loss)) for r in train_records]
     assert [step for step, _ in found["eval/loss"]] == [2, 4]
     assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "eval/perplexity"} <= found.keys()
 
@@ -351,13 +354,13 @@ def test_a_step_out_of_cuda_memory_writes_a_snapshot_and_fails_the_run_and_a_run
     # A run that fits, with the history on: its snapshot when the steps are done (the timeline of the
     # last allocations, peaks included), named in a record.
     monkeypatch.setattr(trainer_module, "train_step", real_step)
-    records: list[dict[str, Any]] = []
+    records: list[Record] = []
     train(worker_plan(cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": "fits"})}), corpus), WorkerLayout(),
           torch.device("cpu"), records.append)
     end = tmp_path / "fits" / "memory" / "rank0.step3.end.pickle"
     assert end.read_bytes() == b"snapshot" and allocator.history == [5000, 5000]
-    assert [r for r in records if r["event"] == "memory_snapshot"] == [
-        {"event": "memory_snapshot", "step": 3, "rank": 0, "path": str(end)}]
+    assert [r for r in records if isinstance(r, MemorySnapshotRecord)] == [
+        MemorySnapshotRecord(step=3, rank=0, path=str(end))]
 
 
 def test_the_cuda_alloc_retries_gauge_reads_the_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -380,10 +383,10 @@ def test_the_cuda_alloc_retries_gauge_reads_the_allocator(monkeypatch: pytest.Mo
 
 
 def test_the_run_summary_carries_the_cuda_peak_and_allocator_retries(monkeypatch: pytest.MonkeyPatch) -> None:
-    from meshtrain.cluster.worker import peak_memory
+    from meshtrain.cluster.worker import PeakMemory, peak_memory
 
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 5 * GIB)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {"num_alloc_retries": 2})
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
-    assert peak_memory(torch.device("cuda", 0)) == {
-        "device": "NVIDIA H100 80GB HBM3", "peak_device_memory_bytes": 5 * GIB, "num_alloc_retries": 2}
+    assert peak_memory(torch.device("cuda", 0)) == PeakMemory(
+        device="NVIDIA H100 80GB HBM3", peak_device_memory_bytes=5 * GIB, num_alloc_retries=2)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 import math
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from meshtrain.config.loading import load_config
 from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataPlan
 from meshtrain.observe.metrics import TrainingMetrics
+from meshtrain.observe.run_folder import CheckpointSkippedRecord, Record, StoppedRecord, TrainRecord
 from meshtrain.train.gc_schedule import ScheduledCollection
 from meshtrain.train.trainer import Trainer
 from trainers import cpu_trainer
@@ -56,7 +56,7 @@ def corrupt_losses(monkeypatch: pytest.MonkeyPatch, factor: float, steps: set[in
 
 
 def run(cfg: MeshtrainConfig, corpus: DataPlan, metrics: TrainingMetrics | None = None) -> tuple[Trainer, list]:
-    events: list[dict[str, Any]] = []
+    events: list[Record] = []
     trainer = cpu_trainer(cfg, corpus, events.append, metrics)
     try:
         trainer.run()
@@ -88,11 +88,11 @@ def test_a_bad_step_leaves_model_and_optimizer_bitwise_untouched(
     expected, got = snapshot(clean), snapshot(guarded)
     assert expected.keys() == got.keys() and len(got) > 10
     assert all(torch.equal(got[key], expected[key]) for key in expected), "a skipped step changed the state"
-    records = [e for e in events if e["event"] == "train"]
-    assert [r["skipped_steps"] for r in records] == [0, 0, 0, 0, 0, 1]
+    records = [e for e in events if isinstance(e, TrainRecord)]
+    assert [r.skipped_steps for r in records] == [0, 0, 0, 0, 0, 1]
     assert guarded.result.skipped_steps == 1 and guarded.result.stopped is None
     if spike:
-        assert math.isfinite(records[-1]["loss"]) and records[-1]["loss"] > 3 * records[-2]["loss"]
+        assert math.isfinite(records[-1].loss) and records[-1].loss > 3 * records[-2].loss
     if implementation == "fused" and math.isnan(factor):  # once: the step after a skipped one trains again
         monkeypatch.undo()
         corrupt_losses(monkeypatch, factor, {6})
@@ -111,11 +111,11 @@ def test_bad_steps_are_never_checkpointed_and_too_many_in_a_row_stop_the_run(
     corrupt_losses(monkeypatch, math.nan, None, from_step=4)
     trainer, events = run(cfg, corpus, metrics)
 
-    stopped = [e for e in events if e["event"] == "stopped"]
-    assert stopped == [{"event": "stopped", "step": 6, "reason": trainer.result.stopped}]
+    stopped = [e for e in events if isinstance(e, StoppedRecord)]
+    assert stopped == [StoppedRecord(step=6, reason=trainer.result.stopped)]
     assert "train.max_bad_steps=3: 3 steps in a row up to step 6 were skipped" in trainer.result.stopped
-    assert [e["step"] for e in events if e["event"] == "checkpoint_skipped"] == [4]
-    assert max(e["step"] for e in events if e["event"] == "train") == 5  # stopped before logging step 6
+    assert [e.step for e in events if isinstance(e, CheckpointSkippedRecord)] == [4]
+    assert max(e.step for e in events if isinstance(e, TrainRecord)) == 5  # stopped before logging step 6
     storage = CheckpointStorage(checkpoint_root(cfg.checkpoint, cfg.run))
     assert [c.step for c in storage.committed()] == [2]
     assert metrics.registry.get_sample_value(
@@ -157,7 +157,7 @@ def test_a_streak_that_ends_between_two_readings_still_stops_the_run() -> None:
     weight = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
     guard = StepGuard(optimizer, torch.device("cpu"), None, 5)
-    events: list[dict[str, Any]] = []
+    events: list[Record] = []
     limit = BadStepLimit(guard, 3, Progress(), LoopOutputs(events.append, None, None))
     good, nan = torch.tensor(1.0), torch.tensor(math.nan)
     for loss in (good, nan, nan, nan, good, good):
@@ -167,7 +167,7 @@ def test_a_streak_that_ends_between_two_readings_still_stops_the_run() -> None:
     assert limit.check(6) is None
     assert limit.stopped == ("train.max_bad_steps=3: 3 steps in a row before step 6 were skipped "
                              "(non-finite or spiking loss or gradient norm)")
-    assert [e["event"] for e in events if e.get("event") == "stopped"] == ["stopped"]
+    assert len([e for e in events if isinstance(e, StoppedRecord)]) == 1
     # A new reading window starts after each read: two shorter streaks do not add up.
     guard2 = StepGuard(optimizer, torch.device("cpu"), None, 5)
     limit2 = BadStepLimit(guard2, 3, Progress(), LoopOutputs(None, None, None))

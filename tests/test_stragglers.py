@@ -4,7 +4,6 @@ gauges; the streak logic, and that the timer leaves collective waits out."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import pytest
 import torch
@@ -13,11 +12,13 @@ from meshtrain.config.loading import load_config
 from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataPlan
 from meshtrain.distributed.layout import WorkerLayout
+from meshtrain.observe.run_folder import EvictionRecord, Placement, Record, StragglerRecord
 from meshtrain.train.records import LoopOutputs
 from meshtrain.train.stragglers import ComputeTimer, StragglerWatch, slowdowns
 from meshtrain.train.trainer import train
 from meshtrain.cluster.worker_plan import worker_plan
 from ranks import run_on_ranks
+from record_samples import make
 
 
 def config(*overrides: str) -> MeshtrainConfig:
@@ -29,8 +30,8 @@ def config(*overrides: str) -> MeshtrainConfig:
     ])
 
 
-def _rank_events(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan) -> list[dict[str, Any]]:
-    events: list[dict[str, Any]] = []
+def _rank_events(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan) -> list[Record]:
+    events: list[Record] = []
     train(worker_plan(cfg, corpus), WorkerLayout(rank, world, rank, world, 0, node=f"node-{rank}"), torch.device("cpu"), events.append)
     return events
 
@@ -39,13 +40,13 @@ def test_a_rank_made_five_times_slower_is_named(corpus: DataPlan) -> None:
     cfg = config("fault.kind=slow", "fault.kill_rank=1", "fault.at_step=2", "fault.slow_factor=5",
                  "metrics.straggler_factor=2", "metrics.straggler_patience=3")
     ranks = run_on_ranks(_rank_events, 2, cfg, corpus)
-    reports = [[e for e in events if e["event"] == "straggler"] for events in ranks]
+    reports = [[e for e in events if isinstance(e, StragglerRecord)] for events in ranks]
     # 5x against a factor of 2: a step the loaded 2-core machine slows on rank 0 cannot clear the streak
     assert reports[0] == reports[1] and len(reports[0]) == 1, reports  # every rank agrees, once
     report = reports[0][0]
-    assert (report["rank"], report["node"], report["logged_steps"]) == (1, "node-1", 3)
-    assert report["slowdown"] >= 2.0 and report["step"] <= 2 + 3 + 2  # slow from step 2, named after 3 logged steps
-    assert report["compute_s"] > 2 * report["median_others_s"]
+    assert (report.rank, report.node, report.logged_steps) == (1, "node-1", 3)
+    assert report.slowdown >= 2.0 and report.step <= 2 + 3 + 2  # slow from step 2, named after 3 logged steps
+    assert report.compute_s > 2 * report.median_others_s
 
 
 def test_slowdown_is_against_the_median_of_the_others() -> None:
@@ -57,7 +58,7 @@ def test_slowdown_is_against_the_median_of_the_others() -> None:
 
 
 def test_a_straggler_is_reported_once_per_episode_and_its_gauges_follow() -> None:
-    events: list[dict[str, Any]] = []
+    events: list[Record] = []
     gauges: list[tuple[float, float, bool]] = []
     timer = ComputeTimer([], torch.device("cpu"))
     watch = StragglerWatch(timer, 1.5, 2, 2, "node-2", LoopOutputs(events.append, None, None), None,
@@ -66,7 +67,7 @@ def test_a_straggler_is_reported_once_per_episode_and_its_gauges_follow() -> Non
     for step, times in enumerate(script, start=1):
         watch.observe(step, [(seconds, f"node-{rank}") for rank, seconds in enumerate(times)])
     # Slow at steps 1-3 (reported at 2, after 2 logged steps), recovered at 4, slow again at 5-6.
-    assert [(e["step"], e["rank"], e["node"], e["slowdown"]) for e in events] == [(2, 2, "node-2", 2.0), (6, 2, "node-2", 2.0)]
+    assert [(e.step, e.rank, e.node, e.slowdown) for e in events] == [(2, 2, "node-2", 2.0), (6, 2, "node-2", 2.0)]
     assert [flag for _, _, flag in gauges] == [False, True, True, False, False, True, False]
     assert [ratio for _, ratio, _ in gauges] == [2.0, 2.0, 2.0, 1.0, 2.0, 2.0, 1.2]
 
@@ -92,28 +93,29 @@ def test_straggler_settings_are_checked() -> None:
 def test_eviction_drains_the_stragglers_node_unless_too_few_workers_would_remain() -> None:
     from meshtrain.cluster.eviction import StragglerEviction
 
-    workers = [{"rank": r, "node_ip": ip} for r, ip in enumerate(["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"])]
-    records: list[dict[str, Any]] = []
+    workers = [Placement(rank=r, node_rank=r // 2, local_rank=r % 2, node_ip=ip, pid=r)
+               for r, ip in enumerate(["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"])]
+    records: list[Record] = []
     drained: list[tuple[str, str]] = []
     eviction = StragglerEviction(workers, 2, records.append, drain=lambda node, why: (drained.append((node, why)), (True, ""))[1],
                                  find_node=lambda ip: f"id-{ip}")
-    straggler = {"event": "straggler", "step": 9, "rank": 2, "node": "10.0.0.2", "slowdown": 3.1}
+    straggler = make(StragglerRecord, step=9, rank=2, node="10.0.0.2", slowdown=3.1)
     eviction(straggler)
     eviction(straggler)  # once per node
     assert drained == [("id-10.0.0.2", "meshtrain: rank 2 computes 3.10x slower than the others")]
-    assert records == [{"event": "eviction", "step": 9, "rank": 2, "node": "10.0.0.2", "node_id": "id-10.0.0.2",
-                        "evicted": True, "reason": "drained; the group saves and restarts without it"}]
+    assert records == [EvictionRecord(step=9, rank=2, node="10.0.0.2", node_id="id-10.0.0.2", evicted=True,
+                                      reason="drained; the group saves and restarts without it")]
     tight = StragglerEviction(workers, 3, records.append, drain=lambda *_: (True, ""), find_node=lambda ip: ip)
     tight(straggler)
-    assert records[-1]["evicted"] is False and records[-1]["reason"] == "2 workers would remain, under scaling.min_workers=3"
+    assert records[-1].evicted is False and records[-1].reason == "2 workers would remain, under scaling.min_workers=3"
     refused = StragglerEviction(workers, 2, records.append, drain=lambda *_: (False, "head node"), find_node=lambda ip: ip)
     refused(straggler)
-    assert records[-1]["evicted"] is False and records[-1]["reason"] == "drain refused: head node"
+    assert records[-1].evicted is False and records[-1].reason == "drain refused: head node"
     from meshtrain.cluster.eviction import HEAD
 
     head = StragglerEviction(workers, 2, records.append, drain=lambda *_: (True, ""), find_node=lambda ip: HEAD)
     head(straggler)
-    assert records[-1]["evicted"] is False and records[-1]["reason"] == "it is the head node, which holds Ray's GCS"
+    assert records[-1].evicted is False and records[-1].reason == "it is the head node, which holds Ray's GCS"
 
 
 def test_eviction_needs_an_elastic_run() -> None:

@@ -54,17 +54,19 @@ def test_the_contracts_catch_an_upward_import_and_the_whole_config_below_the_dri
 
 def test_the_typed_packages_check_clean_and_a_misspelled_record_key_is_caught(tmp_path: Path) -> None:
     """observe/, train/, cluster/, distributed/ and ray_compat pass mypy as pyproject.toml configures it, and that
-    configuration fails a record read under a misspelled key."""
+    configuration fails a record read under a misspelled field, and one written with a misspelled one."""
     from mypy import api
 
     settings = ["--config-file", str(REPO / "pyproject.toml"), "--cache-dir", str(REPO / ".mypy_cache")]
     report, errors, status = api.run(settings)
     assert status == 0, report + errors
     probe = tmp_path / "probe.py"
-    probe.write_text("from meshtrain.observe.run_folder import TrainRecord\n\n\n"
-                     "def loss(record: TrainRecord) -> float:\n    return record['los']\n")
+    probe.write_text("from meshtrain.observe.run_folder import StoppedRecord, TrainRecord\n\n\n"
+                     "def loss(record: TrainRecord) -> float:\n    return record.los\n\n\n"
+                     "def stop() -> StoppedRecord:\n    return StoppedRecord(step=1, reasn='why')\n")
     report, errors, status = api.run([*settings, str(probe)])
-    assert status == 1 and 'TypedDict "TrainRecord" has no key "los"' in report, report + errors
+    assert status == 1 and '"TrainRecord" has no attribute "los"' in report, report + errors
+    assert 'Unexpected keyword argument "reasn" for "StoppedRecord"' in report, report + errors
 
 
 def test_every_ray_internal_is_read_through_the_adapter_and_is_where_it_says() -> None:

@@ -32,7 +32,7 @@ from meshtrain.data import (
 from meshtrain.data.pipeline import TrainingData
 from meshtrain.data.sampling import apportion
 from meshtrain.distributed.layout import WorkerLayout
-from meshtrain.observe.run_folder import check_record
+from meshtrain.observe.run_folder import MixtureRecord, check_record
 from meshtrain.train.trainer import train
 from meshtrain.cluster.worker_plan import worker_plan
 from s3server import moto_s3
@@ -76,7 +76,7 @@ def test_training_from_the_store_equals_training_in_memory(plan) -> None:
                              f"data.seq_len={SEQ}", "data.vocab_size=512", "scaling.num_workers=1", "checkpoint.enabled=false"])
     reference = in_memory_stream(plan.tokenizer_json, plan.eos_id, 24)
     in_memory = TrainingData(PackedSequences(reference, SEQ, 0), None, plan.vocab_size, "in-memory")
-    losses = [[r["loss"] for r in train(worker_plan(cfg, data), WorkerLayout(), torch.device("cpu")).records] for data in (plan, in_memory)]
+    losses = [[r.loss for r in train(worker_plan(cfg, data), WorkerLayout(), torch.device("cpu")).records] for data in (plan, in_memory)]
     assert losses[0] == losses[1]  # bitwise
 
 
@@ -132,7 +132,7 @@ def test_the_mixture_log_reports_each_sources_share_of_the_samples_trained_since
     from meshtrain.train.records import LoopOutputs
     from meshtrain.train.step import StepOutput
 
-    records: list[dict] = []
+    records: list[MixtureRecord] = []
     progress = Progress()
     batches = DataParallelBatches(mixture(), 16, 8, 0, 1, torch.device("cpu"))
     log = MixtureLog(mixture(), ["code", "text"], progress, LoopOutputs(records.append))
@@ -144,17 +144,17 @@ def test_the_mixture_log_reports_each_sources_share_of_the_samples_trained_since
         progress.step, progress.data_position = step, batches.position
         log.after_step(StepDone(step, last=False, logged=step % 3 == 0, lr=0.0, output=output, data_wait_s=0.0))
         if step % 3 == 0:
-            assert records[-1]["samples"] == [(step - 3) * 16, step * 16]
-            assert records[-1]["sources"] == {"code": code_read / 48, "text": 1 - code_read / 48}
+            assert records[-1].samples == [(step - 3) * 16, step * 16]
+            assert records[-1].sources == {"code": code_read / 48, "text": 1 - code_read / 48}
             code_read = 0
-    assert [r["step"] for r in records] == [3, 6] and all(check_record(r) == [] for r in records)
+    assert [r.step for r in records] == [3, 6] and all(check_record(r.to_json()) == [] for r in records)
 
     progress.data_position = MIXTURE_BLOCK  # the rest of the first block
     log.after_step(StepDone(7, last=True, logged=True, lr=0.0, output=output, data_wait_s=0.0))
     log.at_start()
     progress.data_position = MIXTURE_BLOCK * 2
     log.after_step(StepDone(8, last=True, logged=True, lr=0.0, output=output, data_wait_s=0.0))
-    assert records[-1]["sources"] == {name: count / MIXTURE_BLOCK
+    assert records[-1].sources == {name: count / MIXTURE_BLOCK
                                       for name, count in zip(["code", "text"], apportion(MIXTURE_BLOCK, [0.7, 0.3]))}
 
 

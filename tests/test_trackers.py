@@ -3,9 +3,9 @@ killed and resumed with both trackers on is in test_recovery.py)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,9 +16,26 @@ from meshtrain.config import ConfigError
 from meshtrain.config.loading import load_config
 from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.observe.progress import StepRecorder
-from meshtrain.observe.run_folder import RecordFollower, RunPaths, append_records, read_records
+from meshtrain.observe.run_folder import (
+    CheckpointLoadRecord,
+    CheckpointSaveRecord,
+    DownstreamEvalRecord,
+    EvalRecord,
+    GroupStartRecord,
+    RecordFollower,
+    ResizeRecord,
+    RunPaths,
+    SourceEval,
+    StragglerRecord,
+    TextSample,
+    TextSamplesRecord,
+    TrainRecord,
+    append_records,
+    read_records,
+)
 from meshtrain.observe.tracker_relay import TrackerRelay
 from meshtrain.observe.trackers import TrackerSink, logged_keys, tracker_run_id, tracker_values
+from record_samples import make
 
 
 class Recording:
@@ -45,8 +62,9 @@ def config(tmp_path: Path, *overrides: str) -> MeshtrainConfig:
     return load_config(None, [f"run.storage_path={tmp_path}", "run.name=tracked", *overrides])
 
 
-TRAIN = {"event": "train", "step": 5, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens": 640, "tokens_per_s": 100.0,
-         "step_time_s": 0.2, "data_wait_s": 0.01, "skipped_steps": 0, "world_size": 2, "time": 1.0, "samples": [1, 2]}
+TRAIN = TrainRecord(step=5, loss=2.5, lr=1e-3, grad_norm=0.5, tokens=640, tokens_per_s=100.0, step_time_s=0.2,
+                    data_wait_s=0.01, interval_steps=1, elapsed_s=1.0, skipped_steps=0, world_size=2, time=1.0,
+                    samples=[1, 2])
 
 
 def test_records_become_named_numbers() -> None:
@@ -54,31 +72,34 @@ def test_records_become_named_numbers() -> None:
         "train/loss": 2.5, "train/lr": 1e-3, "train/grad_norm": 0.5, "train/tokens": 640.0, "train/tokens_per_s": 100.0,
         "train/step_time_s": 0.2, "train/data_wait_s": 0.01, "train/skipped_steps": 0.0, "run/workers": 2.0,
     }
-    evaluation = {"event": "eval", "step": 10, "loss": 3.0, "perplexity": 20.1, "samples": 16,
-                  "sources": {"web": {"loss": 2.9, "tokens": 10}, "code/py": {"loss": 3.1, "tokens": 5}}}
+    evaluation = make(EvalRecord, step=10, loss=3.0, perplexity=20.1, samples=16,
+                        sources={"web": SourceEval(loss=2.9, tokens=10), "code/py": SourceEval(loss=3.1, tokens=5),
+                                 "empty": SourceEval(loss=None, tokens=0)})
     assert tracker_values(evaluation) == {
         "eval/loss": 3.0, "eval/perplexity": 20.1, "eval/web/loss": 2.9, "eval/code_py/loss": 3.1,
     }
-    save = {"event": "checkpoint_save", "step": 10, "path": "x", "blocking_s": 0.1, "total_s": 2.0, "bytes": 99, "mode": "async"}
+    save = CheckpointSaveRecord(step=10, path="x", blocking_s=0.1, total_s=2.0, bytes=99, mode="async")
     assert tracker_values(save) == {"checkpoint/save_s": 2.0, "checkpoint/loop_stall_s": 0.1, "checkpoint/bytes": 99.0}
-    assert tracker_values({"event": "straggler", "step": 3, "rank": 1}) == {}
+    assert tracker_values(make(StragglerRecord, step=3, rank=1)) == {}
 
 
 def test_each_step_is_logged_once_across_restarts_and_a_failing_tracker_never_raises(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     metrics = tmp_path / "metrics.jsonl"
-    earlier = [{**TRAIN, "step": s} for s in (1, 2, 3)] + [{"event": "checkpoint_save", "step": 2, "total_s": 1.0}]
-    metrics.write_text("".join(json.dumps(r) + "\n" for r in earlier) + '{"event": "train", "st')  # a torn last line
+    earlier = [replace(TRAIN, step=s) for s in (1, 2, 3)] + [make(CheckpointSaveRecord, step=2, total_s=1.0)]
+    append_records(metrics, earlier)
+    with metrics.open("ab") as file:
+        file.write(b'{"event": "train", "st')  # a torn last line
     assert logged_keys(read_records(metrics)) == {("train", 1), ("train", 2), ("train", 3), ("checkpoint_save", 2)}
 
     backend = Recording(fail_at={5})
     sink = TrackerSink(backend, logged_keys(read_records(metrics)))
-    sink.record({"event": "group_start", "restarts": 1, "workers": 2})
-    sink.record({"event": "resize", "from_workers": 4, "to_workers": 2, "reason": "capacity lost"})
-    sink.record({"event": "checkpoint_load", "step": 2, "rng_restored": True})
+    sink.record(make(GroupStartRecord, restarts=1, workers=2))
+    sink.record(make(ResizeRecord, from_workers=4, to_workers=2, reason="capacity lost"))
+    sink.record(make(CheckpointLoadRecord, step=2, rng_restored=True))
     for step in (3, 4, 5, 6):  # step 3 was logged before the restart; the tracker fails at step 5
-        sink.record({**TRAIN, "step": step})
+        sink.record(replace(TRAIN, step=step))
     sink.close(finished=True)
     assert [step for step, _ in backend.rows] == [2, 4, 6]
     assert backend.rows[0][1] == {"run/restarts": 1.0, "run/workers": 2.0, "run/resumed_from_step": 2.0}
@@ -103,26 +124,26 @@ def test_the_driver_relays_every_record_once_across_group_restarts_and_relaunche
         follower = RecordFollower(metrics)
         return TrackerRelay([TrackerSink(backend, logged_keys(follower.new_records()))], follower, poll_s=0.01)
 
-    scored = [{"event": "downstream_eval", "step": 2, "task": "mc/x", "acc": 0.25, "acc_norm": 0.5, "samples": 8},
-              {"event": "downstream_eval", "step": 2, "task": "ppl", "bits_per_byte": 2.5, "samples": 8}]
-    samples = {"event": "text_samples", "step": 2, "samples": [
-        {"prompt": "def", "continuation": " f():", "new_tokens": 3, "stopped_at_eos": False}]}
+    scored = [make(DownstreamEvalRecord, step=2, task="mc/x", scores={"acc": 0.25, "acc_norm": 0.5}, samples=8),
+              make(DownstreamEvalRecord, step=2, task="ppl", scores={"bits_per_byte": 2.5}, samples=8)]
+    samples = make(TextSamplesRecord, step=2, samples=[
+        TextSample(prompt="def", continuation=" f():", new_tokens=3, stopped_at_eos=False)])
     first = Recording()
     with relay(first) as running:
         group = StepRecorder(metrics)
-        group.record({"event": "group_start", "restarts": 0, "workers": 2})
+        group.record(make(GroupStartRecord, restarts=0, workers=2))
         for step in (1, 2, 3):
-            group.record({**TRAIN, "step": step})
+            group.record(replace(TRAIN, step=step))
         append_records(metrics, [*scored, samples])  # the driver's evaluations of step 2
         with metrics.open("ab") as file:
             file.write(b'{"event": "train", "st')  # rank 0 killed mid-line
         group = StepRecorder(metrics)  # the restarted group resumes from step 2
-        group.record({"event": "group_start", "restarts": 1, "workers": 2})
-        group.record({"event": "checkpoint_load", "step": 2, "path": "x", "load_s": 0.1})
+        group.record(make(GroupStartRecord, restarts=1, workers=2))
+        group.record(make(CheckpointLoadRecord, step=2, path="x", load_s=0.1))
         for step in (3, 4):
-            group.record({**TRAIN, "step": step})
+            group.record(replace(TRAIN, step=step))
         running.poll()
-        append_records(metrics, [{**scored[0], "step": 4}])  # lands after training: handed over on exit
+        append_records(metrics, [replace(scored[0], step=4)])  # lands after training: handed over on exit
     assert first.closed is True
     assert [(step, sorted(values)) for step, values in first.rows] == [
         (1, ["run/restarts", *sorted(tracker_values(TRAIN))]),
@@ -140,8 +161,8 @@ def test_the_driver_relays_every_record_once_across_group_restarts_and_relaunche
     again = Recording()  # a relaunch: everything above was logged by the first driver
     with pytest.raises(KeyboardInterrupt):
         with relay(again):
-            StepRecorder(metrics).record({**TRAIN, "step": 4})
-            StepRecorder(metrics).record({**TRAIN, "step": 5})
+            StepRecorder(metrics).record(replace(TRAIN, step=4))
+            StepRecorder(metrics).record(replace(TRAIN, step=5))
             raise KeyboardInterrupt
     assert [step for step, _ in again.rows] == [5] and again.closed is False
 

@@ -25,6 +25,19 @@ import pytest
 from jobs import REPO, assert_same_weights, model_weights, read_metrics
 from meshtrain.config import FaultToleranceConfig
 from meshtrain.observe.goodput import goodput_line, goodput_of
+from meshtrain.observe.run_folder import (
+    CheckpointLoadRecord,
+    CheckpointSaveRecord,
+    EvictionRecord,
+    InterruptedRecord,
+    PreemptedRecord,
+    ReplicaJoinedRecord,
+    ReplicaLostRecord,
+    ResizeRecord,
+    ResizeSaveRecord,
+    StragglerRecord,
+    TrainRecord,
+)
 from raynodes import RayNode, ray_env, wait_until
 
 
@@ -165,7 +178,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r["event"] == "train"}
+    return {r.step: r.loss for r in read_metrics(run_dir) if isinstance(r, TrainRecord)}
 
 
 def test_auto_mesh_on_two_nodes_is_2x2_with_each_shard_group_on_one_node(cluster: Cluster) -> None:
@@ -202,8 +215,8 @@ def test_losing_the_second_node_recovers_once_it_is_back(cluster: Cluster) -> No
         if job.poll() is None:
             job.kill()
     assert stopped_at < 30
-    loads = [r for r in read_metrics(run_dir) if r["event"] == "checkpoint_load"]
-    assert loads and loads[-1]["step"] in (10, 20), output[-3000:]
+    loads = [r for r in read_metrics(run_dir) if isinstance(r, CheckpointLoadRecord)]
+    assert loads and loads[-1].step in (10, 20), output[-3000:]
     starts = [json.loads(line) for line in (run_dir / "worker_starts.jsonl").read_text().splitlines()]
     assert len(starts) >= 2 and {w["node_ip"] for w in starts[-1]["workers"]} == {cluster.head_ip, cluster.worker_ip}
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -216,9 +229,9 @@ def test_losing_the_second_node_recovers_once_it_is_back(cluster: Cluster) -> No
 ELASTIC = ("scaling.min_workers=2", "scaling.resize_check_interval_s=5")
 
 
-def train_records(run_dir: Path) -> dict[int, dict]:
+def train_records(run_dir: Path) -> dict[int, TrainRecord]:
     """The last record of each step (a step trained twice, before and after a restart, keeps its second)."""
-    return {r["step"]: r for r in read_metrics(run_dir) if r["event"] == "train"}
+    return {r.step: r for r in read_metrics(run_dir) if isinstance(r, TrainRecord)}
 
 
 def node_down(cluster: Cluster) -> None:
@@ -247,9 +260,9 @@ def test_an_elastic_run_shrinks_without_the_lost_node_and_grows_back_when_it_ret
     # The horizon is the barrier below, not the step count; the LR schedule is the unbroken run's.
     job = cluster.job("elastic", *ELASTIC, "train.steps=2000", "optim.schedule_steps=30", "checkpoint.keep=100")
 
-    def trained(world_size: int, after: int = 0) -> list[dict]:
-        return [r for r in read_metrics(run_dir) if r["event"] == "train" and r["world_size"] == world_size
-                and r["step"] > after]
+    def trained(world_size: int, after: int = 0) -> list[TrainRecord]:
+        return [r for r in read_metrics(run_dir) if isinstance(r, TrainRecord) and r.world_size == world_size
+                and r.step > after]
 
     try:
         first = run_dir / "checkpoints" / "step-00000010" / "COMMITTED"
@@ -265,8 +278,8 @@ def test_an_elastic_run_shrinks_without_the_lost_node_and_grows_back_when_it_ret
         cluster.start_worker()
 
         def grown() -> bool:
-            saves = [r for r in read_metrics(run_dir) if r["event"] == "resize_save"]
-            return bool(saves) and len(trained(4, after=saves[-1]["step"])) >= 3
+            saves = [r for r in read_metrics(run_dir) if isinstance(r, ResizeSaveRecord)]
+            return bool(saves) and len(trained(4, after=saves[-1].step)) >= 3
 
         wait_until(lambda: grown() or job.poll() is not None, 400, "3 steps on 2x2 after the node returned",
                    interval=0.2)
@@ -277,43 +290,43 @@ def test_an_elastic_run_shrinks_without_the_lost_node_and_grows_back_when_it_ret
         if job.poll() is None:
             job.kill()
     records = read_metrics(run_dir)
-    resizes = [r for r in records if r["event"] == "resize"]
-    assert [(r["from_workers"], r["to_workers"]) for r in resizes] == [(4, 2), (2, 4)], output[-3000:]
-    assert "capacity lost" in resizes[0]["reason"] and "capacity returned" in resizes[1]["reason"]
+    resizes = [r for r in records if isinstance(r, ResizeRecord)]
+    assert [(r.from_workers, r.to_workers) for r in resizes] == [(4, 2), (2, 4)], output[-3000:]
+    assert "capacity lost" in resizes[0].reason and "capacity returned" in resizes[1].reason
     assert "worker group resized from 4 to 2 workers" in output
     starts = [json.loads(line) for line in (run_dir / "worker_starts.jsonl").read_text().splitlines()]
     assert [s["world_size"] for s in starts] == [4, 2, 4] and starts[1]["resized_from"] == 4
     # The shrink resumed from the newest committed checkpoint; the grow from the step the 1x2 group saved.
-    [saved] = [r for r in records if r["event"] == "resize_save"]
-    assert saved["saved"], saved
-    resumed_from, grown_from = [r["step"] for r in records if r["event"] == "checkpoint_load"]
-    assert resumed_from in (10, 20) and grown_from == saved["step"], output[-3000:]
-    [interrupted] = [r for r in records if r["event"] == "interrupted"]
-    assert interrupted["saved"] and interrupted["step"] >= saved["step"] + 3, interrupted
-    assert f"meshtrain: interrupted at step {interrupted['step']}; checkpoint step {interrupted['step']} committed" in output
+    [saved] = [r for r in records if isinstance(r, ResizeSaveRecord)]
+    assert saved.saved, saved
+    resumed_from, grown_from = [r.step for r in records if isinstance(r, CheckpointLoadRecord)]
+    assert resumed_from in (10, 20) and grown_from == saved.step, output[-3000:]
+    [interrupted] = [r for r in records if isinstance(r, InterruptedRecord)]
+    assert interrupted.saved and interrupted.step >= saved.step + 3, interrupted
+    assert f"meshtrain: interrupted at step {interrupted.step}; checkpoint step {interrupted.step} committed" in output
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["mesh_shape"] == [2, 2] and summary["world_size"] == 4
     assert [(r["from_workers"], r["to_workers"]) for r in summary["resizes"]] == [(4, 2), (2, 4)]
 
     # Every step once after the shrink's resume: 1x2 up to the grow's save, 2x2 from the next step on.
     steps, reference = train_records(run_dir), train_records(unbroken)
-    since_shrink = [r for r in records if r["event"] == "train"]
-    since_shrink = since_shrink[next(i for i, r in enumerate(since_shrink) if r["world_size"] == 2):]
-    assert [r["step"] for r in since_shrink] == list(range(resumed_from + 1, interrupted["step"] + 1)), output[-3000:]
-    assert list(steps) == list(range(1, interrupted["step"] + 1))
+    since_shrink = [r for r in records if isinstance(r, TrainRecord)]
+    since_shrink = since_shrink[next(i for i, r in enumerate(since_shrink) if r.world_size == 2):]
+    assert [r.step for r in since_shrink] == list(range(resumed_from + 1, interrupted.step + 1)), output[-3000:]
+    assert list(steps) == list(range(1, interrupted.step + 1))
     for step, record in steps.items():
-        assert record["samples"] == [(step - 1) * 16, step * 16], step
-        assert record["world_size"] == (4 if step <= resumed_from or step > saved["step"] else 2), step
+        assert record.samples == [(step - 1) * 16, step * 16], step
+        assert record.world_size == (4 if step <= resumed_from or step > saved.step else 2), step
         if step <= 30:  # the unbroken run's steps: the same samples, the same schedule
-            assert record["loss"] == pytest.approx(reference[step]["loss"], rel=1e-4), step
-    back = min(r["time"] for r in steps.values() if r["world_size"] == 2)
-    print(f"node lost -> training on 1x2 again: {back - lost_at:.1f}s; grow: saved step {saved['step']} in "
-          f"{saved['save_s']:.2f}s; max loss difference {max(abs(r['loss'] - reference[s]['loss']) / reference[s]['loss'] for s, r in steps.items() if s <= 30):.2e} (relative)")
+            assert record.loss == pytest.approx(reference[step].loss, rel=1e-4), step
+    back = min(r.time for r in steps.values() if r.world_size == 2)
+    print(f"node lost -> training on 1x2 again: {back - lost_at:.1f}s; grow: saved step {saved.step} in "
+          f"{saved.save_s:.2f}s; max loss difference {max(abs(r.loss - reference[s].loss) / reference[s].loss for s, r in steps.items() if s <= 30):.2e} (relative)")
 
     # The same reshard by hand: the unbroken run's checkpoint, resumed on 2 workers (one node) to the 1x2 group's
     # first checkpoint (checkpoint.interval=10 after the resume, or the grow's save if that came first).
-    compared_at = min(resumed_from + 10, saved["step"])
-    assert compared_at in [r["step"] for r in records if r["event"] in ("checkpoint_save", "resize_save")]
+    compared_at = min(resumed_from + 10, saved.step)
+    assert compared_at in [r.step for r in records if isinstance(r, (CheckpointSaveRecord, ResizeSaveRecord))]
     resharded = cluster.storage / "resharded"
     name = f"step-{resumed_from:08d}"
     shutil.copytree(unbroken / "checkpoints" / name, resharded / "checkpoints" / name)
@@ -353,11 +366,11 @@ def test_a_straggler_node_is_evicted_and_the_run_goes_on_without_it(cluster: Clu
     records = read_metrics(run_dir)
     # Only what led to the eviction is checked: later, 2 ranks sharing 2 busy cores may cross factor 2 by noise
     # (the head is never drained for it).
-    [eviction] = [r for r in records if r["event"] == "eviction" and r["evicted"]]
-    stragglers = [r for r in records if r["event"] == "straggler" and r["step"] <= eviction["step"]]
-    assert stragglers and all(r["node"] == cluster.worker_ip and r["slowdown"] >= 2 for r in stragglers), stragglers
+    [eviction] = [r for r in records if isinstance(r, EvictionRecord) and r.evicted]
+    stragglers = [r for r in records if isinstance(r, StragglerRecord) and r.step <= eviction.step]
+    assert stragglers and all(r.node == cluster.worker_ip and r.slowdown >= 2 for r in stragglers), stragglers
     straggler = stragglers[0]
-    assert eviction["evicted"] and eviction["node"] == cluster.worker_ip, eviction
+    assert eviction.evicted and eviction.node == cluster.worker_ip, eviction
     # Ray ends the drained node's share in two ways at once, in either order: its PreemptionWatcher's notice
     # naming the node (a "preempted" save, then the ranks leave) and meshtrain's elastic policy seeing the
     # capacity go (a "resize_save", then the ranks wait for the resize; a notice during that wait makes them
@@ -365,16 +378,16 @@ def test_a_straggler_node_is_evicted_and_the_run_goes_on_without_it(cluster: Clu
     # resumes from the last one. (The group may have started on the head alone and grown first: the load
     # after the drain is the one checked.)
     after = records[records.index(eviction):]
-    load = next(i for i, r in enumerate(after) if r["event"] == "checkpoint_load")
-    saves = [r for r in after[:load] if r["event"] in ("preempted", "resize_save")]
-    assert saves and all(r["saved"] for r in saves), saves
-    assert all(r["reason"].startswith("Ray drains node(s)") for r in saves if r["event"] == "preempted"), saves
+    load = next(i for i, r in enumerate(after) if isinstance(r, CheckpointLoadRecord))
+    saves = [r for r in after[:load] if isinstance(r, (PreemptedRecord, ResizeSaveRecord))]
+    assert saves and all(r.saved for r in saves), saves
+    assert all(r.reason.startswith("Ray drains node(s)") for r in saves if isinstance(r, PreemptedRecord)), saves
     preempted = saves[-1]
-    assert after[load]["step"] == preempted["step"], (saves, output[-3000:])
+    assert after[load].step == preempted.step, (saves, output[-3000:])
     # No step trained twice: every restart resumed where the group before it stopped.
-    assert [r["step"] for r in records if r["event"] == "train"] == list(range(1, 31)), output[-3000:]
+    assert [r.step for r in records if isinstance(r, TrainRecord)] == list(range(1, 31)), output[-3000:]
     steps = train_records(run_dir)
-    assert {r["world_size"] for s, r in steps.items() if s > preempted["step"]} == {2}
+    assert {r.world_size for s, r in steps.items() if s > preempted.step} == {2}
     assert json.loads((run_dir / "summary.json").read_text())["mesh_shape"] == [1, 1, 2]
     assert "[meshtrain] placement: each of the 2 tensor/context groups of 2 ranks is on one node" in output, (
         output[-3000:])
@@ -384,11 +397,11 @@ def test_a_straggler_node_is_evicted_and_the_run_goes_on_without_it(cluster: Clu
     # update on, by far more.
     hsdp = losses(unbroken)
     for step, record in steps.items():
-        assert record["loss"] == pytest.approx(hsdp[step], rel=1e-5 if step <= 10 else 1e-3), step
-    evicted_at = next(r["time"] for r in records if r["event"] == "train" and r["step"] == straggler["step"])
-    resumed = min(r["time"] for r in steps.values() if r["world_size"] == 2)
-    print(f"straggler named at step {straggler['step']} ({straggler['slowdown']:.2f}x); node drained; step "
-          f"{preempted['step']} committed ({preempted['event']}, {preempted['save_s']:.1f}s to save); training on the "
+        assert record.loss == pytest.approx(hsdp[step], rel=1e-5 if step <= 10 else 1e-3), step
+    evicted_at = next(r.time for r in records if isinstance(r, TrainRecord) and r.step == straggler.step)
+    resumed = min(r.time for r in steps.values() if r.world_size == 2)
+    print(f"straggler named at step {straggler.step} ({straggler.slowdown:.2f}x); node drained; step "
+          f"{preempted.step} committed ({preempted.event}, {preempted.save_s:.1f}s to save); training on the "
           f"head {resumed - evicted_at:.1f}s after the straggler was named; steps lost: 0")
 
 
@@ -413,7 +426,7 @@ def test_replica_mode_loses_a_node_trains_on_without_it_and_the_group_rejoins_wh
                       "train.steps=2000", "optim.schedule_steps=30", "checkpoint.interval=20")
 
     def both_train() -> bool:
-        return any(r["event"] == "train" and r["replicas"] == 2 and r["step"] >= 3 for r in read_metrics(run_dir))
+        return any(isinstance(r, TrainRecord) and r.replicas == 2 and r.step >= 3 for r in read_metrics(run_dir))
 
     try:
         wait_until(lambda: both_train() or job.poll() is not None, 300, "both groups training", interval=0.2)
@@ -429,8 +442,8 @@ def test_replica_mode_loses_a_node_trains_on_without_it_and_the_group_rejoins_wh
 
         def trained_alone() -> bool:
             records = read_metrics(run_dir)
-            lost = [i for i, r in enumerate(records) if r["event"] == "replica_lost"]
-            return bool(lost) and sum(r["event"] == "train" for r in records[lost[0]:]) >= 5
+            lost = [i for i, r in enumerate(records) if isinstance(r, ReplicaLostRecord)]
+            return bool(lost) and sum(isinstance(r, TrainRecord) for r in records[lost[0]:]) >= 5
 
         wait_until(lambda: trained_alone() or job.poll() is not None, 120, "5 steps without the lost group", interval=0.2)
         assert job.poll() is None, "the run ended before the node came back"
@@ -438,9 +451,9 @@ def test_replica_mode_loses_a_node_trains_on_without_it_and_the_group_rejoins_wh
 
         def rejoined() -> bool:
             records = read_metrics(run_dir)
-            lost = [i for i, r in enumerate(records) if r["event"] == "replica_lost"]
-            joined = [i for i, r in enumerate(records) if r["event"] == "replica_joined" and lost and i > lost[0]]
-            return bool(joined) and sum(r["event"] == "train" and r["replicas"] == 2 for r in records[joined[0]:]) >= 3
+            lost = [i for i, r in enumerate(records) if isinstance(r, ReplicaLostRecord)]
+            joined = [i for i, r in enumerate(records) if isinstance(r, ReplicaJoinedRecord) and lost and i > lost[0]]
+            return bool(joined) and sum(isinstance(r, TrainRecord) and r.replicas == 2 for r in records[joined[0]:]) >= 3
 
         wait_until(lambda: rejoined() or job.poll() is not None, 400, "3 steps of both groups after the rejoin",
                    interval=0.2)
@@ -451,45 +464,45 @@ def test_replica_mode_loses_a_node_trains_on_without_it_and_the_group_rejoins_wh
         if job.poll() is None:
             job.kill()
     records = read_metrics(run_dir)
-    trained = [r for r in records if r["event"] == "train"]
-    last = trained[-1]["step"]
+    trained = [r for r in records if isinstance(r, TrainRecord)]
+    last = trained[-1].step
     assert "meshtrain: interrupted at step" in output, output[-3000:]
     # The groups stop at the step boundary where each sees the driver's stop request, which may differ by
     # a step: the later one then records the earlier one's leaving (after the rejoin, checked below) and
     # trains that step alone. The first loss is the node's.
-    lost, *stopping = [r for r in records if r["event"] == "replica_lost"]
+    lost, *stopping = [r for r in records if isinstance(r, ReplicaLostRecord)]
     # Only the first live group writes records. When the node's group was that writer, it may die after
     # its last step committed on both groups but before writing that step's record (seen on the clean clone
     # of 58ee2e7: step 45 committed, the loss recorded at 46): that one record is lost with it.
-    steps = [r["step"] for r in trained]
+    steps = [r.step for r in trained]
     unwritten = sorted(set(range(1, last + 1)) - set(steps))
-    assert steps == sorted(set(steps)) and unwritten in ([], [lost["step"] - 1]), output[-3000:]
-    stopped = min([r["step"] for r in records if r["event"] == "interrupted"] + [r["step"] - 1 for r in stopping])
+    assert steps == sorted(set(steps)) and unwritten in ([], [lost.step - 1]), output[-3000:]
+    stopped = min([r.step for r in records if isinstance(r, InterruptedRecord)] + [r.step - 1 for r in stopping])
     # The groups start seconds apart (each its own Ray Train run): the first trains alone until the other
     # joins by healing from it at its first quorum, as a replacement does (seen: at step 22).
-    late = [r["step"] for r in records[:records.index(lost)] if r["event"] == "replica_joined"]
+    late = [r.step for r in records[:records.index(lost)] if isinstance(r, ReplicaJoinedRecord)]
     first_together = late[-1] if late else 0
-    assert {r["replicas"] for r in trained if r["step"] <= first_together} <= {1}, late
-    assert {r["replicas"] for r in trained if first_together < r["step"] < lost["step"]} == {2}, late
+    assert {r.replicas for r in trained if r.step <= first_together} <= {1}, late
+    assert {r.replicas for r in trained if first_together < r.step < lost.step} == {2}, late
     # Dropped by the heartbeat (2 s), not by the cross-replica collective's timeout.
-    assert lost["participants"] == 1 and lost["time"] - lost_at < FaultToleranceConfig().timeout_s, lost
-    joined = [r for r in records if r["event"] == "replica_joined" and r["step"] >= lost["step"]]
+    assert lost.participants == 1 and lost.time - lost_at < FaultToleranceConfig().timeout_s, lost
+    joined = [r for r in records if isinstance(r, ReplicaJoinedRecord) and r.step >= lost.step]
     assert len(joined) == 1, output[-3000:]
-    assert len(stopping) <= 1 and all(r["step"] > joined[0]["step"] for r in stopping), stopping
-    assert joined[0]["replica"] == away and joined[0]["source"] == 1 - away and joined[0]["participants"] == 2
-    assert joined[0]["bytes"] > 0 and joined[0]["step"] < stopped  # trained together after it
-    assert not [r for r in records if r["event"] == "checkpoint_load"]  # no checkpoint was read
+    assert len(stopping) <= 1 and all(r.step > joined[0].step for r in stopping), stopping
+    assert joined[0].replica == away and joined[0].source == 1 - away and joined[0].participants == 2
+    assert joined[0].bytes > 0 and joined[0].step < stopped  # trained together after it
+    assert not [r for r in records if isinstance(r, CheckpointLoadRecord)]  # no checkpoint was read
     restarted = [json.loads(line) for line in (run_dir / "worker_starts.jsonl").read_text().splitlines()]
     assert [s["replica"] for s in restarted].count(away) >= 2 and [s["replica"] for s in restarted].count(1 - away) == 1
     hsdp = losses(unbroken)
     for record in trained[:30]:
-        assert record["loss"] == pytest.approx(hsdp[record["step"]], rel=1e-4), record["step"]
+        assert record.loss == pytest.approx(hsdp[record.step], rel=1e-4), record.step
     # The launch's own account, from its records (an interrupted driver adds no goodput to the summary).
-    goodput = goodput_of(records, trained[0]["time"] - trained[0]["step_time_s"], trained[-1]["time"])
+    goodput = goodput_of(records, trained[0].time - trained[0].step_time_s, trained[-1].time)
     assert goodput["lost_s"]["redone"] == 0.0, goodput
-    alone = [r["step"] for r in trained if lost["step"] <= r["step"] <= joined[0]["step"]]
-    assert {r["replicas"] for r in trained if r["step"] in alone} == {1}
-    assert {r["replicas"] for r in trained if joined[0]["step"] < r["step"] <= stopped} == {2}
-    print(f"replica mode, node lost at step {lost['step']}: {len(alone)} steps on one group, "
-          f"rejoined at step {joined[0]['step']} ({joined[0]['bytes'] / 2**20:.1f} MiB in {joined[0]['seconds']:.1f}s), "
+    alone = [r.step for r in trained if lost.step <= r.step <= joined[0].step]
+    assert {r.replicas for r in trained if r.step in alone} == {1}
+    assert {r.replicas for r in trained if joined[0].step < r.step <= stopped} == {2}
+    print(f"replica mode, node lost at step {lost.step}: {len(alone)} steps on one group, "
+          f"rejoined at step {joined[0].step} ({joined[0].bytes / 2**20:.1f} MiB in {joined[0].seconds:.1f}s), "
           f"{goodput_line(goodput)}")

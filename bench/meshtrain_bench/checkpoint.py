@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from meshtrain.checkpoint.checksums import ALGORITHM
-from meshtrain.checkpoint.manager import CheckpointManager
+from meshtrain.checkpoint.manager import CheckpointLoaded, CheckpointManager, SaveCommitted
 from meshtrain.checkpoint.state import Progress, TrainState
 from meshtrain.checkpoint.storage import CheckpointStorage, CommittedCheckpoint
 from meshtrain.config.loading import load_config
@@ -105,7 +105,7 @@ def main() -> None:
     state = TrainState(model, optimizer, scheduler, progress, rank=0)
 
     shutil.rmtree(args.dir, ignore_errors=True)
-    events: list[dict] = []
+    events: list[SaveCommitted | CheckpointLoaded] = []
     for mode in ("sync", "async"):
         manager = CheckpointManager(
             CheckpointStorage(str(args.dir / mode)), rank=0, world_size=1, interval=1, keep=1,
@@ -115,16 +115,16 @@ def main() -> None:
         manager.finish_pending()
         manager.restore(state)
         manager.close()
-    saves = {e["mode"]: e for e in events if e["event"] == "checkpoint_save"}
-    load = [e for e in events if e["event"] == "checkpoint_load"][-1]
-    size = saves["sync"]["bytes"]
+    saves = {e.mode: e for e in events if isinstance(e, SaveCommitted)}
+    load = [e for e in events if isinstance(e, CheckpointLoaded)][-1]
+    size = saves["sync"].bytes
     dd = dd_bytes_per_s(args.dir, size)
     parameters = sum(p.numel() for p in model.parameters())
     print(f"model {args.preset}: {parameters / 1e6:.1f}M parameters, checkpoint {size / 2**20:.1f} MiB")
-    print(f"sync save:  {saves['sync']['total_s']:.3f} s ({size / saves['sync']['total_s'] / 2**20:.0f} MiB/s)")
-    print(f"async save: loop stalled {saves['async']['blocking_s']:.3f} s, written in {saves['async']['total_s']:.3f} s")
-    print(f"load:       {load['load_s']:.3f} s")
-    print(f"dd (same bytes, fsync): {dd / 2**20:.0f} MiB/s; DCP sync save / dd = {size / saves['sync']['total_s'] / dd:.2f}")
+    print(f"sync save:  {saves['sync'].total_s:.3f} s ({size / saves['sync'].total_s / 2**20:.0f} MiB/s)")
+    print(f"async save: loop stalled {saves['async'].blocking_s:.3f} s, written in {saves['async'].total_s:.3f} s")
+    print(f"load:       {load.load_s:.3f} s")
+    print(f"dd (same bytes, fsync): {dd / 2**20:.0f} MiB/s; DCP sync save / dd = {size / saves['sync'].total_s / dd:.2f}")
     costs = checksum_costs(state, args.dir / "checksums", args.repeats)
     for what in ("save", "load"):
         plain, checked = costs[f"plain_{what}"], costs[f"checked_{what}"]

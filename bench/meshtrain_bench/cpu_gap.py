@@ -15,14 +15,16 @@ N-workers/1-worker the cost of gloo collectives.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+
+from meshtrain.observe.run_folder import Record, TrainRecord, read_records
 
 REPO = Path(__file__).resolve().parents[2]
 # The shape of the comparison: hidden 256, 4 layers, seq 256, 16 sequences per step, vocab 8192.
@@ -71,9 +73,9 @@ RUN_SETTINGS = ["train.log_every=1", "eval.interval=null", "checkpoint.enabled=f
                 "optim.warmup_steps=0"]
 
 
-def median_rate(records: list[dict], warmup: int) -> float:
+def median_rate(records: Sequence[object], warmup: int) -> float:
     """Median tokens/s of the logged steps after ``warmup``."""
-    return statistics.median(r["tokens_per_s"] for r in records if r.get("event") == "train" and r["step"] > warmup)
+    return statistics.median(r.tokens_per_s for r in records if isinstance(r, TrainRecord) and r.step > warmup)
 
 
 def trainer_in_process(overrides: list[str], steps: int, warmup: int, workdir: str, storage: str) -> float:
@@ -92,7 +94,7 @@ def trainer_in_process(overrides: list[str], steps: int, warmup: int, workdir: s
                              f"run.storage_path={storage}", "run.name=in-process"])
     plan = prepare_data(cfg.data, workdir, cfg.data.seq_len, use_ray=False, log=lambda _: None)
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    records: list[dict] = []
+    records: list[Record] = []
     try:
         train(worker_plan(cfg, plan), WorkerLayout(), torch.device("cpu"), records.append)
     finally:
@@ -109,8 +111,7 @@ def meshtrain_run(overrides: list[str], workers: int, cpus: int, steps: int, war
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"meshtrain run failed ({result.returncode}): {result.stderr[-2000:]}")
-    records = [json.loads(line) for line in (Path(storage) / name / "metrics.jsonl").read_text().splitlines()]
-    return median_rate(records, warmup)
+    return median_rate(read_records(Path(storage) / name / "metrics.jsonl"), warmup)
 
 
 def main() -> None:

@@ -40,6 +40,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[2]  # the checkout: benchmarks run its jobs/ and read its configs
 
 from meshtrain.data import stdlib_source_files
+from meshtrain.observe.run_folder import TrainRecord, read_records
 
 FILE_BYTES = 8 * 2**20
 
@@ -124,7 +125,7 @@ def first_step(store: str, storage: Path, name: str) -> tuple[float, int]:
     job = subprocess.Popen(command, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics, first = run_dir / "metrics.jsonl", None
     while job.poll() is None:
-        if first is None and metrics.exists() and '"event": "train"' in metrics.read_text():
+        if first is None and read_records(metrics, TrainRecord):
             first = time.perf_counter() - started
         time.sleep(0.05)
     memory.running = False

@@ -33,7 +33,16 @@ import numpy as np
 import torch
 
 from meshtrain.data import expand_local_source
-from meshtrain.observe.run_folder import RunPaths, read_records, read_worker_starts
+from meshtrain.observe.run_folder import (
+    CheckpointLoadRecord,
+    DownstreamEvalFailedRecord,
+    InterruptedRecord,
+    RunPaths,
+    TextSamplesRecord,
+    TrainRecord,
+    read_records,
+    read_worker_starts,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = "r"
@@ -94,22 +103,18 @@ def run_job(storage: Path, *overrides: str, interrupt_at_step: int | None = None
     return Job(driver.returncode, seconds, text)
 
 
-def records(run_dir: Path) -> list[dict[str, Any]]:
-    return read_records(run_dir / "metrics.jsonl")
-
-
 def logged_step(run_dir: Path) -> int:
-    return max((r["step"] for r in records(run_dir) if r.get("event") == "train"), default=0)
+    return max((r.step for r in read_records(run_dir / "metrics.jsonl", TrainRecord)), default=0)
 
 
 def restarts(run_dir: Path) -> int | None:
     """Restarts of the run's last launch (worker-group starts beyond its first)."""
     starts = read_worker_starts(RunPaths(run_dir.name, run_dir.parent))
-    return sum(start["launch"] == starts[-1]["launch"] for start in starts) - 1 if starts else None
+    return sum(start.launch == starts[-1].launch for start in starts) - 1 if starts else None
 
 
 def loads(run_dir: Path) -> list[int]:
-    return [r["step"] for r in records(run_dir) if r.get("event") == "checkpoint_load"]
+    return [r.step for r in read_records(run_dir / "metrics.jsonl", CheckpointLoadRecord)]
 
 
 def step_dir(storage: Path, step: int) -> Path:
@@ -414,11 +419,11 @@ class Matrix:
         storage = self.copy("ctrl-c")
         job = run_job(storage, "train.steps=40", interrupt_at_step=33)
         run_dir = storage / RUN
-        interrupted = [r for r in records(run_dir) if r.get("event") == "interrupted"]
-        step = interrupted[0]["step"] if interrupted else None
+        interrupted = read_records(run_dir / "metrics.jsonl", InterruptedRecord)
+        step = interrupted[0].step if interrupted else None
         checks = {
             "exit 130": job.returncode == 130,
-            "saved where it stopped": bool(interrupted) and interrupted[0]["saved"],
+            "saved where it stopped": bool(interrupted) and interrupted[0].saved,
             "the line names the step": step is not None and f"checkpoint step {step} committed" in job.final_line,
         }
         row = self.row("7. Ctrl-C (SIGINT to the driver)", job, run_dir, 0 if checks["saved where it stopped"] else None,
@@ -488,8 +493,8 @@ class Matrix:
                       "eval.downstream.final_wait_s=0")
         run_dir = storage / RUN
         leases = sorted(str(p) for p in (run_dir / "checkpoints").glob("*/LEASED"))
-        unscored = [r["step"] for r in records(run_dir) if r.get("event") == "downstream_eval_failed"]
-        scored = [r["step"] for r in records(run_dir) if r.get("event") == "text_samples"]
+        unscored = [r.step for r in read_records(run_dir / "metrics.jsonl", DownstreamEvalFailedRecord)]
+        scored = [r.step for r in read_records(run_dir / "metrics.jsonl", TextSamplesRecord)]
         checks = {"exit 0": job.returncode == 0, "no lease left": not leases,
                   "every checkpoint scored or named unscored": sorted(unscored + scored) == [10, 20],
                   "the unscored steps in one line": not unscored or "not scored" in job.output}

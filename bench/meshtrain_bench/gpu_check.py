@@ -59,6 +59,14 @@ from meshtrain.distributed.plan import GIB, memory_plan
 from meshtrain.distributed.torch_support import UnsupportedTorch, check_torch
 from meshtrain.model.args import model_args
 from meshtrain.model.flops import flops_per_token
+from meshtrain.observe.run_folder import (
+    CheckpointLoadRecord,
+    CheckpointSaveRecord,
+    MemorySnapshotRecord,
+    ProfileRecord,
+    Record,
+    TrainRecord,
+)
 
 CORRECTNESS_STEPS = 10
 RESUME_AT = 5
@@ -274,10 +282,10 @@ class Runner:
                                       cfg.parallel.tensor)
             planned = memory_plan(args, plan, cfg.parallel, cfg.train, cfg.data.seq_len, device.type == "cuda", cfg.model.document_mask).total
             if check.kind == "resume":
-                records = self._train_resumed(cfg, data, device)
+                records, parameters = self._train_resumed(cfg, data, device)
             else:
-                records = self._train(cfg, data, device)
-            self._fill(row, check, cfg, args, records, planned, device)
+                records, parameters = self._train(cfg, data, device)
+            self._fill(row, check, cfg, args, records, parameters, planned, device)
             row.status = "ok"
         except (KeyboardInterrupt, SystemExit):
             raise
@@ -290,56 +298,56 @@ class Runner:
         self.rows[check.name] = row
         return row
 
-    def _train(self, cfg: MeshtrainConfig, data: DataPlan, device: torch.device) -> list[dict[str, Any]]:
+    def _train(self, cfg: MeshtrainConfig, data: DataPlan, device: torch.device) -> tuple[list[Record], int]:
+        """The run's records and its model's parameter count."""
         from meshtrain.cluster.worker_plan import worker_plan
         from meshtrain.train.trainer import train
 
         if device.type == "cuda":
             set_matmul_precision(use_tf32(cfg.train.tf32, cfg.parallel.mixed_precision, device.type))
             torch.cuda.reset_peak_memory_stats(device)
-        records: list[dict[str, Any]] = []
+        records: list[Record] = []
         result = train(worker_plan(cfg, data), WorkerLayout(), device, records.append)
-        records.append({"event": "result", "parameters": result.parameters})
         self._keep_diagnostics(records)
-        return records
+        return records, result.parameters
 
-    def _train_resumed(self, cfg: MeshtrainConfig, data: DataPlan, device: torch.device) -> list[dict[str, Any]]:
+    def _train_resumed(self, cfg: MeshtrainConfig, data: DataPlan, device: torch.device) -> tuple[list[Record], int]:
         """Steps 1-5 with a checkpoint at step 5, then a second trainer that loads it and trains 6-10:
         the checkpoint's save and load on this device, held to the unbroken run's losses."""
         first = cfg.model_copy(deep=True)
         first.train.steps, first.checkpoint.enabled, first.checkpoint.interval = RESUME_AT, True, RESUME_AT
         first.checkpoint.mode = "sync"
-        saved = self._train(first, data, device)
-        if not any(r.get("event") == "checkpoint_save" and r.get("step") == RESUME_AT for r in saved):
+        saved, _ = self._train(first, data, device)
+        if not any(isinstance(r, CheckpointSaveRecord) and r.step == RESUME_AT for r in saved):
             raise RuntimeError(f"no checkpoint was saved at step {RESUME_AT}")
         self._release(device)
         second = cfg.model_copy(deep=True)
         second.checkpoint.enabled, second.checkpoint.interval, second.checkpoint.mode = True, 1000, "sync"
-        resumed = self._train(second, data, device)
-        if not any(r.get("event") == "checkpoint_load" for r in resumed):
+        resumed, parameters = self._train(second, data, device)
+        if not any(isinstance(r, CheckpointLoadRecord) for r in resumed):
             raise RuntimeError("the second trainer loaded no checkpoint")
-        steps = [r["step"] for r in resumed if r.get("event") == "train"]
+        steps = [r.step for r in resumed if isinstance(r, TrainRecord)]
         if not steps or steps[0] != RESUME_AT + 1:
             raise RuntimeError(f"the second trainer did not resume after step {RESUME_AT} (its first step: {steps[:1]})")
-        return resumed
+        return resumed, parameters
 
-    def _keep_diagnostics(self, records: list[dict[str, Any]]) -> None:
+    def _keep_diagnostics(self, records: list[Record]) -> None:
         for record in records:
-            if record.get("event") == "profile" and record.get("trace"):
-                self.trace = Path(record["trace"])
-            if record.get("event") == "memory_snapshot" and record.get("path"):
-                self.snapshot = Path(record["path"])
+            if isinstance(record, ProfileRecord) and record.trace:
+                self.trace = Path(record.trace)
+            if isinstance(record, MemorySnapshotRecord) and record.path:
+                self.snapshot = Path(record.path)
 
-    def _fill(self, row: CheckRow, check: Check, cfg: MeshtrainConfig, args: Any, records: list[dict[str, Any]],
-              planned: int, device: torch.device) -> None:
-        train_records = {r["step"]: r for r in records if r.get("event") == "train"}
+    def _fill(self, row: CheckRow, check: Check, cfg: MeshtrainConfig, args: Any, records: list[Record],
+              parameters: int, planned: int, device: torch.device) -> None:
+        train_records = {r.step: r for r in records if isinstance(r, TrainRecord)}
         if not train_records:
             raise RuntimeError("the run logged no training step")
-        row.losses = {step: float(r["loss"]) for step, r in sorted(train_records.items())}
+        row.losses = {step: float(r.loss) for step, r in sorted(train_records.items())}
         row.final_loss = row.losses[max(row.losses)]
         if not all(math.isfinite(loss) for loss in row.losses.values()):
             raise RuntimeError(f"non-finite loss: {row.losses}")
-        row.parameters = next(r["parameters"] for r in records if r.get("event") == "result")
+        row.parameters = parameters
         row.planned_bytes = planned
         if device.type == "cuda":
             row.peak_bytes = torch.cuda.max_memory_allocated(device)
@@ -349,7 +357,7 @@ class Runner:
             timed = timed_figures(train_records, self.window)
             row.tokens_per_s = timed.tokens_per_s
             row.step_ms = 1000 * timed.step_s
-            row.warmup_excess_s = max(0.0, train_records[self.window.warmup]["elapsed_s"] - self.window.warmup * timed.step_s)
+            row.warmup_excess_s = max(0.0, train_records[self.window.warmup].elapsed_s - self.window.warmup * timed.step_s)
             peak, row.peak_source = device_peak(cfg, "cpu" if device.type == "cpu" else row.device or "cuda")
             if peak:
                 row.mfu_full_attention = timed.tokens_per_s * flops_per_token(args, cfg.data.seq_len) / peak

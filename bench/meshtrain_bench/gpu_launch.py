@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshtrain.config.schema import MeshtrainConfig
-from meshtrain.observe.run_folder import RunPaths, read_records, read_worker_starts
+from meshtrain.observe.run_folder import ProfileRecord, RunPaths, read_records, read_worker_starts
 from meshtrain.train.profiling import summary_line
 from meshtrain_bench.gpu_configs import BenchConfig, Window, build_config, run_settings
 from meshtrain_bench.gpu_measure import Row, measure
@@ -17,14 +17,14 @@ def read_diagnostics(row: Row, run_dir: Path) -> None:
     """The run's memory snapshots (a rank that ran out of CUDA memory, and every rank at the end with the
     allocator history on) and rank 0's profiler trace with its summary line, from the run folder."""
     row.memory_snapshots = sorted(str(path.relative_to(run_dir)) for path in (run_dir / "memory").glob("*.pickle"))
-    windows = [r for r in read_records(run_dir / "metrics.jsonl", ["profile"]) if r.get("rank") == 0]
+    windows = [r for r in read_records(run_dir / "metrics.jsonl", ProfileRecord) if r.rank == 0]
     if not windows:
         return
     window = windows[0]
-    trace = Path(window["trace"])
+    trace = Path(window.trace)
     row.profile_trace = str(trace.relative_to(run_dir)) if trace.is_relative_to(run_dir) else str(trace)
-    ops = [(str(name), float(ms)) for name, ms in window["top_ms_per_step"]]
-    row.profile_summary = summary_line(0, window["first_step"], window["step"], window["device"] == "cuda", ops,
+    ops = [(str(name), float(ms)) for name, ms in window.top_ms_per_step]
+    row.profile_summary = summary_line(0, window.first_step, window.step, window.device == "cuda", ops,
                                        Path(row.profile_trace))
 
 
@@ -47,7 +47,7 @@ def wait_for_workers_to_exit(run_dir: Path, timeout_s: float = 60.0) -> None:
 
     here = ray.util.get_node_ip_address() if ray.is_initialized() else None
     starts = read_worker_starts(RunPaths(run_dir.name, run_dir.parent))
-    pids = {worker["pid"] for start in starts for worker in start["workers"] if worker["node_ip"] == here}
+    pids = {worker["pid"] for start in starts for worker in start.workers if worker["node_ip"] == here}
     processes = []
     for pid in pids:
         try:

@@ -19,7 +19,7 @@ from meshtrain.distributed.parallelize import param_dtype, use_tf32
 from meshtrain.distributed.plan import memory_plan
 from meshtrain.model.args import model_args
 from meshtrain.model.flops import flops_per_token, gpu_peak_flops
-from meshtrain.observe.run_folder import read_records
+from meshtrain.observe.run_folder import TrainRecord, read_records
 from meshtrain_bench.gpu_configs import Window
 
 FLOPS_FORMULA = "6 x matmul weights + 12 x layers x seq_len x dim"
@@ -67,8 +67,8 @@ class Row:
 
 
 
-def train_records(run_dir: Path) -> dict[int, dict[str, Any]]:
-    return {r["step"]: r for r in read_records(run_dir / "metrics.jsonl", ["train"])}
+def train_records(run_dir: Path) -> dict[int, TrainRecord]:
+    return {r.step: r for r in read_records(run_dir / "metrics.jsonl", TrainRecord)}
 
 
 @dataclass(frozen=True)
@@ -84,26 +84,27 @@ class Timed:
     flops_per_token: float | None
 
 
-def timed_figures(records: dict[int, dict[str, Any]], window: Window) -> Timed:
+def timed_figures(records: dict[int, TrainRecord], window: Window) -> Timed:
     """The timed steps' figures, from the logged records at both ends of the window and those between."""
     start, end = records.get(window.warmup), records.get(window.total)
     if start is None or end is None:
         raise RuntimeError(f"metrics.jsonl lacks the logged steps {window.warmup} and {window.total}")
-    seconds = end["elapsed_s"] - start["elapsed_s"]
+    seconds = end.elapsed_s - start.elapsed_s
     waited, flops, previous = 0.0, 0.0, window.warmup
     counted = True
     for step in sorted(s for s in records if window.warmup < s <= window.total):
         # Each record holds its logging interval's means: weigh them by the steps of the interval.
-        waited += records[step]["data_wait_s"] * (step - previous)
-        counted = counted and "flops_per_token" in records[step]
-        flops += records[step].get("flops_per_token", 0.0) * (step - previous)
+        counting = records[step].flops_per_token
+        waited += records[step].data_wait_s * (step - previous)
+        counted = counted and counting is not None
+        flops += (counting or 0.0) * (step - previous)
         previous = step
     return Timed(
-        tokens_per_s=(end["tokens"] - start["tokens"]) / seconds,
+        tokens_per_s=(end.tokens - start.tokens) / seconds,
         step_s=seconds / window.timed,
         data_wait_s=waited / window.timed,
-        warmup_step_s=start["elapsed_s"] / window.warmup,
-        final_loss=end["loss"],
+        warmup_step_s=start.elapsed_s / window.warmup,
+        final_loss=end.loss,
         flops_per_token=flops / window.timed if counted else None,
     )
 

@@ -26,6 +26,7 @@ import torch
 from prometheus_client import generate_latest
 
 from meshtrain.observe.metrics import TrainingMetrics
+from meshtrain.observe.run_folder import TrainRecord
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: benchmarks run its jobs/ and read its configs
 
@@ -80,7 +81,9 @@ def update_cost_us() -> tuple[float, float, float]:
     for step in range(calls):
         metrics.step_done(step, 1024, 0.001)
     per_step = (time.perf_counter() - started) / calls * 1e6
-    record = {"loss": 3.0, "lr": 1e-3, "grad_norm": 1.0, "tokens": 10, "tokens_per_s": 1e4}
+    record = TrainRecord(step=1, loss=3.0, lr=1e-3, grad_norm=1.0, tokens=10, tokens_per_s=1e4, step_time_s=0.1,
+                         data_wait_s=0.0, interval_steps=1, elapsed_s=0.1, skipped_steps=0, world_size=2,
+                         time=time.time(), samples=[0, 8])
     started = time.perf_counter()
     for _ in range(calls // 10):
         metrics.step_done(0, 1024, 0.001)

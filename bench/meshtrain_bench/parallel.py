@@ -53,7 +53,7 @@ def _rank(rank: int, world: int, port: int, cfg: MeshtrainConfig, data: DataPlan
     try:
         result = train(worker_plan(cfg, data), WorkerLayout(rank, world, rank, world, 0), torch.device("cpu"))
         if rank == 0:
-            Path(out).write_text(repr([r["tokens_per_s"] for r in result.records]))
+            Path(out).write_text(repr([r.tokens_per_s for r in result.records]))
     finally:
         dist.destroy_process_group()
 

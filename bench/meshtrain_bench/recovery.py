@@ -51,6 +51,14 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.observe.goodput import goodput_line
+from meshtrain.observe.run_folder import (
+    CheckpointLoadRecord,
+    CheckpointSaveRecord,
+    ReadRecord,
+    ReplicaJoinedRecord,
+    TrainRecord,
+    read_records,
+)
 from meshtrain_bench.recovery_scale import scale
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,7 +75,6 @@ MODES: dict[str, tuple[str, ...]] = {
 }
 KILLED_RANK = 1
 
-Record = dict[str, Any]
 
 
 @dataclass
@@ -94,87 +101,87 @@ class RealRow:
 # --- what a run's records say -------------------------------------------------------------------------
 
 
-def train_records(records: list[Record]) -> list[Record]:
-    return [r for r in records if r.get("event") == "train"]
+def train_records(records: list[ReadRecord]) -> list[TrainRecord]:
+    return [r for r in records if isinstance(r, TrainRecord)]
 
 
-def first_time_steps(records: list[Record]) -> list[Record]:
+def first_time_steps(records: list[ReadRecord]) -> list[TrainRecord]:
     """Each step's first ``train`` record (a step trained again after a restart logs again)."""
     seen: set[int] = set()
     firsts = []
     for record in train_records(records):
-        if record["step"] not in seen:
-            seen.add(record["step"])
+        if record.step not in seen:
+            seen.add(record.step)
             firsts.append(record)
     return firsts
 
 
-def steps_redone(records: list[Record]) -> int:
+def steps_redone(records: list[ReadRecord]) -> int:
     return len(train_records(records)) - len(first_time_steps(records))
 
 
-def kill_gap(records: list[Record], kill_at: int) -> tuple[float, float]:
+def kill_gap(records: list[ReadRecord], kill_at: int) -> tuple[float, float]:
     """(stall, to new step): seconds from the last ``train`` record before the kill to the next one, and
     to the first one past the steps trained before the kill. The kill strikes before step ``kill_at``:
     its mark is the first record of step ``kill_at`` or later, or a step logged again."""
     trained = train_records(records)
     for index in range(1, len(trained)):
-        step, previous = trained[index]["step"], trained[index - 1]
-        if step >= kill_at or step <= previous["step"]:
-            new = next(r for r in trained[index:] if r["step"] > previous["step"])
-            return trained[index]["time"] - previous["time"], new["time"] - previous["time"]
+        step, previous = trained[index].step, trained[index - 1]
+        if step >= kill_at or step <= previous.step:
+            new = next(r for r in trained[index:] if r.step > previous.step)
+            return trained[index].time - previous.time, new.time - previous.time
     raise ValueError(f"no train record at or after step {kill_at}")
 
 
-def rejoin_s(records: list[Record], kill_at: int) -> float | None:
+def rejoin_s(records: list[ReadRecord], kill_at: int) -> float | None:
     """Replica mode: seconds from the last ``train`` record before the kill to the replacement's
     ``replica_joined`` record (its group's restart and the state it received); None without one."""
-    before = [r for r in first_time_steps(records) if r["step"] < kill_at]
-    joined = [r for r in records if r.get("event") == "replica_joined" and r["step"] >= kill_at - 1]
-    return joined[0]["time"] - before[-1]["time"] if before and joined else None
+    before = [r for r in first_time_steps(records) if r.step < kill_at]
+    joined = [r for r in records if isinstance(r, ReplicaJoinedRecord) and r.step >= kill_at - 1]
+    return joined[0].time - before[-1].time if before and joined else None
 
 
 def folder_bytes(folder: Path) -> int:
     return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
 
 
-def bytes_read(records: list[Record], readers: int) -> int:
+def bytes_read(records: list[ReadRecord], readers: int) -> int:
     """Bytes the loads read from storage: each loaded checkpoint's folder (or, if pruned since, its save
     record's bytes) times the ranks that read it whole."""
-    saved = {r["step"]: r["bytes"] for r in records if r.get("event") == "checkpoint_save"}
+    saved = {r.step: r.bytes for r in records if isinstance(r, CheckpointSaveRecord)}
     total = 0
-    for load in (r for r in records if r.get("event") == "checkpoint_load"):
-        folder = Path(load["path"])
-        total += folder_bytes(folder) if folder.is_dir() else saved.get(load["step"], 0)
+    for load in (r for r in records if isinstance(r, CheckpointLoadRecord)):
+        folder = Path(load.path)
+        total += folder_bytes(folder) if folder.is_dir() else saved.get(load.step, 0)
     return total * readers
 
 
-def steady(records: list[Record], before: int | None) -> list[Record]:
+def steady(records: list[ReadRecord], before: int | None) -> list[TrainRecord]:
     """First-time steps after warm-up, and before step ``before`` when given."""
     return [r for r in first_time_steps(records)
-            if r["step"] > WARMUP_STEPS and (before is None or r["step"] < before)]
+            if r.step > WARMUP_STEPS and (before is None or r.step < before)]
 
 
-def unbroken_step_s(records: list[Record], before: int | None) -> float:
-    return statistics.fmean(r["step_time_s"] for r in steady(records, before))
+def unbroken_step_s(records: list[ReadRecord], before: int | None) -> float:
+    return statistics.fmean(r.step_time_s for r in steady(records, before))
 
 
-def goodput(records: list[Record], step_s: float, wall_s: float) -> tuple[float, float]:
+def goodput(records: list[ReadRecord], step_s: float, wall_s: float) -> tuple[float, float]:
     """(over the job's wall time, over the training window) at an unbroken step time of ``step_s``: see
     the module's docstring."""
     productive = len(first_time_steps(records)) * step_s
     return productive / wall_s, productive / training_window(records)
 
 
-def training_window(records: list[Record]) -> float:
+def training_window(records: list[ReadRecord]) -> float:
     """Seconds from the first logged step's start to the last one's end."""
     trained = train_records(records)
-    return trained[-1]["time"] - (trained[0]["time"] - trained[0]["step_time_s"])
+    return trained[-1].time - (trained[0].time - trained[0].step_time_s)
 
 
-def tokens_per_s(records: list[Record], before: int | None) -> float:
+def tokens_per_s(records: list[ReadRecord], before: int | None) -> float:
     steps = steady(records, before)
-    return sum(r["tokens_per_s"] * r["step_time_s"] for r in steps) / sum(r["step_time_s"] for r in steps)
+    return sum(r.tokens_per_s * r.step_time_s for r in steps) / sum(r.step_time_s for r in steps)
 
 
 # --- running a job -------------------------------------------------------------------------------------
@@ -196,11 +203,7 @@ def run_job(storage: Path, overrides: list[str], timeout_s: float) -> tuple[int,
     return code, time.perf_counter() - started, log.read_text()
 
 
-def read_jsonl(path: Path) -> list[Record]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def measure(root: Path, mode: str, steps: int, kill_at: int | None, timeout_s: float) -> tuple[RealRow, list[Record]]:
+def measure(root: Path, mode: str, steps: int, kill_at: int | None, timeout_s: float) -> tuple[RealRow, list[ReadRecord]]:
     """One run; its row lacks goodput and fault cost, which need the same mode's run without a fault."""
     storage = root / f"{mode}-{'kill' if kill_at else 'clean'}"
     shutil.rmtree(storage, ignore_errors=True)
@@ -211,7 +214,7 @@ def measure(root: Path, mode: str, steps: int, kill_at: int | None, timeout_s: f
     if code != 0 or (kill_at and expected not in output):
         row.error = "exit %d; %s" % (code, (output.strip().splitlines() or ["no output"])[-1][:300])
         return row, []
-    records = read_jsonl(storage / RUN / "metrics.jsonl")
+    records = read_records(storage / RUN / "metrics.jsonl")
     summary = json.loads((storage / RUN / "summary.json").read_text())
     row.wall_s = summary["wall_time_s"]
     row.goodput_run = summary.get("goodput")

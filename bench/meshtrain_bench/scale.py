@@ -89,13 +89,13 @@ def probe_training(summary: dict[str, Any], steps: int, workdir: str) -> dict[st
                  "maps_total": _mappings()}
     finally:
         trainer.close()
-    records = [r for r in result.records if r["event"] == "train"][2:]  # after warm-up
+    records = result.records[2:]  # after warm-up
     return {
         **after,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "open_s": opened_s,
-        "data_wait_s": statistics.mean(r["data_wait_s"] for r in records),
-        "step_time_s": statistics.mean(r["step_time_s"] for r in records),
+        "data_wait_s": statistics.mean(r.data_wait_s for r in records),
+        "step_time_s": statistics.mean(r.step_time_s for r in records),
         "eval_loss": result.eval_loss,
     }
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,30 @@ class _PendingSave:
     finished: list[float] = field(default_factory=list)
 
 
-Event = Callable[[Any], None]  # given checkpoint_save and checkpoint_load records (their types are observe's, a sibling layer)
+@dataclass(frozen=True)
+class SaveCommitted:
+    """A save committed (rank 0): what the run's ``checkpoint_save`` record says (the record classes are
+    observe's, a sibling layer: ``train.checkpointing`` makes the record)."""
+
+    step: int
+    path: str
+    blocking_s: float
+    total_s: float
+    bytes: int
+    mode: Literal["async", "sync"]
+
+
+@dataclass(frozen=True)
+class CheckpointLoaded:
+    """A checkpoint restored: what the run's ``checkpoint_load`` record says."""
+
+    step: int
+    path: str
+    load_s: float
+    rng_restored: bool
+
+
+Event = Callable[[SaveCommitted | CheckpointLoaded], None]
 
 
 # torch 2.11 and 2.12 empty a DefaultStager's copier at the end of every stage, so there one stager
@@ -183,17 +206,14 @@ class CheckpointManager:
         if self.rank != 0:
             return
         total = (pending.finished[0] if pending.finished else time.perf_counter()) - pending.started
-        self._emit(
-            {
-                "event": "checkpoint_save",
-                "step": pending.step,
-                "path": self.storage.display(pending.path),
-                "blocking_s": pending.blocking_s,
-                "total_s": total,
-                "bytes": manifest["bytes"],
-                "mode": "async" if self.asynchronous else "sync",
-            }
-        )
+        self._emit(SaveCommitted(
+            step=pending.step,
+            path=self.storage.display(pending.path),
+            blocking_s=pending.blocking_s,
+            total_s=total,
+            bytes=manifest["bytes"],
+            mode="async" if self.asynchronous else "sync",
+        ))
         self._prune(pending.step)
 
     def _prune(self, newest: int) -> None:
@@ -282,15 +302,9 @@ class CheckpointManager:
             problem = _problem(exc, shown)
         problem = _settled(self._agree(problem))
         if problem is None:
-            self._emit(
-                {
-                    "event": "checkpoint_load",
-                    "step": checkpoint.step,
-                    "path": shown,
-                    "load_s": time.perf_counter() - started,
-                    "rng_restored": state.include_rng,
-                }
-            )
+            self._emit(CheckpointLoaded(
+                step=checkpoint.step, path=shown, load_s=time.perf_counter() - started, rng_restored=state.include_rng,
+            ))
         return problem
 
     def _mark_bad(self, checkpoint: CommittedCheckpoint, problem: str, older: bool) -> None:
@@ -307,7 +321,7 @@ class CheckpointManager:
 
     # --- plumbing -----------------------------------------------------------------------------
 
-    def _emit(self, event: dict[str, Any]) -> None:
+    def _emit(self, event: SaveCommitted | CheckpointLoaded) -> None:
         if self.on_event is not None:
             self.on_event(event)
 

@@ -5,11 +5,12 @@
     python jobs/record_reference.py --check    # exit 1 when docs/records.md differs from the record types
 
 One table of every kind (who writes it, what it says), then each kind's keys with their types, read
-from the TypedDicts of :data:`meshtrain.observe.run_folder.RECORD_KINDS`.
+from the record classes of :data:`meshtrain.observe.run_folder.RECORD_KINDS`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import typing
 from pathlib import Path
@@ -26,15 +27,16 @@ INTRO = f"""\
 # Record reference
 
 Every kind of record in a run's `metrics.jsonl`, who writes it, what it says and its keys. Generated
-from the record types (`platform/meshtrain/observe/run_folder.py`, `RECORD_KINDS`) by `{COMMAND}`;
-edit the types there, not this page. [observability](observability.md) says how the records are
+from the record classes (`platform/meshtrain/observe/run_folder.py`, `RECORD_KINDS`) by `{COMMAND}`;
+edit the classes there, not this page. [observability](observability.md) says how the records are
 followed, relayed and shown.
 
-Each line is one JSON object whose `event` names its kind. A reader skips a torn last line (a writer
-killed mid-line) and keeps kinds it does not know (a newer writer); `check_record` says where a
-record departs from its kind's keys. A key marked *optional* appears only when it applies.
+Each line is one JSON object whose `event` names its kind. Writers build the kind's class and readers
+get it back from `parse_record`, which skips a torn last line (a writer killed mid-line) and a record
+that lacks a key of its kind, and keeps kinds it does not know (a newer writer) as `UnknownRecord`;
+`check_record` says where a JSON object departs from its kind's keys. A key marked *optional* appears
+only when it applies.
 """
-
 
 def type_name(annotation: Any) -> str:
     """A record key's type as the page shows it: ``float | None``, ``list[int]``, a named object."""
@@ -59,18 +61,27 @@ def render() -> str:
     lines += [f"| [`{event}`](#{event}) | {kind.writer} | {kind.description} |" for event, kind in RECORD_KINDS.items()]
     lines.append("")
     for event, kind in RECORD_KINDS.items():
-        schema: Any = kind.schema
-        hints = typing.get_type_hints(schema)
+        hints = typing.get_type_hints(kind.record)
         lines += [f"## {event}", "", f"Written by {kind.writer}: {kind.description}.", "", "| key | type |",
-                  "|---|---|"]
-        required = [key for key in hints if key in schema.__required_keys__]
-        for key in required + [key for key in hints if key not in schema.__required_keys__]:
-            optional = "" if key in schema.__required_keys__ else " (*optional*)"
-            lines.append(f"| `{key}` | {type_name(hints[key])}{optional} |")
-        if kind.extra_values is not None:
-            lines.append(f"| any other key | {type_name(kind.extra_values)} |")
+                  "|---|---|", f"| `event` | {type_name(typing.Literal[event])} |"]
+        fields = dataclasses.fields(kind.record)
+        flat = [field for field in fields if field.metadata.get("flat")]
+        required = [field for field in fields if field not in flat and field.default is not None]
+        for field in required:
+            lines.append(f"| `{field.name}` | {type_name(hints[field.name])} |")
+        for field in fields:  # a field that defaults to None: a key written only when it applies
+            if field.default is None:
+                lines.append(f"| `{field.name}` | {type_name(_without_none(hints[field.name]))} (*optional*) |")
+        for field in flat:  # a dict whose items are keys of the record's own
+            lines.append(f"| any other key | {type_name(typing.get_args(hints[field.name])[1])} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _without_none(annotation: Any) -> Any:
+    """``float | None`` as ``float``: an optional key is absent rather than null."""
+    args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+    return args[0] if len(args) == 1 else annotation
 
 
 def main(argv: list[str] | None = None) -> int:

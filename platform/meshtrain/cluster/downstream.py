@@ -20,6 +20,7 @@ checkpoint's above all): during training they may not find free resources, since
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -41,8 +42,9 @@ from meshtrain.evaluate.harness import HarnessRun
 from meshtrain.observe.metrics import DriverMetrics
 from meshtrain.observe.run_folder import (
     DownstreamEvalFailedRecord,
-    RecordFollower,
+    DownstreamEvalRecord,
     RunPaths,
+    TextSamplesRecord,
     append_records,
 )
 
@@ -65,7 +67,8 @@ def task_resources(downstream: DownstreamEvalConfig, use_gpu: bool) -> dict[str,
 
 
 def _score(checkpoint: str, harness: HarnessRun | None, samples: SampleRun | None, run_dir: str,
-           storage_options: dict[str, Any], injected_failure: str | None = None) -> list[dict[str, Any]]:
+           storage_options: dict[str, Any], injected_failure: str | None = None,
+           ) -> list[DownstreamEvalRecord | TextSamplesRecord]:
     """The Ray task: one checkpoint scored and its prompts continued, the files written, its lease
     released; its ``downstream_eval`` and ``text_samples`` records."""
     import torch
@@ -104,7 +107,7 @@ class DownstreamEvaluations:
         self.storage = run_checkpoints(checkpoint, run)
         self.task = ray.remote(max_retries=0, **task_resources(evaluation.downstream, use_gpu))(_score)
         self.pending: dict[Any, CommittedCheckpoint] = {}  # task -> the checkpoint it scores
-        self.latest: dict[str, dict[str, Any]] = {}  # task -> its newest downstream_eval record
+        self.latest: dict[str, DownstreamEvalRecord] = {}  # task -> its newest downstream_eval record
         self.started: set[int] = {step for step in self._scored_steps()}
         self.exporter = exporter if self.harness is not None else None
         self._lock = threading.Lock()
@@ -168,24 +171,28 @@ class DownstreamEvaluations:
         for ref in done:
             checkpoint = self.pending.pop(ref)
             try:
-                records = ray.get(ref)
+                records: list[DownstreamEvalRecord | TextSamplesRecord] = ray.get(ref)
             except Exception as exc:
                 self.storage.release(checkpoint.path)  # the task may have died before it could
                 self._failed(checkpoint.step, exc)
                 continue
-            append_records(self.paths.metrics, [{**record, "time": time.time()} for record in records])
-            for record in records:
-                if record["event"] == "downstream_eval" and record["step"] >= self.latest.get(record["task"], {}).get("step", -1):
-                    self.latest[record["task"]] = record
+            landed = [dataclasses.replace(record, time=time.time()) for record in records]  # when it landed
+            append_records(self.paths.metrics, landed)
+            for record in landed:
+                if isinstance(record, DownstreamEvalRecord) and record.step >= self._latest_step(record.task):
+                    self.latest[record.task] = record
                     if self.exporter is not None:
                         self.exporter.scored(record)
+
+    def _latest_step(self, task: str) -> int:
+        latest = self.latest.get(task)
+        return latest.step if latest is not None else -1
 
     def _failed(self, step: int, exc: BaseException) -> None:
         cause = getattr(exc, "cause", None) or exc
         message = (str(cause).strip().splitlines() or [type(cause).__name__])[-1]
         line = f"{type(cause).__name__}: {message}"
-        append_records(self.paths.metrics, [DownstreamEvalFailedRecord(event="downstream_eval_failed", step=step,
-                                                                       error=line, time=time.time())])
+        append_records(self.paths.metrics, [DownstreamEvalFailedRecord(step=step, error=line, time=time.time())])
 
     def finish(self, timeout_s: float) -> None:
         """After training: score the checkpoints committed since the last poll, and wait up to
@@ -218,8 +225,8 @@ class DownstreamEvaluations:
             self.storage.release(checkpoint.path)
         self.pending.clear()
         reason = f"cancelled: the driver waited eval.downstream.final_wait_s={timeout_s:g}s after training"
-        append_records(self.paths.metrics, [DownstreamEvalFailedRecord(event="downstream_eval_failed", step=c.step,
-                                                                       error=reason, time=time.time()) for c in cancelled])
+        append_records(self.paths.metrics, [DownstreamEvalFailedRecord(step=c.step, error=reason, time=time.time())
+                                            for c in cancelled])
         steps = ", ".join(str(c.step) for c in cancelled)
         self.print_line(f"[meshtrain] downstream evaluation of step(s) {steps} not scored ({reason}); score them "
                         f"with python jobs/evaluate.py {self.paths.run_dir}, or raise eval.downstream.final_wait_s")

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 from meshtrain import ray_compat
 from meshtrain.config import one_line
-from meshtrain.observe.run_folder import EvictionRecord, StragglerRecord
+from meshtrain.observe.run_folder import EvictionRecord, Placement, StragglerRecord
 
 DRAIN_DEADLINE_S = 600  # the node is told it will be stopped; nothing stops it: it just takes no new work
 
@@ -45,7 +44,7 @@ class StragglerEviction:
 
     def __init__(
         self,
-        workers: list[dict[str, Any]],
+        workers: list[Placement],
         min_workers: int,
         emit: Callable[[EvictionRecord], None],
         drain: Callable[[str, str], tuple[bool, str]] = drain_node,
@@ -56,14 +55,14 @@ class StragglerEviction:
         self.drained: set[str] = set()
 
     def __call__(self, straggler: StragglerRecord) -> None:
-        ip = straggler["node"]
+        ip = straggler.node
         if ip in self.drained:
             return
         remaining = sum(1 for worker in self.workers if worker["node_ip"] != ip)
 
-        def record(evicted: bool, reason: str) -> EvictionRecord:
-            return EvictionRecord(event="eviction", step=straggler["step"], rank=straggler["rank"], node=ip,
-                                  evicted=evicted, reason=reason)
+        def record(evicted: bool, reason: str, node_id: str | None = None) -> EvictionRecord:
+            return EvictionRecord(step=straggler.step, rank=straggler.rank, node=ip, evicted=evicted, reason=reason,
+                                  node_id=node_id)
 
         if remaining < self.min_workers:
             self._say(record(False, f"{remaining} workers would remain, under scaling.min_workers={self.min_workers}"))
@@ -74,16 +73,14 @@ class StragglerEviction:
             self.drained.add(ip)
             self._say(record(False, why))
             return
-        message = f"meshtrain: rank {straggler['rank']} computes {straggler['slowdown']:.2f}x slower than the others"
+        message = f"meshtrain: rank {straggler.rank} computes {straggler.slowdown:.2f}x slower than the others"
         try:
             accepted, rejection = self.drain(node_id, message)
         except Exception as exc:  # an internal Ray API: report, never stop training over it
             accepted, rejection = False, one_line(exc)
         self.drained.add(ip)
-        said = record(accepted, "drained; the group saves and restarts without it" if accepted
-                      else f"drain refused: {rejection}")
-        said["node_id"] = node_id
-        self._say(said)
+        self._say(record(accepted, "drained; the group saves and restarts without it" if accepted
+                         else f"drain refused: {rejection}", node_id))
 
     def _say(self, record: EvictionRecord) -> None:
         self.emit(record)  # the driver prints it in the job log, from metrics.jsonl

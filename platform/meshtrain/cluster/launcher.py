@@ -7,7 +7,6 @@ import os
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 
 from meshtrain.cluster.capacity import START_TIMEOUT_ENV, check_capacity
@@ -41,7 +40,15 @@ from meshtrain.data import prepare_data
 from meshtrain.data.local_files import write_atomically
 from meshtrain.observe.goodput import GoodputLedger
 from meshtrain.observe.metrics import targets_name, targets_path, write_targets
-from meshtrain.observe.run_folder import RunPaths, StopRequest, Summary, read_summary, write_summary
+from meshtrain.observe.run_folder import (
+    ReadRecord,
+    RunPaths,
+    StopRequest,
+    Summary,
+    TrainRecord,
+    read_result,
+    write_summary,
+)
 from meshtrain.observe.progress import ProgressMonitor
 from meshtrain.observe.tracker_relay import TrackerRelay
 
@@ -130,9 +137,9 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
     goodput = GoodputLedger(started_at)
     trained_at = None
 
-    def follow_goodput(record: dict[str, Any]) -> None:
+    def follow_goodput(record: ReadRecord) -> None:
         goodput.add(record)
-        if exporter is not None and record["event"] == "train":
+        if exporter is not None and isinstance(record, TrainRecord):
             exporter.goodput(goodput.report(time.time()))
 
     with endpoint if endpoint is not None else contextlib.nullcontext():
@@ -166,16 +173,15 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
         report = goodput.report(trained_at if trained_at is not None else time.time())
         if endpoint is not None:
             endpoint.finish(report)
-    # The workers wrote the run outputs; the driver adds the job's wall time.
-    summary = read_summary(paths)
-    summary["wall_time_s"] = time.perf_counter() - started
-    summary["goodput"] = report
-    if cfg.fault_tolerance.mode == "replica":
-        summary["replica_groups"] = cfg.replica_groups()  # world_size and mesh_shape are one group's
-    if downstream is not None:
-        summary["downstream"] = downstream.latest
-    write_summary(paths, summary)
-    stopped, interrupted = summary.get("stopped"), summary.get("interrupted")
+    # Rank 0 wrote its result; the summary is it and the job's wall time, goodput and downstream scores.
+    result = read_result(paths)
+    summary = write_summary(
+        paths, result, wall_time_s=time.perf_counter() - started, goodput=report,
+        # replica mode: world_size and mesh_shape are one group's
+        replica_groups=cfg.replica_groups() if cfg.fault_tolerance.mode == "replica" else None,
+        downstream=downstream.latest if downstream is not None else None,
+    )
+    stopped, interrupted = result.stopped, result.interrupted
     if stopped:
         raise TrainingFailed(stopped_message(cfg.checkpoint, cfg.run, stopped))
     if interrupted:

@@ -39,7 +39,7 @@ def _last_committed(checkpoint: CheckpointConfig, run: RunConfig) -> str:
 
 def restarts_used(paths: RunPaths, launch_id: str) -> int:
     """How many times Ray restarted this launch's worker group (from worker_starts.jsonl)."""
-    return max(0, sum(entry.get("launch") == launch_id for entry in read_worker_starts(paths)) - 1)
+    return max(0, sum(entry.launch == launch_id for entry in read_worker_starts(paths)) - 1)
 
 
 def failure_message(checkpoint: CheckpointConfig, run: RunConfig, failure: Failure, restarts: int) -> str:

@@ -7,7 +7,7 @@ import os
 import resource
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 import ray.train
@@ -38,16 +38,18 @@ from meshtrain.observe.run_folder import (
     MetricsRecord,
     Placement,
     RecordFollower,
+    Resize,
     ResizeRecord,
     RunPaths,
+    RunResult,
     StopRequest,
-    Summary,
+    TrainRecord,
     WorkerStart,
     append_worker_start,
     read_worker_starts,
-    write_summary,
+    write_result,
 )
-from meshtrain.observe.trackers import DRIVER_EVENTS
+from meshtrain.observe.trackers import DRIVER_RECORDS
 from meshtrain.train.plan import WorkerPlan
 from meshtrain.train.trainer import train
 
@@ -64,10 +66,10 @@ def resize_record(previous: WorkerStart | None, launch_id: str, world_size: int,
     """The ``resize`` event when this group's size differs from the run's previous start, else None."""
     if previous is None:
         return None
-    before = previous.get("world_size", len(previous["workers"]))
+    before = previous.world_size
     if before == world_size:
         return None
-    if previous["launch"] != launch_id:
+    if previous.launch != launch_id:
         reason = "a new launch with another scaling.num_workers or cluster"
     elif world_size < before:
         reason = (
@@ -79,21 +81,16 @@ def resize_record(previous: WorkerStart | None, launch_id: str, world_size: int,
             f"capacity returned: Ray's check every scaling.resize_check_interval_s={scaling.resize_check_interval_s:g}s "
             f"found room for {world_size} workers"
         )
-    return ResizeRecord(event="resize", time=time.time(), from_workers=before, to_workers=world_size, reason=reason)
+    return ResizeRecord(time=time.time(), from_workers=before, to_workers=world_size, reason=reason)
 
 
-def resizes(paths: RunPaths) -> list[dict[str, Any]]:
+def resizes(paths: RunPaths) -> list[Resize]:
     """Every change of the run's worker-group size so far: when, from, to (from worker_starts.jsonl)."""
-    starts = read_worker_starts(paths)
     return [
-        {
-            "time": entry["time"],
-            "from_workers": entry["resized_from"],
-            "to_workers": entry["world_size"],
-            "reason": entry["resize_reason"],
-        }
-        for entry in starts
-        if "resized_from" in entry
+        Resize(time=entry.time, from_workers=entry.resized_from, to_workers=entry.world_size,
+               reason=entry.resize_reason or "")
+        for entry in read_worker_starts(paths)
+        if entry.resized_from is not None
     ]
 
 
@@ -117,34 +114,27 @@ def check_group_size(plan: WorkerPlan, world_size: int, replica: ReplicaPlacemen
 
 def record_worker_start(
     paths: RunPaths, launch_id: str, layout: WorkerLayout, scaling: ScalingConfig, replica: int | None = None
-) -> tuple[int, list[dict[str, Any]], ResizeRecord | None]:
+) -> tuple[int, list[Placement], ResizeRecord | None]:
     """Log this worker group's start, with where every rank runs, in the run directory.
 
     Returns the restarts of this launch (earlier starts with the same launch id, of the same replica
     group in replica mode), the placements, and the resize from the run's previous start (rank 0; None
     elsewhere, in replica mode, or when the size is the same).
     """
-    placement: Placement = {
-        "rank": layout.world_rank,
-        "node_rank": layout.node_rank,
-        "local_rank": layout.local_rank,
-        "node_ip": ray.util.get_node_ip_address(),
-        "pid": os.getpid(),
-    }
-    workers = _gather(placement)
+    placement = Placement(rank=layout.world_rank, node_rank=layout.node_rank, local_rank=layout.local_rank,
+                          node_ip=ray.util.get_node_ip_address(), pid=os.getpid())
+    workers: list[Placement] = _gather(placement)
     restarts, resize = 0, None
     if layout.world_rank == 0:
         earlier = read_worker_starts(paths)
         if replica is None:
             resize = resize_record(earlier[-1] if earlier else None, launch_id, layout.world_size, scaling)
-        start: WorkerStart = {"launch": launch_id, "time": time.time(), "world_size": layout.world_size,
-                              "workers": workers}
-        if replica is not None:
-            start["replica"] = replica
-        if resize is not None:
-            start["resized_from"], start["resize_reason"] = resize["from_workers"], resize["reason"]
-        append_worker_start(paths, start)
-        restarts = sum(entry["launch"] == launch_id and entry.get("replica") == replica for entry in earlier)
+        append_worker_start(paths, WorkerStart(
+            launch=launch_id, time=time.time(), world_size=layout.world_size, workers=workers, replica=replica,
+            resized_from=resize.from_workers if resize is not None else None,
+            resize_reason=resize.reason if resize is not None else None,
+        ))
+        restarts = sum(entry.launch == launch_id and entry.replica == replica for entry in earlier)
     return _gather(restarts)[0], workers, resize
 
 
@@ -187,17 +177,24 @@ def start_metrics(
     return metrics
 
 
-def peak_memory(device: torch.device) -> Summary:
+class PeakMemory(NamedTuple):
+    device: str
+    peak_device_memory_bytes: int | None = None
+    num_alloc_retries: int | None = None
+    peak_host_rss_bytes: int | None = None
+
+
+def peak_memory(device: torch.device) -> PeakMemory:
     """The device and the largest peak over the ranks, read once after training (a collective): PyTorch's
     peak CUDA allocation on GPU workers (and the most times a rank's caching allocator freed its cache
     to retry an allocation), the process's peak resident set (all host memory) on CPU workers."""
     if device.type == "cuda":
         retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
         peaks = _gather((torch.cuda.max_memory_allocated(device), retries))
-        return Summary(device=torch.cuda.get_device_name(device), peak_device_memory_bytes=max(peak for peak, _ in peaks),
-                       num_alloc_retries=max(count for _, count in peaks))
+        return PeakMemory(device=torch.cuda.get_device_name(device), peak_device_memory_bytes=max(peak for peak, _ in peaks),
+                          num_alloc_retries=max(count for _, count in peaks))
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return Summary(device="cpu", peak_host_rss_bytes=max(_gather(peak_rss)))
+    return PeakMemory(device="cpu", peak_host_rss_bytes=max(_gather(peak_rss)))
 
 
 def result_pointer(checkpoint: CheckpointConfig, run: RunConfig, paths: RunPaths) -> dict[str, Any]:
@@ -249,7 +246,7 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
     if layout.world_rank == 0:
         recorder = StepRecorder(paths.metrics)
         # The driver relays metrics.jsonl to the trackers; this tells them which start of the group it is.
-        recorder.record(GroupStartRecord(event="group_start", restarts=restarts, workers=layout.world_size, time=time.time()))
+        recorder.record(GroupStartRecord(restarts=restarts, workers=layout.world_size, time=time.time()))
         sinks.append(recorder)
         if plan.metrics.tensorboard:
             board = TensorBoardWriter(paths.run_dir / "tensorboard")
@@ -257,13 +254,13 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
 
     # The driver appends its downstream evaluations to metrics.jsonl; at each logged step rank 0 hands
     # those it has not seen to TensorBoard (the driver serves them to Prometheus and the trackers).
-    downstream = (RecordFollower(paths.metrics, set(DRIVER_EVENTS))
+    downstream = (RecordFollower(paths.metrics, DRIVER_RECORDS)
                   if board is not None and (plan.eval.downstream.enabled or plan.eval.samples.prompts) else None)
 
     def on_record(record: MetricsRecord) -> None:
         for sink in sinks:
             sink.record(record)
-        if downstream is not None and board is not None and record["event"] == "train":
+        if downstream is not None and board is not None and isinstance(record, TrainRecord):
             for scored in downstream.new_records():
                 board.record(scored)
 
@@ -287,31 +284,31 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
             metrics.close()
     memory = peak_memory(device)
     if layout.world_rank == 0:
-        write_summary(
-            paths,
-            {
-                "run": paths.name,
-                "steps": plan.train.steps,
-                "final_loss": result.final_loss,
-                "eval_loss": result.eval_loss,
-                "eval_loss_by_source": result.eval_loss_by_source,
-                "skipped_steps": result.skipped_steps,
-                "stopped": result.stopped,
-                "interrupted": result.interrupted,
-                "mean_tokens_per_s": result.mean_tokens_per_s,
-                "tokens": result.tokens,
-                "train_time_s": result.train_time_s,
-                "mesh_shape": list(result.mesh_shape),
-                "world_size": result.world_size,
-                "parameters": result.parameters,
-                "run_dir": str(paths.run_dir),
-                "workers": workers,
-                "resizes": resizes(paths),
-                **memory,
-            },
-        )
+        write_result(paths, RunResult(
+            run=paths.name,
+            steps=plan.train.steps,
+            final_loss=result.final_loss,
+            eval_loss=result.eval_loss,
+            eval_loss_by_source=result.eval_loss_by_source,
+            skipped_steps=result.skipped_steps,
+            stopped=result.stopped,
+            interrupted=result.interrupted,
+            mean_tokens_per_s=result.mean_tokens_per_s,
+            tokens=result.tokens,
+            train_time_s=result.train_time_s,
+            mesh_shape=list(result.mesh_shape),
+            world_size=result.world_size,
+            parameters=result.parameters,
+            run_dir=str(paths.run_dir),
+            workers=workers,
+            resizes=resizes(paths),
+            device=memory.device,
+            peak_device_memory_bytes=memory.peak_device_memory_bytes,
+            num_alloc_retries=memory.num_alloc_retries,
+            peak_host_rss_bytes=memory.peak_host_rss_bytes,
+        ))
     reporter.final(
-        {"step": result.records[-1]["step"] if result.records else 0, "loss": result.final_loss,
+        {"step": result.records[-1].step if result.records else 0, "loss": result.final_loss,
          "eval_loss": result.eval_loss, "tokens": result.tokens, "mean_tokens_per_s": result.mean_tokens_per_s,
          "skipped_steps": result.skipped_steps, "stopped": result.stopped},
         result_pointer(plan.checkpoint, plan.run, paths) if layout.world_rank == 0 else {},

@@ -23,6 +23,7 @@ from meshtrain.evaluate.harness import (
     task_manager,
 )
 from meshtrain.evaluate.hf_model import load_checkpoint_model
+from meshtrain.observe.run_folder import DownstreamEvalRecord, TextSamplesRecord
 
 DOWNSTREAM_DIR = "downstream"
 SAMPLES_FILE = "text_samples.jsonl"
@@ -50,7 +51,7 @@ class SampleRun:
 @dataclass(frozen=True)
 class CheckpointEvaluation:
     step: int
-    records: list[dict[str, Any]]  # a downstream_eval record per task, and the text_samples record
+    records: list[DownstreamEvalRecord | TextSamplesRecord]  # a downstream_eval record per task, and the text_samples record
     folder: Path  # the harness's results JSON and samples, the text samples
     seconds: float
 
@@ -88,7 +89,7 @@ def evaluate_checkpoint(
     loaded = load_checkpoint_model(checkpoint, storage_options, dtype)
     loaded.model.to(device)  # the harness and generate run the model where it lies
     folder = results_in(loaded.step)
-    records: list[dict[str, Any]] = []
+    records: list[DownstreamEvalRecord | TextSamplesRecord] = []
     if harness is not None:
         results = run_harness(loaded, harness, manager)
         save_results(results, folder)
@@ -101,6 +102,6 @@ def evaluate_checkpoint(
         partial = folder / f".{SAMPLES_FILE}.partial"
         partial.write_text("".join(json.dumps({"step": loaded.step, **row}) + "\n" for row in rows), encoding="utf-8")
         partial.replace(folder / SAMPLES_FILE)
-        records.append({"event": "text_samples", "step": loaded.step, "samples": rows,
-                        "seconds": time.perf_counter() - sampling})
+        records.append(TextSamplesRecord(step=loaded.step, samples=rows, seconds=time.perf_counter() - sampling,
+                                         time=time.time()))
     return CheckpointEvaluation(loaded.step, records, folder, time.perf_counter() - started)

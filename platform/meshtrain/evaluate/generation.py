@@ -30,6 +30,7 @@ import torch
 
 from meshtrain.config import ConfigError
 from meshtrain.evaluate.hf_model import CheckpointModel
+from meshtrain.observe.run_folder import TextSample
 
 
 def check_settings(max_new_tokens: int, temperature: float, top_p: float) -> None:
@@ -106,21 +107,17 @@ def continue_prompts(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
-) -> list[dict[str, Any]]:
+) -> list[TextSample]:
     """Each prompt's continuation: ``{"prompt", "continuation", "new_tokens", "stopped_at_eos"}``.
 
     ``new_tokens`` counts the continuation's tokens, not the end-of-document token that ended it."""
     eos = loaded.tokenizer.eos_token_id
     new = continue_ids(loaded, [prompt_ids(loaded, prompt) for prompt in prompts], max_new_tokens,
                        temperature=temperature, top_p=top_p, seed=seed)
-    results: list[dict[str, Any]] = []
+    results: list[TextSample] = []
     for prompt, ids in zip(prompts, new, strict=True):
         stopped = bool(ids) and ids[-1] == eos
         text_ids = ids[:-1] if stopped else ids
-        results.append({
-            "prompt": prompt,
-            "continuation": loaded.tokenizer.decode(text_ids),
-            "new_tokens": len(text_ids),
-            "stopped_at_eos": stopped,
-        })
+        results.append(TextSample(prompt=prompt, continuation=loaded.tokenizer.decode(text_ids),
+                                  new_tokens=len(text_ids), stopped_at_eos=stopped))
     return results

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Any
 from meshtrain.config import ConfigError
 from meshtrain.config.evaluation import DownstreamEvalConfig
 from meshtrain.evaluate.hf_model import CheckpointModel
+from meshtrain.observe.run_folder import DownstreamEvalRecord
 
 RESULTS_FILE = "results.json"
 
@@ -142,12 +144,13 @@ def metrics_of(results: dict[str, Any]) -> dict[str, dict[str, float]]:
     return metrics
 
 
-def downstream_records(results: dict[str, Any], step: int, seconds: float) -> list[dict[str, Any]]:
-    """One ``downstream_eval`` record per task, as metrics.jsonl holds them."""
+def downstream_records(results: dict[str, Any], step: int, seconds: float) -> list[DownstreamEvalRecord]:
+    """One ``downstream_eval`` record per task, as metrics.jsonl holds them (the driver sets ``time`` to when
+    it appends them)."""
     samples = results.get("n-samples", {})
     return [
-        {"event": "downstream_eval", "step": step, "task": task, **values,
-         "samples": samples.get(task, {}).get("effective"), "seconds": seconds}
+        DownstreamEvalRecord(step=step, task=task, scores=values, samples=samples.get(task, {}).get("effective"),
+                             seconds=seconds, time=time.time())
         for task, values in metrics_of(results).items()
     ]
 

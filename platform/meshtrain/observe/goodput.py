@@ -14,9 +14,11 @@ the earlier interval's share of those steps is redone work.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import TypedDict
+
+from meshtrain.observe.run_folder import CheckpointSaveRecord, EvalRecord, TrainRecord
 
 # Lost time inside a train record's interval, by cause.
 IN_STEP_CAUSES = ("data_wait", "replica_waits", "evaluation", "checkpoints")
@@ -64,30 +66,30 @@ class GoodputLedger:
         self._last_end: float | None = None
         self._covered = 0.0
 
-    def add(self, record: Mapping[str, Any]) -> None:
-        event = record.get("event")
-        if event == "eval":
-            self._pending["evaluation"] += float(record.get("seconds", 0.0))
-        elif event == "checkpoint_save":
-            self._pending["checkpoints"] += float(record.get("blocking_s", 0.0))
-        elif event == "train" and "interval_steps" in record:
+    def add(self, record: object) -> None:
+        """One record of ``metrics.jsonl`` (a kind the account does not use is passed over)."""
+        if isinstance(record, EvalRecord):
+            self._pending["evaluation"] += record.seconds
+        elif isinstance(record, CheckpointSaveRecord):
+            self._pending["checkpoints"] += record.blocking_s
+        elif isinstance(record, TrainRecord):
             self._add_train(record)
 
-    def _add_train(self, record: Mapping[str, Any]) -> None:
-        steps = int(record["interval_steps"])
-        seconds = steps * float(record["step_time_s"])
-        losses = {"data_wait": steps * float(record.get("data_wait_s", 0.0)),
-                  "replica_waits": steps * float(record.get("replica_wait_s", 0.0)), **self._pending}
+    def _add_train(self, record: TrainRecord) -> None:
+        steps = record.interval_steps
+        seconds = steps * record.step_time_s
+        losses = {"data_wait": steps * record.data_wait_s,
+                  "replica_waits": steps * (record.replica_wait_s or 0.0), **self._pending}
         self._pending = dict.fromkeys(self._pending, 0.0)
-        end = float(record["time"])
-        first = record["step"] - steps
+        end = record.time
+        first = record.step - steps
         if self._intervals and first >= self._intervals[-1].last and self._last_end is not None:
             # A writer handover (replica mode): a group that joined began its step while the previous
             # writer's interval ran, waiting for the quorum and its healing; that wait is already wall time.
             overlap = min(seconds, max(0.0, self._last_end - (end - seconds)))
             seconds -= overlap
             losses["replica_waits"] = max(0.0, losses["replica_waits"] - overlap)
-        interval = _Interval(first, record["step"], seconds, losses)
+        interval = _Interval(first, record.step, seconds, losses)
         self._supersede(interval.first)
         self._intervals.append(interval)
         self._count(interval, 1.0)
@@ -131,7 +133,7 @@ class GoodputLedger:
                 "lost_s": {cause: round(seconds, 3) for cause, seconds in lost.items()}}
 
 
-def goodput_of(records: Iterable[Mapping[str, Any]], started: float, ended: float) -> GoodputReport:
+def goodput_of(records: Iterable[object], started: float, ended: float) -> GoodputReport:
     ledger = GoodputLedger(started)
     for record in records:
         ledger.add(record)

@@ -15,7 +15,6 @@ import socket
 import socketserver
 import threading
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -34,7 +33,13 @@ from prometheus_client import (
 from meshtrain.config import OVERALL_LABEL, PermanentError
 from meshtrain.config.network import Endpoint
 from meshtrain.observe.goodput import GoodputReport
-from meshtrain.observe.trackers import downstream_scores
+from meshtrain.observe.run_folder import (
+    CheckpointLoadRecord,
+    CheckpointSaveRecord,
+    DownstreamEvalRecord,
+    EvalRecord,
+    TrainRecord,
+)
 
 # Counters and histograms would otherwise add a *_created series each; nothing here reads them.
 disable_created_metrics()
@@ -155,12 +160,12 @@ class DriverMetrics(_Exporter):
         for cause, seconds in report["lost_s"].items():
             self.lost_seconds.labels(run=self._run, cause=cause).set(seconds)
 
-    def scored(self, record: dict[str, Any]) -> None:
+    def scored(self, record: DownstreamEvalRecord) -> None:
         """A ``downstream_eval`` record, the newest of its task."""
-        task = record["task"]
-        for metric, value in downstream_scores(record).items():
+        task = record.task
+        for metric, value in record.scores.items():
             self.score.labels(run=self._run, task=task, metric=metric).set(value)
-        self.step.labels(run=self._run, task=task).set(record["step"])
+        self.step.labels(run=self._run, task=task).set(record.step)
 
 
 class TrainingMetrics(_Exporter):
@@ -331,29 +336,30 @@ class TrainingMetrics(_Exporter):
         self.tokens.inc(worker_tokens)
         self.data_wait.inc(data_wait_s)
 
-    def logged(self, record: Mapping[str, Any], world_size: int) -> None:
+    def logged(self, record: TrainRecord, world_size: int) -> None:
         """At logging steps, from the record rank 0 also writes to metrics.jsonl."""
         for seconds in self._clock.drain():
             self.step_duration.observe(seconds)
-        self.loss.set(record["loss"])
-        self.learning_rate.set(record["lr"])
-        self.grad_norm.set(record["grad_norm"])
-        self.run_tokens.set(record["tokens"])
-        worker_tokens_per_s = record["tokens_per_s"] / world_size
+        self.loss.set(record.loss)
+        self.learning_rate.set(record.lr)
+        self.grad_norm.set(record.grad_norm)
+        self.run_tokens.set(record.tokens)
+        worker_tokens_per_s = record.tokens_per_s / world_size
         self.tokens_per_second.set(worker_tokens_per_s)
         if self.peak_flops_per_s:
             # A record without the interval's own counts (no model counted them) falls back to the whole window.
-            computed = record.get("flops_per_token", self.flops_per_token)
-            full = record.get("flops_per_token_full_attention", self.flops_per_token)
+            computed = record.flops_per_token if record.flops_per_token is not None else self.flops_per_token
+            full = (record.flops_per_token_full_attention if record.flops_per_token_full_attention is not None
+                    else self.flops_per_token)
             self.mfu.set(worker_tokens_per_s * computed / self.peak_flops_per_s)
             self.mfu_full_attention.set(worker_tokens_per_s * full / self.peak_flops_per_s)
 
-    def evaluated(self, record: Mapping[str, Any]) -> None:
-        self.eval_loss.labels(**self._label_values, source=OVERALL_LABEL).set(record["loss"])
-        for name, scores in record.get("sources", {}).items():
+    def evaluated(self, record: EvalRecord) -> None:
+        self.eval_loss.labels(**self._label_values, source=OVERALL_LABEL).set(record.loss)
+        for name, scores in record.sources.items():
             if scores["loss"] is not None:
                 self.eval_loss.labels(**self._label_values, source=name).set(scores["loss"])
-        self.eval_step.set(record["step"])
+        self.eval_step.set(record.step)
 
     def replicas(self, live: int, heal_s: float | None, heal_bytes: int | None) -> None:
         self.replicas_live.set(live)
@@ -367,16 +373,16 @@ class TrainingMetrics(_Exporter):
         self.skipped_steps.inc(max(0, skipped_total - self._skipped_seen))
         self._skipped_seen = max(self._skipped_seen, skipped_total)
 
-    def checkpoint_event(self, event: Mapping[str, Any]) -> None:
-        if event["event"] == "checkpoint_save":
-            self.checkpoint_duration.set(event["total_s"])
-            self.checkpoint_size.set(event["bytes"])
-            self.checkpoint_step.set(event["step"])
+    def checkpoint_event(self, event: CheckpointSaveRecord | CheckpointLoadRecord) -> None:
+        if isinstance(event, CheckpointSaveRecord):
+            self.checkpoint_duration.set(event.total_s)
+            self.checkpoint_size.set(event.bytes)
+            self.checkpoint_step.set(event.step)
             self.checkpoint_commit_time.set(time.time())
             self.checkpoint_saves.inc()
-        elif event["event"] == "checkpoint_load":
-            self.checkpoint_load.set(event["load_s"])
-            self.checkpoint_step.set(event["step"])  # what a resumed group starts from is the newest committed
+        else:
+            self.checkpoint_load.set(event.load_s)
+            self.checkpoint_step.set(event.step)  # what a resumed group starts from is the newest committed
 
     def checkpoint_blocked(self, seconds: float) -> None:
         self.checkpoint_blocking.set(seconds)

@@ -7,10 +7,32 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
-from meshtrain.observe.run_folder import LineAppender, RecordFollower
-from meshtrain.observe.trackers import downstream_scores
+from meshtrain.observe.run_folder import (
+    CheckpointLoadRecord,
+    CheckpointSaveRecord,
+    CheckpointSkippedRecord,
+    DownstreamEvalFailedRecord,
+    DownstreamEvalRecord,
+    EvalRecord,
+    EvictionRecord,
+    GroupStartRecord,
+    LineAppender,
+    PreemptedRecord,
+    ReadRecord,
+    RecordFollower,
+    ReplicaJoinedRecord,
+    ReplicaLostRecord,
+    ResizeRecord,
+    ResizeSaveRecord,
+    StoppedRecord,
+    StragglerRecord,
+    TextSamplesRecord,
+    TrainRecord,
+    WarningRecord,
+    record_items,
+)
 
 
 def format_duration(seconds: float) -> str:
@@ -20,74 +42,76 @@ def format_duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
-def progress_line(record: dict[str, Any], total_steps: int) -> str:
-    if record["event"] == "checkpoint_save":
-        return (
-            f"[meshtrain] checkpoint step {record['step']} committed: {record['bytes'] / 2**20:,.1f} MiB, "
-            f"loop blocked {record['blocking_s']:.2f}s, written in {record['total_s']:.2f}s -> {record['path']}"
-        )
-    if record["event"] == "checkpoint_load":
-        return f"[meshtrain] resumed from {record['path']} (step {record['step']}) in {record['load_s']:.2f}s"
-    if record["event"] == "resize":
-        return (
-            f"[meshtrain] worker group resized from {record['from_workers']} to {record['to_workers']} workers: "
-            f"{record['reason']}"
-        )
-    if record["event"] == "checkpoint_skipped":
-        return f"[meshtrain] checkpoint step {record['step']} not saved: {record['reason']}"
-    if record["event"] == "eval":
-        return (
-            f"[meshtrain] eval step {record['step']}: validation loss {record['loss']:.4f}, "
-            f"perplexity {record['perplexity']:,.2f} ({record['samples']} sequences)"
-        )
-    if record["event"] == "stopped":
-        return f"[meshtrain] stopped at step {record['step']}: {record['reason']}"
-    if record["event"] == "straggler":
-        return (
-            f"[meshtrain] straggler: rank {record['rank']} on node {record['node']} computes {record['slowdown']:.2f}x "
-            f"slower than the median of the other ranks for {record['logged_steps']} logged steps (step {record['step']}); "
-            "every step waits for it"
-        )
-    if record["event"] == "eviction":
-        verb = "evicting" if record["evicted"] else "not evicting"
-        return f"[meshtrain] {verb} straggler rank {record['rank']}'s node {record['node']}: {record['reason']}"
-    if record["event"] == "preempted":
-        kept = "saved and committed" if record["saved"] else "not saved"
-        return (f"[meshtrain] preemption notice ({record['reason']}): step {record['step']} {kept} in "
-                f"{record['save_s']:.1f}s; the group restarts from it")
-    if record["event"] == "resize_save":
-        return f"[meshtrain] growing the group: step {record['step']} saved in {record['save_s']:.1f}s, waiting for Ray to restart it"
-    if record["event"] == "replica_lost":
-        return (f"[meshtrain] step {record['step']} trains on {record['participants']} of {record['replicas']} replica "
-                f"groups: a replica group was lost ({record['stall_s']:.1f}s stall, {record['quorum_s']:.1f}s of it "
-                "waiting for the quorum); Ray replaces it while the others go on")
-    if record["event"] == "replica_joined":
-        return (f"[meshtrain] replica group {record['replica']} joined at step {record['step']} with replica group "
-                f"{record['source']}'s state ({record['bytes'] / 2**20:,.1f} MiB in {record['seconds']:.1f}s); "
-                f"{record['participants']} replica groups train")
-    if record["event"] == "warning":
-        return f"[meshtrain] warning: {record['message']}"
-    if record["event"] == "downstream_eval":
-        values = ", ".join(f"{key} {value:.4g}" for key, value in downstream_scores(record).items())
-        return (f"[meshtrain] downstream step {record['step']} {record['task']} ({record.get('samples')} examples, "
-                f"{record.get('seconds', 0):.1f}s): {values}")
-    if record["event"] == "text_samples":
-        return "\n".join(f"[meshtrain] sample step {record['step']}: {sample['prompt']!r} -> {sample['continuation']!r}"
-                         for sample in record["samples"])
-    if record["event"] == "downstream_eval_failed":
-        return f"[meshtrain] downstream evaluation of step {record['step']} failed ({record['error']}); training is not affected"
-    if record["event"] != "train":  # a record this driver does not know (a newer worker): shown as it is
-        details = ", ".join(f"{key}={value}" for key, value in record.items() if key not in ("event", "step"))
-        return f"[meshtrain] {record['event']} at step {record.get('step', '?')}: {details}"
-    eta = (total_steps - record["step"]) * record["step_time_s"]
-    return (
-        f"[meshtrain] step {record['step']}/{total_steps} | loss {record['loss']:.4f} | "
-        f"lr {record['lr']:.2e} | grad_norm {record['grad_norm']:.3f} | "
-        f"{record['tokens_per_s']:,.0f} tok/s"
-        + (f" on {record['world_size']} workers" if "world_size" in record else "")
-        + f" | {record['step_time_s'] * 1000:.0f} ms/step | "
-        f"ETA {format_duration(eta)}" + (f" | skipped {record['skipped_steps']}" if record.get("skipped_steps") else "")
-    )
+def progress_line(record: ReadRecord, total_steps: int) -> str:
+    match record:
+        case CheckpointSaveRecord():
+            return (
+                f"[meshtrain] checkpoint step {record.step} committed: {record.bytes / 2**20:,.1f} MiB, "
+                f"loop blocked {record.blocking_s:.2f}s, written in {record.total_s:.2f}s -> {record.path}"
+            )
+        case CheckpointLoadRecord():
+            return f"[meshtrain] resumed from {record.path} (step {record.step}) in {record.load_s:.2f}s"
+        case ResizeRecord():
+            return (
+                f"[meshtrain] worker group resized from {record.from_workers} to {record.to_workers} workers: "
+                f"{record.reason}"
+            )
+        case CheckpointSkippedRecord():
+            return f"[meshtrain] checkpoint step {record.step} not saved: {record.reason}"
+        case EvalRecord():
+            return (
+                f"[meshtrain] eval step {record.step}: validation loss {record.loss:.4f}, "
+                f"perplexity {record.perplexity:,.2f} ({record.samples} sequences)"
+            )
+        case StoppedRecord():
+            return f"[meshtrain] stopped at step {record.step}: {record.reason}"
+        case StragglerRecord():
+            return (
+                f"[meshtrain] straggler: rank {record.rank} on node {record.node} computes {record.slowdown:.2f}x "
+                f"slower than the median of the other ranks for {record.logged_steps} logged steps (step {record.step}); "
+                "every step waits for it"
+            )
+        case EvictionRecord():
+            verb = "evicting" if record.evicted else "not evicting"
+            return f"[meshtrain] {verb} straggler rank {record.rank}'s node {record.node}: {record.reason}"
+        case PreemptedRecord():
+            kept = "saved and committed" if record.saved else "not saved"
+            return (f"[meshtrain] preemption notice ({record.reason}): step {record.step} {kept} in "
+                    f"{record.save_s:.1f}s; the group restarts from it")
+        case ResizeSaveRecord():
+            return f"[meshtrain] growing the group: step {record.step} saved in {record.save_s:.1f}s, waiting for Ray to restart it"
+        case ReplicaLostRecord():
+            return (f"[meshtrain] step {record.step} trains on {record.participants} of {record.replicas} replica "
+                    f"groups: a replica group was lost ({record.stall_s:.1f}s stall, {record.quorum_s:.1f}s of it "
+                    "waiting for the quorum); Ray replaces it while the others go on")
+        case ReplicaJoinedRecord():
+            return (f"[meshtrain] replica group {record.replica} joined at step {record.step} with replica group "
+                    f"{record.source}'s state ({record.bytes / 2**20:,.1f} MiB in {record.seconds:.1f}s); "
+                    f"{record.participants} replica groups train")
+        case WarningRecord():
+            return f"[meshtrain] warning: {record.message}"
+        case DownstreamEvalRecord():
+            values = ", ".join(f"{key} {value:.4g}" for key, value in record.scores.items())
+            return (f"[meshtrain] downstream step {record.step} {record.task} ({record.samples} examples, "
+                    f"{record.seconds:.1f}s): {values}")
+        case TextSamplesRecord():
+            return "\n".join(f"[meshtrain] sample step {record.step}: {sample['prompt']!r} -> {sample['continuation']!r}"
+                             for sample in record.samples)
+        case DownstreamEvalFailedRecord():
+            return f"[meshtrain] downstream evaluation of step {record.step} failed ({record.error}); training is not affected"
+        case TrainRecord():
+            eta = (total_steps - record.step) * record.step_time_s
+            return (
+                f"[meshtrain] step {record.step}/{total_steps} | loss {record.loss:.4f} | "
+                f"lr {record.lr:.2e} | grad_norm {record.grad_norm:.3f} | "
+                f"{record.tokens_per_s:,.0f} tok/s on {record.world_size} workers"
+                f" | {record.step_time_s * 1000:.0f} ms/step | "
+                f"ETA {format_duration(eta)}" + (f" | skipped {record.skipped_steps}" if record.skipped_steps else "")
+            )
+    # A kind without a line of its own, or one this driver does not know (a newer worker's): shown as it is.
+    kind, fields = record_items(record)
+    details = ", ".join(f"{key}={value}" for key, value in fields.items() if key != "step")
+    return f"[meshtrain] {kind} at step {fields.get('step', '?')}: {details}"
 
 
 class StepRecorder(LineAppender):
@@ -110,7 +134,7 @@ class ProgressMonitor:
         interval_s: float,
         stream: TextIO = sys.stdout,
         poll_s: float = 1.0,
-        listeners: Sequence[Callable[[dict[str, Any]], None]] = (),
+        listeners: Sequence[Callable[[ReadRecord], None]] = (),
     ) -> None:
         """``listeners`` see every record this launch's workers write, in order (the goodput ledger)."""
         self.path, self.total_steps, self.interval_s = path, total_steps, interval_s
@@ -119,7 +143,7 @@ class ProgressMonitor:
         self.tty = stream.isatty()
         self._records = RecordFollower(path, from_end=True)  # a resumed run's earlier lines stay unprinted
         self._last_printed_at: float | None = None
-        self._unprinted: dict[str, Any] | None = None
+        self._unprinted: TrainRecord | None = None
         self._status_shown = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="meshtrain-progress", daemon=True)
@@ -149,11 +173,11 @@ class ProgressMonitor:
                 listener(record)
             self.show(record)
 
-    def show(self, record: dict[str, Any]) -> None:
-        if record["event"] == "group_start":  # for the trackers; Ray's own log tells of a restart
+    def show(self, record: ReadRecord) -> None:
+        if isinstance(record, GroupStartRecord):  # for the trackers; Ray's own log tells of a restart
             return
         line = progress_line(record, self.total_steps)
-        if record["event"] != "train":
+        if not isinstance(record, TrainRecord):
             self._print(line)
         elif self.tty:
             self.stream.write("\r\033[K" + line)
@@ -162,7 +186,7 @@ class ProgressMonitor:
         else:
             now = time.monotonic()
             due = self._last_printed_at is None or now - self._last_printed_at >= self.interval_s
-            if due or record["step"] >= self.total_steps:
+            if due or record.step >= self.total_steps:
                 self._print(line)
                 self._last_printed_at = now
             else:

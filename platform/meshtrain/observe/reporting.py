@@ -20,7 +20,6 @@ import math
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,14 @@ import torch
 import torch.distributed as dist
 
 from meshtrain import ray_compat
-from meshtrain.observe.trackers import downstream_scores
+from meshtrain.observe.run_folder import (
+    CheckpointSaveRecord,
+    DownstreamEvalRecord,
+    EvalRecord,
+    ReadRecord,
+    TextSamplesRecord,
+    TrainRecord,
+)
 
 REPORTED_TRAIN_KEYS = ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "skipped_steps")
 RESULT_FILE = "meshtrain_result.json"
@@ -44,10 +50,10 @@ class RayTrainReporter:
         self._last_report = -math.inf
         self._eval: dict[str, Any] = {}
 
-    def evaluated(self, record: Mapping[str, Any]) -> None:
-        self._eval = {"eval_loss": record["loss"], "eval_perplexity": record["perplexity"], "eval_step": record["step"]}
+    def evaluated(self, record: EvalRecord) -> None:
+        self._eval = {"eval_loss": record.loss, "eval_perplexity": record.perplexity, "eval_step": record.step}
 
-    def logged(self, record: Mapping[str, Any], last: bool) -> None:
+    def logged(self, record: TrainRecord, last: bool) -> None:
         """Called by every worker at every logged step."""
         now = time.monotonic()
         due = torch.tensor(int(self.rank == 0 and (last or now - self._last_report >= self.interval_s)),
@@ -58,7 +64,7 @@ class RayTrainReporter:
             return
         import ray.train
 
-        ray.train.report({**{key: record[key] for key in REPORTED_TRAIN_KEYS}, **self._eval})
+        ray.train.report({**{key: getattr(record, key) for key in REPORTED_TRAIN_KEYS}, **self._eval})
         self._last_report = now
 
     def final(self, metrics: dict[str, Any], pointer: dict[str, Any]) -> None:
@@ -87,23 +93,23 @@ class TensorBoardWriter:
 
         self._writer = SummaryWriter(str(log_dir))
 
-    def record(self, record: dict[str, Any]) -> None:
-        step, event = record["step"], record["event"]
-        if event == "train":
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "skipped_steps"):
-                self._writer.add_scalar(f"train/{key}", record[key], step)
-        elif event == "eval":
-            self._writer.add_scalar("eval/loss", record["loss"], step)
-            self._writer.add_scalar("eval/perplexity", record["perplexity"], step)
-        elif event == "text_samples":
-            for index, sample in enumerate(record["samples"]):
-                self._writer.add_text(f"samples/{index}", f"{sample['prompt']} ⟶ {sample['continuation']}", step)
-        elif event == "downstream_eval":
-            for key, value in downstream_scores(record).items():
-                self._writer.add_scalar(f"downstream/{record['task']}/{key}", value, step)
-        elif event == "checkpoint_save":
-            self._writer.add_scalar("checkpoint/blocking_s", record["blocking_s"], step)
-            self._writer.add_scalar("checkpoint/total_s", record["total_s"], step)
+    def record(self, record: ReadRecord) -> None:
+        match record:
+            case TrainRecord():
+                for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "skipped_steps"):
+                    self._writer.add_scalar(f"train/{key}", getattr(record, key), record.step)
+            case EvalRecord():
+                self._writer.add_scalar("eval/loss", record.loss, record.step)
+                self._writer.add_scalar("eval/perplexity", record.perplexity, record.step)
+            case TextSamplesRecord():
+                for index, sample in enumerate(record.samples):
+                    self._writer.add_text(f"samples/{index}", f"{sample['prompt']} ⟶ {sample['continuation']}", record.step)
+            case DownstreamEvalRecord():
+                for key, value in record.scores.items():
+                    self._writer.add_scalar(f"downstream/{record.task}/{key}", value, record.step)
+            case CheckpointSaveRecord():
+                self._writer.add_scalar("checkpoint/blocking_s", record.blocking_s, record.step)
+                self._writer.add_scalar("checkpoint/total_s", record.total_s, record.step)
         self._writer.flush()
 
     def close(self) -> None:

@@ -7,10 +7,13 @@ file                   written by                                  read by
 =====================  ==========================================  ===========================================
 ``metrics.jsonl``      rank 0 (its records), the driver            the driver (progress line, downstream), rank
                        (downstream results), both through          0 (the driver's results, for its trackers),
-                       :class:`LineAppender`                    trackers, benchmarks: :func:`read_records`,
+                       :class:`LineAppender`                       trackers, benchmarks: :func:`read_records`,
                                                                    :class:`RecordFollower`
-``summary.json``       rank 0, then the driver (wall time,         the driver, benchmarks, tests:
-                       downstream): :func:`write_summary`          :func:`read_summary`
+``result.json``        rank 0, when training ends:                 the driver: :func:`read_result`
+                       :func:`write_result`
+``summary.json``       the driver alone: rank 0's result, wall     benchmarks, tests, you: :func:`read_summary`
+                       time, goodput, downstream:
+                       :func:`write_summary`
 ``worker_starts.jsonl``  rank 0 of each worker group start:        the driver (restarts used), rank 0 (resizes),
                        :func:`append_worker_start`                 benchmarks: :func:`read_worker_starts`
 ``stop_request.json``  the driver (Ctrl-C, ``ray job stop``):      every worker: :meth:`StopRequest.read`
@@ -18,42 +21,135 @@ file                   written by                                  read by
 =====================  ==========================================  ===========================================
 
 ``config.yaml``, ``tokenizer.json`` and ``driver.lock`` are the driver's own (``cluster.launcher``,
-``cluster.run_lease``). Every record of ``metrics.jsonl`` is a JSON object with an ``event`` among
-:data:`RECORD_KINDS` and the keys of that kind's TypedDict (:func:`check_record`); a reader skips a torn
-last line (a writer killed mid-line) and keeps kinds it does not know (a newer writer).
+``cluster.run_lease``).
+
+Every record of ``metrics.jsonl`` is a JSON object with an ``event`` among :data:`RECORD_KINDS` and the
+keys of that kind's class: each kind is a frozen dataclass (:class:`Record`) whose ``event`` is a class
+variable. Writers build the class and hand it to :meth:`LineAppender.record`, which encodes it
+(:meth:`Record.to_json`: a field that defaults to None is an optional key, left out while None); every
+reader parses lines with :func:`parse_record`, the one place that looks at ``event``, and tells kinds
+apart by class (``isinstance``, ``match``). A reader skips a torn last line (a writer killed mid-line)
+and a record of a known kind that lacks one of its keys (malformed: the writer's class has it); it
+drops keys a kind does not have and keeps a kind it does not know (a newer writer's) as an
+:class:`UnknownRecord`. Values are not checked.
+
+A new kind of record is a class here (and a member of :data:`MetricsRecord`), its entry in
+:data:`RECORD_KINDS`, its writer, and the record reference regenerated (``python jobs/record_reference.py
+--write``): three files.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, TypedDict
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple, TypedDict, TypeVar, cast, overload
 
 from meshtrain.config import RunConfig
 from meshtrain.data.local_files import write_atomically
-from meshtrain.observe.goodput import GoodputReport
 
-Record = dict[str, Any]
+if TYPE_CHECKING:  # goodput reads the records defined here
+    from meshtrain.observe.goodput import GoodputReport
 
-# --- the records of metrics.jsonl: one TypedDict per kind, with exactly the keys its writer writes ---
+# --- encoding: dataclass <-> JSON object ---------------------------------------------------------
 
+FLAT: Mapping[str, bool] = {"flat": True}  # field metadata: a dict whose items are the object's own keys
 
-class FlopsPerToken(TypedDict, total=False):
-    flops_per_token: float  # when the steps count the attention they compute
-    flops_per_token_full_attention: float
-
-
-class _ReplicaWait(FlopsPerToken, total=False):
-    replica_wait_s: float  # fault_tolerance.mode=replica: mean per step in the quorum and in uncommitted attempts
-    replicas: int  # fault_tolerance.mode=replica: the replica groups that trained the record's step
+_ALWAYS, _UNLESS_NONE, _FLAT = 0, 1, 2
 
 
-class TrainRecord(_ReplicaWait):
-    event: Literal["train"]
+class _Codec:
+    """One dataclass's fields, in order, and how each is written: always, left out while None (a field
+    that defaults to None: an optional key), or its items as the object's own keys (``FLAT``).
+
+    ``encode`` is compiled once per class, as dataclasses compile ``__init__``: one dict display and a
+    statement per optional field, about three times faster than a loop over the fields (rank 0 writes a
+    record at every logged step)."""
+
+    def __init__(self, cls: type) -> None:
+        fields = dataclasses.fields(cls)
+        self.cls = cls
+        event = getattr(cls, "event", None)
+        self.head: dict[str, str] = {"event": event} if isinstance(event, str) else {}
+        ways = [(item.name, _FLAT if item.metadata.get("flat") else _UNLESS_NONE if item.default is None else _ALWAYS)
+                for item in fields]
+        self.known = frozenset(name for name, _ in ways)
+        self.required = frozenset(item.name for item in fields if item.default is dataclasses.MISSING
+                                  and item.default_factory is dataclasses.MISSING)
+        self.flat = next((name for name, way in ways if way == _FLAT), None)
+        self.encode: Callable[[Any], dict[str, Any]] = _compiled_encoder(cls.__name__, self.head, ways)
+
+    def decode(self, document: Mapping[str, Any]) -> Any:
+        """The instance, or None when ``document`` lacks a key the class requires. Keys the class does
+        not have are dropped; a flattened field gathers those with a float value."""
+        values = {key: value for key, value in document.items() if key in self.known}
+        if self.flat is not None:
+            values[self.flat] = {key: value for key, value in document.items()
+                                 if key not in self.known and key not in self.head and isinstance(value, float)}
+        if not self.required <= values.keys():
+            return None
+        return self.cls(**values)
+
+
+def _compiled_encoder(name: str, head: dict[str, str], ways: list[tuple[str, int]]) -> Callable[[Any], dict[str, Any]]:
+    """``def encode(value): out = {"event": "train", "a": value.a, ...}; if value.b is not None: out["b"] =
+    value.b; ...``: the fields in their order (dataclass field names are identifiers)."""
+    leading = 0
+    while leading < len(ways) and ways[leading][1] == _ALWAYS:
+        leading += 1
+    items = [f"{key!r}: {value!r}" for key, value in head.items()] + [f"{key!r}: value.{key}" for key, _ in ways[:leading]]
+    lines = [f"    out = {{{', '.join(items)}}}"]
+    for key, way in ways[leading:]:
+        if way == _ALWAYS:
+            lines.append(f"    out[{key!r}] = value.{key}")
+        elif way == _UNLESS_NONE:
+            lines.append(f"    item = value.{key}\n    if item is not None:\n        out[{key!r}] = item")
+        else:
+            lines.append(f"    out.update(value.{key})")
+    namespace: dict[str, Any] = {}
+    exec(compile("def encode(value):\n" + "\n".join(lines) + "\n    return out\n", f"<{name} encoder>", "exec"), namespace)
+    encode: Callable[[Any], dict[str, Any]] = namespace["encode"]
+    return encode
+
+
+_CODECS: dict[type, _Codec] = {}
+
+
+def _codec(cls: type) -> _Codec:
+    codec = _CODECS.get(cls)
+    if codec is None:
+        codec = _CODECS[cls] = _Codec(cls)
+    return codec
+
+
+class JsonObject:
+    """A dataclass written as one JSON object of the run folder (a record, a worker start, a result)."""
+
+    __slots__ = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object: every field by name, those that default to None only when set, flattened
+        fields' items as keys of their own (and a record's ``event`` first)."""
+        return _codec(type(self)).encode(self)
+
+
+# --- the records of metrics.jsonl: one frozen dataclass per kind, with exactly the keys its writer writes ---
+
+
+class Record(JsonObject):
+    """A record of ``metrics.jsonl``; each kind is a subclass whose ``event`` names it."""
+
+    __slots__ = ()
+    event: ClassVar[str]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainRecord(Record):
+    event: ClassVar[str] = "train"
     step: int
     loss: float
     lr: float
@@ -68,6 +164,10 @@ class TrainRecord(_ReplicaWait):
     world_size: int
     time: float
     samples: list[int]  # the global samples the step read: [first, end)
+    flops_per_token: float | None = None  # when the steps count the attention they compute
+    flops_per_token_full_attention: float | None = None
+    replica_wait_s: float | None = None  # fault_tolerance.mode=replica: mean per step in the quorum and in uncommitted attempts
+    replicas: int | None = None  # fault_tolerance.mode=replica: the replica groups that trained the record's step
 
 
 class SourceEval(TypedDict):
@@ -75,8 +175,9 @@ class SourceEval(TypedDict):
     tokens: int
 
 
-class EvalRecord(TypedDict):
-    event: Literal["eval"]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EvalRecord(Record):
+    event: ClassVar[str] = "eval"
     step: int
     loss: float
     perplexity: float
@@ -86,8 +187,9 @@ class EvalRecord(TypedDict):
     seconds: float
 
 
-class CheckpointSaveRecord(TypedDict):
-    event: Literal["checkpoint_save"]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointSaveRecord(Record):
+    event: ClassVar[str] = "checkpoint_save"
     step: int
     path: str
     blocking_s: float
@@ -96,76 +198,85 @@ class CheckpointSaveRecord(TypedDict):
     mode: Literal["async", "sync"]
 
 
-class CheckpointLoadRecord(TypedDict):
-    event: Literal["checkpoint_load"]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointLoadRecord(Record):
+    event: ClassVar[str] = "checkpoint_load"
     step: int
     path: str
     load_s: float
     rng_restored: bool
 
 
-class CheckpointSkippedRecord(TypedDict):
-    event: Literal["checkpoint_skipped"]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointSkippedRecord(Record):
+    event: ClassVar[str] = "checkpoint_skipped"
     step: int
     reason: str
 
 
-class StoppedRecord(TypedDict):
-    event: Literal["stopped"]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StoppedRecord(Record):
+    event: ClassVar[str] = "stopped"
     step: int
     reason: str
 
 
-class WarningRecord(TypedDict):
-    event: Literal["warning"]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WarningRecord(Record):
+    event: ClassVar[str] = "warning"
     step: int
     setting: str
     message: str
 
 
-class _PreemptedRequired(TypedDict):
-    event: Literal["preempted"]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PreemptedRecord(Record):
+    event: ClassVar[str] = "preempted"
     step: int
     reason: str
     ranks: list[int]
     saved: bool
     save_s: float
-
-
-class PreemptedRecord(_PreemptedRequired, total=False):
-    notice_to_commit_s: float  # when some rank knows its notice's age
-    replica_peers_live: int  # fault_tolerance.mode=replica: live replica groups it left the training to (no save then)
+    notice_to_commit_s: float | None = None  # when some rank knows its notice's age
+    replica_peers_live: int | None = None  # fault_tolerance.mode=replica: live replica groups it left the training to (no save then)
 
 
 class Interrupted(TypedDict):
-    """Where the driver's stop request left the run (also ``summary.json``'s ``interrupted``)."""
+    """Where the driver's stop request left the run (``result.json``'s and ``summary.json``'s ``interrupted``)."""
 
     step: int
     saved: bool
     reason: str | None
 
 
-class InterruptedRecord(Interrupted):
-    event: Literal["interrupted"]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InterruptedRecord(Record):
+    event: ClassVar[str] = "interrupted"
+    step: int
+    saved: bool
+    reason: str | None
 
 
-class ResizeRecord(TypedDict):
-    event: Literal["resize"]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ResizeRecord(Record):
+    event: ClassVar[str] = "resize"
     time: float
     from_workers: int
     to_workers: int
     reason: str
 
 
-class ResizeSaveRecord(TypedDict):
-    event: Literal["resize_save"]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ResizeSaveRecord(Record):
+    event: ClassVar[str] = "resize_save"
     step: int
     saved: bool
     save_s: float
 
 
-class StragglerRecord(TypedDict):
-    event: Literal["straggler"]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StragglerRecord(Record):
+    event: ClassVar[str] = "straggler"
     step: int
     rank: int
     node: str
@@ -175,21 +286,20 @@ class StragglerRecord(TypedDict):
     logged_steps: int
 
 
-class _EvictionRequired(TypedDict):
-    event: Literal["eviction"]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EvictionRecord(Record):
+    event: ClassVar[str] = "eviction"
     step: int
     rank: int
     node: str
     evicted: bool
     reason: str
+    node_id: str | None = None  # when Ray knows the node
 
 
-class EvictionRecord(_EvictionRequired, total=False):
-    node_id: str  # when Ray knows the node
-
-
-class ProfileRecord(TypedDict):
-    event: Literal["profile"]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileRecord(Record):
+    event: ClassVar[str] = "profile"
     step: int
     rank: int
     first_step: int
@@ -198,26 +308,31 @@ class ProfileRecord(TypedDict):
     trace: str
 
 
-class MemorySnapshotRecord(TypedDict):
-    event: Literal["memory_snapshot"]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemorySnapshotRecord(Record):
+    event: ClassVar[str] = "memory_snapshot"
     step: int
     rank: int
     path: str
 
 
-class DownstreamEvalRecord(TypedDict):
-    """Besides these keys, one float per lm-evaluation-harness metric (``acc``, ``acc_norm``, ...)."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DownstreamEvalRecord(Record):
+    """``scores``: one float per lm-evaluation-harness metric (``acc``, ``acc_norm``, ...), each a key of
+    the JSON object of its own."""
 
-    event: Literal["downstream_eval"]
+    event: ClassVar[str] = "downstream_eval"
     step: int
     task: str
+    scores: dict[str, float] = field(default_factory=dict, metadata=FLAT)
     samples: int | None
     seconds: float
     time: float
 
 
-class DownstreamEvalFailedRecord(TypedDict):
-    event: Literal["downstream_eval_failed"]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DownstreamEvalFailedRecord(Record):
+    event: ClassVar[str] = "downstream_eval_failed"
     step: int
     error: str
     time: float
@@ -230,23 +345,26 @@ class TextSample(TypedDict):
     stopped_at_eos: bool
 
 
-class TextSamplesRecord(TypedDict):
-    event: Literal["text_samples"]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TextSamplesRecord(Record):
+    event: ClassVar[str] = "text_samples"
     step: int
     samples: list[TextSample]
     seconds: float
     time: float
 
 
-class GroupStartRecord(TypedDict):
-    event: Literal["group_start"]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupStartRecord(Record):
+    event: ClassVar[str] = "group_start"
     restarts: int
     workers: int
     time: float
 
 
-class ReplicaJoinedRecord(TypedDict):
-    event: Literal["replica_joined"]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicaJoinedRecord(Record):
+    event: ClassVar[str] = "replica_joined"
     step: int  # the step it joined at: the steps committed before it
     replica: int  # the joining replica group's index
     participants: int  # live replica groups with it
@@ -256,8 +374,9 @@ class ReplicaJoinedRecord(TypedDict):
     time: float
 
 
-class ReplicaLostRecord(TypedDict):
-    event: Literal["replica_lost"]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicaLostRecord(Record):
+    event: ClassVar[str] = "replica_lost"
     step: int  # the first step trained without it
     participants: int  # live replica groups left
     replicas: int  # the run's replica groups
@@ -269,8 +388,9 @@ class ReplicaLostRecord(TypedDict):
     time: float
 
 
-class MixtureRecord(TypedDict):
-    event: Literal["mixture"]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MixtureRecord(Record):
+    event: ClassVar[str] = "mixture"
     step: int
     samples: list[int]  # the global samples [from, to) it counts: those trained since the previous record
     sources: dict[str, float]  # each source's share of them (data.sources' weights are what they aim at)
@@ -284,63 +404,101 @@ MetricsRecord = (
 )
 
 
+@dataclass(frozen=True)
+class UnknownRecord:
+    """A record of a kind this reader does not know (a newer writer's), kept as it is: its kind and its
+    other keys."""
+
+    kind: str
+    fields: dict[str, Any]
+
+
+ReadRecord = MetricsRecord | UnknownRecord  # what a reader gets
+
+
 class RecordKind(NamedTuple):
+    record: type[Record]  # the kind's class: its event, its fields
     writer: str
     description: str
-    schema: type  # the kind's TypedDict
-    extra_values: type | None = None  # the type of any other key's value, where a kind allows others
 
 
-# Every kind of metrics.jsonl record: who writes it, what it says, and its keys.
-RECORD_KINDS: dict[str, RecordKind] = {
-    "train": RecordKind("rank 0", "a logged step: loss, lr, grad norm, tokens, throughput, step and data-wait time, FLOPs",
-                        TrainRecord),
-    "eval": RecordKind("rank 0", "validation loss and perplexity, overall and per source", EvalRecord),
-    "checkpoint_save": RecordKind("rank 0", "a committed checkpoint: path, blocking and total seconds, bytes, mode",
-                                  CheckpointSaveRecord),
-    "checkpoint_load": RecordKind("rank 0", "the checkpoint a start resumed from, and how long the load took",
-                                  CheckpointLoadRecord),
-    "checkpoint_skipped": RecordKind("rank 0", "a save step the step guard skipped", CheckpointSkippedRecord),
-    "stopped": RecordKind("rank 0", "the step guard stopped the run, and why", StoppedRecord),
-    "warning": RecordKind("rank 0", "a setting that measurement shows cannot work, named", WarningRecord),
-    "preempted": RecordKind("rank 0", "a preemption notice: the ranks, the save and its seconds", PreemptedRecord),
-    "interrupted": RecordKind("rank 0", "the driver's stop request: the step saved", InterruptedRecord),
-    "resize": RecordKind("rank 0", "the worker group changed size: from, to, why", ResizeRecord),
-    "resize_save": RecordKind("rank 0", "the save made before Ray grows the group", ResizeSaveRecord),
-    "straggler": RecordKind("rank 0", "a rank slower than its peers: rank, node, slowdown", StragglerRecord),
-    "eviction": RecordKind("rank 0", "a straggler's node drained: accepted or why not", EvictionRecord),
-    "profile": RecordKind("rank 0", "a profiler window: its trace and top ops", ProfileRecord),
-    "memory_snapshot": RecordKind("rank 0", "a CUDA allocator snapshot written at the end of the steps",
-                                  MemorySnapshotRecord),
-    "downstream_eval": RecordKind("the driver", "one checkpoint's lm-evaluation-harness scores per task",
-                                  DownstreamEvalRecord, extra_values=float),
-    "downstream_eval_failed": RecordKind("the driver", "one checkpoint's evaluation failed, and why",
-                                         DownstreamEvalFailedRecord),
-    "text_samples": RecordKind("the driver", "one checkpoint's continuations of the fixed prompts", TextSamplesRecord),
-    "group_start": RecordKind("rank 0", "a worker group started: how many times Ray restarted this launch's group "
-                              "before", GroupStartRecord),
-    "replica_joined": RecordKind("rank 0", "fault_tolerance.mode=replica (rank 0 of the joining group): a replica "
-                                 "group joined by receiving a live peer's state", ReplicaJoinedRecord),
-    "replica_lost": RecordKind("rank 0", "fault_tolerance.mode=replica (rank 0 of the first live group): a step "
-                               "trained with fewer live replica groups than the one before", ReplicaLostRecord),
-    "mixture": RecordKind("rank 0", "a logged step of a data mixture: each source's share of the samples trained "
-                          "since the previous one", MixtureRecord),
-}
+def _registry(*kinds: RecordKind) -> dict[str, RecordKind]:
+    return {kind.record.event: kind for kind in kinds}
 
 
-def check_record(record: Mapping[str, Any]) -> list[str]:
-    """Where one record departs from the protocol: an unknown kind, a missing key of its kind, a key its
-    kind does not have; [] when it conforms. Values are not checked, but for a kind's other keys."""
-    event = record.get("event")
-    kind = RECORD_KINDS.get(event) if isinstance(event, str) else None
+# Every kind of metrics.jsonl record: its class, who writes it, what it says.
+RECORD_KINDS: dict[str, RecordKind] = _registry(
+    RecordKind(TrainRecord, "rank 0", "a logged step: loss, lr, grad norm, tokens, throughput, step and data-wait "
+               "time, FLOPs"),
+    RecordKind(EvalRecord, "rank 0", "validation loss and perplexity, overall and per source"),
+    RecordKind(CheckpointSaveRecord, "rank 0", "a committed checkpoint: path, blocking and total seconds, bytes, mode"),
+    RecordKind(CheckpointLoadRecord, "rank 0", "the checkpoint a start resumed from, and how long the load took"),
+    RecordKind(CheckpointSkippedRecord, "rank 0", "a save step the step guard skipped"),
+    RecordKind(StoppedRecord, "rank 0", "the step guard stopped the run, and why"),
+    RecordKind(WarningRecord, "rank 0", "a setting that measurement shows cannot work, named"),
+    RecordKind(PreemptedRecord, "rank 0", "a preemption notice: the ranks, the save and its seconds"),
+    RecordKind(InterruptedRecord, "rank 0", "the driver's stop request: the step saved"),
+    RecordKind(ResizeRecord, "rank 0", "the worker group changed size: from, to, why"),
+    RecordKind(ResizeSaveRecord, "rank 0", "the save made before Ray grows the group"),
+    RecordKind(StragglerRecord, "rank 0", "a rank slower than its peers: rank, node, slowdown"),
+    RecordKind(EvictionRecord, "rank 0", "a straggler's node drained: accepted or why not"),
+    RecordKind(ProfileRecord, "rank 0", "a profiler window: its trace and top ops"),
+    RecordKind(MemorySnapshotRecord, "rank 0", "a CUDA allocator snapshot written at the end of the steps"),
+    RecordKind(DownstreamEvalRecord, "the driver", "one checkpoint's lm-evaluation-harness scores per task"),
+    RecordKind(DownstreamEvalFailedRecord, "the driver", "one checkpoint's evaluation failed, and why"),
+    RecordKind(TextSamplesRecord, "the driver", "one checkpoint's continuations of the fixed prompts"),
+    RecordKind(GroupStartRecord, "rank 0", "a worker group started: how many times Ray restarted this launch's "
+               "group before"),
+    RecordKind(ReplicaJoinedRecord, "rank 0", "fault_tolerance.mode=replica (rank 0 of the joining group): a "
+               "replica group joined by receiving a live peer's state"),
+    RecordKind(ReplicaLostRecord, "rank 0", "fault_tolerance.mode=replica (rank 0 of the first live group): a step "
+               "trained with fewer live replica groups than the one before"),
+    RecordKind(MixtureRecord, "rank 0", "a logged step of a data mixture: each source's share of the samples "
+               "trained since the previous one"),
+)
+
+
+def _kind_of(document: Mapping[str, Any]) -> tuple[object, RecordKind | None]:
+    """A JSON object's ``event`` and the kind it names (None: no kind, or one this reader does not know)."""
+    event = document.get("event")
+    return event, RECORD_KINDS.get(event) if isinstance(event, str) else None
+
+
+def parse_record(document: Mapping[str, Any]) -> ReadRecord | None:
+    """The record a JSON object of ``metrics.jsonl`` holds: its kind's class, an :class:`UnknownRecord`
+    for a kind this reader does not know, None for an object without a kind or a record of a known kind
+    that lacks a key of it (malformed). With :func:`check_record`, the one place that reads ``event``."""
+    event, kind = _kind_of(document)
+    if kind is not None:
+        record: MetricsRecord | None = _codec(kind.record).decode(document)
+        return record
+    if isinstance(event, str):
+        return UnknownRecord(event, {key: value for key, value in document.items() if key != "event"})
+    return None
+
+
+def check_record(document: Mapping[str, Any]) -> list[str]:
+    """Where one JSON object departs from the protocol: an unknown kind, a missing key of its kind, a key
+    its kind does not have; [] when it conforms. Values are not checked, but for a flattened field's keys
+    (floats)."""
+    event, kind = _kind_of(document)
     if kind is None:
         return [f"unknown kind {event!r}"]
-    schema: Any = kind.schema
-    known = schema.__required_keys__ | schema.__optional_keys__
-    return [f"{event}: missing {key!r}" for key in sorted(schema.__required_keys__ - record.keys())] + [
-        f"{event}: unknown {key!r}" for key, value in record.items()
-        if key not in known and (kind.extra_values is None or not isinstance(value, kind.extra_values))
+    codec = _codec(kind.record)
+    return [f"{event}: missing {key!r}" for key in sorted(codec.required - document.keys())] + [
+        f"{event}: unknown {key!r}" for key, value in document.items()
+        if key not in codec.head and key not in codec.known and (codec.flat is None or not isinstance(value, float))
     ]
+
+
+def record_items(record: ReadRecord) -> tuple[str, dict[str, Any]]:
+    """A record's kind and its other keys as its JSON object has them: for a reader that shows a record
+    it has no use of its own for (the progress line)."""
+    if isinstance(record, UnknownRecord):
+        return record.kind, record.fields
+    fields = record.to_json()
+    del fields["event"]
+    return record.event, fields
 
 
 @dataclass(frozen=True)
@@ -374,6 +532,11 @@ class RunPaths:
         return self.run_dir / "metrics.jsonl"
 
     @property
+    def result(self) -> Path:
+        """Rank 0's account of the training, for the driver's summary."""
+        return self.run_dir / "result.json"
+
+    @property
     def summary(self) -> Path:
         return self.run_dir / "summary.json"
 
@@ -401,9 +564,9 @@ class LineAppender:
         if _ends_torn(path):  # a writer killed mid-line: end it, or this writer's first line joins it
             os.write(self._fd, b"\n")
 
-    def record(self, record: Mapping[str, Any]) -> None:
+    def record(self, record: JsonObject) -> None:
         if self._fd is not None:
-            os.write(self._fd, (json.dumps(record) + "\n").encode())
+            os.write(self._fd, (json.dumps(record.to_json()) + "\n").encode())
 
     def close(self) -> None:
         if self._fd is not None:
@@ -419,7 +582,7 @@ def _ends_torn(path: Path) -> bool:
         return file.read(1) != b"\n"
 
 
-def append_records(path: Path, records: Iterable[Mapping[str, Any]]) -> None:
+def append_records(path: Path, records: Iterable[JsonObject]) -> None:
     appender = LineAppender(path)
     try:
         for record in records:
@@ -439,33 +602,43 @@ def _json_objects(lines: Iterable[bytes | str]) -> Iterator[dict[str, Any]]:
             yield document
 
 
-def _parsed(lines: Iterable[bytes | str], events: Iterable[str] | None) -> list[Record]:
-    wanted = set(events) if events is not None else None
-    return [record for record in _json_objects(lines)
-            if "event" in record and (wanted is None or record["event"] in wanted)]
+R = TypeVar("R", bound=Record)
+Kinds = type[Record] | tuple[type[Record], ...]
 
 
-def read_records(path: Path, events: Iterable[str] | None = None) -> list[Record]:
-    """Every record of a run's ``metrics.jsonl`` (of ``events`` only, when given), in order; [] before
-    the first one."""
+def _parsed(lines: Iterable[bytes | str], kinds: Kinds | None) -> list[Any]:
+    records = (parse_record(document) for document in _json_objects(lines))
+    if kinds is None:
+        return [record for record in records if record is not None]
+    return [record for record in records if isinstance(record, kinds)]
+
+
+@overload
+def read_records(path: Path, kinds: None = None) -> list[ReadRecord]: ...
+@overload
+def read_records(path: Path, kinds: type[R] | tuple[type[R], ...]) -> list[R]: ...
+def read_records(path: Path, kinds: Kinds | None = None) -> list[Any]:
+    """Every record of a run's ``metrics.jsonl`` (of the classes ``kinds`` only, when given), in order;
+    [] before the first one."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         return []
-    return _parsed(data.split(b"\n"), events)
+    return _parsed(data.split(b"\n"), kinds)
 
 
 class RecordFollower:
     """The records of some kinds appended since the last call (another process's): the driver's progress
     line and tracker relay, and rank 0 passing the driver's downstream results to TensorBoard."""
 
-    def __init__(self, path: Path, events: Iterable[str] | None = None, from_end: bool = False) -> None:
-        """``from_end``: only records appended after now (a resumed run's earlier lines are not new)."""
-        self.path, self.events = path, events
+    def __init__(self, path: Path, kinds: Kinds | None = None, from_end: bool = False) -> None:
+        """``kinds``: the classes to return (all, with unknown kinds, when None). ``from_end``: only records
+        appended after now (a resumed run's earlier lines are not new)."""
+        self.path, self.kinds = path, kinds
         self._offset = path.stat().st_size if from_end and path.exists() else 0
         self._partial = b""
 
-    def new_records(self) -> list[Record]:
+    def new_records(self) -> list[ReadRecord]:
         try:
             with self.path.open("rb") as file:
                 file.seek(self._offset)
@@ -474,15 +647,31 @@ class RecordFollower:
             return []
         self._offset += len(chunk)
         *lines, self._partial = (self._partial + chunk).split(b"\n")
-        return _parsed(lines, self.events)
+        return _parsed(lines, self.kinds)
 
 
-# --- summary.json --------------------------------------------------------------------------------
+# --- result.json and summary.json ----------------------------------------------------------------
 
 
-class Summary(TypedDict, total=False):
-    """``summary.json``: rank 0 writes it when training ends; the driver adds ``wall_time_s``,
-    ``goodput`` and ``downstream`` and writes it again."""
+class Placement(TypedDict):
+    rank: int
+    node_rank: int
+    local_rank: int
+    node_ip: str
+    pid: int
+
+
+class Resize(TypedDict):
+    time: float
+    from_workers: int
+    to_workers: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunResult(JsonObject):
+    """``result.json``: what rank 0's training did, written by rank 0 when training ends; the driver's
+    ``summary.json`` is it and the driver's own keys."""
 
     run: str
     steps: int
@@ -499,47 +688,96 @@ class Summary(TypedDict, total=False):
     world_size: int
     parameters: int
     run_dir: str
-    workers: list[dict[str, Any]]
-    resizes: list[dict[str, Any]]
+    workers: list[Placement]
+    resizes: list[Resize]
+    device: str
+    peak_device_memory_bytes: int | None = None  # GPU workers
+    num_alloc_retries: int | None = None  # GPU workers
+    peak_host_rss_bytes: int | None = None  # CPU workers
+
+
+def write_result(paths: RunPaths, result: RunResult) -> None:
+    write_atomically(paths.result, json.dumps(result.to_json(), indent=2) + "\n")
+
+
+def read_result(paths: RunPaths) -> RunResult:
+    """Rank 0's result; ValueError when the file lacks a key (not written by this version)."""
+    result: RunResult | None = _codec(RunResult).decode(json.loads(paths.result.read_text()))
+    if result is None:
+        raise ValueError(f"{paths.result} lacks keys of a training result")
+    return result
+
+
+class Summary(TypedDict, total=False):
+    """``summary.json``: rank 0's :class:`RunResult` (its keys), and the driver's: ``wall_time_s``,
+    ``goodput``, ``replica_groups`` and ``downstream``. Written by the driver alone (:func:`write_summary`)."""
+
+    run: str
+    steps: int
+    final_loss: float | None
+    eval_loss: float | None
+    eval_loss_by_source: dict[str, float | None]
+    skipped_steps: int
+    stopped: str | None
+    interrupted: Interrupted | None
+    mean_tokens_per_s: float | None
+    tokens: int
+    train_time_s: float
+    mesh_shape: list[int]
+    world_size: int
+    parameters: int
+    run_dir: str
+    workers: list[Placement]
+    resizes: list[Resize]
     device: str
     peak_device_memory_bytes: int
     num_alloc_retries: int
     peak_host_rss_bytes: int
     wall_time_s: float
-    downstream: dict[str, Any]
-    replica_groups: int  # fault_tolerance.mode=replica (the driver's): mesh_shape and world_size are one group's
     goodput: GoodputReport  # the driver's, from this launch's records (meshtrain.observe.goodput)
+    replica_groups: int  # fault_tolerance.mode=replica (the driver's): mesh_shape and world_size are one group's
+    downstream: dict[str, Any]  # the newest downstream_eval record per task
 
 
-def write_summary(paths: RunPaths, summary: Summary) -> None:
+def write_summary(
+    paths: RunPaths,
+    result: RunResult,
+    wall_time_s: float,
+    goodput: GoodputReport,
+    replica_groups: int | None = None,
+    downstream: Mapping[str, DownstreamEvalRecord] | None = None,
+) -> Summary:
+    """The driver's ``summary.json``: rank 0's result and the driver's keys (``replica_groups`` and
+    ``downstream`` when given); returns it."""
+    summary = cast(Summary, result.to_json())  # rank 0's keys first, as they were written
+    summary["wall_time_s"], summary["goodput"] = wall_time_s, goodput
+    if replica_groups is not None:
+        summary["replica_groups"] = replica_groups
+    if downstream is not None:
+        summary["downstream"] = {task: record.to_json() for task, record in downstream.items()}
     write_atomically(paths.summary, json.dumps(summary, indent=2) + "\n")
+    return summary
 
 
 def read_summary(paths: RunPaths) -> Summary:
-    return json.loads(paths.summary.read_text())
+    summary: Summary = json.loads(paths.summary.read_text())
+    return summary
 
 
 # --- worker_starts.jsonl -------------------------------------------------------------------------
 
 
-class Placement(TypedDict):
-    rank: int
-    node_rank: int
-    local_rank: int
-    node_ip: str
-    pid: int
-
-
-class WorkerStart(TypedDict, total=False):
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerStart(JsonObject):
     """One start of the worker group (a launch, or Ray Train restarting the group)."""
 
     launch: str
     time: float
     world_size: int
     workers: list[Placement]
-    resized_from: int  # when this start's size differs from the run's previous one
-    resize_reason: str
-    replica: int  # fault_tolerance.mode=replica: the replica group that started
+    replica: int | None = None  # fault_tolerance.mode=replica: the replica group that started
+    resized_from: int | None = None  # when this start's size differs from the run's previous one
+    resize_reason: str | None = None
 
 
 def append_worker_start(paths: RunPaths, start: WorkerStart) -> None:
@@ -547,14 +785,23 @@ def append_worker_start(paths: RunPaths, start: WorkerStart) -> None:
 
 
 def read_worker_starts(paths: RunPaths) -> list[WorkerStart]:
+    """Every start so far, in order; a torn line and a line without a start's keys are skipped."""
     try:
         data = paths.worker_starts.read_bytes()
     except FileNotFoundError:
         return []
-    return [start for start in _json_objects(data.split(b"\n")) if "launch" in start]  # type: ignore[misc]
+    codec = _codec(WorkerStart)
+    return [start for start in map(codec.decode, _json_objects(data.split(b"\n"))) if start is not None]
 
 
 # --- stop_request.json ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _StopRequestFile(JsonObject):
+    launch: str
+    reason: str | None = None
+    time: float | None = None
 
 
 @dataclass(frozen=True)
@@ -566,17 +813,19 @@ class StopRequest:
     launch_id: str
 
     def write(self, reason: str) -> None:
-        write_atomically(self.path, json.dumps({"launch": self.launch_id, "reason": reason, "time": time.time()}))
+        request = _StopRequestFile(launch=self.launch_id, reason=reason, time=time.time())
+        write_atomically(self.path, json.dumps(request.to_json()))
 
     def read(self) -> str | None:
         """The reason of a request for this launch, or None."""
         try:
-            request = json.loads(Path(self.path).read_text())
+            document = json.loads(Path(self.path).read_text())
         except (OSError, ValueError):
             return None
-        if not isinstance(request, dict) or request.get("launch") != self.launch_id:
+        request: _StopRequestFile | None = _codec(_StopRequestFile).decode(document) if isinstance(document, dict) else None
+        if request is None or request.launch != self.launch_id:
             return None
-        return str(request.get("reason") or "interrupted")
+        return str(request.reason or "interrupted")
 
     def clear(self) -> None:
         Path(self.path).unlink(missing_ok=True)

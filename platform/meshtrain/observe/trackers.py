@@ -17,9 +17,22 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 from meshtrain.config import one_line
-from meshtrain.observe.run_folder import RunPaths
+from meshtrain.observe.run_folder import (
+    CheckpointLoadRecord,
+    CheckpointSaveRecord,
+    DownstreamEvalRecord,
+    EvalRecord,
+    GroupStartRecord,
+    MetricsRecord,
+    ReadRecord,
+    ResizeRecord,
+    RunPaths,
+    TextSamplesRecord,
+    TrainRecord,
+    UnknownRecord,
+)
 
-# The numbers of each kind of record, as (record key, tracker name).
+# The numbers of each kind of record, as (record field, tracker name).
 _TRAIN = [
     ("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
     ("tokens_per_s", "train/tokens_per_s"), ("step_time_s", "train/step_time_s"),
@@ -29,49 +42,49 @@ _TRAIN = [
 _CHECKPOINT_SAVE = [("total_s", "checkpoint/save_s"), ("blocking_s", "checkpoint/loop_stall_s"), ("bytes", "checkpoint/bytes")]
 
 
-def tracker_values(record: dict[str, Any]) -> dict[str, float]:
+def tracker_values(record: ReadRecord) -> dict[str, float]:
     """The numbers a tracker logs for ``record`` (empty for records it does not log)."""
-    event = record["event"]
-    if event == "train":
-        return _pick(record, _TRAIN)
-    if event == "eval":
-        values = _pick(record, [("loss", "eval/loss"), ("perplexity", "eval/perplexity")])
-        for source, figures in (record.get("sources") or {}).items():
-            values[f"eval/{_metric_name(source)}/loss"] = float(figures["loss"])
-        return values
-    if event == "checkpoint_save":
-        return _pick(record, _CHECKPOINT_SAVE)
-    if event == "checkpoint_load":
-        return {"run/resumed_from_step": float(record["step"])}
-    if event == "resize":
-        return {"run/workers": float(record["to_workers"])}
-    if event == "group_start":
-        return {"run/restarts": float(record["restarts"])}
-    if event == "downstream_eval":
-        task = _metric_name(record["task"])
-        return {f"downstream/{task}/{_metric_name(key)}": value for key, value in downstream_scores(record).items()}
+    match record:
+        case TrainRecord():
+            return _pick(record, _TRAIN)
+        case EvalRecord():
+            values = _pick(record, [("loss", "eval/loss"), ("perplexity", "eval/perplexity")])
+            for source, figures in record.sources.items():
+                if figures["loss"] is not None:  # a source without held-out windows has no loss
+                    values[f"eval/{_metric_name(source)}/loss"] = float(figures["loss"])
+            return values
+        case CheckpointSaveRecord():
+            return _pick(record, _CHECKPOINT_SAVE)
+        case CheckpointLoadRecord():
+            return {"run/resumed_from_step": float(record.step)}
+        case ResizeRecord():
+            return {"run/workers": float(record.to_workers)}
+        case GroupStartRecord():
+            return {"run/restarts": float(record.restarts)}
+        case DownstreamEvalRecord():
+            task = _metric_name(record.task)
+            return {f"downstream/{task}/{_metric_name(key)}": value for key, value in record.scores.items()}
     return {}
 
 
-def downstream_scores(record: dict[str, Any]) -> dict[str, float]:
-    """A ``downstream_eval`` record's metric values (acc, bits_per_byte, ...), without its bookkeeping."""
-    return {key: value for key, value in record.items()
-            if key not in ("step", "samples", "seconds", "time") and isinstance(value, float)}
+# The driver's records, which rank 0 passes to TensorBoard as they land.
+DRIVER_RECORDS = (DownstreamEvalRecord, TextSamplesRecord)
 
 
-DRIVER_EVENTS = ("downstream_eval", "text_samples")
+def record_key(record: MetricsRecord) -> tuple[str, int] | None:
+    """What a tracker logs once per run: (kind, step), a downstream evaluation's per task too; None for a
+    record without a step."""
+    step = getattr(record, "step", None)
+    if not isinstance(step, int):
+        return None
+    if isinstance(record, DownstreamEvalRecord):
+        return f"{record.event}/{record.task}", step
+    return record.event, step
 
 
-def record_key(record: dict[str, Any]) -> tuple[str, int]:
-    """What a tracker logs once per run: (event, step); a downstream evaluation per task too."""
-    event = record["event"]
-    if event == "downstream_eval":
-        event = f"downstream_eval/{record.get('task')}"
-    return event, record["step"]
-
-
-def _pick(record: dict[str, Any], names: list[tuple[str, str]]) -> dict[str, float]:
-    return {name: float(record[key]) for key, name in names if isinstance(record.get(key), (int, float))}
+def _pick(record: object, names: list[tuple[str, str]]) -> dict[str, float]:
+    values = ((getattr(record, key, None), name) for key, name in names)
+    return {name: float(value) for value, name in values if isinstance(value, (int, float))}
 
 
 def _metric_name(text: str) -> str:
@@ -86,10 +99,11 @@ def tracker_run_id(paths: RunPaths) -> str:
     return f"{_metric_name(paths.name)[:48]}-{digest}"
 
 
-def logged_keys(records: Iterable[dict[str, Any]]) -> set[tuple[str, int]]:
-    """(event, step) of each record with a step: those of a run's ``metrics.jsonl`` when a launch
+def logged_keys(records: Iterable[ReadRecord]) -> set[tuple[str, int]]:
+    """(kind, step) of each record with a step: those of a run's ``metrics.jsonl`` when a launch
     starts were handed to the trackers by an earlier launch's driver."""
-    return {record_key(record) for record in records if isinstance(record.get("step"), int)}
+    keys = (record_key(record) for record in records if not isinstance(record, UnknownRecord))
+    return {key for key in keys if key is not None}
 
 
 def unreachable(url: str) -> str | None:
@@ -136,39 +150,41 @@ class TrackerSink:
         self.pending: dict[str, float] = {}
         self.failures = 0
 
-    def record(self, record: dict[str, Any]) -> None:
-        if record["event"] == "text_samples":
+    def record(self, record: ReadRecord) -> None:
+        if isinstance(record, UnknownRecord):
+            return
+        if isinstance(record, TextSamplesRecord):
             self._text(record)
             return
         values = tracker_values(record)
-        step = record.get("step")
         if not values:
             return
-        if not isinstance(step, int):
+        key = record_key(record)
+        if key is None:
             self.pending.update(values)
             return
-        key = record_key(record)
         if key in self.logged:
             return
         self.logged.add(key)
         row = {**self.pending, **values}
         self.pending = {}
+        step = key[1]
         try:
-            self.backend.log(step, row, record.get("time"))
+            self.backend.log(step, row, getattr(record, "time", None))
         except Exception as exc:  # a tracker outage must not stop training
             self._failed(exc, f"step {step}")
 
-    def _text(self, record: dict[str, Any]) -> None:
+    def _text(self, record: TextSamplesRecord) -> None:
         """Text samples: a table of (prompt, continuation) per step."""
-        key = record_key(record)
+        key = (record.event, record.step)
         if key in self.logged:
             return
         self.logged.add(key)
-        rows = [{"prompt": sample["prompt"], "continuation": sample["continuation"]} for sample in record["samples"]]
+        rows = [{"prompt": sample["prompt"], "continuation": sample["continuation"]} for sample in record.samples]
         try:
-            self.backend.log_text(record["step"], "samples", rows)
+            self.backend.log_text(record.step, "samples", rows)
         except Exception as exc:  # a tracker outage must not stop training
-            self._failed(exc, f"step {record['step']}")
+            self._failed(exc, f"step {record.step}")
 
     def _failed(self, exc: Exception, where: str) -> None:
         self.failures += 1

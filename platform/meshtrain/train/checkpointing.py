@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from meshtrain.checkpoint.manager import CheckpointManager
+from meshtrain.checkpoint.manager import CheckpointLoaded, CheckpointManager, SaveCommitted
 from meshtrain.checkpoint.state import Progress, TrainState
 from meshtrain.checkpoint.storage import run_checkpoints
 from meshtrain.config import CheckpointConfig, RunConfig
@@ -23,9 +23,19 @@ def checkpoint_manager(
     checkpoint: CheckpointConfig, run: RunConfig, layout: WorkerLayout,
     on_event: Callable[[CheckpointSaveRecord | CheckpointLoadRecord], None],
 ) -> CheckpointManager | None:
-    """This run's checkpoint manager, or None with checkpoints off."""
+    """This run's checkpoint manager, or None with checkpoints off; its saves and loads reach ``on_event``
+    as records."""
     if not checkpoint.enabled:
         return None
+
+    def record(event: SaveCommitted | CheckpointLoaded) -> None:
+        if isinstance(event, SaveCommitted):
+            on_event(CheckpointSaveRecord(step=event.step, path=event.path, blocking_s=event.blocking_s,
+                                          total_s=event.total_s, bytes=event.bytes, mode=event.mode))
+        else:
+            on_event(CheckpointLoadRecord(step=event.step, path=event.path, load_s=event.load_s,
+                                          rng_restored=event.rng_restored))
+
     return CheckpointManager(
         run_checkpoints(checkpoint, run),
         rank=layout.world_rank,
@@ -33,7 +43,7 @@ def checkpoint_manager(
         interval=checkpoint.interval,
         keep=checkpoint.keep,
         asynchronous=checkpoint.mode == "async",
-        on_event=on_event,
+        on_event=record,
     )
 
 
@@ -70,8 +80,7 @@ class Checkpointing(LoopPart):
         if bad_in_a_row is None:
             return False
         if bad_in_a_row:
-            self.outputs.emit(CheckpointSkippedRecord(event="checkpoint_skipped", step=step,
-                                                      reason="the step was skipped by the guard"))
+            self.outputs.emit(CheckpointSkippedRecord(step=step, reason="the step was skipped by the guard"))
             return True
         if not self.writer:
             return True

@@ -14,7 +14,7 @@ from meshtrain.config import OVERALL_LABEL
 from meshtrain.data import IGNORE_INDEX, ValidationSet, ValidationWindow
 from meshtrain.distributed.layout import RankLayout
 from meshtrain.model.llama import Transformer
-from meshtrain.observe.run_folder import EvalRecord
+from meshtrain.observe.run_folder import EvalRecord, SourceEval
 from meshtrain.train.step import loss_sum
 from meshtrain.train.loop import LoopPart, StepDone
 from meshtrain.train.records import LoopOutputs, TrainResult
@@ -131,12 +131,11 @@ class Evaluation(LoopPart):
         self.model.train()
         loss, tokens = losses.pop(OVERALL_LABEL)
         self.last_by_source = {name: None if math.isnan(value) else value for name, (value, _) in losses.items()}
-        record: EvalRecord = {
-            "event": "eval", "step": step, "loss": loss, "perplexity": math.exp(min(loss, 700.0)),
-            "samples": len(self.chosen), "tokens": tokens,
-            "sources": {name: {"loss": self.last_by_source[name], "tokens": count} for name, (_, count) in losses.items()},
-            "seconds": time.perf_counter() - started,
-        }
+        record = EvalRecord(
+            step=step, loss=loss, perplexity=math.exp(min(loss, 700.0)), samples=len(self.chosen), tokens=tokens,
+            sources={name: SourceEval(loss=self.last_by_source[name], tokens=count) for name, (_, count) in losses.items()},
+            seconds=time.perf_counter() - started,
+        )
         self.outputs.evaluated(record)
         self.beat(f"training after the evaluation at step {step}")
         return loss

@@ -111,5 +111,5 @@ class BadStepLimit:
             f"train.max_bad_steps={self.max_bad_steps}: {reading.longest_streak} steps in a row {ending} "
             "were skipped (non-finite or spiking loss or gradient norm)"
         )
-        self.outputs.emit(StoppedRecord(event="stopped", step=step, reason=self.stopped))
+        self.outputs.emit(StoppedRecord(step=step, reason=self.stopped))
         return None

@@ -94,7 +94,7 @@ class OutOfMemorySnapshots(LoopPart):
     def at_end(self, step: int) -> None:
         snapshot = self.finished(step)
         if snapshot is not None and self.outputs is not None:
-            self.outputs.emit(MemorySnapshotRecord(event="memory_snapshot", step=step, rank=self.rank, path=str(snapshot)))
+            self.outputs.emit(MemorySnapshotRecord(step=step, rank=self.rank, path=str(snapshot)))
 
     def finished(self, step: int) -> Path | None:
         """The steps are done: with the allocator's history on, the snapshot of them, written."""

@@ -28,7 +28,7 @@ class MixtureLog(LoopPart):
         if self.outputs.on_record is not None:  # counted only where the records are written
             counts = self.samples.source_counts(since, until)
             self.outputs.emit(MixtureRecord(
-                event="mixture", step=done.step, samples=[since, until],
+                step=done.step, samples=[since, until],
                 sources={label: counts[k] / max(until - since, 1) for k, label in enumerate(self.labels)},
             ))
         return True

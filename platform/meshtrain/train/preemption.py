@@ -301,11 +301,11 @@ class NoticeHandling:
         if self._budget_checked or len(records) < 2:
             return
         self._budget_checked = True
-        step_s = records[-1]["step_time_s"]
+        step_s = records[-1].step_time_s
         if self.budget_s < step_s:
             warning = (f"run.preemption_save_s={self.budget_s:g} is shorter than one step ({step_s:.1f}s at step "
                        f"{step}): a preempted run cannot save in time; raise it toward the notice period (AWS spot: 120 s)")
-            self.outputs.emit(WarningRecord(event="warning", step=step, setting="run.preemption_save_s", message=warning))
+            self.outputs.emit(WarningRecord(step=step, setting="run.preemption_save_s", message=warning))
 
     def _stop_on_notice(self, step: int) -> None:
         """Every rank agreed that a notice came: save this step, then leave so Ray restarts the group.
@@ -319,14 +319,12 @@ class NoticeHandling:
         save_s = time.perf_counter() - started
         noticed = [rank for rank, (reason, _) in enumerate(notices) if reason is not None]
         reason = "; ".join(sorted({notices[rank][0] or "" for rank in noticed})) or "a notice"
-        record: PreemptedRecord = {"event": "preempted", "step": step, "reason": reason, "ranks": noticed,
-                                   "saved": saved, "save_s": save_s}
         known = [age for age in ages if age is not None]
-        if known:  # from the earliest notice to the commit
-            record["notice_to_commit_s"] = max(known) + save_s
-        if self.hand_over is not None:
-            record["replica_peers_live"] = peers_live
-        self.outputs.emit(record, any_replica=True)
+        self.outputs.emit(PreemptedRecord(
+            step=step, reason=reason, ranks=noticed, saved=saved, save_s=save_s,
+            notice_to_commit_s=max(known) + save_s if known else None,  # from the earliest notice to the commit
+            replica_peers_live=peers_live if self.hand_over is not None else None,
+        ), any_replica=True)
         self.notice.done()
         if peers_live:
             kept = f"the {peers_live} live replica group(s) hold its state and train on"
@@ -341,10 +339,8 @@ class NoticeHandling:
         so Ray does not restart the group and the driver can say where to resume from."""
         saved = self.checkpointing.save_now(step)
         self.notice.done()
-        interrupted: Interrupted = {"step": step, "saved": saved, "reason": self.notice.reason}
-        record: InterruptedRecord = {"event": "interrupted", **interrupted}
-        self.outputs.emit(record)
-        return interrupted
+        self.outputs.emit(InterruptedRecord(step=step, saved=saved, reason=self.notice.reason))
+        return Interrupted(step=step, saved=saved, reason=self.notice.reason)
 
     def _save_for_resize(self, step: int) -> None:
         """The elastic policy will grow the group: save this step, then wait for Ray to restart the group
@@ -352,8 +348,7 @@ class NoticeHandling:
         restart not come, training goes on."""
         started = time.perf_counter()
         saved = self.checkpointing.save_now(step)
-        self.outputs.emit(ResizeSaveRecord(event="resize_save", step=step, saved=saved,
-                                           save_s=time.perf_counter() - started))
+        self.outputs.emit(ResizeSaveRecord(step=step, saved=saved, save_s=time.perf_counter() - started))
         self.notice.answer_resize(step, saved)
         waiting_until = time.monotonic() + self.resize_check_interval_s + 60
         while time.monotonic() < waiting_until:
@@ -367,8 +362,7 @@ class NoticeHandling:
         PreemptionWatcher and the elastic policy both act on it): this step is already saved, so leave
         now rather than sleep out the wait and train on a node that is going away."""
         reason = self.notice.reason or "a notice"
-        self.outputs.emit(PreemptedRecord(event="preempted", step=step, reason=reason, ranks=[self.rank],
-                                          saved=saved, save_s=0.0))
+        self.outputs.emit(PreemptedRecord(step=step, reason=reason, ranks=[self.rank], saved=saved, save_s=0.0))
         self.notice.done()
         kept = f"checkpoint of step {step} committed" if saved else "no checkpoint saved"
         raise Preempted(f"rank {self.rank}: stopped at step {step} on a preemption notice ({reason}) while waiting "

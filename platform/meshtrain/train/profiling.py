@@ -194,12 +194,10 @@ class StepProfiler(LoopPart):
         sys.stdout.write(summary_line(self.rank, self._first, last, self._device, ops, trace) + "\n")
         sys.stdout.flush()
         if self.on_record is not None:
-            record: ProfileRecord = {
-                "event": "profile", "step": last, "rank": self.rank, "first_step": self._first,
-                "device": "cuda" if self._device else "cpu", "top_ms_per_step": [[name, ms] for name, ms in ops],
-                "trace": str(trace),
-            }
-            self.on_record(record)
+            self.on_record(ProfileRecord(
+                step=last, rank=self.rank, first_step=self._first, device="cuda" if self._device else "cpu",
+                top_ms_per_step=[[name, ms] for name, ms in ops], trace=str(trace),
+            ))
 
     def close(self) -> None:
         """The loop ended: a window it cut short is saved with the steps it traced."""

@@ -39,7 +39,7 @@ class TrainResult:
 
     @property
     def final_loss(self) -> float | None:
-        return self.records[-1]["loss"] if self.records else None
+        return self.records[-1].loss if self.records else None
 
     @property
     def mean_tokens_per_s(self) -> float | None:
@@ -48,8 +48,8 @@ class TrainResult:
             return None
         first, last = self.records[0], self.records[-1]
         if len(self.records) == 1:
-            return last["tokens"] / last["elapsed_s"]
-        return (last["tokens"] - first["tokens"]) / (last["elapsed_s"] - first["elapsed_s"])
+            return last.tokens / last.elapsed_s
+        return (last.tokens - first.tokens) / (last.elapsed_s - first.elapsed_s)
 
 
 class LoopOutputs:

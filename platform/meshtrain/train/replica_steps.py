@@ -108,14 +108,14 @@ class ReplicaSteps(LoopPart):
         if heal_s is not None:
             assert quorum.source is not None, "a quorum that healed this group names the group it healed from"
             self.outputs.emit(ReplicaJoinedRecord(
-                event="replica_joined", step=self.progress.step, replica=placement.index,
+                step=self.progress.step, replica=placement.index,
                 participants=quorum.participants, seconds=heal_s, source=quorum.source,
                 bytes=self._group_bytes(quorum.received_bytes), time=time.time(),
             ), any_replica=True)
         elif self.participants is not None and quorum.participants < self.participants:
             now = time.perf_counter()
             self.outputs.emit(ReplicaLostRecord(
-                event="replica_lost", step=self.progress.step + 1, participants=quorum.participants,
+                step=self.progress.step + 1, participants=quorum.participants,
                 replicas=placement.replicas, stall_s=now - self._attempting[1], quorum_s=now - asked, time=time.time(),
             ))
         self.participants = quorum.participants

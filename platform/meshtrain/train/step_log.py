@@ -8,7 +8,7 @@ import time
 from meshtrain.checkpoint.state import Progress
 from meshtrain.config import ModelArgs
 from meshtrain.model.flops import AttentionWork, ModelFlops
-from meshtrain.observe.run_folder import FlopsPerToken, TrainRecord
+from meshtrain.observe.run_folder import TrainRecord
 from meshtrain.train.guard import BadStepLimit
 from meshtrain.train.loop import LoopPart, StepDone
 from meshtrain.train.records import LoopOutputs
@@ -39,20 +39,20 @@ class StepLog(LoopPart):
         if self.attention is not None:
             self.attention[0].take()  # what forwards before the loop counted is not the first interval's
 
-    def _flops(self) -> FlopsPerToken:
+    def _flops(self) -> tuple[float, float] | None:
         """The interval's training FLOPs per token (MFU's numerator per token): ``flops_per_token`` with
         attention over the (query, key) pairs its masks allowed, counted exactly (causal, and within each
         document under model.document_mask); ``flops_per_token_full_attention`` with every query against
         the whole window, the PaLM / torchtitan convention that other frameworks' MFU uses."""
         if self.attention is None:
-            return {}
+            return None
         work, args = self.attention
         attended = work.take()
         if attended is None:
-            return {}
+            return None
         keys_per_query, window = attended
         flops = ModelFlops.of(args)
-        return {"flops_per_token": flops.per_token(keys_per_query), "flops_per_token_full_attention": flops.per_token(window)}
+        return flops.per_token(keys_per_query), flops.per_token(window)
 
     def waited_for_replicas(self, seconds: float) -> None:
         """fault_tolerance.mode=replica: time this step spent in its quorum (healing a joining peer
@@ -69,28 +69,28 @@ class StepLog(LoopPart):
         now = time.perf_counter()
         step_time = (now - self.interval_start) / self.interval_steps
         allowed = self.bad_steps.check(step) is not None
-        record: TrainRecord = {
-            "event": "train",
-            "step": step,
-            "loss": output.loss_sum.item() / output.tokens,
-            "lr": done.lr,
-            "grad_norm": output.grad_norm.item(),
-            "tokens": self.progress.tokens,
-            "tokens_per_s": output.tokens / step_time,
-            "step_time_s": step_time,
-            "data_wait_s": self.interval_wait / self.interval_steps,  # mean per step, this rank waiting for its batch
-            "interval_steps": self.interval_steps,  # the steps since the previous record, which step_time_s averages
-            "elapsed_s": now - self.started,
-            "skipped_steps": self.progress.skipped_steps,
-            "world_size": self.world_size,
-            "time": time.time(),
+        flops = self._flops()
+        record = TrainRecord(
+            step=step,
+            loss=output.loss_sum.item() / output.tokens,
+            lr=done.lr,
+            grad_norm=output.grad_norm.item(),
+            tokens=self.progress.tokens,
+            tokens_per_s=output.tokens / step_time,
+            step_time_s=step_time,
+            data_wait_s=self.interval_wait / self.interval_steps,  # mean per step, this rank waiting for its batch
+            interval_steps=self.interval_steps,  # the steps since the previous record, which step_time_s averages
+            elapsed_s=now - self.started,
+            skipped_steps=self.progress.skipped_steps,
+            world_size=self.world_size,
+            time=time.time(),
             # The global samples the step read: the same on any number of ranks.
-            "samples": [self.progress.data_position - self.global_batch_size, self.progress.data_position],
-            **self._flops(),
-        }
-        if self.replicas:
-            record["replica_wait_s"] = self.interval_replica_wait / self.interval_steps
-            record["replicas"] = done.groups
+            samples=[self.progress.data_position - self.global_batch_size, self.progress.data_position],
+            flops_per_token=flops[0] if flops is not None else None,
+            flops_per_token_full_attention=flops[1] if flops is not None else None,
+            replica_wait_s=self.interval_replica_wait / self.interval_steps if self.replicas else None,
+            replicas=done.groups if self.replicas else None,
+        )
         self.records.append(record)
         self.outputs.logged(record, self.world_size, last or not allowed)
         self.interval_start, self.interval_steps, self.interval_wait, self.interval_replica_wait = now, 0, 0.0, 0.0

@@ -154,11 +154,10 @@ class StragglerWatch(LoopPart):
 
     def _report(self, step: int, rank: int, node: str, ratio: float, times: list[float]) -> None:
         others = times[:rank] + times[rank + 1 :]
-        record: StragglerRecord = {
-            "event": "straggler", "step": step, "rank": rank, "node": node, "slowdown": ratio,
-            "compute_s": times[rank], "median_others_s": statistics.median(others),
-            "logged_steps": self.streaks[rank],
-        }
+        record = StragglerRecord(
+            step=step, rank=rank, node=node, slowdown=ratio, compute_s=times[rank],
+            median_others_s=statistics.median(others), logged_steps=self.streaks[rank],
+        )
         self.outputs.emit(record)  # the driver prints it in the job log, from metrics.jsonl
         if self.on_straggler is not None:
             self.on_straggler(record)
