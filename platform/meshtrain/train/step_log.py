@@ -66,7 +66,10 @@ class StepLog(LoopPart):
         self.interval_wait += done.data_wait_s
         if not done.logged:
             return True
-        now = time.perf_counter()
+        # The step's end, on both clocks: the record's time is when its interval ended, not when the record
+        # was built (reading the loss and the guard waits for the device), so the driver's goodput account
+        # sees consecutive intervals meet instead of overlapping.
+        now, ended = time.perf_counter(), time.time()
         step_time = (now - self.interval_start) / self.interval_steps
         allowed = self.bad_steps.check(step) is not None
         flops = self._flops()
@@ -83,7 +86,7 @@ class StepLog(LoopPart):
             elapsed_s=now - self.started,
             skipped_steps=self.progress.skipped_steps,
             world_size=self.world_size,
-            time=time.time(),
+            time=ended,
             # The global samples the step read: the same on any number of ranks.
             samples=[self.progress.data_position - self.global_batch_size, self.progress.data_position],
             flops_per_token=flops[0] if flops is not None else None,
