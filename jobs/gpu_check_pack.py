@@ -1,6 +1,7 @@
-"""Gather what jobs/gpu_check.py needs on a GPU machine with its own image (meshtrain_bench.device_pack).
+"""Gather what travels to a GPU machine with its own image (meshtrain_bench.device_pack): Ray and the
+rest of what the image lacks, and a token store.
 
-    python jobs/gpu_check_pack.py        # .whl/ (wheels for Python 3.12) and .gpu_check/store (a token store)
+    python jobs/gpu_check_pack.py        # .gpu_pack/: site.tar.xz (Python 3.12), stand-ins.txt, store/
 """
 
 import sys

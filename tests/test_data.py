@@ -1,4 +1,4 @@
-"""Data: every source kind through `datasets`, packing without padding, disjoint per-rank slices."""
+"""Data: every source kind (plain text without `datasets`, the rest through it), packing without padding, disjoint per-rank slices."""
 
 from __future__ import annotations
 
@@ -46,6 +46,19 @@ def test_user_files_are_read_through_the_same_path(tmp_path, kind: str) -> None:
             (tmp_path / f"doc{i:02d}.txt").write_text(doc)
         cfg = SourceConfig(source=str(tmp_path / "*.txt") if kind == "txt" else str(tmp_path))
     assert sorted(all_documents(cfg)) == sorted(DOCS)
+
+
+def test_text_files_are_read_as_datasets_text_loader_reads_them(tmp_path) -> None:
+    """Plain-text files are read without `datasets` (a GPU image may lack it), document for document as its
+    text loader gives them: UTF-8, universal newlines."""
+    import datasets
+
+    for i, doc in enumerate(["plain\n", "windows\r\nline ends\r\n", "old mac\rline ends", "unicode \u00e9 \u2603\n"]):
+        (tmp_path / f"doc{i}.txt").write_bytes(doc.encode())
+    plan = plan_source(SourceConfig(source=str(tmp_path)), 1 << 20)
+    files = [name for unit in plan.units for name in unit.files]
+    theirs = datasets.load_dataset("text", data_files=files, split="train", streaming=True, sample_by="document")
+    assert all_documents(SourceConfig(source=str(tmp_path))) == [row["text"] for row in theirs]
 
 
 def test_missing_text_column_is_a_config_error(tmp_path) -> None:

@@ -1,4 +1,5 @@
-"""jobs/gpu_check.py: meshtrain's trainer in one process, no Ray, as the lent GPU machine's image can run it."""
+"""jobs/gpu_check.py: meshtrain's trainer in one process, no Ray, as the lent GPU machine's image can run it;
+what travels there (jobs/gpu_check_pack.py) and the product path's figures (jobs/gpu_product.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshtrain_bench import device_pack
+from meshtrain_bench import device_pack, gpu_product
 from meshtrain_bench.gpu_check import Check, Runner, Window, main, out_of_memory_line, parse_args, selected
 from meshtrain.distributed.plan import GIB
+from meshtrain.observe.run_folder import CheckpointSaveRecord, TrainRecord
+from record_samples import make
 from meshtrain.distributed.torch_support import UnsupportedTorch, check_torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,7 +113,56 @@ def test_torch_outside_the_range_is_one_line() -> None:
             check_torch(version)
 
 
-def test_the_readme_gives_the_device_call_that_fits() -> None:
+def test_the_readme_gives_the_device_calls_that_fit() -> None:
     readme = (REPO / "README.md").read_text()
-    assert len(device_pack.DEVICE_COMMAND) <= 2000
-    assert device_pack.DEVICE_COMMAND in readme and json.dumps(device_pack.DEVICE_CARRY) in readme
+    for command in (device_pack.DEVICE_COMMAND, device_pack.PRODUCT_COMMAND):
+        assert len(command) <= 2000 and command in readme
+    assert json.dumps(device_pack.DEVICE_CARRY) in readme
+
+
+def test_the_pack_carries_what_the_image_lacks_and_leaves_what_it_holds() -> None:
+    needed = [("ray", "2.60.0"), ("pydantic_core", "2.50.5"), ("torch", "2.11.0"), ("nvidia-nccl-cu13", "2.28.9"),
+              ("PyYAML", "6.0.4"), ("typing_extensions", "4.16.0"), ("py-spy", "0.4.3"), ("virtualenv", "21.15.11")]
+    carried, stand_ins = device_pack.split_by_image(needed)
+    assert carried == ["ray==2.60.0", "pydantic_core==2.50.5", "typing_extensions==4.16.0"]
+    assert stand_ins == ["torch==2.11.0", "nvidia-nccl-cu13==2.28.9", "PyYAML==6.0.4"]
+
+
+def _step(step: int, end: float, seconds: float, tokens_per_s: float = 1000.0) -> TrainRecord:
+    return make(TrainRecord, step=step, time=end, step_time_s=seconds, tokens_per_s=tokens_per_s, flops_per_token=6e9)
+
+
+def test_the_product_path_figures_come_from_the_records_and_the_scrapes() -> None:
+    # Steps of 1 s; a save of step 5 (ending at t = 5) runs 2.3 s and blocks 0.1 s, and steps 6 and 7, which
+    # start inside it, take 1.2 s (step 8 starts at 7.4, after it). The worker dies before step 9; the
+    # resume from step 5 redoes steps 6-8, its first step ending 28 s after step 8's (t = 8.4).
+    durations = {n: 1.2 if n in (6, 7) else 1.0 for n in range(1, 9)}
+    first = [_step(n, sum(durations[m] for m in range(1, n + 1)), durations[n]) for n in durations]
+    records = [*first, make(CheckpointSaveRecord, step=5, blocking_s=0.1, total_s=2.3),
+               *[_step(n, 30.4 + n, 1.0) for n in range(6, 11)]]
+    scrapes = gpu_product.Scrapes(mfu_by_step={4: 1000 * 6e9 / 1e15, 7: 1000 * 6e9 / 1e15 * 1.01},
+                                  peak_device_bytes=3.0 * 2**30, peak_flops_per_s=1e15, ok=12)
+    report = gpu_product.ProductReport(device="test", settings={})
+    gpu_product.fill_from_run(report, records, {"peak_device_memory_bytes": 3 * 2**30}, scrapes, interval=5, kill_at=9)
+    assert report.ray_tokens_per_s == pytest.approx(1000.0)
+    assert (report.step_s_saving, report.step_s_not_saving) == (pytest.approx(1.2), pytest.approx(1.0))
+    assert report.save_cost_over_interval == pytest.approx((0.1 + 0.4) / 5)
+    assert (report.kill_to_first_step_s, report.steps_redone) == (pytest.approx(28.0), 3)
+    assert report.kill_to_new_step_s == pytest.approx(31.0)
+    assert report.prometheus_peak_bytes == report.trainer_peak_bytes
+    assert report.mfu_max_rel_diff == pytest.approx(0.01)
+
+
+def test_the_scraper_reads_a_workers_metrics_text() -> None:
+    text = ('# HELP meshtrain_step Last completed optimizer step.\n# TYPE meshtrain_step gauge\n'
+            'meshtrain_step{run="r",rank="0"} 12.0\nmeshtrain_mfu_ratio{run="r",rank="0"} 0.48\n'
+            'meshtrain_loss{run="r",rank="0"} NaN\nprocess_cpu_seconds_total 3.0\n')
+    assert gpu_product.parse_metrics(text) == {"meshtrain_step": 12.0, "meshtrain_mfu_ratio": 0.48}
+
+
+def test_the_product_path_without_a_gpu_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert gpu_product.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no CUDA GPU here" in err and "--cpu-smoke" in err

@@ -128,6 +128,7 @@ CHECKS: tuple[Check, ...] = (
     Check("1b-compile-mb4", {**_1B, **_BF16, **_COMPILE, **_MB4}, "throughput", extra=True),
     Check("1b-compile-float8-mb4", {**_1B, **_BF16, **_COMPILE, **_F8, **_MB4}, "throughput", extra=True),
     Check("1b-compile-float8-rowwise-mb4", {**_1B, **_BF16, **_COMPILE, **_ROWWISE, **_MB4}, "throughput", extra=True),
+    Check("1b-compile-sel-mb4", {**_1B, **_BF16, **_SEL, **_MB4}, "throughput", extra=True),  # the product path's
     Check("8b8l-compile-sel-mb2", {**_8B, **_BF16, **_SEL, **_MB2}, "throughput", extra=True),
     Check("8b8l-compile-sel-float8-mb2", {**_8B, **_BF16, **_SEL, **_F8, **_MB2}, "throughput", extra=True),
 )

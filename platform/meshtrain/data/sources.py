@@ -327,10 +327,13 @@ def read_unit(plan: SourcePlan, unit: Unit) -> Iterator[str]:
         for name in unit.files:
             yield from _jsonl_documents(name, unit.start or 0, unit.end, plan.field)
         return
-    import datasets
-
-    datasets.disable_progress_bars()
     try:
+        if plan.loader == "text":
+            yield from _text_documents(unit.files)
+            return
+        import datasets
+
+        datasets.disable_progress_bars()
         if plan.loader == "hub":
             stream = _hub_stream(plan.source).shard(num_shards=plan.hub_shards, index=unit.hub_shard)
         else:
@@ -347,6 +350,14 @@ def read_unit(plan: SourcePlan, unit: Unit) -> Iterator[str]:
         raise
     except Exception as exc:  # pyarrow/json/datasets errors: name the files and the problem
         raise ConfigError(f"data.source: cannot read {_where(unit)} ({first_line(exc)}); check the files") from None
+
+
+def _text_documents(files: tuple[str, ...]) -> Iterator[str]:
+    """Each file whole, as one document: what ``datasets``' text loader gives with ``sample_by="document"``
+    (UTF-8, universal newlines), read without it, so a run on plain-text files needs no ``datasets``."""
+    for name in files:
+        with open(name, encoding="utf-8") as file:
+            yield file.read()
 
 
 def _not_text(plan: SourcePlan, unit: Unit, row: dict[str, Any], number: int) -> ConfigError:
