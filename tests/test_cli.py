@@ -614,3 +614,28 @@ def test_prepare_data_finds_the_config_error_inside_a_tasks_failure(
     assert _prepare(failure, tmp_path, capsys, monkeypatch) == (
         2, ["meshtrain: config error: data.source: /data/a.jsonl line 3 is not JSON; fix or remove it"]
     )
+
+
+@pytest.mark.parametrize("address", [None, "ray://head.example:10001"])
+def test_a_ray_that_does_not_start_is_one_line(
+    address: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ray
+
+    def timed_out(*args: object, **kwargs: object) -> None:
+        raise Exception("The current node timed out during startup. This could happen because some of the Ray "
+                        "processes failed to startup.\nmore detail")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", timed_out)
+    if address:
+        monkeypatch.setenv("RAY_ADDRESS", address)
+    else:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code = main([f"run.storage_path={tmp_path}"])
+    out, err = capsys.readouterr()
+    assert code == 1 and "Traceback" not in err + out and err.count("\n") == 1, err
+    cause = "Exception: The current node timed out during startup."
+    expected = (f"meshtrain: could not join the Ray cluster at RAY_ADDRESS={address} ({cause}" if address
+                else f"meshtrain: could not start a local Ray ({cause}")
+    assert err.startswith(expected), err

@@ -404,6 +404,30 @@ def test_float_settings_must_be_finite(path: tuple[str | int, ...], value: str) 
     assert "\n" not in str(info.value)
 
 
+def _duration_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Dotted names of the settings in seconds (``*_s``, not ``*_per_s``), nested sections included."""
+    names = []
+    for name, info in model.model_fields.items():
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            names += _duration_fields(info.annotation, f"{prefix}{name}.")
+        elif name.endswith("_s") and not name.endswith("_per_s"):
+            names.append(prefix + name)
+    return names
+
+
+DURATION_FIELDS = sorted(_duration_fields(MeshtrainConfig))
+
+
+@pytest.mark.parametrize("name", DURATION_FIELDS)
+def test_every_duration_is_bounded_by_what_its_consumers_convert(name: str) -> None:
+    """A year at most: 1e300 seconds passed every "> 0" check and then overflowed a conversion to
+    milliseconds in a worker."""
+    assert len(DURATION_FIELDS) >= 14
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"{name}=31536001"])
+    assert str(info.value) == f"{name}: Input should be less than or equal to 31536000 (got 31536001)"
+
+
 def test_non_finite_message() -> None:
     with pytest.raises(ConfigError) as info:
         load_config(None, ["optim.lr=inf"])

@@ -51,6 +51,7 @@ def as_sent_by_ray(error: BaseException, rank: int, node: str, at: float) -> Bas
                   "allocate 70368744177664 bytes."), True),
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 GiB"), True),
     (SafetensorError("Error while deserializing header: incomplete metadata, file not fully covered"), True),
+    (OverflowError("int too big to convert"), True),
     (PEER_LOST, False),
     (TimeoutError("collective timed out"), False),
     (ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"), False),

@@ -96,12 +96,12 @@ def main(argv: list[str] | None = None) -> int:
             checked = preflighted(cfg)
             dry_run(checked.config, checked.model, args.trace)
             return 0
-        from meshtrain.cluster.launcher import launch
+        from meshtrain.cluster.launcher import RayUnavailable, launch
         from meshtrain.cluster.outcome import Interrupted, TrainingFailed
 
         try:
             summary = launch(cfg)  # preflight first: every error the config can show, before Ray starts
-        except TrainingFailed as exc:
+        except (TrainingFailed, RayUnavailable) as exc:
             print(f"meshtrain: {exc}", file=sys.stderr)
             return EXIT_TRAINING_FAILED
         except Interrupted as exc:

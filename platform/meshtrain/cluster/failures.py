@@ -27,8 +27,9 @@ PERMANENT_ERRNOS = frozenset({
     errno.EADDRNOTAVAIL,  # a bind address the node does not have
 })
 # Errors the same start raises again: memory a tensor of this shape cannot get (host or device, outside
-# a step: a step's is DeviceOutOfMemory), and a weights file that is not valid safetensors.
-_PERMANENT_TYPES = frozenset({"MemoryError", "OutOfMemoryError", "SafetensorError"})
+# a step: a step's is DeviceOutOfMemory), a weights file that is not valid safetensors, and a number too
+# large for what it is converted to (a setting's seconds in milliseconds, say).
+_PERMANENT_TYPES = frozenset({"MemoryError", "OutOfMemoryError", "SafetensorError", "OverflowError"})
 _HOST_ALLOCATION = re.compile(r"DefaultCPUAllocator: (can't allocate memory|not enough memory)")
 # What the ranks that only lost a peer (one that died, ran out of memory or failed first) report.
 _PEER_LOST = re.compile(

@@ -34,7 +34,7 @@ from meshtrain.cluster.resume import (
 )
 from meshtrain.cluster.worker_plan import worker_plan
 from meshtrain.cluster.run_lease import RunLease
-from meshtrain.config import config_error_in, redact_url
+from meshtrain.config import config_error_in, one_line, redact_url
 from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import prepare_data
 from meshtrain.data.local_files import write_atomically
@@ -70,13 +70,26 @@ def init_ray() -> bool:
 
     if ray.is_initialized():
         return False
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"])
-        return False
-    # "local", not None: None would follow /tmp/ray/ray_current_cluster, which still names a
-    # cluster whose processes were killed rather than stopped with `ray stop`.
-    ray.init(address="local", num_cpus=os.cpu_count())
+    address = os.environ.get("RAY_ADDRESS")
+    try:
+        if address:
+            ray.init(address=address)
+            return False
+        # "local", not None: None would follow /tmp/ray/ray_current_cluster, which still names a
+        # cluster whose processes were killed rather than stopped with `ray stop`.
+        ray.init(address="local", num_cpus=os.cpu_count())
+    except Exception as exc:  # noqa: BLE001 - Ray raises bare Exception, ConnectionError, RuntimeError... here
+        raise RayUnavailable(
+            f"could not join the Ray cluster at RAY_ADDRESS={redact_url(address)} ({one_line(exc)}); check it runs "
+            "(ray status) or unset RAY_ADDRESS to start a local one" if address else
+            f"could not start a local Ray ({one_line(exc)}); the machine may be overloaded or its /tmp full: "
+            "retry, or start one with `ray start --head` and set RAY_ADDRESS=auto"
+        ) from None
     return True
+
+
+class RayUnavailable(RuntimeError):
+    """Ray did not start or could not be joined: nothing was started or written by the run."""
 
 
 # Ray sizes an elastic group from the resources its autoscaling coordinator last saw (refreshed every

@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from meshtrain.config.redaction import Location, OptionalLocation, StorageOptions
-from meshtrain.config.section import Section, check_tested_scheme
+from meshtrain.config.section import MAX_DURATION_S, Section, check_tested_scheme
 
 _SOURCE_HELP = (
     "'stdlib' (the Python standard library's source files, always offline), a local file, directory or "
@@ -131,7 +131,7 @@ class DataConfig(Section):
         None, description="Node-local folder of that cache; unset = $MESHTRAIN_TOKEN_CACHE or <tmp>/meshtrain-token-cache."
     )
     read_timeout_s: float = Field(
-        120.0, gt=0, description="How long requests to a remote store are retried (with backoff) before the run stops with one line."
+        120.0, gt=0, le=MAX_DURATION_S, description="How long requests to a remote store are retried (with backoff) before the run stops with one line."
     )
     read_ahead_steps: int = Field(
         2, ge=0, description="Steps of training windows each rank reads ahead in background threads (0 = read in the step)."

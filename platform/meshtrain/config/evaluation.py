@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from meshtrain.config.section import Section
+from meshtrain.config.section import MAX_DURATION_S, Section
 
 
 class DownstreamEvalConfig(Section):
@@ -32,7 +32,7 @@ class DownstreamEvalConfig(Section):
         "weights (bf16 on a GPU) and the harness's batches. null = no reservation."
     )
     final_wait_s: float = Field(
-        1800.0, ge=0, description="After training, how long the job waits for evaluations still running "
+        1800.0, ge=0, le=MAX_DURATION_S, description="After training, how long the job waits for evaluations still running "
         "(the last checkpoint's); those not done by then keep running and write their results later."
     )
 

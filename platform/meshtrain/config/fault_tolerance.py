@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from meshtrain.config.section import Section
+from meshtrain.config.section import MAX_DURATION_S, Section
 
 
 class FaultToleranceConfig(Section):
@@ -34,16 +34,16 @@ class FaultToleranceConfig(Section):
         1, ge=1, description="fault_tolerance.mode=replica: the fewest live replica groups a step may commit with."
     )
     heartbeat_timeout_s: float = Field(
-        5.0, gt=0, description="fault_tolerance.mode=replica: a replica silent this long is dropped from the next quorum."
+        5.0, gt=0, le=MAX_DURATION_S, description="fault_tolerance.mode=replica: a replica silent this long is dropped from the next quorum."
     )
     quorum_timeout_s: float = Field(
-        900.0, gt=0,
+        900.0, gt=0, le=MAX_DURATION_S,
         description="fault_tolerance.mode=replica: how long a step waits for a quorum of fault_tolerance.min_replicas. "
         "A hung replica group heartbeats until its hang watchdog ends it, and a quorum of two groups waits for it, "
         "so this must outlast run.hang_timeout_s + 5 s + fault_tolerance.heartbeat_timeout_s.",
     )
     join_timeout_s: float = Field(
-        10.0, ge=0,
+        10.0, ge=0, le=MAX_DURATION_S,
         description="fault_tolerance.mode=replica: how long a quorum waits for replica groups that have not joined yet.",
     )
     max_uncommitted_steps: int = Field(
@@ -52,7 +52,7 @@ class FaultToleranceConfig(Section):
         "stops (Ray then replaces it).",
     )
     timeout_s: float = Field(
-        60.0, gt=0,
+        60.0, gt=0, le=MAX_DURATION_S,
         description="fault_tolerance.mode=replica: the cross-replica collectives' and healing transfer's timeout.",
     )
 

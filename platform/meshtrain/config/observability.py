@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from meshtrain.config.errors import ConfigError
 from meshtrain.config.redaction import OptionalLocation
-from meshtrain.config.section import Section
+from meshtrain.config.section import MAX_DURATION_S, Section
 
 
 class MetricsConfig(Section):
@@ -46,17 +46,17 @@ class MetricsConfig(Section):
     )
     final_scrape_timeout_s: float = Field(
         10.0,
-        ge=0,
+        ge=0, le=MAX_DURATION_S,
         description="After the last step, wait up to this long for a scrape of the final values (only if scraped lately).",
     )
     progress_interval_s: float = Field(
         30.0,
-        ge=0,
+        ge=0, le=MAX_DURATION_S,
         description="Driver progress line at most this often when output is not a terminal (0 = every logged step).",
     )
     ray_report_interval_s: float = Field(
         10.0,
-        ge=0,
+        ge=0, le=MAX_DURATION_S,
         description="Hand the logged metrics to ray.train.report (Ray's dashboard, Result.metrics, Ray's "
         "MLflow/W&B callbacks) at most this often, and after the last step (0 = every logged step; each report "
         "may wait up to 2 s for Ray's controller).",

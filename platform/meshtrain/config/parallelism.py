@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from meshtrain.config.errors import ConfigError
 from meshtrain.config.model import ModelArgs
-from meshtrain.config.section import Section
+from meshtrain.config.section import MAX_DURATION_S, Section
 
 
 StrategyName = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"]
@@ -169,7 +169,7 @@ class ScalingConfig(Section):
             "scaling.accelerator_type (H100, H200, A100-40G, A100-80G, L4, A10G, ...)."
         ),
     )
-    timeout_s: int = Field(1800, gt=0, description="Collective timeout for the process group, seconds.")
+    timeout_s: int = Field(1800, gt=0, le=MAX_DURATION_S, description="Collective timeout for the process group, seconds.")
     min_workers: int | None = Field(
         None,
         gt=0,
@@ -180,12 +180,12 @@ class ScalingConfig(Section):
     )
     resize_check_interval_s: float = Field(
         60.0,
-        gt=0,
+        gt=0, le=MAX_DURATION_S,
         description="Elastic training: how often Ray checks a running group for capacity to grow it (seconds).",
     )
     grow_save_timeout_s: float = Field(
         600.0,
-        ge=0,
+        ge=0, le=MAX_DURATION_S,
         description="Elastic training: before a resize, the group saves the step it is at and waits; Ray resizes once "
         "every worker has saved, or after this long (seconds).",
     )

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from meshtrain.config.redaction import OptionalLocation, StorageOptions, redact_url
-from meshtrain.config.section import Section, check_tested_scheme
+from meshtrain.config.section import MAX_DURATION_S, Section, check_tested_scheme
 
 
 SHARED_FOLDERS = ("token_stores", "prometheus")
@@ -30,14 +30,14 @@ class RunConfig(Section):
     )
     hang_timeout_s: float | None = Field(
         600.0,
-        gt=0,
+        gt=0, le=MAX_DURATION_S,
         description="After the first step, a worker with no progress for this long (a hung collective, a stuck "
         "rank) exits so Ray restarts the group from the last checkpoint; bytes reaching checkpoint storage count as "
         "progress, so a long save that keeps writing is never cut; must exceed the slowest step and evaluation; null = off.",
     )
     preemption_save_s: float | None = Field(
         25.0,
-        gt=0,
+        gt=0, le=MAX_DURATION_S,
         description="On a preemption notice (SIGTERM, or Ray's drain notice) every worker stops at the next step, "
         "saves it and exits so Ray restarts the group; this is how long after the notice a worker may take to commit "
         "that save before it exits anyway. Fit it inside the notice period: GCP spot and Kubernetes' default grace 30 s, "

@@ -10,6 +10,12 @@ from pydantic import BaseModel, ConfigDict
 
 from meshtrain.config.redaction import redacted_repr_args
 
+# The longest duration a setting may name: a year. What consumes them converts to milliseconds in int64
+# (torch's collectives, torchft's lighthouse and manager), to timedelta (at most 1e9 days) or waits on a
+# lock (threading.TIMEOUT_MAX, about 292 years on Linux); a year keeps every conversion in range, and
+# no run needs a longer timeout or interval.
+MAX_DURATION_S = 365 * 24 * 3600
+
 
 class Section(BaseModel):
     # No float setting may be inf or nan: pydantic rejects them on the field's own path ("finite_number").
