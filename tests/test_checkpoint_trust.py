@@ -299,6 +299,11 @@ def test_a_newest_checkpoint_that_will_not_load_is_marked_bad_and_the_previous_o
     assert [c.step for c in run.storage.committed()] == [4]
     cfg = load_config(None, [f"checkpoint.path={run.root.parent}", f"run.name={run.root.name}"])
     assert newest_committed(cfg.checkpoint, cfg.run)[1].step == 4
+    # A replacement replica group that finds no peer has nothing to replace only once the last step is
+    # committed in a checkpoint that is not bad.
+    from meshtrain.cluster.worker import training_ended
+
+    assert [training_ended(cfg.checkpoint, cfg.run, steps) for steps in (4, 8)] == [True, False]
 
 
 def test_a_commit_marker_that_is_not_json_is_skipped_and_kept(run: Run) -> None:

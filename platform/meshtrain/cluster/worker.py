@@ -51,6 +51,7 @@ from meshtrain.observe.run_folder import (
 )
 from meshtrain.observe.trackers import DRIVER_RECORDS
 from meshtrain.train.plan import WorkerPlan
+from meshtrain.train.replica_steps import NoPeerToHeal
 from meshtrain.train.trainer import train
 
 
@@ -214,8 +215,21 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     try:
         _train_worker(loop_config)
     except BaseException as exc:
+        plan: WorkerPlan = loop_config["plan"]
+        if isinstance(exc, NoPeerToHeal) and training_ended(plan.checkpoint, plan.run, plan.train.steps):
+            if context.get_world_rank() == 0:
+                print(f"[meshtrain] replica group {loop_config['replica'].index}: training ended at step "
+                      f"{plan.train.steps} before this replacement started; it has nothing to replace", flush=True)
+            return
         stamp(exc, context.get_world_rank(), ray.util.get_node_ip_address())
         raise
+
+
+def training_ended(checkpoint: CheckpointConfig, run: RunConfig, steps: int) -> bool:
+    """Whether the run's last step is committed (a checkpoint is always saved after it): a replacement
+    replica group that then finds no live peer came too late, not after every group was lost."""
+    _, newest = newest_committed(checkpoint, run)
+    return newest is not None and newest.step >= steps
 
 
 def _train_worker(loop_config: dict[str, Any]) -> None:
