@@ -266,3 +266,50 @@ def test_uncommitted_checkpoint_is_ignored_and_cleared(unbroken: dict, corpus: D
     outcome = run(config(tmp_path, "partial", 2, "train.steps=12"), corpus, 2)
     assert [e.step for e in outcome["events"] if isinstance(e, CheckpointLoadRecord)] == [4]
     assert (ckpt_dir(tmp_path, "partial", 8) / COMMIT_MARKER).is_file()  # rewritten by this run
+
+
+SOURCES = "data.sources=[{source: stdlib, name: early, max_documents: 12}, {source: stdlib, name: late, max_documents: 24}]"
+
+
+def stages(main: str = "{early: 1, late: 3}", tail: str = "{late: 1}") -> str:
+    return (f"data.stages=[{{name: warm, until_step: 4, weights: {{early: 1}}}}, "
+            f"{{name: main, until_step: 12, weights: {main}}}, {{name: tail, weights: {tail}}}]")
+
+
+def test_data_stages_resume_at_their_boundary_as_if_never_stopped_and_a_begun_stage_cannot_change(
+    tmp_path: Path,
+) -> None:
+    """Steps 1-4 read only `early`, steps 5-12 both sources 1:3; a run stopped at the boundary (step 4)
+    trains steps 5-12 exactly as the unbroken one, each checkpoint counts the samples per stage and
+    source, and a relaunch may change only the stages that have not begun."""
+    from meshtrain.cluster.resume import check_stages_resume
+    from meshtrain.config import ConfigError
+    from meshtrain.checkpoint.storage import run_checkpoints
+    from meshtrain.data.pipeline import prepare_data
+
+    base = config(tmp_path, "staged", 1, SOURCES, stages())
+    plan = prepare_data(base.data, str(tmp_path / "stores"), base.data.seq_len, use_ray=False, log=lambda _: None)
+    unbroken = run(base, plan, 1)
+    records = [e for e in unbroken["events"] if isinstance(e, TrainRecord)]
+    assert [(r.step, r.stage) for r in records if r.step in (4, 5, 12)] == [(4, "warm"), (5, "main"), (12, "main")]
+    manifests = {c.step: c.manifest for c in run_checkpoints(base.checkpoint, base.run).committed()}
+    assert manifests[4]["data_samples"] == {"warm": {"early": 32}}
+    main = manifests[8]["data_samples"]["main"]
+    assert main.keys() == {"early", "late"} and sum(main.values()) == 32 and main["late"] > main["early"]
+
+    seed_run_with(tmp_path, "staged-resumed", ckpt_dir(tmp_path, "staged", 4))
+    resumed = run(config(tmp_path, "staged-resumed", 1, SOURCES, stages()), plan, 1)
+    expected = losses(unbroken)
+    assert losses(resumed) == {step: expected[step] for step in range(5, 13)}  # exact float equality
+
+    def relaunch(*overrides: str) -> None:
+        cfg = config(tmp_path, "staged", 1, *overrides)
+        check_stages_resume(cfg.checkpoint, cfg.run, worker_plan(cfg, plan).data_stages)
+
+    relaunch(SOURCES, stages(tail="{early: 1, late: 1}"))  # the stage after step 12 has not begun
+    relaunch(SOURCES, stages(main="{early: 2, late: 6}"))  # the same proportions
+    for changed in (stages(main="{early: 1, late: 1}"), stages().replace("until_step: 4", "until_step: 5")):
+        with pytest.raises(ConfigError, match=r"^data.stages: stage '(main|warm)' had begun by the checkpoint of step 12"):
+            relaunch(SOURCES, changed)
+    with pytest.raises(ConfigError, match="were trained in data.stages and this config drops them"):
+        relaunch(SOURCES)

@@ -123,8 +123,8 @@ def test_records_encode_to_the_keys_of_their_kind_and_parse_back() -> None:
             assert next(iter(document)) == "event" and document["event"] == kind.record.event
     train = make(TrainRecord, step=3)
     assert list(train.to_json())[-1] == "samples"  # no FLOPs, not replica mode: those keys are left out
-    assert list(example(TrainRecord).to_json())[-4:] == [
-        "flops_per_token", "flops_per_token_full_attention", "replica_wait_s", "replicas"]
+    assert list(example(TrainRecord).to_json())[-5:] == [
+        "flops_per_token", "flops_per_token_full_attention", "replica_wait_s", "replicas", "stage"]
     scored = DownstreamEvalRecord(step=4, task="hellaswag", scores={"acc": 0.25}, samples=None, seconds=1.0, time=2.0)
     assert scored.to_json() == {"event": "downstream_eval", "step": 4, "task": "hellaswag", "acc": 0.25,
                                 "samples": None, "seconds": 1.0, "time": 2.0}

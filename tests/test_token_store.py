@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from corpora import stdlib_plan
-from meshtrain.config import ConfigError, DataConfig
+from meshtrain.config import ConfigError, DataConfig, StageConfig
 from meshtrain.config.loading import load_config
 from meshtrain.data.integrity import CorruptTokens
 from meshtrain.data import (
@@ -30,7 +31,8 @@ from meshtrain.data import (
     verify_store,
 )
 from meshtrain.data.pipeline import TrainingData
-from meshtrain.data.sampling import apportion
+from meshtrain.data.sampling import MIXTURE_BLOCK, Samples, apportion
+from meshtrain.data.stages import StagedSamples, data_stages
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.observe.run_folder import MixtureRecord, check_record
 from meshtrain.train.trainer import train
@@ -158,11 +160,47 @@ def test_the_mixture_log_reports_each_sources_share_of_the_samples_trained_since
                                       for name, count in zip(["code", "text"], apportion(MIXTURE_BLOCK, [0.7, 0.3]))}
 
 
-def test_mixture_resumes_exactly_on_another_world_size() -> None:
+def staged(seed: int = 0, block: int = MIXTURE_BLOCK) -> StagedSamples:
+    """code alone for steps 1-3 of 16 samples, both sources equally for steps 4-6, text alone after."""
+    code, text = PackedSequences(unique(300, 0), SEQ, (seed, 0)), PackedSequences(unique(500, 10**6), SEQ, (seed, 1))
+    stages = data_stages([StageConfig(name="code", until_step=3, weights={"code": 1}),
+                          StageConfig(name="both", until_step=6, weights={"code": 1, "text": 1}),
+                          StageConfig(name="text", weights={"text": 2})], ["code", "text"], 16)
+    return StagedSamples([code, text], stages, seed, block)
+
+
+def test_stages_switch_exactly_at_their_boundaries_and_every_source_continues_where_it_stopped() -> None:
+    samples = staged(block=32)  # small blocks: many whole and partial blocks in 300 samples
+    drawn = [samples.source_of(i) for i in range(300)]
+    assert {source for source, _ in drawn[:48]} == {0} and {source for source, _ in drawn[96:]} == {1}
+    assert {source for source, _ in drawn[48:96]} == {0, 1}
+    for source in (0, 1):  # each source's own samples: every index once, in order of first use
+        indices = [index for s, index in drawn if s == source]
+        assert sorted(indices) == list(range(len(indices)))
+    both = sum(source == 0 for source, _ in drawn[48:96])
+    assert 16 < both < 32  # a whole block of 32 holds 16 of each; the partial one, 16 in its own proportions
+    assert samples.counters(300, ["code", "text"]) == {
+        "code": {"code": 48}, "both": {"code": both, "text": 48 - both}, "text": {"text": 204}}
+    assert samples.counters(48, ["code", "text"]) == {"code": {"code": 48}}
+    for start, stop in [(0, 300), (5, 47), (40, 100), (95, 97), (33, 290), (150, 150)]:
+        assert samples.source_counts(start, stop) == [sum(s == k for s, _ in drawn[start:stop]) for k in (0, 1)]
+    assert [samples.stage_name(i) for i in (0, 47, 48, 95, 96, 10**9)] == ["code", "code", "both", "both", "text", "text"]
+
+
+def test_one_stage_of_the_sources_own_weights_is_the_plain_mixture() -> None:
+    code, text = mixture().components
+    one = StagedSamples([code, text], data_stages(
+        [StageConfig(name="all", weights={"code": 0.7, "text": 0.3})], ["code", "text"], 16), 0)
+    assert all(np.array_equal(one.sample(i), mixture().sample(i)) for i in range(0, 9000, 13))
+
+
+@pytest.mark.parametrize("samples", [mixture, staged])
+def test_mixture_resumes_exactly_on_another_world_size(samples: Callable[[], Samples]) -> None:
+    """Resumed at step 3 on half the ranks: for the stages, the first step of the second stage."""
     def rows(world: int, start: int, steps: int) -> list[list[tuple]]:
         out: list[list[tuple]] = []
         for rank in range(world):
-            batches = DataParallelBatches(mixture(), 16, 16 // world // 2, rank, world, torch.device("cpu"), position=start)
+            batches = DataParallelBatches(samples(), 16, 16 // world // 2, rank, world, torch.device("cpu"), position=start)
             for step in range(steps):
                 got = [tuple(r.tolist()) for inputs, _ in batches.next_step() for r in inputs]
                 if rank == 0:
@@ -304,6 +342,9 @@ def test_an_occupied_output_is_never_overwritten(plan, tmp_path, corpus_dir) -> 
     assert {p.name: p.stat().st_mtime_ns for p in Path(url).iterdir()} == before
 
 
+NAMED = "[{source: stdlib, name: a}, {source: stdlib, name: b, max_documents: 9}]"
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [
@@ -312,6 +353,18 @@ def test_an_occupied_output_is_never_overwritten(plan, tmp_path, corpus_dir) -> 
         (["data.sources=[]"], "data.sources: an empty list"),
         (["data.source=stdlib", "data.sources=[{source: stdlib}]"], "set either data.source or data.sources"),
         (["data.validation.fraction=0.6"], "data.validation.fraction"),
+        (["data.stages=[{name: a, weights: {x: 1}}]"], "data.stages: stages weigh data.sources by name"),
+        ([f"data.sources={NAMED}", "data.stages=[{name: a, until_step: 9, weights: {a: 1}}, "
+          "{name: a, weights: {b: 1}}]"], "data.stages: stage names repeat"),
+        ([f"data.sources={NAMED}", "data.stages=[{name: s, weights: {a: 1, c: 1}}]"],
+         "data.stages: stage 's' weighs 'c', not among data.sources' names"),
+        ([f"data.sources={NAMED}", "data.stages=[{name: s, weights: {a: 1}}, {name: t, weights: {b: 1}}]"],
+         "data.stages: stage 's' has no until_step; only the last stage runs to the end"),
+        ([f"data.sources={NAMED}", "data.stages=[{name: s, until_step: 9, weights: {a: 1}}, "
+          "{name: t, until_step: 9, weights: {b: 1}}]"], r"data.stages: until_step must increase from stage to stage \(got 9, 9\)"),
+        ([f"data.sources={NAMED}", "data.stages=[{name: s, weights: {a: 0}}]"], "give at least one source a positive"),
+        ([f"data.sources={NAMED}", "train.steps=20", "data.stages=[{name: s, until_step: 10, weights: {a: 1}}]"],
+         "the last stage, 's', ends at step 10, before train.steps=20; unset its until_step"),
     ],
 )
 def test_bad_mixture_and_validation_settings(overrides: list[str], message: str) -> None:

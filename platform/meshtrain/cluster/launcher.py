@@ -27,6 +27,7 @@ from meshtrain.cluster.ray_trainer import build_trainer
 from meshtrain.cluster.replica_groups import fit_replica_groups
 from meshtrain.cluster.resume import (
     check_fresh_start,
+    check_stages_resume,
     data_for_resume,
     read_run_tokenizer,
     resolve_schedule_horizon,
@@ -140,6 +141,7 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
         flush=True,
     )
     plan = worker_plan(cfg, data, launch_id)
+    check_stages_resume(cfg.checkpoint, cfg.run, plan.data_stages)  # before any worker draws a sample
     endpoint = DriverEndpoint.open(cfg.metrics, cfg.run.storage_path, paths.name)
     exporter = endpoint.metrics if endpoint is not None else None
     downstream = (DownstreamEvaluations(cfg.eval, cfg.checkpoint, cfg.run, paths, use_gpu=cfg.scaling.use_gpu,

@@ -16,6 +16,8 @@ from meshtrain.config import CheckpointConfig, ConfigError, RunConfig, one_line
 from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import SAMPLING_SCHEME, DataPlan, checkpoint_sampling
 from meshtrain.data.local_files import write_atomically
+from meshtrain.data.sampling import MIXTURE_BLOCK, apportion
+from meshtrain.data.stages import DataStage
 from meshtrain.observe.run_folder import RunPaths
 
 
@@ -187,3 +189,43 @@ def data_for_resume(checkpoint: CheckpointConfig, run: RunConfig, plan: DataPlan
             flush=True,
         )
     return resumed
+
+
+def check_stages_resume(checkpoint: CheckpointConfig, run: RunConfig, stages: tuple[DataStage, ...]) -> None:
+    """ConfigError unless the newest committed checkpoint's samples were drawn in the stages the config
+    gives up to that checkpoint's data position: a stage that has begun keeps its start, its weights
+    (as the mixture apportions them) and, once over, its end; the stages after it may change freely."""
+    if not (checkpoint.enabled and checkpoint.resume):
+        return
+    committed = run_checkpoints(checkpoint, run).committed()
+    if not committed:
+        return
+    manifest, step = committed[0].manifest, committed[0].step
+    trained = manifest.get("data_stages")
+    if trained is None and not stages:
+        return
+    if trained is None or not stages:
+        have, want = ("without data.stages", "adds them") if trained is None else ("in data.stages", "drops them")
+        raise ConfigError(
+            f"data.stages: the checkpoints of run {run.name} were trained {have} and this config {want}; the samples "
+            "already trained would be drawn again differently: keep the data settings, or use another run.name"
+        )
+    position = int(manifest.get("data_position", 0))
+    ends = lambda plan: [s["first_sample"] for s in plan[1:]] + [None]  # noqa: E731
+    given = [stage.to_json() for stage in stages]
+    for k, (old, old_end) in enumerate(zip(trained, ends(trained))):
+        if old["first_sample"] >= position:
+            break
+        new, new_end = (given[k], ends(given)[k]) if k < len(given) else (None, None)
+
+        def reach(end: int | None) -> int:
+            return position if end is None else min(end, position)
+
+        if (new is None or new["name"] != old["name"] or new["first_sample"] != old["first_sample"]
+                or apportion(MIXTURE_BLOCK, new["weights"]) != apportion(MIXTURE_BLOCK, old["weights"])
+                or reach(new_end) != reach(old_end)):
+            raise ConfigError(
+                f"data.stages: stage {old['name']!r} had begun by the checkpoint of step {step} (run {run.name}), "
+                "and this config changes it (its name, start, weights or, where it is over, its end); a stage that "
+                f"has begun cannot change: change only the stages after step {step}, or use another run.name"
+            )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataPlan, TrainingData
+from meshtrain.data.stages import data_stages
 from meshtrain.model.args import model_args
 from meshtrain.train.plan import WorkerPlan
 
@@ -23,6 +24,8 @@ def worker_plan(config: MeshtrainConfig, data: DataPlan | TrainingData, launch_i
         replica_groups=config.replica_groups() if config.fault_tolerance.mode == "replica" else None,
         settings=config.model_dump(mode="json"),
         launch_id=launch_id,
+        data_stages=data_stages(config.data.stages, [source.name or "" for source in config.data.sources or []],
+                                config.train.global_batch_size),
         model_config=config.model,
         data_config=config.data,
         optim=config.optim,

@@ -12,6 +12,7 @@ from meshtrain.config.data import (
     OVERALL_LABEL,
     DataConfig,
     SourceConfig,
+    StageConfig,
     ValidationConfig,
     source_labels,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "RunConfig",
     "ScalingConfig",
     "SourceConfig",
+    "StageConfig",
     "STRATEGIES",
     "Strategy",
     "StrategyName",

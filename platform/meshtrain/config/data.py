@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -41,6 +42,28 @@ class SourceConfig(Section):
 
     def is_hub(self) -> bool:
         return self.source.startswith("hf:")
+
+
+class StageConfig(Section):
+    """One stage of the data: until a step, samples drawn from the named sources in these proportions."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$", description="The stage's label in records, metrics and checkpoints.")
+    until_step: int | None = Field(
+        None, gt=0, description="The stage's last step (the next starts after it); unset on the last stage = to the end."
+    )
+    weights: dict[str, float] = Field(
+        description="Share of the stage's samples per source, by data.sources[].name; a source left out is not drawn."
+    )
+
+    @field_validator("weights")
+    @classmethod
+    def _some_positive_weight(cls, value: dict[str, float]) -> dict[str, float]:
+        bad = next((name for name, weight in value.items() if not (weight >= 0 and math.isfinite(weight))), None)
+        if bad is not None:
+            raise ValueError(f"weight of {bad!r} is {value[bad]!r}; give a finite number >= 0")
+        if not sum(value.values()) > 0:
+            raise ValueError("give at least one source a positive weight")
+        return value
 
 
 class ValidationConfig(Section):
@@ -92,6 +115,12 @@ class DataConfig(Section):
         None,
         description="A mixture: a list of {source, weight, text_field, ...}; samples are drawn in proportion "
         "to the weights. Replaces data.source.",
+    )
+    stages: list[StageConfig] | None = Field(
+        None,
+        description="Data stages: a list of {name, until_step, weights}; each stage draws its samples from "
+        "data.sources in its own weights, every source continuing where the earlier stages left it. Needs "
+        "data.sources with a name each.",
     )
     validation: ValidationConfig = Field(default_factory=ValidationConfig, description="Held-out validation data.")
     tokenizer: str = Field(
@@ -149,6 +178,8 @@ class DataConfig(Section):
                 raise ValueError("data.sources: an empty list; give at least one {source, weight} or use data.source")
             if "source" in self.model_fields_set:
                 raise ValueError("data.sources: set either data.source or data.sources (a mixture), not both")
+        if self.stages is not None:
+            self._check_stages(self.stages)
         if self.cache_dir is not None:
             check_tested_scheme(self.cache_dir, "data.cache_dir")
         one_read = (self.seq_len + 1) * 4 + 2 * CHECK_BLOCK_BYTES  # a window of uint32 tokens, rounded out to check blocks
@@ -158,6 +189,28 @@ class DataConfig(Section):
                 f"({one_read} bytes); raise data.cache_max_bytes (a few GiB is typical)"
             )
         return self
+
+    def _check_stages(self, stages: list[StageConfig]) -> None:
+        if not stages:
+            raise ValueError("data.stages: an empty list; give at least one {name, weights} or leave it unset")
+        names = [source.name for source in self.sources or []]
+        if self.sources is None or None in names:
+            raise ValueError("data.stages: stages weigh data.sources by name; list the sources in data.sources, "
+                             "each with a name")
+        labels = [stage.name for stage in stages]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"data.stages: stage names repeat ({', '.join(labels)}); give each stage its own name")
+        for stage in stages:
+            unknown = sorted(set(stage.weights) - set(names))
+            if unknown:
+                raise ValueError(f"data.stages: stage {stage.name!r} weighs {', '.join(map(repr, unknown))}, not among "
+                                 f"data.sources' names ({', '.join(map(repr, names))})")
+        for stage in stages[:-1]:
+            if stage.until_step is None:
+                raise ValueError(f"data.stages: stage {stage.name!r} has no until_step; only the last stage runs to the end")
+        ends = [stage.until_step for stage in stages if stage.until_step is not None]
+        if any(b <= a for a, b in zip(ends, ends[1:])):
+            raise ValueError(f"data.stages: until_step must increase from stage to stage (got {', '.join(map(str, ends))})")
 
     def source_list(self) -> list[SourceConfig]:
         """The mixture's sources, or the single data.source as a one-source list."""

@@ -61,6 +61,12 @@ class MeshtrainConfig(Section):
             self.parallel.check_model(model)
         self._check_parallel_degrees()
         self._check_metrics_ports()
+        last = self.data.stages[-1] if self.data.stages else None
+        if last is not None and last.until_step is not None and last.until_step < self.train.steps:
+            raise ValueError(
+                f"data.stages: the last stage, {last.name!r}, ends at step {last.until_step}, before "
+                f"train.steps={self.train.steps}; unset its until_step or add a stage after it"
+            )
         # TP and CP peers read the same samples: the data-parallel ranks are the workers over TP x CP.
         self.train.batch_layout(self.scaling.num_workers // self.parallel.group_size)
         sizes = self.elastic_sizes()

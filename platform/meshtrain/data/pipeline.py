@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from meshtrain.config import ConfigError, DataConfig, SourceConfig, redact_url, source_labels
 from meshtrain.data.prepare import prepare_store, store_key
 from meshtrain.data.sampling import MixtureSamples, PackedSequences, Samples, window_count
+from meshtrain.data.stages import DataStage, StagedSamples
 from meshtrain.data.schemes import SAMPLING_SCHEME
 from meshtrain.data.splits import WholeStream, validation_split
 from meshtrain.data.validation import ValidationPart, ValidationSet
@@ -224,8 +225,9 @@ class TrainingData:
     source_names: tuple[str, ...] = ()  # the training sources' labels, in the mixture's order
 
 
-def open_data(plan: DataPlan, seq_len: int, seed: int) -> TrainingData:
-    """Map every store and build this run's training samples and validation set."""
+def open_data(plan: DataPlan, seq_len: int, seed: int, stages: Sequence[DataStage] = ()) -> TrainingData:
+    """Map every store and build this run's training samples (stage by stage with ``stages``) and
+    validation set."""
     stores = [TokenStore(ref.url, plan.storage_options, reading=plan.reading) for ref in plan.stores]
     for store, ref in zip(stores, plan.stores):
         if store.fingerprint != ref.fingerprint:
@@ -244,9 +246,13 @@ def open_data(plan: DataPlan, seq_len: int, seed: int) -> TrainingData:
         components.append(sequences)
         if split is not None:
             held_out.append(ValidationPart(ref.name, sequences, split, plan.eos_id))
-    train: Samples = components[0] if len(components) == 1 else MixtureSamples(
-        components, [ref.weight for ref in plan.stores], seed
-    )
+    train: Samples
+    if stages:
+        train = StagedSamples(components, stages, seed)
+    elif len(components) == 1:
+        train = components[0]
+    else:
+        train = MixtureSamples(components, [ref.weight for ref in plan.stores], seed)
     validation = None
     if plan.validation is not None:
         store = TokenStore(plan.validation.url, plan.storage_options, reading=plan.reading)

@@ -160,10 +160,11 @@ class MixtureSamples:
     exactly on any number of ranks.
     """
 
-    def __init__(self, components: Sequence[Samples], weights: Sequence[float], seed: int, block: int = MIXTURE_BLOCK) -> None:
-        if len(components) != len(weights) or not components:
-            raise ValueError("a mixture needs one weight per source")
-        self.components, self.seed, self.block = list(components), seed, block
+    def __init__(self, components: Sequence[Samples], weights: Sequence[float], seed: int, block: int = MIXTURE_BLOCK,
+                 salt: tuple[int, ...] = ()) -> None:
+        if len(components) != len(weights) or not components or not sum(weights) > 0:
+            raise ValueError("a mixture needs one weight per source, and a positive one")
+        self.components, self.seed, self.block, self.salt = list(components), seed, block, salt
         self.counts = apportion(block, weights)
         self._block_index = -1
         self._source = self._rank = np.empty(0, dtype=np.int64)
@@ -173,7 +174,7 @@ class MixtureSamples:
         if block_index == self._block_index:
             return self._source
         source = np.repeat(np.arange(len(self.counts)), self.counts)
-        np.random.default_rng([self.seed, 0x31C, block_index]).shuffle(source)
+        np.random.default_rng([self.seed, 0x31C, block_index, *self.salt]).shuffle(source)
         return source
 
     def _assign(self, block_index: int) -> None:
@@ -197,11 +198,15 @@ class MixtureSamples:
         """How many of the global samples ``[start, stop)`` each source gives (the block the reader is in
         stays the cached one)."""
         counts = np.zeros(len(self.counts), dtype=np.int64)
-        for block_index in range(start // self.block, (stop - 1) // self.block + 1 if stop > start else 0):
+        if stop <= start:
+            return counts.tolist()
+        first_block, last_block = start // self.block, (stop - 1) // self.block
+        for block_index in {first_block, last_block}:  # the partial blocks at either end
             first = block_index * self.block
             sources = self._sources_of_block(block_index)[max(start - first, 0) : min(stop - first, self.block)]
             counts += np.bincount(sources, minlength=len(self.counts))
-        return counts.tolist()
+        whole = max(last_block - first_block - 1, 0)  # the blocks between hold every source's count exactly
+        return (counts + whole * np.asarray(self.counts, dtype=np.int64)).tolist()
 
     def locate(self, global_index: int) -> WindowRef:
         source, index = self.source_of(global_index)

@@ -107,6 +107,7 @@ def progress_line(record: ReadRecord, total_steps: int) -> str:
                 f"{record.tokens_per_s:,.0f} tok/s on {record.world_size} workers"
                 f" | {record.step_time_s * 1000:.0f} ms/step | "
                 f"ETA {format_duration(eta)}" + (f" | skipped {record.skipped_steps}" if record.skipped_steps else "")
+                + (f" | stage {record.stage}" if record.stage else "")
             )
     # A kind without a line of its own, or one this driver does not know (a newer worker's): shown as it is.
     kind, fields = record_items(record)

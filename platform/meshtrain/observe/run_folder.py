@@ -168,6 +168,7 @@ class TrainRecord(Record):
     flops_per_token_full_attention: float | None = None
     replica_wait_s: float | None = None  # fault_tolerance.mode=replica: mean per step in the quorum and in uncommitted attempts
     replicas: int | None = None  # fault_tolerance.mode=replica: the replica groups that trained the record's step
+    stage: str | None = None  # data.stages: the stage of the step's samples
 
 
 class SourceEval(TypedDict):
@@ -394,6 +395,7 @@ class MixtureRecord(Record):
     step: int
     samples: list[int]  # the global samples [from, to) it counts: those trained since the previous record
     sources: dict[str, float]  # each source's share of them (data.sources' weights are what they aim at)
+    stage: str | None = None  # data.stages: the stage of the last of them (whose weights the shares aim at)
 
 
 MetricsRecord = (

@@ -62,8 +62,11 @@ class Checkpointing(LoopPart):
         outputs: LoopOutputs,
         faults: FaultInjection,
         beat: Callable[[str], None],
+        data_counters: Callable[[int], dict[str, Any]] | None = None,
     ) -> None:
+        """``data_counters``: what the manifest of a save at a data position adds (data.stages' samples)."""
         self.manager, self.state, self.progress, self.manifest = manager, state, progress, manifest
+        self.data_counters = data_counters
         self.last_step, self.bad_steps, self.outputs, self.faults, self.beat = last_step, bad_steps, outputs, faults, beat
         self.saved_step: int | None = None  # the newest step this worker group saved
         self.writer = True  # fault_tolerance.mode=replica: only the first live replica group saves
@@ -86,12 +89,16 @@ class Checkpointing(LoopPart):
             return True
         saving_since = time.perf_counter()
         self.beat(f"saving the checkpoint of step {step}")
-        self.manager.save(self.state, {**self.manifest, **vars(self.progress)}, wait=step == self.last_step)
+        self.manager.save(self.state, self._manifest(), wait=step == self.last_step)
         self.saved_step = step
         self.beat(f"training after the checkpoint of step {step}")
         self.outputs.checkpoint_blocked(time.perf_counter() - saving_since)
         self.faults.while_saving(step)
         return True
+
+    def _manifest(self) -> dict[str, Any]:
+        extra = self.data_counters(self.progress.data_position) if self.data_counters is not None else {}
+        return {**self.manifest, **vars(self.progress), **extra}
 
     def save_now(self, step: int) -> bool:
         """Save ``step`` and wait for its commit, unless the newest save is already of this step (then
@@ -105,7 +112,7 @@ class Checkpointing(LoopPart):
         if bad_in_a_row is None or bad_in_a_row:
             return False
         self.beat(f"saving the checkpoint of step {step} on notice")
-        self.manager.save(self.state, {**self.manifest, **vars(self.progress)}, wait=True)
+        self.manager.save(self.state, self._manifest(), wait=True)
         self.saved_step = step
         return True
 

@@ -1,19 +1,21 @@
 """The data mixture as trained: at each logged step, each source's share of the samples since the
 previous one. ``data.sources``' weights are what the shares aim at; the mixture is exact per block of
-samples, so over a short interval the shares wander around the weights, and a stage of a curriculum
-that changes the weights shows here when it took effect."""
+samples, so over a short interval the shares wander around the weights; with data.stages each record
+names the stage whose weights its shares aim at."""
 
 from __future__ import annotations
 
 from meshtrain.checkpoint.state import Progress
 from meshtrain.data.sampling import MixtureSamples
+from meshtrain.data.stages import StagedSamples
 from meshtrain.observe.run_folder import MixtureRecord
 from meshtrain.train.loop import LoopPart, StepDone
 from meshtrain.train.records import LoopOutputs
 
 
 class MixtureLog(LoopPart):
-    def __init__(self, samples: MixtureSamples, labels: list[str], progress: Progress, outputs: LoopOutputs) -> None:
+    def __init__(self, samples: MixtureSamples | StagedSamples, labels: list[str], progress: Progress,
+                 outputs: LoopOutputs) -> None:
         self.samples, self.labels, self.progress, self.outputs = samples, labels, progress, outputs
         self._since = 0
 
@@ -30,5 +32,6 @@ class MixtureLog(LoopPart):
             self.outputs.emit(MixtureRecord(
                 step=done.step, samples=[since, until],
                 sources={label: counts[k] / max(until - since, 1) for k, label in enumerate(self.labels)},
+                stage=self.samples.stage_name(until - 1) if isinstance(self.samples, StagedSamples) else None,
             ))
         return True

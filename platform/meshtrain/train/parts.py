@@ -16,6 +16,7 @@ from meshtrain.checkpoint.write_progress import bytes_written
 from meshtrain.config.observability import MemoryConfig
 from meshtrain.data import TrainingData
 from meshtrain.data.sampling import MixtureSamples
+from meshtrain.data.stages import StagedSamples
 from meshtrain.distributed.replicas import ReplicaPeers
 from meshtrain.train.checkpointing import Checkpointing
 from meshtrain.train.evaluation import Evaluation
@@ -66,13 +67,18 @@ def loop_parts(
     heartbeat = Heartbeat()
     fault_rank = layout.rank if replica is None else replica.index * layout.world_size + layout.rank
     faults = FaultInjection(plan.fault, fault_rank, run_dir / "faults", rank.worker.node, trainer.model)
-    checkpointing = Checkpointing(checkpoints, trainer.state, progress, manifest, plan.train.steps, trainer.bad_steps,
-                                  outputs, faults, heartbeat.beat)
+    staged = data.train if isinstance(data.train, StagedSamples) else None
+    checkpointing = Checkpointing(
+        checkpoints, trainer.state, progress, manifest, plan.train.steps, trainer.bad_steps, outputs, faults, heartbeat.beat,
+        data_counters=(lambda position: {"data_samples": staged.counters(position, data.source_names)})
+        if staged is not None else None,
+    )
     evaluation = Evaluation(trainer.model, data.validation, plan.eval.interval, plan.eval.batches,
                             plan.train.global_batch_size, trainer.batches.micro_batch_size, layout, rank.device, outputs, heartbeat.beat,
                             result)
     log = StepLog(plan.train.global_batch_size, layout.world_size, progress, trainer.bad_steps, outputs, result.records,
-                  (trainer.attention_work, trainer.model.args), replicas=replica is not None)
+                  (trainer.attention_work, trainer.model.args), replicas=replica is not None,
+                  stage_of=data.train.stage_name if isinstance(data.train, StagedSamples) else None)
     metrics = outputs.metrics
     stragglers = StragglerWatch(
         ComputeTimer(trainer.model.layers, rank.device), plan.metrics.straggler_factor, plan.metrics.straggler_patience,
@@ -82,7 +88,7 @@ def loop_parts(
     profiler = StepProfiler.of(plan.profile, run_dir / "profile", layout.rank, plan.train.steps, list(trainer.model.layers),
                                plan.parallel.compile, rank.device, outputs.emit)
     mixture = (MixtureLog(data.train, list(data.source_names), progress, outputs)
-               if isinstance(data.train, MixtureSamples) else None)
+               if isinstance(data.train, (MixtureSamples, StagedSamples)) else None)
     replicas: ReplicaSteps | None = None
     if replica is not None:
         healing = HealingState(trainer.state, trainer.guard)

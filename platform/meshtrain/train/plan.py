@@ -21,6 +21,7 @@ from meshtrain.config.parallelism import ParallelConfig, ScalingConfig
 from meshtrain.config.run import CheckpointConfig, FaultConfig, RunConfig
 from meshtrain.config.training import OptimConfig, TrainConfig
 from meshtrain.data import DataPlan, TrainingData
+from meshtrain.data.stages import DataStage
 from meshtrain.observe.run_folder import RunPaths
 
 
@@ -36,6 +37,7 @@ class WorkerPlan:
     replica_groups: int | None  # fault_tolerance.mode=replica: the model copies the workers form
     settings: Mapping[str, Any]  # the resolved config as JSON, as the checkpoints' manifest keeps it
     launch_id: str = ""
+    data_stages: tuple[DataStage, ...] = ()  # data.stages at their first samples, weights in the sources' order
     # The config's sections, as the driver checked them.
     model_config: ModelConfig
     data_config: DataConfig

@@ -4,6 +4,7 @@ time, throughput, data wait and model FLOPs per token, where the guard is read t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from meshtrain.checkpoint.state import Progress
 from meshtrain.config import ModelArgs
@@ -25,13 +26,15 @@ class StepLog(LoopPart):
         records: list[TrainRecord],
         attention: tuple[AttentionWork, ModelArgs] | None = None,
         replicas: bool = False,
+        stage_of: Callable[[int], str] | None = None,
     ) -> None:
         """``attention``: what the training steps count of the attention they compute, and the model's
         shape, for the record's FLOPs per token; None leaves them out. ``replicas``: replica mode, whose
-        records say how long the steps waited for the other replica groups."""
+        records say how long the steps waited for the other replica groups. ``stage_of``: data.stages'
+        stage of a global sample, named in each record."""
         self.global_batch_size, self.world_size = global_batch_size, world_size
         self.progress, self.bad_steps, self.outputs, self.records = progress, bad_steps, outputs, records
-        self.attention, self.replicas = attention, replicas
+        self.attention, self.replicas, self.stage_of = attention, replicas, stage_of
 
     def at_start(self) -> None:
         self.started = self.interval_start = time.perf_counter()
@@ -93,6 +96,7 @@ class StepLog(LoopPart):
             flops_per_token_full_attention=flops[1] if flops is not None else None,
             replica_wait_s=self.interval_replica_wait / self.interval_steps if self.replicas else None,
             replicas=done.groups if self.replicas else None,
+            stage=self.stage_of(self.progress.data_position - 1) if self.stage_of is not None else None,
         )
         self.records.append(record)
         self.outputs.logged(record, self.world_size, last or not allowed)

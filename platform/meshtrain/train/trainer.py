@@ -82,7 +82,7 @@ def train(
     """
     data = plan.data
     if isinstance(data, DataPlan):
-        data = open_data(data, plan.data_config.seq_len, plan.train.seed)
+        data = open_data(data, plan.data_config.seq_len, plan.train.seed, plan.data_stages)
     outputs = LoopOutputs(on_record, metrics, reporter, on_straggler)
     trainer = Trainer(plan, data, RankContext(worker, device, outputs, replica, stop_request))
     try:
@@ -145,6 +145,8 @@ class Trainer:
             "sampling": data.sampling,
             "config": dict(plan.settings),
         }
+        if plan.data_stages:
+            manifest["data_stages"] = [stage.to_json() for stage in plan.data_stages]
         self.bad_steps = BadStepLimit(self.guard, train.max_bad_steps, self.progress, self.outputs)
         self.parts = loop_parts(plan, self, checkpoints, data, manifest, joining)
 

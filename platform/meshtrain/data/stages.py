@@ -1,0 +1,106 @@
+"""Data stages: the mixture changes at given steps, with exact accounting.
+
+A run's global samples are cut into stages at sample positions (a stage ending after step ``s`` ends at
+global sample ``s * G``, so a boundary falls between two steps). Stage ``k`` draws its samples from the
+sources in its own proportions (a source may be absent from a stage) through a :class:`MixtureSamples`
+of its own, and every source's own sample index continues where the earlier stages left it: no sample of
+a source is drawn twice, or skipped, across a boundary. Which sample a global position holds depends on
+the position alone (and on the stages that began before it), so a run resumes exactly at any step, the
+boundary itself included, and on any number of data-parallel ranks, from the one integer it always kept.
+
+With one stage whose weights are the sources' own, the order is the plain mixture's.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from meshtrain.config import StageConfig
+from meshtrain.data.sampling import MIXTURE_BLOCK, MixtureSamples, Samples, WindowRef
+
+
+@dataclass(frozen=True)
+class DataStage:
+    """One stage as the samples see it: its label, its first global sample, and a weight per source (in
+    the order of the run's sources; 0 where the source is not drawn)."""
+
+    name: str
+    first_sample: int
+    weights: tuple[float, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "first_sample": self.first_sample, "weights": list(self.weights)}
+
+
+def data_stages(stages: Sequence[StageConfig] | None, sources: Sequence[str], global_batch_size: int) -> tuple[DataStage, ...]:
+    """``data.stages`` as the samples see them: a stage ending after step ``s`` ends at sample ``s * G``."""
+    resolved, first = [], 0
+    for stage in stages or ():
+        resolved.append(DataStage(stage.name, first, tuple(float(stage.weights.get(name, 0.0)) for name in sources)))
+        if stage.until_step is not None:
+            first = stage.until_step * global_batch_size
+    return tuple(resolved)
+
+
+class StagedSamples:
+    """Global samples drawn stage by stage; each stage a mixture of its own over the same sources."""
+
+    def __init__(self, components: Sequence[Samples], stages: Sequence[DataStage], seed: int,
+                 block: int = MIXTURE_BLOCK) -> None:
+        if not stages or stages[0].first_sample != 0:
+            raise ValueError("the first stage starts at sample 0")
+        if any(b.first_sample <= a.first_sample for a, b in zip(stages, stages[1:])):
+            raise ValueError("stages must start at increasing samples")
+        self.components, self.stages = list(components), list(stages)
+        self.firsts = [stage.first_sample for stage in self.stages]
+        # Stage 0 keeps the plain mixture's shuffle, so one stage is the mixture of old.
+        self.mixtures = [MixtureSamples(self.components, stage.weights, seed, block, salt=() if k == 0 else (k,))
+                         for k, stage in enumerate(self.stages)]
+        # Each source's samples drawn by the stages before stage k: where its index continues in stage k.
+        self.offsets = [[0] * len(self.components)]
+        for k in range(1, len(self.stages)):
+            drawn = self.mixtures[k - 1].source_counts(0, self.firsts[k] - self.firsts[k - 1])
+            self.offsets.append([before + now for before, now in zip(self.offsets[-1], drawn)])
+
+    def stage_of(self, global_index: int) -> int:
+        return bisect.bisect_right(self.firsts, global_index) - 1
+
+    def stage_name(self, global_index: int) -> str:
+        return self.stages[self.stage_of(max(global_index, 0))].name
+
+    def source_of(self, global_index: int) -> tuple[int, int]:
+        """(source, that source's own sample index) of a global sample."""
+        k = self.stage_of(global_index)
+        source, index = self.mixtures[k].source_of(global_index - self.firsts[k])
+        return source, self.offsets[k][source] + index
+
+    def locate(self, global_index: int) -> WindowRef:
+        source, index = self.source_of(global_index)
+        return self.components[source].locate(index)
+
+    def sample(self, global_index: int) -> Any:
+        return self.locate(global_index).read()
+
+    def source_counts(self, start: int, stop: int) -> list[int]:
+        """How many of the global samples ``[start, stop)`` each source gives."""
+        counts = [0] * len(self.components)
+        for k, (first, mixture) in enumerate(zip(self.firsts, self.mixtures)):
+            end = self.firsts[k + 1] if k + 1 < len(self.firsts) else None
+            low, high = max(start, first), stop if end is None else min(stop, end)
+            if low < high:
+                counts = [a + b for a, b in zip(counts, mixture.source_counts(low - first, high - first))]
+        return counts
+
+    def counters(self, position: int, labels: Sequence[str]) -> dict[str, dict[str, int]]:
+        """Samples each source gave each stage that began before ``position`` (the samples trained so far)."""
+        drawn: dict[str, dict[str, int]] = {}
+        for k, (stage, mixture) in enumerate(zip(self.stages, self.mixtures)):
+            if stage.first_sample >= position:
+                break
+            end = min(position, self.firsts[k + 1]) if k + 1 < len(self.firsts) else position
+            counts = mixture.source_counts(0, end - stage.first_sample)
+            drawn[stage.name] = {label: count for label, count in zip(labels, counts) if count}
+        return drawn
