@@ -95,6 +95,19 @@ def test_wsd_is_stable_then_decays_over_exactly_the_last_fraction() -> None:
     assert [a - b for a, b in zip(decaying, decaying[1:])] == pytest.approx([(1 - FLOOR) / 22] * 21)
 
 
+STAGED = ["data.sources=[{source: stdlib, name: code}, {source: stdlib, name: few, max_documents: 9}]",
+          "data.stages=[{name: main, until_step: 80, weights: {code: 1}}, {name: anneal, weights: {code: 1, few: 1}}]"]
+
+
+def test_wsd_from_a_stage_decays_from_its_first_step_to_the_end_of_the_schedule() -> None:
+    """Stage 'anneal' starts after step 80 of 100: the decay of decay_fraction=0.2, exactly."""
+    cfg = load_config(None, ["optim.schedule=wsd", "optim.decay_from_stage=anneal", "train.steps=100", *STAGED])
+    assert cfg.lr_decay_start() == 80
+    by_fraction = cfg.optim.model_copy(update={"decay_fraction": 0.2, "decay_from_stage": None})
+    assert [lr_multiplier(step, cfg.optim, 100, 80) for step in range(110)] == [
+        lr_multiplier(step, by_fraction, 100) for step in range(110)]
+
+
 @pytest.mark.parametrize(("fraction", "horizon", "steps"), [(0.2, 110, 22), (0.5, 7, 4), (0.01, 20, 1)])
 def test_wsd_decay_is_whole_steps_and_at_least_one(fraction: float, horizon: int, steps: int) -> None:
     cfg = OptimConfig(schedule="wsd", decay_fraction=fraction, warmup_steps=0)
@@ -131,7 +144,8 @@ def test_scheduler_refuses_a_horizon_the_warmup_does_not_fit() -> None:
     [
         (
             ["optim.schedule=wsd"],
-            "optim.decay_fraction: the wsd schedule needs it; set the share of steps to decay over, e.g. 0.2",
+            "optim.decay_fraction: the wsd schedule needs it (the share of steps to decay over, e.g. 0.2) or "
+            "optim.decay_from_stage (the data stage the decay starts with), not both",
         ),
         (
             ["optim.schedule=wsd", "optim.decay_fraction=0"],
@@ -166,6 +180,26 @@ def test_scheduler_refuses_a_horizon_the_warmup_does_not_fit() -> None:
             "optim.warmup_steps=20 plus the wsd decay of 85 steps (optim.decay_fraction=0.85) exceed the LR "
             "schedule's 100 steps (optim.schedule_steps, unset = train.steps); lower optim.warmup_steps or "
             "optim.decay_fraction, or lengthen the schedule",
+        ),
+        (
+            ["optim.schedule=wsd", "optim.decay_fraction=0.2", "optim.decay_from_stage=anneal"],
+            "optim.decay_fraction: the wsd schedule needs it (the share of steps to decay over, e.g. 0.2) or "
+            "optim.decay_from_stage (the data stage the decay starts with), not both",
+        ),
+        (
+            ["optim.decay_from_stage=anneal"],
+            "optim.decay_from_stage: only the wsd schedule uses it, not cosine; set optim.schedule=wsd or "
+            "leave optim.decay_from_stage unset",
+        ),
+        (
+            ["optim.schedule=wsd", "optim.decay_from_stage=nope", *STAGED],
+            "optim.decay_from_stage: no data.stages stage is named 'nope' (stages: 'main', 'anneal')",
+        ),
+        (
+            ["optim.schedule=wsd", "optim.decay_from_stage=anneal", *STAGED, "train.steps=80"],
+            "optim.decay_from_stage='anneal' starts the wsd decay at step 80, outside optim.warmup_steps=20 to the "
+            "end of the LR schedule's 80 steps (optim.schedule_steps, unset = train.steps); decay from another "
+            "stage, or lengthen the schedule",
         ),
     ],
 )

@@ -34,7 +34,7 @@ def resolve_schedule_horizon(cfg: MeshtrainConfig, paths: RunPaths) -> Meshtrain
         horizon = previous["optim"].get("schedule_steps") or previous["train"]["steps"]
     else:
         horizon = cfg.train.steps
-    cfg.optim.check_horizon(horizon)
+    cfg.optim.check_horizon(horizon, cfg.lr_decay_start())
     cfg = cfg.model_copy(deep=True)
     cfg.optim.schedule_steps = horizon
     return cfg

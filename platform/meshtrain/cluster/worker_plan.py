@@ -26,6 +26,7 @@ def worker_plan(config: MeshtrainConfig, data: DataPlan | TrainingData, launch_i
         launch_id=launch_id,
         data_stages=data_stages(config.data.stages, [source.name or "" for source in config.data.sources or []],
                                 config.train.global_batch_size),
+        lr_decay_start=config.lr_decay_start(),
         model_config=config.model,
         data_config=config.data,
         optim=config.optim,

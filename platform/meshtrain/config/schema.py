@@ -88,7 +88,7 @@ class MeshtrainConfig(Section):
                 )
             self._check_eviction_can_happen(sizes)
         # A re-run may resolve another horizon (the launcher keeps the first launch's); it checks again.
-        self.optim.check_horizon(self.optim.schedule_steps or self.train.steps)
+        self.optim.check_horizon(self.optim.schedule_steps or self.train.steps, self.lr_decay_start())
         self.profile.check_within(self.train.steps, self.scaling.num_workers)
         self.memory.check_device(self.scaling.use_gpu)
         if (self.eval.downstream.enabled or self.eval.samples.prompts) and not self.checkpoint.enabled:
@@ -236,6 +236,18 @@ class MeshtrainConfig(Section):
     def data_cache_url(self) -> str:
         """Where token stores are prepared and found: ``data.cache_dir``, else ``token_stores`` beside the runs."""
         return self.data.cache_dir or str(Path(self.run.storage_path).expanduser().resolve() / "token_stores")
+
+    def lr_decay_start(self) -> int | None:
+        """The step optim.decay_from_stage's stage starts at (the step after the stage before it ends)."""
+        name = self.optim.decay_from_stage
+        if name is None:
+            return None
+        stages = self.data.stages or []
+        index = next((k for k, stage in enumerate(stages) if stage.name == name), None)
+        if index is None:
+            raise ValueError(f"optim.decay_from_stage: no data.stages stage is named {name!r} "
+                             f"(stages: {', '.join(repr(stage.name) for stage in stages) or 'none'})")
+        return stages[index - 1].until_step or 0 if index else 0
 
     def check_seq_len(self, model: ModelArgs) -> None:
         """ConfigError when data.seq_len exceeds the model's RoPE table."""

@@ -16,7 +16,7 @@ class OptimConfig(Section):
         "cosine",
         description="LR after warmup: cosine or linear decay to min_lr_ratio x lr by the end of the "
         "schedule; wsd = stable at lr, then linear decay to min_lr_ratio x lr over the last "
-        "optim.decay_fraction of the schedule; constant = lr throughout.",
+        "optim.decay_fraction of the schedule (or from the start of optim.decay_from_stage); constant = lr throughout.",
     )
     min_lr_ratio: float = Field(
         0.1, ge=0, le=1, description="Final LR of the cosine, linear and wsd decays, as a fraction of lr."
@@ -26,8 +26,13 @@ class OptimConfig(Section):
         None,
         gt=0,
         lt=1,
-        description="wsd only (and required there): share of the schedule's steps spent decaying, e.g. 0.2 "
-        "(rounded to whole steps, at least one).",
+        description="wsd only (it or optim.decay_from_stage): share of the schedule's steps spent decaying, e.g. "
+        "0.2 (rounded to whole steps, at least one).",
+    )
+    decay_from_stage: str | None = Field(
+        None,
+        description="wsd only (it or optim.decay_fraction): the data.stages stage the decay starts with; the LR "
+        "decays linearly from that stage's first step to the end of the schedule (an anneal on its mix).",
     )
     schedule_steps: int | None = Field(
         None,
@@ -46,28 +51,38 @@ class OptimConfig(Section):
 
     @model_validator(mode="after")
     def _decay_fraction_only_for_wsd(self) -> "OptimConfig":
-        if self.schedule == "wsd" and self.decay_fraction is None:
+        given = [name for name in ("decay_fraction", "decay_from_stage") if getattr(self, name) is not None]
+        if self.schedule == "wsd" and len(given) != 1:
             raise ValueError(
-                "optim.decay_fraction: the wsd schedule needs it; "
-                "set the share of steps to decay over, e.g. 0.2"
+                "optim.decay_fraction: the wsd schedule needs it (the share of steps to decay over, e.g. 0.2) or "
+                "optim.decay_from_stage (the data stage the decay starts with), not both"
             )
-        if self.schedule != "wsd" and self.decay_fraction is not None:
+        if self.schedule != "wsd" and given:
             raise ValueError(
-                f"optim.decay_fraction: only the wsd schedule uses it, not {self.schedule}; "
-                "set optim.schedule=wsd or leave optim.decay_fraction unset"
+                f"optim.{given[0]}: only the wsd schedule uses it, not {self.schedule}; "
+                f"set optim.schedule=wsd or leave optim.{given[0]} unset"
             )
         return self
 
-    def wsd_decay_steps(self, horizon: int) -> int:
-        """Steps at the end of a ``horizon``-step wsd schedule that decay the LR (at least one)."""
-        assert self.decay_fraction is not None, "only the wsd schedule decays over a fraction"
+    def wsd_decay_steps(self, horizon: int, decay_start: int | None = None) -> int:
+        """Steps at the end of a ``horizon``-step wsd schedule that decay the LR (at least one): from
+        ``decay_start`` (optim.decay_from_stage's first step, resolved) or over optim.decay_fraction."""
+        if decay_start is not None:
+            return max(1, horizon - decay_start)
+        assert self.decay_fraction is not None, "the wsd schedule decays over a fraction or from a stage"
         return max(1, round(self.decay_fraction * horizon))
 
-    def check_horizon(self, horizon: int) -> None:
+    def check_horizon(self, horizon: int, decay_start: int | None = None) -> None:
         """ConfigError unless the warmup (and a wsd decay) fit in a schedule of ``horizon`` steps."""
         span = f"the LR schedule's {horizon} steps (optim.schedule_steps, unset = train.steps)"
         if self.schedule == "wsd":
-            decay = self.wsd_decay_steps(horizon)
+            if decay_start is not None and not self.warmup_steps <= decay_start < horizon:
+                raise ConfigError(
+                    f"optim.decay_from_stage={self.decay_from_stage!r} starts the wsd decay at step {decay_start}, "
+                    f"outside optim.warmup_steps={self.warmup_steps} to the end of {span}; "
+                    "decay from another stage, or lengthen the schedule"
+                )
+            decay = self.wsd_decay_steps(horizon, decay_start)
             if self.warmup_steps + decay > horizon:
                 raise ConfigError(
                     f"optim.warmup_steps={self.warmup_steps} plus the wsd decay of {decay} steps "

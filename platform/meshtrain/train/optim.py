@@ -38,17 +38,18 @@ def build_optimizer(
     return optimizer
 
 
-def lr_multiplier(step: int, cfg: OptimConfig, horizon: int) -> float:
+def lr_multiplier(step: int, cfg: OptimConfig, horizon: int, decay_start: int | None = None) -> float:
     """LR factor for the update that follows ``step`` completed steps of a ``horizon``-step schedule:
     linear warmup over ``cfg.warmup_steps``, then ``cfg.schedule``; steps past the horizon keep its
-    final factor (``cfg.min_lr_ratio`` for the decaying schedules)."""
+    final factor (``cfg.min_lr_ratio`` for the decaying schedules). ``decay_start``: the step a wsd decay
+    starts at (optim.decay_from_stage, resolved)."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     floor = cfg.min_lr_ratio
     if cfg.schedule == "constant":
         return 1.0
     if cfg.schedule == "wsd":
-        decay_steps = cfg.wsd_decay_steps(horizon)
+        decay_steps = cfg.wsd_decay_steps(horizon, decay_start)
         progress = min(1.0, max(0.0, (step - (horizon - decay_steps)) / decay_steps))
         return 1.0 - (1.0 - floor) * progress
     progress = min(1.0, (step - cfg.warmup_steps) / (horizon - cfg.warmup_steps))
@@ -57,7 +58,8 @@ def lr_multiplier(step: int, cfg: OptimConfig, horizon: int) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, horizon: int) -> LambdaLR:
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, horizon: int,
+                       decay_start: int | None = None) -> LambdaLR:
     """The ``cfg`` schedule over ``horizon`` steps (ConfigError if the warmup does not fit in it)."""
-    cfg.check_horizon(horizon)
-    return LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, horizon))
+    cfg.check_horizon(horizon, decay_start)
+    return LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, horizon, decay_start))

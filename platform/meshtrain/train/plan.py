@@ -38,6 +38,7 @@ class WorkerPlan:
     settings: Mapping[str, Any]  # the resolved config as JSON, as the checkpoints' manifest keeps it
     launch_id: str = ""
     data_stages: tuple[DataStage, ...] = ()  # data.stages at their first samples, weights in the sources' order
+    lr_decay_start: int | None = None  # optim.decay_from_stage: the step the wsd decay starts at
     # The config's sections, as the driver checked them.
     model_config: ModelConfig
     data_config: DataConfig

@@ -116,7 +116,7 @@ class Trainer:
         layout, mesh = self.layout, self.layout.plan
         self.attention_work = AttentionWork()  # the (query, key) pairs the steps attend, for MFU
         self.optimizer = build_optimizer(self.model, plan.optim)
-        self.scheduler = build_lr_scheduler(self.optimizer, plan.optim, plan.horizon)
+        self.scheduler = build_lr_scheduler(self.optimizer, plan.optim, plan.horizon, plan.lr_decay_start)
         self.guard = StepGuard(self.optimizer, device, train.loss_spike_factor, train.loss_spike_window)
         self.progress = Progress()
         self.state = TrainState(self.model, self.optimizer, self.scheduler, self.progress, layout.rank)
