@@ -29,6 +29,7 @@ from meshtrain.observe.run_folder import (
     CheckpointSaveRecord,
     DownstreamEvalFailedRecord,
     DownstreamEvalRecord,
+    MixtureRecord,
     TextSamplesRecord,
     TrainRecord,
 )
@@ -164,6 +165,9 @@ def test_dashboard_queries_return_data_from_a_real_run(prometheus: tuple[Prometh
         "eval.downstream.tasks=[meshtrain_mc,meshtrain_ppl]", "eval.downstream.include_path=tests/data/downstream",
         "eval.downstream.limit=4", "eval.downstream.num_cpus=0.01", "eval.samples.prompts=[import os]",
         "fault.downstream_fail_step=20",
+        # Two sources in two stages: the data row's panels (shares per source, the stage).
+        "data.sources=[{source: stdlib, name: code}, {source: stdlib, name: few, max_documents: 40}]",
+        "data.stages=[{name: warm, until_step: 10, weights: {code: 1}}, {name: main, weights: {code: 1, few: 1}}]",
         f"run.storage_path={storage}", f"run.name={RUN}",
         f"metrics.port={base_port}", "metrics.bind_address=127.0.0.1", "metrics.final_scrape_timeout_s=5",
         timeout=400, own_ray=True,
@@ -195,6 +199,10 @@ def test_dashboard_queries_return_data_from_a_real_run(prometheus: tuple[Prometh
         return server.instant(f'last_over_time({selector}run="{RUN}"}}[{int(window) + 60}s])', ended)
 
     assert last("meshtrain_step") == {"0": 60.0, "1": 60.0}
+    assert last('meshtrain_data_stage{stage="main"') == {"0": 1.0} and last('meshtrain_data_stage{stage="warm"') == {"0": 0.0}
+    mixed = [r for r in records if isinstance(r, MixtureRecord)][-1]
+    assert mixed.stage == "main" and last('meshtrain_data_source_share{source="few"')["0"] == pytest.approx(
+        mixed.sources["few"], rel=1e-12)
     assert last("meshtrain_loss")["0"] == pytest.approx(logged[-1].loss, rel=1e-12)
     assert last("meshtrain_learning_rate")["0"] == pytest.approx(logged[-1].lr, rel=1e-12)
     assert last("meshtrain_grad_norm")["0"] == pytest.approx(logged[-1].grad_norm, rel=1e-12)

@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[2]  # the checkout: benchmarks run its j
 from meshtrain.config import ConfigError, ScalingConfig, TrainConfig
 from meshtrain.config.loading import load_config
 from meshtrain.config.schema import MeshtrainConfig
+from meshtrain.config.section import MAX_DURATION_S
 
 DEFAULT_MATRIX = REPO / "jobs" / "bench_gpu.yaml"
 PROFILED_STEPS = 1  # traced by rank 0 after the timed steps, the step before them starting the profiler
@@ -125,7 +126,7 @@ def owned_settings(window: Window, run_name: str, storage: str) -> dict[str, Any
         "run.name": run_name,
         "run.storage_path": storage,
         "run.max_failures": 0,
-        "metrics.ray_report_interval_s": 1e9,
+        "metrics.ray_report_interval_s": MAX_DURATION_S,  # only the final report
     }
 
 

@@ -38,6 +38,7 @@ from meshtrain.observe.run_folder import (
     CheckpointSaveRecord,
     DownstreamEvalRecord,
     EvalRecord,
+    MixtureRecord,
     TrainRecord,
 )
 
@@ -262,6 +263,18 @@ class TrainingMetrics(_Exporter):
             registry=self.registry,
         )
         self.eval_step = gauge("meshtrain_eval_step", "Step of the last evaluation.")
+        self.source_share = Gauge(
+            "meshtrain_data_source_share",
+            "Each source's share of the samples trained since the previous logged step (a data mixture; "
+            "data.sources' weights, or the stage's, are what it aims at).",
+            (*LABELS, "source"),
+            registry=self.registry,
+        )
+        self.stage = Gauge(
+            "meshtrain_data_stage", "1 for the data.stages stage being trained, 0 for the stages trained before it.",
+            (*LABELS, "stage"), registry=self.registry,
+        )
+        self._stages_seen: list[str] = []
         self.skipped_steps = counter(
             "meshtrain_skipped_steps", "Optimizer steps the guard skipped (non-finite or spiking loss or gradient norm)."
         )
@@ -360,6 +373,15 @@ class TrainingMetrics(_Exporter):
             if scores["loss"] is not None:
                 self.eval_loss.labels(**self._label_values, source=name).set(scores["loss"])
         self.eval_step.set(record.step)
+
+    def mixture(self, record: MixtureRecord) -> None:
+        for source, share in record.sources.items():
+            self.source_share.labels(**self._label_values, source=source).set(share)
+        if record.stage is not None:
+            if record.stage not in self._stages_seen:
+                self._stages_seen.append(record.stage)
+            for stage in self._stages_seen:
+                self.stage.labels(**self._label_values, stage=stage).set(1 if stage == record.stage else 0)
 
     def replicas(self, live: int, heal_s: float | None, heal_bytes: int | None) -> None:
         self.replicas_live.set(live)

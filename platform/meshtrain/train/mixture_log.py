@@ -29,7 +29,7 @@ class MixtureLog(LoopPart):
         self._since = until
         if self.outputs.on_record is not None:  # counted only where the records are written
             counts = self.samples.source_counts(since, until)
-            self.outputs.emit(MixtureRecord(
+            self.outputs.mixture(MixtureRecord(
                 step=done.step, samples=[since, until],
                 sources={label: counts[k] / max(until - since, 1) for k, label in enumerate(self.labels)},
                 stage=self.samples.stage_name(until - 1) if isinstance(self.samples, StagedSamples) else None,

@@ -96,6 +96,11 @@ class LoopOutputs:
             self.reporter.evaluated(record)
         self.emit(record)
 
+    def mixture(self, record: MixtureRecord) -> None:
+        if self.metrics is not None:
+            self.metrics.mixture(record)
+        self.emit(record)
+
     def replicas(self, live: int, heal_s: float | None, heal_bytes: int | None) -> None:
         """fault_tolerance.mode=replica: the step's live replica groups, and this worker's healing time and bytes."""
         if self.metrics is not None:
