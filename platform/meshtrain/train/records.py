@@ -15,6 +15,7 @@ from meshtrain.observe.run_folder import (
     EvalRecord,
     Interrupted,
     MetricsRecord,
+    MixtureRecord,
     StragglerRecord,
     TrainRecord,
 )
