@@ -87,6 +87,19 @@ def test_jobs_evaluate_writes_the_harness_results_into_the_run(run_dir: Path) ->
     assert len(samples) == 12 and "filtered_resps" in json.loads(samples[0])
 
 
+def test_the_mean_of_the_newest_checkpoints_is_scored_as_one_model(
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    loaded = load_checkpoint_model(str(run_dir / "checkpoints"), average=2)
+    two, _, _ = load_model_state(str(run_dir / "checkpoints" / "step-00000002"))
+    four, _, _ = load_model_state(str(run_dir / "checkpoints" / "step-00000004"))
+    mean = (two["tok_embeddings.weight"] + four["tok_embeddings.weight"]) / 2
+    assert loaded.step == 4 and torch.equal(loaded.model.model.embed_tokens.weight, mean)
+    assert evaluate_main([str(run_dir), "--tasks", "meshtrain_mc", "--include-path", str(TASKS), "--average", "2"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert error == ["evaluate: error: --average: the mean of several steps has no step's results folder; give --out"]
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [

@@ -337,6 +337,41 @@ def test_cli_exports_newest_step_of_a_root(runs: dict[str, Run], tmp_path: Path)
     assert os.path.isfile(out / "tokenizer.json")
 
 
+@pytest.mark.parametrize("variant", ["untied-gqa", "tied-gqa"])
+def test_the_mean_of_the_newest_checkpoints_exports_in_every_format(
+    runs: dict[str, Run], variant: str, tmp_path: Path
+) -> None:
+    """The mean of steps 2 and 4: the torch file holds it exactly, the safetensors file and the hf directory
+    (streamed one tensor at a time) hold the same tensors, and a tied embedding stays one tensor."""
+    run = runs[variant]
+    two, _, _ = load_model_state(str(run.step(2)))
+    four, args, _ = load_model_state(str(run.step(4)))
+    expected = {name: (four[name].float() + two[name].float()) / 2 for name in four}
+    for fmt in ("torch", "safetensors", "hf"):
+        result = export_checkpoint(str(run.root), fmt, tmp_path / fmt, average=2)
+        assert (result.step, result.averaged_steps) == (4, [2, 4])
+    averaged = torch.load(tmp_path / "torch", weights_only=True)
+    assert averaged.keys() == expected.keys()
+    assert all(torch.equal(averaged[name], expected[name]) for name in expected)
+    assert not torch.equal(averaged["tok_embeddings.weight"], four["tok_embeddings.weight"])
+    model = build_model(args, "cpu")
+    load_model(model, str(tmp_path / "safetensors"))
+    assert all(torch.equal(model.state_dict()[name], expected[name]) for name in expected)
+    with safe_open(str(tmp_path / "safetensors"), "pt") as handle:
+        assert json.loads(handle.metadata()["averaged_steps"]) == [2, 4]
+    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    assert torch.equal(hf["model.embed_tokens.weight"], expected["tok_embeddings.weight"])
+    assert ("lm_head.weight" in hf) is not args.tie_embeddings
+
+
+def test_an_average_over_more_checkpoints_than_the_run_holds_is_one_line(runs: dict[str, Run], tmp_path: Path) -> None:
+    run = runs["untied-gqa"]
+    result = run_export(str(run.root), "--format", "torch", str(tmp_path / "avg.pt"), "--average", "3")
+    assert_one_line_error(result, "--average 3:", "holds 2 loadable committed checkpoints (steps 4, 2)", "average fewer")
+    result = run_export(str(run.root), "--format", "torch", str(tmp_path / "avg.pt"), "--average", "2")
+    assert result.returncode == 0 and "exported the mean of steps 2, 4 of" in result.stdout, result.stderr
+
+
 # --- untrusted storage ----------------------------------------------------------------------------
 
 

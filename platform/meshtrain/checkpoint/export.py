@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from meshtrain.checkpoint.averaging import AveragedModel
 from meshtrain.checkpoint.reading import TIED_ALIAS, TIED_SOURCE, CommittedModel, run_tokenizer, tokenizer_files
 from meshtrain.model.hf_llama import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, hf_config, hf_name
 from meshtrain.model.llama import build_model, count_parameters
@@ -56,6 +57,7 @@ class ExportResult:
     step: int
     parameters: int
     files: list[str]
+    averaged_steps: list[int] | None = None  # the steps whose mean was exported
 
 
 # --- reading ------------------------------------------------------------------------------------
@@ -107,9 +109,9 @@ def _publish(staged: Path, out: Path, fmt: str) -> None:
 
 @dataclass(frozen=True)
 class _Export:
-    """What the writers need: the checkpoint, the run's tokenizer and the hf options."""
+    """What the writers need: the checkpoint (or the mean of several), the run's tokenizer and the hf options."""
 
-    source: CommittedModel
+    source: CommittedModel | AveragedModel
     tokenizer_json: str | None
     max_shard_bytes: int
     dtype: str
@@ -126,6 +128,8 @@ def _save_safetensors(target: Path, export: _Export) -> None:
         "step": str(export.source.manifest.get("step")),
         "model_args": json.dumps(args.model_dump()),
     }
+    if "averaged_steps" in export.source.manifest:
+        metadata["averaged_steps"] = json.dumps(export.source.manifest["averaged_steps"])
     # safetensors refuses two names for one tensor: the tied alias is left out.
     state = {
         name: tensor
@@ -203,8 +207,11 @@ def export_checkpoint(
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     dtype: str = "float32",
+    average: int | None = None,
 ) -> ExportResult:
-    """Write the model of a committed checkpoint to ``out`` (a local path) in ``fmt`` (see FORMATS).
+    """Write the model of a committed checkpoint to ``out`` (a local path) in ``fmt`` (see FORMATS);
+    with ``average``, the mean of the newest ``average`` committed checkpoints under ``checkpoint``
+    (a run's checkpoint root).
 
     ``max_shard_bytes`` and ``dtype`` (a key of HF_DTYPES) shape the hf format's weight files.
     """
@@ -216,8 +223,13 @@ def export_checkpoint(
         raise ExportError(f"max_shard_bytes={max_shard_bytes}: give a positive size, e.g. 5GB")
     out = Path(out).expanduser()
     _check_output_free(out, fmt)  # before the (possibly long) load
-    source = CommittedModel.open(checkpoint, storage_options)
-    tokenizer = run_tokenizer(checkpoint, source.manifest, storage_options) if fmt == "hf" else None
+    source: CommittedModel | AveragedModel
+    if average is not None:
+        source = AveragedModel.open(checkpoint, average, storage_options)
+        newest = source.sources[0].storage.display(source.sources[0].committed.path)
+    else:
+        source, newest = CommittedModel.open(checkpoint, storage_options), checkpoint
+    tokenizer = run_tokenizer(newest, source.manifest, storage_options) if fmt == "hf" else None
     out.parent.mkdir(parents=True, exist_ok=True)
     staged = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
@@ -230,7 +242,8 @@ def export_checkpoint(
             staged.unlink(missing_ok=True)
     files = sorted(p.name for p in out.iterdir()) if out.is_dir() else [out.name]
     parameters = count_parameters(build_model(source.args, "meta"))
-    return ExportResult(out, fmt, int(source.manifest.get("step", -1)), parameters, files)
+    return ExportResult(out, fmt, int(source.manifest.get("step", -1)), parameters, files,
+                        source.manifest.get("averaged_steps"))
 
 
 __all__ = [

@@ -37,6 +37,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "checkpoint",
         help="a committed step-XXXXXXXX directory, a checkpoint root or a run folder (then its newest committed step)",
     )
+    parser.add_argument(
+        "--average", type=int, metavar="N",
+        help="score the mean of the newest N committed checkpoints (N >= 2; needs --out)",
+    )
     parser.add_argument("--tasks", required=True, help="comma-separated harness task names (or task YAML names in --include-path)")
     parser.add_argument("--include-path", help="a folder of lm-eval task YAMLs for local data (data_files relative to it)")
     parser.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (default: each task's own)")
@@ -77,13 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.out:  # before anything is read or scored: the results must have somewhere to go
             check_writable_folder(Path(args.out), "--out")
-        checkpoint = resolve_checkpoint(run_checkpoint_root(args.checkpoint, options), options)
+        if args.average is not None and not args.out:
+            raise ConfigError("--average: the mean of several steps has no step's results folder; give --out")
+        root = run_checkpoint_root(args.checkpoint, options)
+        checkpoint = root if args.average is not None else resolve_checkpoint(root, options)
         run_dir = default_run_dir(checkpoint) or Path.cwd()
         if not args.out:
             check_writable_folder(run_dir / DOWNSTREAM_DIR, "results folder", "give --out a writable folder")
         evaluation = evaluate_checkpoint(
             checkpoint, run, (lambda _: Path(args.out)) if args.out else (lambda step: results_folder(run_dir, step)),
             options,
+            average=args.average,
         )
     except (CheckpointError, ConfigError) as exc:
         return refuse("evaluate", exc)

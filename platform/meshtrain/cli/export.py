@@ -66,6 +66,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--dtype", choices=HF_DTYPES, help="hf: dtype of the written weights (default float32)"
     )
+    parser.add_argument(
+        "--average", type=int, metavar="N",
+        help="export the mean of the newest N committed checkpoints under the checkpoint root (N >= 2)",
+    )
     args = parser.parse_args(argv)
     if args.format != "hf" and (args.max_shard_size is not None or args.dtype is not None):
         parser.error(f"--max-shard-size and --dtype shape --format hf only, not --format {args.format}")
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         # Before the checkpoint is read (every byte of it, checked): the output must have somewhere to go.
         check_writable_folder(Path(args.out).expanduser().absolute().parent, "output", "give an output path in a "
                               "writable folder")
-        checkpoint = resolve_checkpoint(args.checkpoint, options)
+        checkpoint = args.checkpoint if args.average is not None else resolve_checkpoint(args.checkpoint, options)
         result = export_checkpoint(
             checkpoint,
             args.format,
@@ -92,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             options,
             max_shard_bytes=args.max_shard_size or DEFAULT_MAX_SHARD_BYTES,
             dtype=args.dtype or "float32",
+            average=args.average,
         )
     except (CheckpointError, ExportError, ConfigError) as exc:
         return refuse("export", exc)
@@ -100,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # storage that refuses or does not answer, a damaged run file, ...: one line
         return fail("export", exc)
     written = ", ".join(result.files) if result.path.is_dir() else f"{result.path.stat().st_size:,} bytes"
+    what = (f"the mean of steps {', '.join(map(str, result.averaged_steps))}" if result.averaged_steps
+            else f"step {result.step}")
     print(
-        f"[meshtrain] exported step {result.step} of {checkpoint}: {result.parameters:,} parameters, "
+        f"[meshtrain] exported {what} of {checkpoint}: {result.parameters:,} parameters, "
         f"format {result.format} -> {result.path} ({written})",
         flush=True,
     )

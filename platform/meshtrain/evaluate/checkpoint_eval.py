@@ -77,16 +77,18 @@ def evaluate_checkpoint(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     samples: SampleRun | None = None,
+    average: int | None = None,
 ) -> CheckpointEvaluation:
     """``harness``'s tasks on ``checkpoint``'s model (its results JSON and samples go to
     ``results_in(step)``, a run's: ``results_folder``), and ``samples``' prompts continued (into
     ``text_samples.jsonl`` there). Task names and sample settings are checked before the model is
-    read (ConfigError, one line)."""
+    read (ConfigError, one line). ``average``: score the mean of the newest ``average`` committed
+    checkpoints under ``checkpoint`` (a checkpoint root) instead."""
     started = time.perf_counter()
     manager = task_manager(harness) if harness is not None else None
     if samples is not None:
         check_settings(samples.max_new_tokens, samples.temperature, samples.top_p)
-    loaded = load_checkpoint_model(checkpoint, storage_options, dtype)
+    loaded = load_checkpoint_model(checkpoint, storage_options, dtype, average)
     loaded.model.to(device)  # the harness and generate run the model where it lies
     folder = results_in(loaded.step)
     records: list[DownstreamEvalRecord | TextSamplesRecord] = []

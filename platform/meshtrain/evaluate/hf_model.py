@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from meshtrain.checkpoint.averaging import AveragedModel
 from meshtrain.checkpoint.reading import CommittedModel, run_tokenizer, tokenizer_files
 from meshtrain.config import ConfigError, ModelArgs, one_line
 from meshtrain.model.hf_llama import hf_config, hf_name
@@ -34,17 +35,25 @@ class CheckpointModel:
 
 
 def load_checkpoint_model(
-    checkpoint: str, storage_options: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32
+    checkpoint: str, storage_options: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32,
+    average: int | None = None,
 ) -> CheckpointModel:
     """The model of the committed ``checkpoint`` (a step directory, local or fsspec URL) as a
-    ``LlamaForCausalLM`` in ``dtype`` on the CPU, with its run's tokenizer."""
+    ``LlamaForCausalLM`` in ``dtype`` on the CPU, with its run's tokenizer; with ``average``, the mean of
+    the newest ``average`` committed checkpoints under ``checkpoint`` (a checkpoint root)."""
     import transformers
     from tokenizers import Tokenizer
     from transformers.initialization import no_init_weights
 
-    source = CommittedModel.open(checkpoint, storage_options)
+    source: CommittedModel | AveragedModel
+    if average is not None:
+        source = AveragedModel.open(checkpoint, average, storage_options)
+        tokenizer_json = run_tokenizer(source.sources[0].storage.display(source.sources[0].committed.path),
+                                       source.manifest, storage_options)
+    else:
+        source = CommittedModel.open(checkpoint, storage_options)
+        tokenizer_json = run_tokenizer(checkpoint, source.manifest, storage_options)
     args = source.args
-    tokenizer_json = run_tokenizer(checkpoint, source.manifest, storage_options)
     if tokenizer_json is None:
         raise NoTokenizer(
             f"checkpoint {checkpoint}: its run folder has no tokenizer.json, so text cannot be scored; evaluate a "
