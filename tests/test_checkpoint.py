@@ -282,7 +282,7 @@ def test_data_stages_resume_at_their_boundary_as_if_never_stopped_and_a_begun_st
     """Steps 1-4 read only `early`, steps 5-12 both sources 1:3; a run stopped at the boundary (step 4)
     trains steps 5-12 exactly as the unbroken one, each checkpoint counts the samples per stage and
     source, and a relaunch may change only the stages that have not begun."""
-    from meshtrain.cluster.resume import check_stages_resume
+    from meshtrain.cluster.resume import data_for_resume
     from meshtrain.config import ConfigError
     from meshtrain.checkpoint.storage import run_checkpoints
     from meshtrain.data.pipeline import prepare_data
@@ -304,7 +304,8 @@ def test_data_stages_resume_at_their_boundary_as_if_never_stopped_and_a_begun_st
 
     def relaunch(*overrides: str) -> None:
         cfg = config(tmp_path, "staged", 1, *overrides)
-        check_stages_resume(cfg.checkpoint, cfg.run, worker_plan(cfg, plan).data_stages)
+        data_for_resume(cfg.checkpoint, cfg.run, plan, allow_fingerprint_change=False,
+                        stages=worker_plan(cfg, plan).data_stages)
 
     relaunch(SOURCES, stages(tail="{early: 1, late: 1}"))  # the stage after step 12 has not begun
     relaunch(SOURCES, stages(main="{early: 2, late: 6}"))  # the same proportions

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from corpora import stdlib_plan
-from meshtrain.config import ConfigError, DataConfig, StageConfig
+from meshtrain.config import ConfigError, DataConfig, SourceConfig, StageConfig
 from meshtrain.config.loading import load_config
 from meshtrain.data.integrity import CorruptTokens
 from meshtrain.data import (
@@ -160,12 +160,16 @@ def test_the_mixture_log_reports_each_sources_share_of_the_samples_trained_since
                                       for name, count in zip(["code", "text"], apportion(MIXTURE_BLOCK, [0.7, 0.3]))}
 
 
+NAMED_SOURCES = [SourceConfig(name="code"), SourceConfig(name="text")]
+
+
 def staged(seed: int = 0, block: int = MIXTURE_BLOCK) -> StagedSamples:
     """code alone for steps 1-3 of 16 samples, both sources equally for steps 4-6, text alone after."""
     code, text = PackedSequences(unique(300, 0), SEQ, (seed, 0)), PackedSequences(unique(500, 10**6), SEQ, (seed, 1))
-    stages = data_stages([StageConfig(name="code", until_step=3, weights={"code": 1}),
-                          StageConfig(name="both", until_step=6, weights={"code": 1, "text": 1}),
-                          StageConfig(name="text", weights={"text": 2})], ["code", "text"], 16)
+    stages = data_stages(DataConfig(sources=NAMED_SOURCES, stages=[
+        StageConfig(name="code", until_step=3, weights={"code": 1}),
+        StageConfig(name="both", until_step=6, weights={"code": 1, "text": 1}),
+        StageConfig(name="text", weights={"text": 2})]), 16)
     return StagedSamples([code, text], stages, seed, block)
 
 
@@ -189,8 +193,8 @@ def test_stages_switch_exactly_at_their_boundaries_and_every_source_continues_wh
 
 def test_one_stage_of_the_sources_own_weights_is_the_plain_mixture() -> None:
     code, text = mixture().components
-    one = StagedSamples([code, text], data_stages(
-        [StageConfig(name="all", weights={"code": 0.7, "text": 0.3})], ["code", "text"], 16), 0)
+    one = StagedSamples([code, text], data_stages(DataConfig(
+        sources=NAMED_SOURCES, stages=[StageConfig(name="all", weights={"code": 0.7, "text": 0.3})]), 16), 0)
     assert all(np.array_equal(one.sample(i), mixture().sample(i)) for i in range(0, 9000, 13))
 
 

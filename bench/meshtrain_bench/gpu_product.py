@@ -48,14 +48,13 @@ from typing import Any
 
 from meshtrain.observe.run_folder import CheckpointSaveRecord, ReadRecord, TrainRecord, read_records
 from meshtrain_bench.gpu_check import CHECKS, for_cpu
-from meshtrain_bench.recovery import first_time_steps, kill_gap, steps_redone
+from meshtrain_bench.recovery import WARMUP_STEPS, first_time_steps, kill_gap, steady, steps_redone, tokens_per_s
 
 REPO = Path(__file__).resolve().parents[2]
 REFERENCE = "1b-compile-sel-mb4"  # the in-process check's configuration with the product path's settings
 RUN = "product"
 PORT = 9800
 IN_PROCESS_TIMEOUT_S = 150
-WARMUP_STEPS = 3  # compilation and the allocator's growth: left out of every step-time figure
 # What the product path owns over the reference's settings: Ray's single GPU worker, checkpoints, metrics.
 OWNED = {
     "run.name": RUN, "scaling.num_workers": 1, "train.log_every": 1, "metrics.progress_interval_s": 0,
@@ -157,18 +156,10 @@ def scrape(url: str, scrapes: Scrapes, stop: threading.Event, every_s: float = 0
 # --- figures from the records -----------------------------------------------------------------------------
 
 
-def steady_steps(records: list[ReadRecord], before: int | None) -> list[TrainRecord]:
-    return [r for r in first_time_steps(records) if r.step > WARMUP_STEPS and (before is None or r.step < before)]
-
-
-def tokens_per_s(steps: list[TrainRecord]) -> float:
-    return sum(r.tokens_per_s * r.step_time_s for r in steps) / sum(r.step_time_s for r in steps)
-
-
 def saving_split(records: list[ReadRecord], before: int | None) -> tuple[list[float], list[float], list[CheckpointSaveRecord]]:
     """(step times while a save was in flight, the other step times, the saves): a save of step s runs
     from the end of step s for its ``total_s``; a step overlaps it when it starts before the save ends."""
-    steps = steady_steps(records, before)
+    steps = steady(records, before)
     ends = {r.step: r.time for r in first_time_steps(records)}
     saves = [r for r in records if isinstance(r, CheckpointSaveRecord) and r.step in ends
              and (before is None or r.step < before)]
@@ -188,9 +179,8 @@ def record_mfu(record: TrainRecord, peak_flops_per_s: float) -> float | None:
 
 def fill_from_run(report: ProductReport, records: list[ReadRecord], result: dict[str, Any], scrapes: Scrapes,
                   interval: int, kill_at: int) -> None:
-    steps = steady_steps(records, kill_at)
-    if steps:
-        report.ray_tokens_per_s = tokens_per_s(steps)
+    if steady(records, kill_at):  # first-time steps after recovery's warm-up (compilation, the allocator's growth)
+        report.ray_tokens_per_s = tokens_per_s(records, kill_at)
     saving, quiet, saves = saving_split(records, kill_at)
     if saving and quiet and saves:
         report.step_s_saving, report.step_s_not_saving = statistics.fmean(saving), statistics.fmean(quiet)

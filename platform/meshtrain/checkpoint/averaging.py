@@ -56,6 +56,11 @@ class AveragedModel:
         return self.sources[0].args
 
     @property
+    def newest(self) -> str:
+        """The newest averaged checkpoint's path (where the run's tokenizer is found from)."""
+        return self.sources[0].storage.display(self.sources[0].committed.path)
+
+    @property
     def steps(self) -> list[int]:
         """The averaged steps, oldest first."""
         return sorted(source.committed.step for source in self.sources)

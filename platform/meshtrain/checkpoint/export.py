@@ -226,7 +226,7 @@ def export_checkpoint(
     source: CommittedModel | AveragedModel
     if average is not None:
         source = AveragedModel.open(checkpoint, average, storage_options)
-        newest = source.sources[0].storage.display(source.sources[0].committed.path)
+        newest = source.newest
     else:
         source, newest = CommittedModel.open(checkpoint, storage_options), checkpoint
     tokenizer = run_tokenizer(newest, source.manifest, storage_options) if fmt == "hf" else None

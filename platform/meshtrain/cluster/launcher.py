@@ -27,7 +27,6 @@ from meshtrain.cluster.ray_trainer import build_trainer
 from meshtrain.cluster.replica_groups import fit_replica_groups
 from meshtrain.cluster.resume import (
     check_fresh_start,
-    check_stages_resume,
     data_for_resume,
     read_run_tokenizer,
     resolve_schedule_horizon,
@@ -38,6 +37,7 @@ from meshtrain.cluster.run_lease import RunLease
 from meshtrain.config import config_error_in, one_line, redact_url
 from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import prepare_data
+from meshtrain.data.stages import data_stages
 from meshtrain.data.local_files import write_atomically
 from meshtrain.observe.goodput import GoodputLedger
 from meshtrain.observe.metrics import targets_name, targets_path, write_targets
@@ -131,7 +131,8 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
         log=lambda line: print(line, flush=True),
         progress_interval_s=cfg.metrics.progress_interval_s,
     )
-    data = data_for_resume(cfg.checkpoint, cfg.run, data, allow_fingerprint_change=cfg.data.allow_fingerprint_change)
+    data = data_for_resume(cfg.checkpoint, cfg.run, data, allow_fingerprint_change=cfg.data.allow_fingerprint_change,
+                           stages=data_stages(cfg.data, cfg.train.global_batch_size))
     if cached_tokenizer is None:
         write_atomically(paths.tokenizer, data.tokenizer_json)
     stores = ", ".join(redact_url(ref.url) for ref in data.stores)
@@ -141,7 +142,6 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
         flush=True,
     )
     plan = worker_plan(cfg, data, launch_id)
-    check_stages_resume(cfg.checkpoint, cfg.run, plan.data_stages)  # before any worker draws a sample
     endpoint = DriverEndpoint.open(cfg.metrics, cfg.run.storage_path, paths.name)
     exporter = endpoint.metrics if endpoint is not None else None
     downstream = (DownstreamEvaluations(cfg.eval, cfg.checkpoint, cfg.run, paths, use_gpu=cfg.scaling.use_gpu,

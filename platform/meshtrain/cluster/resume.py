@@ -162,17 +162,18 @@ def write_run_config(cfg: MeshtrainConfig, paths: RunPaths) -> None:
 
 
 def data_for_resume(checkpoint: CheckpointConfig, run: RunConfig, plan: DataPlan, *,
-                    allow_fingerprint_change: bool) -> DataPlan:
+                    allow_fingerprint_change: bool, stages: tuple[DataStage, ...] = ()) -> DataPlan:
     """The data plan a resumed run continues with: checkpoints trained on other token data are
-    refused (unless the user says so: ``data.allow_fingerprint_change``), and the sampling scheme they
-    were trained with is kept, so the data order never changes mid-run. A run without checkpoints gets
-    the plan as it is."""
+    refused (unless the user says so: ``data.allow_fingerprint_change``), the sampling scheme they
+    were trained with is kept, so the data order never changes mid-run, and so are the data stages
+    that have begun (``check_begun_stages``). A run without checkpoints gets the plan as it is."""
     if not (checkpoint.enabled and checkpoint.resume):
         return plan
     committed = run_checkpoints(checkpoint, run).committed()
     if not committed:
         return plan
     manifest = committed[0].manifest
+    check_begun_stages(manifest, committed[0].step, run.name, stages)
     scheme = checkpoint_sampling(manifest, f"the checkpoints of run {run.name}")
     resumed = dataclasses.replace(plan, sampling=scheme)
     trained_on = manifest.get("data_fingerprint")
@@ -191,41 +192,37 @@ def data_for_resume(checkpoint: CheckpointConfig, run: RunConfig, plan: DataPlan
     return resumed
 
 
-def check_stages_resume(checkpoint: CheckpointConfig, run: RunConfig, stages: tuple[DataStage, ...]) -> None:
-    """ConfigError unless the newest committed checkpoint's samples were drawn in the stages the config
-    gives up to that checkpoint's data position: a stage that has begun keeps its start, its weights
-    (as the mixture apportions them) and, once over, its end; the stages after it may change freely."""
-    if not (checkpoint.enabled and checkpoint.resume):
-        return
-    committed = run_checkpoints(checkpoint, run).committed()
-    if not committed:
-        return
-    manifest, step = committed[0].manifest, committed[0].step
+def check_begun_stages(manifest: dict[str, Any], step: int, run_name: str | None,
+                       stages: tuple[DataStage, ...]) -> None:
+    """ConfigError unless a checkpoint's samples were drawn in the stages the config gives up to its data
+    position: a stage that has begun keeps its name, start, weights (as the mixture apportions them) and,
+    once over, its end; the stages after it may change freely."""
     trained = manifest.get("data_stages")
     if trained is None and not stages:
         return
     if trained is None or not stages:
         have, want = ("without data.stages", "adds them") if trained is None else ("in data.stages", "drops them")
         raise ConfigError(
-            f"data.stages: the checkpoints of run {run.name} were trained {have} and this config {want}; the samples "
+            f"data.stages: the checkpoints of run {run_name} were trained {have} and this config {want}; the samples "
             "already trained would be drawn again differently: keep the data settings, or use another run.name"
         )
     position = int(manifest.get("data_position", 0))
-    ends = lambda plan: [s["first_sample"] for s in plan[1:]] + [None]  # noqa: E731
     given = [stage.to_json() for stage in stages]
-    for k, (old, old_end) in enumerate(zip(trained, ends(trained))):
-        if old["first_sample"] >= position:
+
+    def drawn(plan: list[dict[str, Any]], k: int) -> tuple[Any, ...] | None:
+        """What stage ``k`` of ``plan`` drew up to the position: its name, start, apportioned weights, reach."""
+        if k >= len(plan):
+            return None
+        end = plan[k + 1]["first_sample"] if k + 1 < len(plan) else position
+        return (plan[k]["name"], plan[k]["first_sample"], apportion(MIXTURE_BLOCK, plan[k]["weights"]),
+                min(end, position))
+
+    for k, stage in enumerate(trained):
+        if stage["first_sample"] >= position:
             break
-        new, new_end = (given[k], ends(given)[k]) if k < len(given) else (None, None)
-
-        def reach(end: int | None) -> int:
-            return position if end is None else min(end, position)
-
-        if (new is None or new["name"] != old["name"] or new["first_sample"] != old["first_sample"]
-                or apportion(MIXTURE_BLOCK, new["weights"]) != apportion(MIXTURE_BLOCK, old["weights"])
-                or reach(new_end) != reach(old_end)):
+        if drawn(given, k) != drawn(trained, k):
             raise ConfigError(
-                f"data.stages: stage {old['name']!r} had begun by the checkpoint of step {step} (run {run.name}), "
+                f"data.stages: stage {stage['name']!r} had begun by the checkpoint of step {step} (run {run_name}), "
                 "and this config changes it (its name, start, weights or, where it is over, its end); a stage that "
                 f"has begun cannot change: change only the stages after step {step}, or use another run.name"
             )

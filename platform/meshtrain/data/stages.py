@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from meshtrain.config import StageConfig
+from meshtrain.config import DataConfig
 from meshtrain.data.sampling import MIXTURE_BLOCK, MixtureSamples, Samples, WindowRef
 
 
@@ -35,10 +35,12 @@ class DataStage:
         return {"name": self.name, "first_sample": self.first_sample, "weights": list(self.weights)}
 
 
-def data_stages(stages: Sequence[StageConfig] | None, sources: Sequence[str], global_batch_size: int) -> tuple[DataStage, ...]:
-    """``data.stages`` as the samples see them: a stage ending after step ``s`` ends at sample ``s * G``."""
+def data_stages(data: DataConfig, global_batch_size: int) -> tuple[DataStage, ...]:
+    """``data.stages`` as the samples see them: a stage ending after step ``s`` ends at sample ``s * G``,
+    its weights in the order of ``data.sources``."""
+    sources = [source.name or "" for source in data.sources or []]
     resolved, first = [], 0
-    for stage in stages or ():
+    for stage in data.stages or ():
         resolved.append(DataStage(stage.name, first, tuple(float(stage.weights.get(name, 0.0)) for name in sources)))
         if stage.until_step is not None:
             first = stage.until_step * global_batch_size

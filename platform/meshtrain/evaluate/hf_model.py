@@ -48,8 +48,7 @@ def load_checkpoint_model(
     source: CommittedModel | AveragedModel
     if average is not None:
         source = AveragedModel.open(checkpoint, average, storage_options)
-        tokenizer_json = run_tokenizer(source.sources[0].storage.display(source.sources[0].committed.path),
-                                       source.manifest, storage_options)
+        tokenizer_json = run_tokenizer(source.newest, source.manifest, storage_options)
     else:
         source = CommittedModel.open(checkpoint, storage_options)
         tokenizer_json = run_tokenizer(checkpoint, source.manifest, storage_options)
