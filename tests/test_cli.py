@@ -364,6 +364,13 @@ def test_unknown_flag_message(capsys: pytest.CaptureFixture[str], monkeypatch: p
     assert err == f"{ERROR_PREFIX}unrecognized arguments: --bogus; see --help\n"
 
 
+def test_prepare_data_takes_overrides_on_both_sides_of_its_options() -> None:
+    from meshtrain.cli.prepare_data import parse_args
+
+    args = parse_args(["data.seq_len=64", "--config", "job.yaml", "--max-parallel", "2", "run.name=a"])
+    assert (args.config, args.max_parallel, args.overrides) == ("job.yaml", 2, ["data.seq_len=64", "run.name=a"])
+
+
 def test_help_lists_every_setting(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -531,11 +538,13 @@ def test_dry_run_with_config_file(
 ) -> None:
     path = tmp_path / "run.yaml"
     path.write_text("scaling:\n  num_workers: 4\n  workers_per_node: 2\ntrain:\n  global_batch_size: 32\n")
-    argv = ["--config", str(path), "--dry-run", "parallel.strategy=hybrid_shard_zero2"]
+    # Overrides on both sides of --config all count.
+    argv = ["train.steps=70", "--config", str(path), "--dry-run", "parallel.strategy=hybrid_shard_zero2"]
     code, out, err = run_main(argv, capsys, monkeypatch)
     assert code == 0, err
     config, lines, _ = parse_dry_run(out)
     assert config["scaling"]["num_workers"] == 4 and config["parallel"]["strategy"] == "hybrid_shard_zero2"
+    assert config["train"]["steps"] == 70
     assert lines["mesh"].startswith(
         "mesh: (replicate=2, shard=2) on 4 workers, strategy=hybrid_shard_zero2, "
     )

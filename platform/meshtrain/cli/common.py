@@ -30,6 +30,13 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_CONFIG_ERROR, f"{self.error_prefix}: {message}; see --help\n")
 
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        """Positionals may come on either side of options: ``run.x=1 --config F.yaml optim.y=2`` gives both
+        overrides (plain parsing fills a ``nargs="*"`` positional once, then refuses the rest)."""
+        return self.parse_intermixed_args(args, namespace)
+
 
 def generated_page(
     prog: str, page: str, source: str, render: Callable[[], str], default: Path, command: str,
