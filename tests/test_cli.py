@@ -244,6 +244,8 @@ IN_PROCESS_CASES = [
     (["scaling.num_workers=8", "scaling.min_workers=6", "scaling.workers_per_node=4", "parallel.shard=2",
       "train.global_batch_size=48", "train.micro_batch_size=1", "scaling.evict_stragglers=true"], "scaling.evict_stragglers"),
     (["scaling.evict_stragglers=true"], "scaling.evict_stragglers"),
+    # a replica-mode setting the restart mode would ignore
+    (["fault_tolerance.heartbeat_timeout_s=2"], "fault_tolerance.heartbeat_timeout_s"),
     # a float8 recipe the named GPU cannot run
     (["scaling.use_gpu=true", "scaling.accelerator_type=A10G", "parallel.float8=true", "parallel.float8_recipe=rowwise"],
      "parallel.float8=true with parallel.float8_recipe=rowwise needs compute capability 8.9+"),

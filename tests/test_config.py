@@ -762,6 +762,16 @@ def test_replica_mode_settings_that_cannot_work_are_one_line(overrides: tuple[st
         load_config(None, [*REPLICAS, *overrides])
 
 
+def test_replica_only_settings_changed_in_restart_mode_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"^fault_tolerance.min_replicas=2: read only in fault_tolerance.mode=replica, "
+                                          r"and the mode is restart; set fault_tolerance.mode=replica, or drop it$"):
+        load_config(None, ["fault_tolerance.min_replicas=2"])
+    with pytest.raises(ConfigError, match=r"^fault_tolerance.data=fast, fault_tolerance.timeout_s=30.0: .* drop them$"):
+        load_config(None, ["fault_tolerance.mode=restart", "fault_tolerance.data=fast", "fault_tolerance.timeout_s=30"])
+    # At its default a setting changes nothing: a printed or saved config, which names every setting, loads.
+    assert load_config(None, ["fault_tolerance.min_replicas=1", "fault_tolerance.data=strict"]).fault_tolerance.mode == "restart"
+
+
 def test_replica_mode_counts_its_groups_and_needs_the_ft_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from meshtrain.config.section import MAX_DURATION_S, Section
 
@@ -55,6 +55,26 @@ class FaultToleranceConfig(Section):
         60.0, gt=0, le=MAX_DURATION_S,
         description="fault_tolerance.mode=replica: the cross-replica collectives' and healing transfer's timeout.",
     )
+
+    @model_validator(mode="after")
+    def _replica_settings_need_replica_mode(self) -> FaultToleranceConfig:
+        ignored = self._ignored_in_restart_mode()
+        if ignored:
+            named = ", ".join(f"fault_tolerance.{name}={getattr(self, name)}" for name in ignored)
+            raise ValueError(
+                f"{named}: read only in fault_tolerance.mode=replica, and the mode is restart; set "
+                f"fault_tolerance.mode=replica, or drop {'them' if len(ignored) > 1 else 'it'}"
+            )
+        return self
+
+    def _ignored_in_restart_mode(self) -> list[str]:
+        """The replica-only settings (all but ``mode``) given away from their defaults while the mode is restart.
+        One given at its default passes: a config printed by --dry-run or saved with a run names every setting."""
+        if self.mode != "restart":
+            return []
+        fields = type(self).model_fields
+        return [name for name in fields if name != "mode" and name in self.model_fields_set
+                and getattr(self, name) != fields[name].default]
 
 
 # The hang watchdog looks at most this often (train.hangs.watch_period_s), so a hung group stops
