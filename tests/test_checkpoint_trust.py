@@ -581,6 +581,27 @@ def test_a_marker_that_does_not_match_its_checksum_is_skipped_and_the_previous_o
     assert sorted(p.name for p in run.root.iterdir()) == ["step-00000008", "step-00000012"]
 
 
+def test_a_reader_given_the_folder_names_the_newer_checkpoint_it_passes_over(
+    run: Run, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Export, evaluate and generate given a folder read its newest loadable step, saying on stderr (in a
+    restore's words) which newer one they passed over; a bad one older than it goes unsaid."""
+    from meshtrain.checkpoint.reading import newest_loadable, resolve_checkpoint
+
+    run.save(make_state(seed=1, step=4), make_state(seed=5, step=8), make_state(seed=6, step=12))
+    for step in (12, 4):
+        marker = run.step(step) / COMMIT_MARKER
+        marker.write_text(_edit_step(json.loads(marker.read_text())))
+    assert resolve_checkpoint(str(run.root)) == str(run.step(8))
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"[meshtrain] checkpoint {run.step(12)} skipped: it is bad (its {COMMIT_MARKER} does not match its "
+        f"{MARKER_CHECKSUM} (sha256 ")
+    # Too few loadable ones for an average: the caller's refusal is the only line.
+    assert [checkpoint.step for checkpoint in newest_loadable(run.storage, 2)] == [8]
+    assert capsys.readouterr().err == ""
+
+
 def test_a_marker_written_before_its_checksum_still_loads(run: Run) -> None:
     """Markers from before meshtrain recorded marker_sha256 have none: they load as before (their files'
     checksums and sizes are still checked)."""

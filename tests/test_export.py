@@ -462,6 +462,39 @@ def test_an_output_in_an_unwritable_place_is_refused_before_the_checkpoint_is_re
     ]
 
 
+def test_a_run_folder_exports_its_newest_step_as_generate_and_evaluate_read_it(
+    runs: dict[str, Run], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from meshtrain.cli.common import checkpoint_to_read
+
+    run = runs["untied-gqa"]
+    assert checkpoint_to_read(str(run.run_dir)) == str(run.step(4))
+    assert checkpoint_to_read(str(run.run_dir), average=2) == str(run.root)
+    code, lines = _export([str(run.run_dir), "--format", "torch", str(tmp_path / "model.pt")], capsys)
+    assert code == 0 and lines == []
+    assert torch.load(tmp_path / "model.pt", weights_only=True).keys() == load_model_state(str(run.step(4)))[0].keys()
+
+
+def test_a_run_folder_whose_newest_marker_was_edited_exports_the_previous_step_saying_so(
+    runs: dict[str, Run], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from test_checkpoint_trust import _edit_step
+
+    copy = tmp_path / "run"
+    shutil.copytree(runs["untied-gqa"].run_dir, copy)
+    marker = copy / "checkpoints" / "step-00000004" / COMMIT_MARKER
+    marker.write_text(_edit_step(json.loads(marker.read_text())))
+    code, lines = _export([str(copy), "--format", "torch", str(tmp_path / "model.pt")], capsys)
+    assert code == 0 and len(lines) == 1, lines
+    assert lines[0].startswith(f"[meshtrain] checkpoint {marker.parent} skipped: it is bad (its {COMMIT_MARKER} does "
+                               "not match its marker_sha256")
+    exported, step_2 = torch.load(tmp_path / "model.pt", weights_only=True), load_model_state(str(copy / "checkpoints" / "step-00000002"))[0]
+    assert all(torch.equal(exported[name], step_2[name]) for name in step_2)
+    code, lines = _export([str(marker.parent), "--format", "torch", str(tmp_path / "named.pt")], capsys)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"export: error: checkpoint {marker.parent}: ")
+    assert not (tmp_path / "named.pt").exists()
+
+
 @pytest.mark.parametrize(
     ("error", "code", "message"),
     [

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from meshtrain.checkpoint.reading import CommittedModel
+from meshtrain.checkpoint.reading import CommittedModel, newest_loadable
 from meshtrain.checkpoint.storage import CheckpointError, CheckpointStorage
 from meshtrain.config import ModelArgs
 from meshtrain.model.llama import build_model, materialize
@@ -32,9 +32,9 @@ class AveragedModel:
         """The newest ``count`` loadable committed checkpoints under a run's checkpoint ``root``."""
         storage = CheckpointStorage(root, storage_options)
         shown = storage.display(storage.root)
-        loadable = [checkpoint for checkpoint in storage.all_committed() if checkpoint.bad is None]
         if count < 2:
             raise CheckpointError(f"--average {count}: average at least 2 checkpoints")
+        loadable = newest_loadable(storage, count)
         if len(loadable) < count:
             steps = ", ".join(str(checkpoint.step) for checkpoint in loadable) or "none"
             raise CheckpointError(
@@ -42,7 +42,7 @@ class AveragedModel:
                 "average fewer, or give the run's checkpoint root"
             )
         sources = tuple(CommittedModel.open(storage.display(checkpoint.path), storage_options)
-                        for checkpoint in loadable[:count])
+                        for checkpoint in loadable)
         other = next((source for source in sources if source.args != sources[0].args), None)
         if other is not None:
             raise CheckpointError(

@@ -255,7 +255,7 @@ class CheckpointManager:
             if checkpoint.bad is not None:
                 tried.append(f"checkpoint {shown}: skipped ({checkpoint.bad})")
                 if self.rank == 0:
-                    self.log(f"[meshtrain] checkpoint {shown} skipped: it is bad ({checkpoint.bad})")
+                    self.log(self.storage.skipped_line(checkpoint))
                 continue
             problem = self._load(state, checkpoint)
             if problem is None:

@@ -39,10 +39,10 @@ def resolve_checkpoint(path: str, storage_options: dict[str, Any] | None = None)
     storage = CheckpointStorage(path, storage_options)
     if storage.fs.exists(f"{storage.root.rstrip('/')}/{COMMIT_MARKER}"):
         return path
-    committed = storage.all_committed()
-    loadable = [checkpoint for checkpoint in committed if checkpoint.bad is None]
+    loadable = newest_loadable(storage)
     if loadable:
         return storage.display(loadable[0].path)
+    committed = storage.all_committed()
     if committed:
         newest = committed[0]
         raise CheckpointError(
@@ -57,6 +57,19 @@ def resolve_checkpoint(path: str, storage_options: dict[str, Any] | None = None)
         )
     _read_committed(storage)  # raises the error that says what is wrong with ``path``
     return path
+
+
+def newest_loadable(storage: CheckpointStorage, count: int = 1) -> list[CommittedCheckpoint]:
+    """The newest ``count`` committed checkpoints not marked bad under ``storage``'s root, newest first (fewer
+    when it holds fewer). Each bad one newer than those it passes over is named on stderr, as a restore does;
+    when there are too few, nothing is: the caller's refusal is then the one line."""
+    committed = storage.all_committed()
+    chosen = [checkpoint for checkpoint in committed if checkpoint.bad is None][:count]
+    if len(chosen) == count:
+        for checkpoint in committed:
+            if checkpoint.bad is not None and checkpoint.step > chosen[-1].step:
+                print(storage.skipped_line(checkpoint), file=sys.stderr)
+    return chosen
 
 
 def _read_committed(storage: CheckpointStorage) -> CommittedCheckpoint:

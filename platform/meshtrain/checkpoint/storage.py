@@ -163,6 +163,10 @@ class CheckpointStorage:
         """Committed checkpoints not marked bad (the ones to resume from), newest first."""
         return [checkpoint for checkpoint in self.all_committed() if checkpoint.bad is None]
 
+    def skipped_line(self, checkpoint: CommittedCheckpoint) -> str:
+        """The line naming a checkpoint marked bad that a restore or a reader passes over, and why."""
+        return f"[meshtrain] checkpoint {self.display(checkpoint.path)} skipped: it is bad ({checkpoint.bad})"
+
     def uncommitted(self) -> list[tuple[int, str]]:
         return [(step, path) for step, path in self._step_dirs() if not self.fs.exists(f"{path}/{COMMIT_MARKER}")]
 

@@ -20,10 +20,10 @@ from meshtrain.cli.common import (
     OneLineParser,
     add_storage_options_argument,
     check_writable_folder,
+    checkpoint_to_read,
     fail,
     interrupted,
     refuse,
-    run_checkpoint_root,
 )
 
 
@@ -63,7 +63,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     options = args.storage_option
-    from meshtrain.checkpoint.reading import resolve_checkpoint
     from meshtrain.checkpoint.storage import CheckpointError
     from meshtrain.config import ConfigError
     from meshtrain.evaluate.checkpoint_eval import (
@@ -83,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             check_writable_folder(Path(args.out), "--out")
         if args.average is not None and not args.out:
             raise ConfigError("--average: the mean of several steps has no step's results folder; give --out")
-        root = run_checkpoint_root(args.checkpoint, options)
-        checkpoint = root if args.average is not None else resolve_checkpoint(root, options)
+        checkpoint = checkpoint_to_read(args.checkpoint, options, args.average)
         run_dir = default_run_dir(checkpoint) or Path.cwd()
         if not args.out:
             check_writable_folder(run_dir / DOWNSTREAM_DIR, "results folder", "give --out a writable folder")

@@ -22,6 +22,7 @@ from meshtrain.cli.common import (
     OneLineParser,
     add_storage_options_argument,
     check_writable_folder,
+    checkpoint_to_read,
     fail,
     interrupted,
     refuse,
@@ -50,7 +51,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Export a committed meshtrain checkpoint as consolidated weights.",
     )
     parser.add_argument(
-        "checkpoint", help="a committed step-XXXXXXXX directory, or a checkpoint root (then its newest committed step)"
+        "checkpoint",
+        help="a committed step-XXXXXXXX directory, a checkpoint root or a run folder (then its newest committed step)",
     )
     parser.add_argument("--format", required=True, choices=FORMATS, help="output format")
     parser.add_argument(
@@ -68,7 +70,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--average", type=int, metavar="N",
-        help="export the mean of the newest N committed checkpoints under the checkpoint root (N >= 2)",
+        help="export the mean of the newest N committed checkpoints of the checkpoint root or run folder (N >= 2)",
     )
     args = parser.parse_args(argv)
     if args.format != "hf" and (args.max_shard_size is not None or args.dtype is not None):
@@ -80,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     options = args.storage_option
     from meshtrain.checkpoint.export import DEFAULT_MAX_SHARD_BYTES, ExportError, export_checkpoint
-    from meshtrain.checkpoint.reading import resolve_checkpoint
     from meshtrain.checkpoint.storage import CheckpointError
     from meshtrain.config import ConfigError
 
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         # Before the checkpoint is read (every byte of it, checked): the output must have somewhere to go.
         check_writable_folder(Path(args.out).expanduser().absolute().parent, "output", "give an output path in a "
                               "writable folder")
-        checkpoint = args.checkpoint if args.average is not None else resolve_checkpoint(args.checkpoint, options)
+        checkpoint = checkpoint_to_read(args.checkpoint, options, args.average)
         result = export_checkpoint(
             checkpoint,
             args.format,

@@ -19,10 +19,10 @@ import time
 from meshtrain.cli.common import (
     OneLineParser,
     add_storage_options_argument,
+    checkpoint_to_read,
     fail,
     interrupted,
     refuse,
-    run_checkpoint_root,
 )
 
 
@@ -65,14 +65,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     options = args.storage_option
-    from meshtrain.checkpoint.reading import resolve_checkpoint
     from meshtrain.checkpoint.storage import CheckpointError
     from meshtrain.config import ConfigError
     from meshtrain.evaluate.generation import continue_prompts
     from meshtrain.evaluate.hf_model import load_checkpoint_model
 
     try:
-        checkpoint = resolve_checkpoint(run_checkpoint_root(args.checkpoint, options), options)
+        checkpoint = checkpoint_to_read(args.checkpoint, options)
         loaded = load_checkpoint_model(checkpoint, options)
         started = time.perf_counter()
         results = continue_prompts(loaded, args.prompts, args.max_new_tokens, temperature=args.temperature,
