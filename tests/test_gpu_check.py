@@ -105,6 +105,14 @@ def test_without_a_gpu_it_says_so_and_points_at_cpu_smoke(capsys: pytest.Capture
     assert err.count("\n") == 1 and "no CUDA GPU here" in err and "--cpu-smoke" in err
 
 
+def test_a_bad_only_name_is_refused_before_the_gpu_is_looked_for(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["--only", "nonexistent"]) == 2
+    assert capsys.readouterr().err == "gpu_check: --only: 'nonexistent' matches no configuration; see --list\n"
+
+
 def test_torch_outside_the_range_is_one_line() -> None:
     for supported in ("2.11.0+cu130", "2.12.1", "2.13.0+cpu"):
         check_torch(supported)

@@ -532,6 +532,11 @@ def main(argv: list[str] | None = None) -> int:
             quick = " (--quick)" if check.quick else " (--only)" if check.extra else ""
             print(f"{check.name}{quick}: {check.kind}; " + " ".join(f"{k}={v}" for k, v in check.settings.items()))
         return 0
+    try:  # the arguments first: a bad name is the line to fix on any machine
+        checks = selected(args)
+    except ConfigError as exc:
+        print(f"gpu_check: {exc}", file=sys.stderr)
+        return 2
     try:
         check_torch()
     except UnsupportedTorch as exc:
@@ -540,11 +545,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.cpu_smoke and not torch.cuda.is_available():
         print(f"gpu_check: no CUDA GPU here (torch {torch.__version__} sees none); run "
               "python jobs/gpu_check.py --cpu-smoke to check the same path on the CPU", file=sys.stderr)
-        return 2
-    try:
-        checks = selected(args)
-    except ConfigError as exc:
-        print(f"gpu_check: {exc}", file=sys.stderr)
         return 2
     device = torch.device("cuda", 0) if not args.cpu_smoke else torch.device("cpu")
     window = Window.for_request(args.warmup, args.steps)
