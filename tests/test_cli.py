@@ -193,6 +193,7 @@ IN_PROCESS_CASES = [
     (["data.tokenizer={missing_tokenizer}"], "data.tokenizer"),
     (["run.name=a/b"], "run.name"),
     (["run.name=prometheus"], "run.name"),
+    (["run.name=a20.replica0"], "run.name"),
     (["run.storage_path=s3://bucket/runs"], "run.storage_path"),
     # storage that cannot take a file: refused before Ray starts, and by --dry-run
     (["run.storage_path={invalid_yaml}/runs"], "run.storage_path"),

@@ -668,6 +668,22 @@ def test_every_shared_folder_is_a_reserved_run_name(tmp_path: Path) -> None:
             load_config(None, [f"run.name={name}"])
 
 
+def test_a_replica_groups_name_is_a_reserved_run_name(tmp_path: Path) -> None:
+    """Ray Train keeps a replica group's records in a folder beside the run's, and the metrics write its
+    Prometheus targets file, under one name: no run may take it."""
+    from meshtrain.config import replica_group_name
+    from meshtrain.observe.metrics import targets_name
+
+    taken = replica_group_name("a20", 0)
+    assert targets_name("a20", 0) == taken
+    with pytest.raises(ConfigError, match=r"^run.name: 'a20.replica0' is how replica group 0 of a run 'a20' names its "
+                                          r"Ray records and Prometheus targets; choose a run.name that does not end in "
+                                          r"\.replica<N>$"):
+        load_config(None, [f"run.name={taken}"])
+    for name in ("a20.replica", "replica0", "a20.replica0.b"):
+        assert load_config(None, [f"run.name={name}"]).run.name == name
+
+
 # --- hostile YAML and names ---------------------------------------------------------------------
 
 

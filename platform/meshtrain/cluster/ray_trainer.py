@@ -22,7 +22,7 @@ from meshtrain.cluster.capacity import worker_resources
 from meshtrain.cluster.elastic_policy import TrainableSizesPolicy
 from meshtrain.cluster.failures import root_failure
 from meshtrain.cluster.worker_env import worker_env
-from meshtrain.config import ConfigError, one_line
+from meshtrain.config import ConfigError, one_line, replica_group_name
 from meshtrain.distributed.replicas import ReplicaPlacement
 from meshtrain.ray_compat import DefaultFailurePolicy, ElasticScalingPolicy, FailureDecision
 from meshtrain.train.plan import WorkerPlan
@@ -130,7 +130,7 @@ def build_trainer(plan: WorkerPlan, replica: ReplicaPlacement | None = None) -> 
             accelerator_type=scaling.accelerator_type,
         ),
         run_config=RunConfig(
-            name=paths.name if replica is None else f"{paths.name}.replica{replica.index}",
+            name=paths.name if replica is None else replica_group_name(paths.name, replica.index),
             storage_path=str(paths.storage_path),
             failure_config=FailureConfig(max_failures=plan.run.max_failures),
             callbacks=load_ray_callbacks(plan.metrics.ray_callbacks),

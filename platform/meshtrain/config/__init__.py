@@ -37,7 +37,7 @@ from meshtrain.config.parallelism import (
     StrategyName,
     check_parallel_groups,
 )
-from meshtrain.config.run import SHARED_FOLDERS, CheckpointConfig, FaultConfig, RunConfig
+from meshtrain.config.run import SHARED_FOLDERS, CheckpointConfig, FaultConfig, RunConfig, replica_group_name
 from meshtrain.config.fault_tolerance import FaultToleranceConfig
 from meshtrain.config.training import OptimConfig, TrainConfig
 
@@ -51,6 +51,7 @@ __all__ = [
     "PermanentError",
     "require_extra",
     "one_line",
+    "replica_group_name",
     "wrapped_errors",
     "check_parallel_groups",
     "DataConfig",

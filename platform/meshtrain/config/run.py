@@ -3,6 +3,7 @@ injection for tests."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -13,6 +14,13 @@ from meshtrain.config.section import MAX_DURATION_S, Section, check_tested_schem
 
 
 SHARED_FOLDERS = ("token_stores", "prometheus")
+_REPLICA_GROUP = re.compile(r"(.+)\.replica(\d+)")  # what replica_group_name makes
+
+
+def replica_group_name(run: str, replica: int) -> str:
+    """The name of a replica group of run ``run`` (fault_tolerance.mode=replica): of its Ray Train records, a
+    folder beside the run's, and of its Prometheus targets file. Run names of this form are refused."""
+    return f"{run}.replica{replica}"
 
 
 MAX_RUN_NAME = 128  # leaves room under a file system's 255-byte names for what meshtrain adds to it
@@ -61,6 +69,12 @@ class RunConfig(Section):
                              "targets and Ray's records all carry it in their names)")
         if value is not None and not value.isprintable():
             raise ValueError(f"holds a control character ({value[:40]!r}); use letters, digits and punctuation")
+        group = _REPLICA_GROUP.fullmatch(value or "")
+        if group is not None:
+            raise ValueError(
+                f"{value!r} is how replica group {group[2]} of a run {group[1]!r} names its Ray records and Prometheus "
+                "targets; choose a run.name that does not end in .replica<N>"
+            )
         if value in SHARED_FOLDERS:
             raise ValueError(
                 f"{value!r} is a folder every run under run.storage_path shares ({', '.join(SHARED_FOLDERS)}); "

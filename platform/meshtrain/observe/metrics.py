@@ -30,7 +30,7 @@ from prometheus_client import (
     make_wsgi_app,
 )
 
-from meshtrain.config import OVERALL_LABEL, PermanentError
+from meshtrain.config import OVERALL_LABEL, PermanentError, replica_group_name
 from meshtrain.config.network import Endpoint
 from meshtrain.observe.goodput import GoodputReport
 from meshtrain.observe.run_folder import (
@@ -486,7 +486,7 @@ def targets_path(targets_dir: str | None, storage_path: str, run: str) -> Path:
 
 def targets_name(run: str, replica: int | None = None) -> str:
     """A targets file's name: the run's, or (replica mode) one per replica group."""
-    return run if replica is None else f"{run}.replica{replica}"
+    return run if replica is None else replica_group_name(run, replica)
 
 
 def driver_targets_path(targets_dir: str | None, storage_path: str, run: str) -> Path:
