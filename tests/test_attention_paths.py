@@ -220,7 +220,7 @@ def one_step(model: Transformer, seed: int) -> list[torch.Tensor]:
     """``train_step`` over RECOMPUTE_MICRO_BATCHES micro-batches of packed documents; the gradients
     the optimizer saw."""
     from meshtrain.distributed.layout import RankLayout, WorkerLayout
-    from meshtrain.train.guard import StepGuard
+    from meshtrain.train.guard import SpikeRules, StepGuard
     from meshtrain.train.step import train_step
 
     generator = torch.Generator().manual_seed(seed)
@@ -232,7 +232,7 @@ def one_step(model: Transformer, seed: int) -> list[torch.Tensor]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     grads: list[torch.Tensor] = []
     optimizer.register_step_pre_hook(lambda *_: grads.extend(p.grad.full_tensor() for p in model.parameters()))
-    guard = StepGuard(optimizer, torch.device("cpu"), None, 4)
+    guard = StepGuard(optimizer, torch.device("cpu"), SpikeRules(window=4))
     train_step(model, guard, batches, RankLayout(WorkerLayout(0, 1), MeshPlan(1, 1, True)), grad_clip=0.0)
     return grads
 

@@ -154,7 +154,7 @@ def test_logged_steps_report_mfu_from_the_flops_computed_and_over_the_whole_wind
     from meshtrain.checkpoint.state import Progress
     from meshtrain.model.flops import ModelFlops, flops_per_token
     from meshtrain.observe.metrics import TrainingMetrics
-    from meshtrain.train.guard import BadStepLimit, StepGuard
+    from meshtrain.train.guard import BadStepLimit, SpikeRules, StepGuard
     from meshtrain.train.records import LoopOutputs
     from meshtrain.train.step import StepOutput
     from meshtrain.train.loop import StepDone
@@ -172,7 +172,7 @@ def test_logged_steps_report_mfu_from_the_flops_computed_and_over_the_whole_wind
                               flops_per_token=flops_per_token(args, 48), peak_flops_per_s=peak)
     outputs = LoopOutputs(None, metrics, None)
     progress, records = Progress(), []
-    guard = StepGuard(torch.optim.SGD(model.parameters(), lr=0.0), torch.device("cpu"), None, 4)
+    guard = StepGuard(torch.optim.SGD(model.parameters(), lr=0.0), torch.device("cpu"), SpikeRules(window=4))
     log = StepLog(2, 1, progress, BadStepLimit(guard, 3, progress, outputs), outputs, records, (work, args))
     log.at_start()
     model(tokens).sum().backward()

@@ -14,6 +14,7 @@ from meshtrain.observe.run_folder import (
     EvalRecord,
     GroupStartRecord,
     ReplicaLostRecord,
+    RollbackRecord,
     TrainRecord,
     parse_record,
 )
@@ -56,6 +57,18 @@ def test_a_restart_loses_the_gap_and_the_steps_after_the_checkpoint_once() -> No
     assert lost["redone"] == pytest.approx(3.0)
     assert lost["restarts"] == pytest.approx(20.0 - 9.0)  # from step 8's end to step 6's second start
     assert report["productive_s"] == pytest.approx(10.0) and accounted(report) == pytest.approx(25.0)
+
+
+def test_a_rollback_loses_its_reload_and_the_steps_it_undid_to_rollbacks() -> None:
+    # Steps 1..9 at one per second from t=1; at step 9 the run goes back to the checkpoint of step 6 in 2 s
+    # (t=10 to 12) and trains steps 7..12 again and on: steps 7..9 and the reload are the rollback's loss.
+    records: list[object] = [train(step, 1.0 + step) for step in range(1, 10)]
+    records += [make(RollbackRecord, step=9, to_step=6, seconds=2.0)]
+    records += [train(step, 12.0 + step - 6) for step in range(7, 13)]
+    report = goodput_of(records, started=0.0, ended=18.0)
+    lost = report["lost_s"]
+    assert lost["rollbacks"] == pytest.approx(3.0 + 2.0) and lost["redone"] == 0.0 and lost["restarts"] == 0.0
+    assert report["productive_s"] == pytest.approx(12.0) and accounted(report) == pytest.approx(18.0)
 
 
 def test_records_of_several_steps_are_redone_in_part() -> None:

@@ -24,7 +24,7 @@ from meshtrain.distributed.layout import MeshPlan, RankLayout, WorkerLayout
 from meshtrain.distributed.parallelize import build_mesh, parallelize
 from meshtrain.model.init import init_weights
 from meshtrain.model.llama import build_model, materialize
-from meshtrain.train.guard import StepGuard
+from meshtrain.train.guard import SpikeRules, StepGuard
 from meshtrain.train.step import train_step
 from ranks import run_on_ranks
 
@@ -84,7 +84,7 @@ def run_step(model: torch.nn.Module, mesh: DeviceMesh, batches: list[Batch], def
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     recorder = Recorder(mesh.get_group("replicate"))
     optimizer.register_step_pre_hook(recorder.before_step)
-    guard = StepGuard(optimizer, torch.device("cpu"), None, 4)
+    guard = StepGuard(optimizer, torch.device("cpu"), SpikeRules(window=4))
     for batch in batches:
         recorder.all_reduces = 0
         with mock.patch.object(dist, "all_reduce", recorder.all_reduce):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +21,10 @@ from meshtrain.config.loading import load_config
 from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataPlan
 from meshtrain.observe.metrics import TrainingMetrics
-from meshtrain.observe.run_folder import CheckpointSkippedRecord, Record, StoppedRecord, TrainRecord
+from meshtrain.config import ConfigError
+from meshtrain.observe.run_folder import (
+    CheckpointSkippedRecord, Record, RollbackRecord, StoppedRecord, TrainRecord, read_left_out,
+)
 from meshtrain.train.gc_schedule import ScheduledCollection
 from meshtrain.train.trainer import Trainer
 from trainers import cpu_trainer
@@ -151,12 +155,12 @@ def test_a_streak_that_ends_between_two_readings_still_stops_the_run() -> None:
     """Three skipped steps, then good ones, all between two readings: the longest streak is kept on
     the device, so the next reading sees it and the run stops."""
     from meshtrain.checkpoint.state import Progress
-    from meshtrain.train.guard import BadStepLimit, StepGuard
+    from meshtrain.train.guard import BadStepLimit, SpikeRules, StepGuard
     from meshtrain.train.records import LoopOutputs
 
     weight = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
-    guard = StepGuard(optimizer, torch.device("cpu"), None, 5)
+    guard = StepGuard(optimizer, torch.device("cpu"), SpikeRules(window=5))
     events: list[Record] = []
     limit = BadStepLimit(guard, 3, Progress(), LoopOutputs(events.append, None, None))
     good, nan = torch.tensor(1.0), torch.tensor(math.nan)
@@ -169,9 +173,126 @@ def test_a_streak_that_ends_between_two_readings_still_stops_the_run() -> None:
                              "(non-finite or spiking loss or gradient norm)")
     assert len([e for e in events if isinstance(e, StoppedRecord)]) == 1
     # A new reading window starts after each read: two shorter streaks do not add up.
-    guard2 = StepGuard(optimizer, torch.device("cpu"), None, 5)
+    guard2 = StepGuard(optimizer, torch.device("cpu"), SpikeRules(window=5))
     limit2 = BadStepLimit(guard2, 3, Progress(), LoopOutputs(None, None, None))
     for loss in (nan, nan, good, nan, nan, good):
         weight.grad = torch.ones(3)
         guard2.step(guard2.check(loss, torch.tensor(1.0)))
     assert limit2.check(6) == 0 and limit2.stopped is None
+
+
+POISON = 511  # the token of a poisoned window (the vocabulary's last)
+
+
+def poison(trainer: Trainer, ranges: list[tuple[int, int]]) -> None:
+    """The run's one source holds poisoned windows at the sample indices ``ranges``: every token POISON."""
+    source = trainer.batches.samples.components[0]
+    original = source.locate
+
+    class Poisoned:
+        def __init__(self, ref: Any) -> None:
+            self.ref = ref
+
+        def read(self) -> Any:
+            return self.ref.read() * 0 + POISON
+
+    source.locate = lambda index: Poisoned(original(index)) if any(a <= index < b for a, b in ranges) else original(index)
+
+
+def poisoned_losses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A poisoned window's loss counts 100 times: the data sends the step's loss up."""
+    original = training.token_cross_entropy_sum
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        rows = (targets == POISON).all(dim=-1)
+        return original(logits[~rows], targets[~rows]) + 100 * original(logits[rows], targets[rows])
+
+    monkeypatch.setattr(training, "token_cross_entropy_sum", loss)
+
+
+def test_repeated_spikes_roll_back_and_leave_out_the_samples_behind_them(
+    corpus: DataPlan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Poisoned samples at [50, 56) and [66, 70) spike steps 7 and 9 (steps read 8 samples); at step 9 the
+    run goes back to the checkpoint of step 6 (the one of step 8, saved between the spikes, is set aside),
+    leaves out samples [48, 72) and finishes with the weights, bitwise, of a run told from the start to
+    leave them out. A relaunch honours the ranges; one that drops them is refused."""
+    poisoned_losses(monkeypatch)
+    common = ["train.steps=12", "train.loss_spike_factor=3", "train.loss_spike_window=3", "checkpoint.enabled=true",
+              "checkpoint.interval=2", "checkpoint.mode=sync"]
+    events: list[Record] = []
+    rolled = cpu_trainer(config(tmp_path, *common, "train.rollback_after_spikes=2", "train.rollback_window=4"),
+                         corpus, events.append)
+    poison(rolled, [(50, 56), (66, 70)])
+    try:
+        rolled.run()
+    finally:
+        rolled.close()
+    rollbacks = [e for e in events if isinstance(e, RollbackRecord)]
+    assert len(rollbacks) == 1 and (rollbacks[0].step, rollbacks[0].to_step, rollbacks[0].skipped_steps) == (9, 6, [7, 9])
+    assert rollbacks[0].left_out == [{"stage": None, "start": 48, "stop": 72, "rollback": 1, "step": 9,
+                                      "rolled_back_to": 6, "sources": {"stdlib": 24}}]
+    trained = [e.step for e in events if isinstance(e, TrainRecord)]
+    assert trained == [*range(1, 10), *range(7, 13)]
+    assert rolled.result.skipped_steps == 0 and rolled.result.stopped is None  # the spikes were undone
+    storage = CheckpointStorage(checkpoint_root(rolled.plan.checkpoint, rolled.plan.run))
+    assert [c.step for c in storage.committed()] == [12, 10, 8, 6, 4, 2][: rolled.plan.checkpoint.keep]
+    assert any(".bad-" in str(path) for path in Path(storage.root).iterdir())  # the step-8 save of the spike window
+    assert read_left_out(rolled.plan.paths.left_out)[0].stop == 72
+
+    reference = cpu_trainer(config(tmp_path / "reference", *common, "data.skip_samples=[{start: 48, stop: 72}]"), corpus)
+    poison(reference, [(50, 56), (66, 70)])  # inside the left-out range: never read
+    try:
+        reference.run()
+    finally:
+        reference.close()
+    expected, got = snapshot(reference), snapshot(rolled)
+    assert all(torch.equal(got[key], expected[key]) for key in expected), "the rolled-back run differs"
+
+    # A relaunch keeps what the run folder lists; dropping a range the checkpoint read past is refused.
+    Path(rolled.plan.paths.left_out).write_text("[]")
+    with pytest.raises(ConfigError, match=r"data.skip_samples: samples \[48, 72\) of the run's samples"):
+        cpu_trainer(config(tmp_path, *common, "train.steps=14"), corpus).close()
+
+
+def test_the_spike_rules_and_the_rollback_window_read_nothing_back_from_the_device() -> None:
+    """Every device-to-host read (``.item()``, ``bool()``, ``.tolist()``) runs aten._local_scalar_dense; counted
+    under a dispatch mode, the guard's check and its fused step run none, with both spike rules and the
+    rollback window on: the step stays free of host syncs. The one read is the guard's own, at logged steps."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshtrain.train.guard import SpikeRules, StepGuard
+
+    class DeviceReads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func is torch.ops.aten._local_scalar_dense.default:
+                DeviceReads.count += 1
+            return func(*args, **(kwargs or {}))
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
+    guard = StepGuard(optimizer, torch.device("cpu"), SpikeRules(3.0, 3.0, window=3, rollback_window=4), step=10)
+    losses = [1.0, 1.1, 0.9, 1.0, 50.0, 1.0, 1.0, 1.0]
+    norms = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 20.0, 1.0]  # step 17's gradient norm spikes, its loss does not
+    with DeviceReads():
+        for loss, norm in zip(losses, norms):
+            weight.grad = torch.ones(3)
+            guard.step(guard.check(torch.tensor(loss), torch.tensor(norm)))
+    assert DeviceReads.count == 0
+    reading = guard.read()
+    assert reading.recent == (15, 17) and reading.skipped_total == 2  # steps 11-18: the 5th and the 7th
+    assert guard.history_state()["losses"] == pytest.approx([1.0, 1.0, 1.0])
+    # With train.max_rollbacks used up, spikes that call for a rollback stop the run instead, in one line.
+    from meshtrain.checkpoint.state import Progress
+    from meshtrain.train.guard import BadStepLimit, RollbackRule
+    from meshtrain.train.records import LoopOutputs
+
+    limit = BadStepLimit(guard, 5, Progress(), LoopOutputs(None, None, None), RollbackRule(2, 4, 0, 1, done=1))
+    guard.check(torch.tensor(math.nan), torch.tensor(1.0))
+    guard.check(torch.tensor(math.nan), torch.tensor(1.0))
+    assert limit.check(20) is None and limit.rollback is None
+    assert limit.stopped == ("train.max_rollbacks=1: 3 of the last 4 steps up to step 20 were skipped (non-finite or "
+                             "spiking loss or gradient norm) after 1 rollback(s)")
+    assert BadStepLimit(guard, 5, Progress(), LoopOutputs(None, None, None), RollbackRule(2, 4, 0, 2, done=1)).check(20) == 2

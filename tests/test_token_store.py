@@ -32,6 +32,7 @@ from meshtrain.data import (
 )
 from meshtrain.data.pipeline import TrainingData
 from meshtrain.data.sampling import MIXTURE_BLOCK, Samples, apportion
+from meshtrain.data.skips import SkipRange, changed_before, check_left_out, merged_skips
 from meshtrain.data.stages import StagedSamples, data_stages
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.observe.run_folder import MixtureRecord, check_record
@@ -189,6 +190,46 @@ def test_stages_switch_exactly_at_their_boundaries_and_every_source_continues_wh
     for start, stop in [(0, 300), (5, 47), (40, 100), (95, 97), (33, 290), (150, 150)]:
         assert samples.source_counts(start, stop) == [sum(s == k for s, _ in drawn[start:stop]) for k in (0, 1)]
     assert [samples.stage_name(i) for i in (0, 47, 48, 95, 96, 10**9)] == ["code", "code", "both", "both", "text", "text"]
+
+
+def test_left_out_samples_are_never_read_count_as_drawn_and_join_up_with_later_ranges() -> None:
+    """Ranges of each stage's own sequence left out: the positions read the sequence with them removed, the
+    next stage's sources continue after them, the per-source counts of what was trained and of what was
+    left out add up to the sequence's, and leaving out what positions [a, b) read makes position a read
+    what b read before (a rollback's ranges); only a change among the samples already read is refused."""
+    plain = staged(block=32)
+    skips = [SkipRange("code", 5, 9), SkipRange("code", 20, 22), SkipRange("both", 0, 3)]
+    samples = staged(block=32)
+    samples.skip(skips)
+    code_seq = [plain.mixtures[0].source_of(i) for i in range(80)]
+    kept = [i for i in range(80) if not (5 <= i < 9 or 20 <= i < 22)]
+    assert [samples.source_of(p) for p in range(48)] == [code_seq[i] for i in kept[:48]]
+    # The second stage reads its own sequence from index 3, its code source continuing after index 53.
+    offset = plain.mixtures[1].source_of
+    assert [samples.source_of(48 + p)[0] for p in range(10)] == [offset(3 + p)[0] for p in range(10)]
+    code_in_both = [index for source, index in (samples.source_of(48 + p) for p in range(48)) if source == 0]
+    assert min(code_in_both) >= 54 and len(set(code_in_both)) == len(code_in_both)  # the code stage reached 54
+    trained = samples.source_counts(0, 96)
+    left_out = [sum(n) for n in zip(*(samples.skipped_counts(skip) for skip in skips))]
+    sequences = [54 + plain.mixtures[1].source_counts(0, 51)[0], plain.mixtures[1].source_counts(0, 51)[1]]
+    assert [t + o for t, o in zip(trained, left_out)] == sequences and sum(trained) == 96
+    assert samples.counters(96, ["code", "text"])["code"] == {"code": 48}
+
+    before = [samples.locate(p).read().tolist() for p in (14, 40)]
+    rollback = samples.skip_ranges(15, 40)  # what positions 15-39 read: indices 19-45, less 20-21 (left out)
+    assert rollback == [SkipRange("code", 19, 46)]
+    samples.skip(merged_skips([*skips, *rollback]))
+    assert samples.skips == (SkipRange("both", 0, 3), SkipRange("code", 5, 9), SkipRange("code", 19, 46))
+    assert samples.locate(14).read().tolist() == before[0] and samples.locate(15).read().tolist() == before[1]
+
+    stages = [(stage.name, stage.first_sample) for stage in samples.stages]
+    trained_with = {"left_out": [skip.to_json() for skip in skips], "data_position": 15}
+    assert changed_before(skips, samples.skips, stages, 15) is None  # the new range lies past what 15 read
+    assert changed_before(skips, samples.skips, stages, 30) == SkipRange("code", 19, 36)  # but not past 30's reach
+    assert changed_before(skips, skips[1:], stages, 15) == SkipRange("code", 5, 9)
+    assert changed_before(skips, [*skips, SkipRange("both", 40, 50)], stages, 15) is None
+    with pytest.raises(ConfigError, match=r"samples \[5, 9\) of stage 'code'"):
+        check_left_out(trained_with, skips[1:], stages, 2)
 
 
 def test_one_stage_of_the_sources_own_weights_is_the_plain_mixture() -> None:

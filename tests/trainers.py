@@ -11,22 +11,23 @@ import torch
 
 from meshtrain.cluster.worker_plan import worker_plan
 from meshtrain.config.schema import MeshtrainConfig
-from meshtrain.data import DataPlan, open_data
+from meshtrain.data import DataPlan
 from meshtrain.distributed.layout import RankLayout, WorkerLayout
 from meshtrain.model.args import model_args
 from meshtrain.model.llama import Transformer
 from meshtrain.observe.metrics import TrainingMetrics
 from meshtrain.train.records import LoopOutputs
 from meshtrain.train.setup import build_sharded_model
-from meshtrain.train.trainer import RankContext, Trainer
+from meshtrain.train.trainer import RankContext, Trainer, open_training_data
 
 
 def cpu_trainer(cfg: MeshtrainConfig, corpus: DataPlan, on_record: Callable[[Any], None] | None = None,
                 metrics: TrainingMetrics | None = None, **context: Any) -> Trainer:
     """``context``: the rest of :class:`RankContext` (``replica``, ``stop_request``)."""
-    data = open_data(corpus, cfg.data.seq_len, cfg.train.seed)
+    plan = worker_plan(cfg, corpus)
+    data = open_training_data(plan)
     rank = RankContext(WorkerLayout(), torch.device("cpu"), LoopOutputs(on_record, metrics), **context)
-    return Trainer(worker_plan(cfg, data), data, rank)
+    return Trainer(plan, data, rank)
 
 
 def sharded_model(cfg: MeshtrainConfig, vocab_size: int, worker: WorkerLayout, device: torch.device,

@@ -15,7 +15,7 @@ from meshtrain.data import DataParallelBatches, TrainingData, open_data, prepare
 from meshtrain.distributed.layout import WorkerLayout
 from meshtrain.model.args import model_args
 from meshtrain.model.llama import Transformer
-from meshtrain.train.guard import StepGuard
+from meshtrain.train.guard import StepGuard, spike_rules
 from meshtrain.train.setup import build_sharded_model
 from meshtrain.train.optim import build_optimizer
 
@@ -45,7 +45,7 @@ def single_process_run(
                                    cfg.train.seed, cfg.scaling.workers_per_node, cfg.model.init_from,
                                    document_eos=data.eos_id if masked else None)
     optimizer = build_optimizer(model, cfg.optim)
-    guard = StepGuard(optimizer, device, cfg.train.loss_spike_factor, cfg.train.loss_spike_window)
+    guard = StepGuard(optimizer, device, spike_rules(cfg.train))
     micro, _ = cfg.train.batch_layout(1)
     batches = DataParallelBatches(data.train, cfg.train.global_batch_size, micro, 0, 1, device)
     return SingleProcessRun(cfg, device, data, model, optimizer, guard, [list(batches.next_step()) for _ in range(steps)])

@@ -268,6 +268,22 @@ class CheckpointManager:
             f"{BAD_MARKER} files) or start a new run.name"
         )
 
+    def roll_back(self, state: TrainState, before_step: int, reason: str) -> CommittedCheckpoint | None:
+        """Load the newest loadable committed checkpoint older than ``before_step`` into ``state``, having
+        marked every newer one bad with ``reason`` (kept for inspection, never resumed); None, and nothing
+        marked, when no committed checkpoint is older."""
+        self.finish_pending()
+        listing: list[CommittedCheckpoint] = self._broadcast(self.storage.committed() if self.rank == 0 else None)
+        if not any(checkpoint.step < before_step for checkpoint in listing):
+            return None
+        if self.rank == 0:
+            for checkpoint in listing:
+                if checkpoint.step >= before_step:
+                    self.log(f"[meshtrain] checkpoint {self.storage.display(checkpoint.path)} set aside: {reason}")
+                    self.storage.mark_bad(checkpoint, reason)
+        self._barrier()
+        return self.restore(state, at_most=before_step - 1)
+
     def _load(self, state: TrainState, checkpoint: CommittedCheckpoint) -> str | None:
         """Load ``checkpoint`` into ``state``; None, or the one-line reason it failed (the same on every
         rank). Raises CheckpointUnreachable, marking nothing, when the storage did not answer."""

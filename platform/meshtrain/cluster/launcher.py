@@ -37,6 +37,7 @@ from meshtrain.cluster.run_lease import RunLease
 from meshtrain.config import config_error_in, one_line, redact_url
 from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import prepare_data
+from meshtrain.data.skips import skips_of
 from meshtrain.data.stages import data_stages
 from meshtrain.data.local_files import write_atomically
 from meshtrain.observe.goodput import GoodputLedger
@@ -47,6 +48,7 @@ from meshtrain.observe.run_folder import (
     StopRequest,
     Summary,
     TrainRecord,
+    read_left_out,
     read_result,
     write_summary,
 )
@@ -132,7 +134,8 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
         progress_interval_s=cfg.metrics.progress_interval_s,
     )
     data = data_for_resume(cfg.checkpoint, cfg.run, data, allow_fingerprint_change=cfg.data.allow_fingerprint_change,
-                           stages=data_stages(cfg.data, cfg.train.global_batch_size))
+                           stages=data_stages(cfg.data, cfg.train.global_batch_size),
+                           left_out=skips_of(cfg.data.skip_samples, read_left_out(paths.left_out)))
     if cached_tokenizer is None:
         write_atomically(paths.tokenizer, data.tokenizer_json)
     stores = ", ".join(redact_url(ref.url) for ref in data.stores)
@@ -195,6 +198,8 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
         # replica mode: world_size and mesh_shape are one group's
         replica_groups=cfg.replica_groups() if cfg.fault_tolerance.mode == "replica" else None,
         downstream=downstream.latest if downstream is not None else None,
+        left_out=[*({"by_hand": True, **skip.model_dump()} for skip in cfg.data.skip_samples),
+                  *(entry.to_json() for entry in read_left_out(paths.left_out))],
     )
     stopped, interrupted = result.stopped, result.interrupted
     if stopped:

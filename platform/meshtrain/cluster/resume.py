@@ -17,6 +17,7 @@ from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import SAMPLING_SCHEME, DataPlan, checkpoint_sampling
 from meshtrain.data.local_files import write_atomically
 from meshtrain.data.sampling import MIXTURE_BLOCK, apportion
+from meshtrain.data.skips import SkipRange, check_left_out
 from meshtrain.data.stages import DataStage
 from meshtrain.observe.run_folder import RunPaths
 
@@ -51,7 +52,8 @@ RESUMABLE_CHANGES = (
     "train.steps", "train.log_every", "train.micro_batch_size", "parallel", "scaling", "run", "checkpoint", "fault_tolerance",
     "metrics", "fault", "data.cache_dir", "data.storage_options", "data.allow_fingerprint_change",
     "optim.schedule_steps", "eval", "train.max_bad_steps", "train.loss_spike_factor", "train.loss_spike_window",
-    "train.gc_every", "memory",
+    "train.grad_norm_spike_factor", "train.rollback_after_spikes", "train.rollback_window", "train.rollback_skip_before",
+    "train.max_rollbacks", "data.skip_samples", "train.gc_every", "memory",
 )
 
 
@@ -162,11 +164,14 @@ def write_run_config(cfg: MeshtrainConfig, paths: RunPaths) -> None:
 
 
 def data_for_resume(checkpoint: CheckpointConfig, run: RunConfig, plan: DataPlan, *,
-                    allow_fingerprint_change: bool, stages: tuple[DataStage, ...] = ()) -> DataPlan:
+                    allow_fingerprint_change: bool, stages: tuple[DataStage, ...] = (),
+                    left_out: tuple[SkipRange, ...] = ()) -> DataPlan:
     """The data plan a resumed run continues with: checkpoints trained on other token data are
     refused (unless the user says so: ``data.allow_fingerprint_change``), the sampling scheme they
     were trained with is kept, so the data order never changes mid-run, and so are the data stages
-    that have begun (``check_begun_stages``). A run without checkpoints gets the plan as it is."""
+    that have begun (``check_begun_stages``) and the samples left out among those read
+    (``check_left_out``; ``left_out``: data.skip_samples and the run's rollbacks'). A run without
+    checkpoints gets the plan as it is."""
     if not (checkpoint.enabled and checkpoint.resume):
         return plan
     committed = run_checkpoints(checkpoint, run).committed()
@@ -174,6 +179,8 @@ def data_for_resume(checkpoint: CheckpointConfig, run: RunConfig, plan: DataPlan
         return plan
     manifest = committed[0].manifest
     check_begun_stages(manifest, committed[0].step, run.name, stages)
+    check_left_out(manifest, left_out, [(stage.name, stage.first_sample) for stage in stages] or [(None, 0)],
+                   committed[0].step)
     scheme = checkpoint_sampling(manifest, f"the checkpoints of run {run.name}")
     resumed = dataclasses.replace(plan, sampling=scheme)
     trained_on = manifest.get("data_fingerprint")

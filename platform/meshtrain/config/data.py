@@ -66,6 +66,22 @@ class StageConfig(Section):
         return value
 
 
+class SkipConfig(Section):
+    """Samples to leave out of training, named by hand (a rollback adds its own in the run folder)."""
+
+    stage: str | None = Field(
+        None, description="The data.stages stage whose samples these are; unset in a run without data.stages."
+    )
+    start: int = Field(ge=0, description="First sample left out, counted in the stage's own sequence of samples.")
+    stop: int = Field(gt=0, description="Sample after the last one left out.")
+
+    @model_validator(mode="after")
+    def _nonempty(self) -> "SkipConfig":
+        if self.stop <= self.start:
+            raise ValueError(f"stop={self.stop} must exceed start={self.start} (samples [start, stop) are left out)")
+        return self
+
+
 class ValidationConfig(Section):
     fraction: float = Field(
         0.01,
@@ -121,6 +137,12 @@ class DataConfig(Section):
         description="Data stages: a list of {name, until_step, weights}; each stage draws its samples from "
         "data.sources in its own weights, every source continuing where the earlier stages left it. Needs "
         "data.sources with a name each.",
+    )
+    skip_samples: list[SkipConfig] = Field(
+        default_factory=list,
+        description="Samples never trained: a list of {stage, start, stop}, counted in the stage's own sequence of "
+        "samples (the run's, without data.stages), as a rollback's ranges are listed in the run's summary; the steps "
+        "still take train.global_batch_size samples each, reading on after a range.",
     )
     validation: ValidationConfig = Field(default_factory=ValidationConfig, description="Held-out validation data.")
     tokenizer: str = Field(
@@ -180,6 +202,7 @@ class DataConfig(Section):
                 raise ValueError("data.sources: set either data.source or data.sources (a mixture), not both")
         if self.stages is not None:
             self._check_stages(self.stages)
+        self._check_skips()
         if self.cache_dir is not None:
             check_tested_scheme(self.cache_dir, "data.cache_dir")
         one_read = (self.seq_len + 1) * 4 + 2 * CHECK_BLOCK_BYTES  # a window of uint32 tokens, rounded out to check blocks
@@ -211,6 +234,16 @@ class DataConfig(Section):
         ends = [stage.until_step for stage in stages if stage.until_step is not None]
         if any(b <= a for a, b in zip(ends, ends[1:])):
             raise ValueError(f"data.stages: until_step must increase from stage to stage (got {', '.join(map(str, ends))})")
+
+    def _check_skips(self) -> None:
+        names = [stage.name for stage in self.stages or []]
+        for skip in self.skip_samples:
+            if names and skip.stage not in names:
+                raise ValueError(f"data.skip_samples: stage {skip.stage!r} is not one of data.stages "
+                                 f"({', '.join(map(repr, names))}); name the stage whose samples to leave out")
+            if not names and skip.stage is not None:
+                raise ValueError(f"data.skip_samples: stage {skip.stage!r} given, but the run has no data.stages; "
+                                 "unset stage (the samples are counted in the run's one sequence)")
 
     def source_list(self) -> list[SourceConfig]:
         """The mixture's sources, or the single data.source as a one-source list."""

@@ -77,6 +77,8 @@ class MeshtrainConfig(Section):
                 "mode compares ranks only inside each replica group, so it reports stragglers but cannot evict "
                 "one: unset scaling.evict_stragglers, or use fault_tolerance.mode=restart with scaling.min_workers"
             )
+        if self.train.rollback_after_spikes is not None:
+            self._check_rollback()
         if self.fault_tolerance.mode == "replica":
             self.replica_groups()
             check_quorum_outlasts_hangs(self.fault_tolerance, self.run.hang_timeout_s)
@@ -142,6 +144,20 @@ class MeshtrainConfig(Section):
             self.fault_tolerance, scaling.num_workers, shard * self.parallel.group_size, shard,
             scaling.min_workers not in (None, scaling.num_workers), self.train.batch_layout,
         )
+
+    def _check_rollback(self) -> None:
+        train = self.train
+        if not self.checkpoint.enabled:
+            raise ValueError(f"train.rollback_after_spikes={train.rollback_after_spikes} rolls back to a committed "
+                             "checkpoint; set checkpoint.enabled=true, or unset train.rollback_after_spikes")
+        if self.fault_tolerance.mode == "replica":
+            raise ValueError("train.rollback_after_spikes works in fault_tolerance.mode=restart; replica groups do not "
+                             "roll back yet: unset it, or use fault_tolerance.mode=restart")
+        if train.rollback_after_spikes > train.rollback_window:  # type: ignore[operator]
+            raise ValueError(
+                f"train.rollback_after_spikes={train.rollback_after_spikes} skipped steps cannot happen within "
+                f"train.rollback_window={train.rollback_window} steps; raise the window or lower the count"
+            )
 
     def _check_metrics_ports(self) -> None:
         """Each worker serves /metrics on metrics.port + its local rank: the highest must be a port."""

@@ -117,7 +117,30 @@ class TrainConfig(Section):
         description="Also skip a step whose loss exceeds this many times the median of the last "
         "train.loss_spike_window accepted losses; unset = no spike rule.",
     )
-    loss_spike_window: int = Field(50, ge=3, description="Accepted steps the loss-spike median is taken over.")
+    loss_spike_window: int = Field(
+        50, ge=3, description="Accepted steps the loss-spike (and gradient-norm spike) median is taken over."
+    )
+    grad_norm_spike_factor: float | None = Field(
+        None,
+        gt=1,
+        description="Also skip a step whose gradient norm (before clipping) exceeds this many times the median of the "
+        "last train.loss_spike_window accepted steps' norms; unset = no gradient-norm rule.",
+    )
+    rollback_after_spikes: int | None = Field(
+        None,
+        gt=0,
+        description="Roll back when this many steps within train.rollback_window were skipped (spiking or non-finite): "
+        "reload the newest committed checkpoint before the first of them, leave out the samples of the steps from "
+        "that one (less train.rollback_skip_before) to the last trained, and go on; unset = skip steps only. Read "
+        "where the guard is read (logged and checkpoint steps). Needs checkpoint.enabled.",
+    )
+    rollback_window: int = Field(20, gt=0, description="Steps over which train.rollback_after_spikes counts skipped steps.")
+    rollback_skip_before: int = Field(
+        0, ge=0, description="Also leave out the samples of this many steps before the first skipped step of a rollback."
+    )
+    max_rollbacks: int = Field(
+        3, ge=0, description="Stop the run (one line) when spikes call for a rollback after this many in the run."
+    )
     tf32: bool | None = Field(
         None,
         description="fp32 matrix multiplies on CUDA in TF32 (torch.set_float32_matmul_precision('high')); "

@@ -17,7 +17,8 @@ from typing import Any
 from meshtrain.config import ConfigError, DataConfig, SourceConfig, redact_url, source_labels
 from meshtrain.data.prepare import prepare_store, store_key
 from meshtrain.data.sampling import MixtureSamples, PackedSequences, Samples, window_count
-from meshtrain.data.stages import DataStage, StagedSamples
+from meshtrain.data.skips import SkipRange
+from meshtrain.data.stages import DataStage, StagedSamples, unstaged
 from meshtrain.data.schemes import SAMPLING_SCHEME
 from meshtrain.data.splits import WholeStream, validation_split
 from meshtrain.data.validation import ValidationPart, ValidationSet
@@ -225,9 +226,10 @@ class TrainingData:
     source_names: tuple[str, ...] = ()  # the training sources' labels, in the mixture's order
 
 
-def open_data(plan: DataPlan, seq_len: int, seed: int, stages: Sequence[DataStage] = ()) -> TrainingData:
-    """Map every store and build this run's training samples (stage by stage with ``stages``) and
-    validation set."""
+def open_data(plan: DataPlan, seq_len: int, seed: int, stages: Sequence[DataStage] = (),
+              skips: Sequence[SkipRange] = (), may_skip: bool = False) -> TrainingData:
+    """Map every store and build this run's training samples (stage by stage with ``stages``, leaving out
+    ``skips``, and able to leave out more while training with ``may_skip``) and validation set."""
     stores = [TokenStore(ref.url, plan.storage_options, reading=plan.reading) for ref in plan.stores]
     for store, ref in zip(stores, plan.stores):
         if store.fingerprint != ref.fingerprint:
@@ -247,8 +249,8 @@ def open_data(plan: DataPlan, seq_len: int, seed: int, stages: Sequence[DataStag
         if split is not None:
             held_out.append(ValidationPart(ref.name, sequences, split, plan.eos_id))
     train: Samples
-    if stages:
-        train = StagedSamples(components, stages, seed)
+    if stages or skips or may_skip:
+        train = StagedSamples(components, stages or unstaged([ref.weight for ref in plan.stores]), seed, skips=skips)
     elif len(components) == 1:
         train = components[0]
     else:

@@ -8,7 +8,12 @@ a source is drawn twice, or skipped, across a boundary. Which sample a global po
 the position alone (and on the stages that began before it), so a run resumes exactly at any step, the
 boundary itself included, and on any number of data-parallel ranks, from the one integer it always kept.
 
-With one stage whose weights are the sources' own, the order is the plain mixture's.
+With one stage whose weights are the sources' own, the order is the plain mixture's, and a run without
+data.stages that leaves samples out (``data.skip_samples``, rollbacks) reads through one such unnamed stage.
+
+Samples left out (:class:`~meshtrain.data.skips.SkipRange`) are ranges of a stage's own sequence: a
+position of the stage reads the next sample of its sequence that is not left out, and the sources of the
+next stage continue after everything the stage's sequence reached, left-out samples included.
 """
 
 from __future__ import annotations
@@ -20,14 +25,16 @@ from typing import Any
 
 from meshtrain.config import DataConfig
 from meshtrain.data.sampling import MIXTURE_BLOCK, MixtureSamples, Samples, WindowRef
+from meshtrain.data.skips import SkipMap, SkipRange
 
 
 @dataclass(frozen=True)
 class DataStage:
-    """One stage as the samples see it: its label, its first global sample, and a weight per source (in
-    the order of the run's sources; 0 where the source is not drawn)."""
+    """One stage as the samples see it: its label (None: the one stage of a run without data.stages), its
+    first global sample, and a weight per source (in the order of the run's sources; 0 where the source
+    is not drawn)."""
 
-    name: str
+    name: str | None
     first_sample: int
     weights: tuple[float, ...]
 
@@ -47,11 +54,16 @@ def data_stages(data: DataConfig, global_batch_size: int) -> tuple[DataStage, ..
     return tuple(resolved)
 
 
+def unstaged(weights: Sequence[float]) -> tuple[DataStage, ...]:
+    """The one unnamed stage of a run without data.stages, drawing in the sources' own weights."""
+    return (DataStage(None, 0, tuple(float(weight) for weight in weights)),)
+
+
 class StagedSamples:
     """Global samples drawn stage by stage; each stage a mixture of its own over the same sources."""
 
     def __init__(self, components: Sequence[Samples], stages: Sequence[DataStage], seed: int,
-                 block: int = MIXTURE_BLOCK) -> None:
+                 block: int = MIXTURE_BLOCK, skips: Sequence[SkipRange] = ()) -> None:
         if not stages or stages[0].first_sample != 0:
             raise ValueError("the first stage starts at sample 0")
         if any(b.first_sample <= a.first_sample for a, b in zip(stages, stages[1:])):
@@ -61,23 +73,51 @@ class StagedSamples:
         # Stage 0 keeps the plain mixture's shuffle, so one stage is the mixture of old.
         self.mixtures = [MixtureSamples(self.components, stage.weights, seed, block, salt=() if k == 0 else (k,))
                          for k, stage in enumerate(self.stages)]
+        self.skip(skips)
+
+    def skip(self, skips: Sequence[SkipRange]) -> None:
+        """Leave out ``skips`` (every range the run leaves out, not only new ones) from now on."""
+        names = [stage.name for stage in self.stages]
+        unknown = sorted({str(skip.stage) for skip in skips if skip.stage not in names})
+        if unknown:
+            raise ValueError(f"skipped ranges name stages this run does not have: {', '.join(unknown)}")
+        self.skips = tuple(skips)
+        self.maps = [SkipMap([(s.start, s.stop) for s in skips if s.stage == stage.name]) for stage in self.stages]
         # Each source's samples drawn by the stages before stage k: where its index continues in stage k.
         self.offsets = [[0] * len(self.components)]
         for k in range(1, len(self.stages)):
-            drawn = self.mixtures[k - 1].source_counts(0, self.firsts[k] - self.firsts[k - 1])
+            reach = self.maps[k - 1].extent(self.firsts[k] - self.firsts[k - 1])
+            drawn = self.mixtures[k - 1].source_counts(0, reach)
             self.offsets.append([before + now for before, now in zip(self.offsets[-1], drawn)])
 
     def stage_of(self, global_index: int) -> int:
         return bisect.bisect_right(self.firsts, global_index) - 1
 
-    def stage_name(self, global_index: int) -> str:
+    def stage_name(self, global_index: int) -> str | None:
         return self.stages[self.stage_of(max(global_index, 0))].name
+
+    def sequence_index(self, global_index: int) -> tuple[int, int]:
+        """(stage, index in that stage's own sequence) of a global sample."""
+        k = self.stage_of(global_index)
+        return k, self.maps[k].index(global_index - self.firsts[k])
+
+    def skip_ranges(self, start: int, stop: int) -> list[SkipRange]:
+        """The ranges of the stages' sequences that the global samples ``[start, stop)`` read (with the
+        ranges already left out between them, so the result joins up with them)."""
+        ranges = []
+        for k, first in enumerate(self.firsts):
+            end = self.firsts[k + 1] if k + 1 < len(self.firsts) else None
+            low, high = max(start, first), stop if end is None else min(stop, end)
+            if low < high:
+                ranges.append(SkipRange(self.stages[k].name, self.maps[k].index(low - first),
+                                        self.maps[k].extent(high - first)))
+        return ranges
 
     def source_of(self, global_index: int) -> tuple[int, int]:
         """(source, that source's own sample index) of a global sample."""
-        k = self.stage_of(global_index)
-        source, index = self.mixtures[k].source_of(global_index - self.firsts[k])
-        return source, self.offsets[k][source] + index
+        k, index = self.sequence_index(global_index)
+        source, own = self.mixtures[k].source_of(index)
+        return source, self.offsets[k][source] + own
 
     def locate(self, global_index: int) -> WindowRef:
         source, index = self.source_of(global_index)
@@ -93,16 +133,36 @@ class StagedSamples:
             end = self.firsts[k + 1] if k + 1 < len(self.firsts) else None
             low, high = max(start, first), stop if end is None else min(stop, end)
             if low < high:
-                counts = [a + b for a, b in zip(counts, mixture.source_counts(low - first, high - first))]
+                counts = [a + b for a, b in zip(counts, self._trained(k, low - first, high - first))]
         return counts
+
+    def _trained(self, k: int, start: int, stop: int) -> list[int]:
+        """Samples each source gives positions ``[start, stop)`` of stage ``k`` (the left-out ones not)."""
+        low, high = self.maps[k].index(start), self.maps[k].extent(stop)
+        counts = self.mixtures[k].source_counts(low, high)
+        for a, b in self.maps[k].inside(low, high):
+            counts = [n - m for n, m in zip(counts, self.mixtures[k].source_counts(a, b))]
+        return counts
+
+    def skipped_counts(self, skip: SkipRange) -> list[int]:
+        """Samples each source has in a left-out range."""
+        k = next(k for k, stage in enumerate(self.stages) if stage.name == skip.stage)
+        return self.mixtures[k].source_counts(skip.start, skip.stop)
 
     def counters(self, position: int, labels: Sequence[str]) -> dict[str, dict[str, int]]:
         """Samples each source gave each stage that began before ``position`` (the samples trained so far)."""
         drawn: dict[str, dict[str, int]] = {}
-        for k, (stage, mixture) in enumerate(zip(self.stages, self.mixtures)):
+        for k, stage in enumerate(self.stages):
             if stage.first_sample >= position:
                 break
             end = min(position, self.firsts[k + 1]) if k + 1 < len(self.firsts) else position
-            counts = mixture.source_counts(0, end - stage.first_sample)
-            drawn[stage.name] = {label: count for label, count in zip(labels, counts) if count}
+            counts = self._trained(k, 0, end - stage.first_sample)
+            drawn[stage.name or ""] = {label: count for label, count in zip(labels, counts) if count}
         return drawn
+
+
+def left_out_now(samples: object) -> tuple[tuple[SkipRange, ...], list[tuple[str | None, int]]]:
+    """What a run's training samples leave out, and its stages' names and first samples."""
+    if isinstance(samples, StagedSamples):
+        return samples.skips, [(stage.name, stage.first_sample) for stage in samples.stages]
+    return (), [(None, 0)]

@@ -9,7 +9,8 @@ productive. Time no interval covers is start-up (before the first), restarts (be
 failure's detection, Ray's restart, the model build and checkpoint load, and the unlogged steps the
 failed group had trained) and finishing (after the last: the final save, the workers' exit). When a
 later record covers steps an earlier one covered (a restart resumed from a checkpoint behind them),
-the earlier interval's share of those steps is redone work.
+the earlier interval's share of those steps is redone work; after a rollback (a ``rollback`` record),
+those steps and the reload are the rollback's.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TypedDict
 
-from meshtrain.observe.run_folder import CheckpointSaveRecord, EvalRecord, TrainRecord
+from meshtrain.observe.run_folder import CheckpointSaveRecord, EvalRecord, RollbackRecord, TrainRecord
 
 # Lost time inside a train record's interval, by cause.
 IN_STEP_CAUSES = ("data_wait", "replica_waits", "evaluation", "checkpoints")
-CAUSES = ("start_up", "restarts", "redone", *IN_STEP_CAUSES, "finishing", "other")
+CAUSES = ("start_up", "restarts", "redone", "rollbacks", *IN_STEP_CAUSES, "finishing", "other")
 
 
 class GoodputReport(TypedDict):
@@ -65,6 +66,8 @@ class GoodputLedger:
         self._first_start: float | None = None
         self._last_end: float | None = None
         self._covered = 0.0
+        self._reloads = 0.0  # rollbacks' reload seconds: between intervals, not a restart's
+        self._redone_cause = "redone"  # what the next record's superseded steps are lost to
 
     def add(self, record: object) -> None:
         """One record of ``metrics.jsonl`` (a kind the account does not use is passed over)."""
@@ -74,6 +77,10 @@ class GoodputLedger:
             self._pending["checkpoints"] += record.blocking_s
         elif isinstance(record, TrainRecord):
             self._add_train(record)
+            self._redone_cause = "redone"
+        elif isinstance(record, RollbackRecord):
+            self._reloads += record.seconds
+            self._redone_cause = "rollbacks"
 
     def _add_train(self, record: TrainRecord) -> None:
         steps = record.interval_steps
@@ -109,7 +116,7 @@ class GoodputLedger:
                 continue
             share = again / earlier.steps
             self._count(earlier, -share)
-            self._lost["redone"] += share * earlier.seconds
+            self._lost[self._redone_cause] += share * earlier.seconds
             earlier.kept_steps -= again
 
     def _count(self, interval: _Interval, share: float) -> None:
@@ -123,7 +130,9 @@ class GoodputLedger:
         lost = dict(self._lost)
         if self._first_start is not None and self._last_end is not None:
             lost["start_up"] = max(0.0, self._first_start - self.started)
-            lost["restarts"] = max(0.0, (self._last_end - self._first_start) - self._covered)
+            gaps = max(0.0, (self._last_end - self._first_start) - self._covered)
+            lost["rollbacks"] += min(self._reloads, gaps)
+            lost["restarts"] = gaps - min(self._reloads, gaps)
             lost["finishing"] = max(0.0, ended - self._last_end)
         else:
             lost["start_up"] = wall

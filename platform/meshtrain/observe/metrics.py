@@ -39,6 +39,7 @@ from meshtrain.observe.run_folder import (
     DownstreamEvalRecord,
     EvalRecord,
     MixtureRecord,
+    RollbackRecord,
     TrainRecord,
 )
 
@@ -279,6 +280,12 @@ class TrainingMetrics(_Exporter):
             "meshtrain_skipped_steps", "Optimizer steps the guard skipped (non-finite or spiking loss or gradient norm)."
         )
         self._skipped_seen = 0
+        self.rollbacks = counter(
+            "meshtrain_rollbacks", "Rollbacks after repeated spikes: back to a checkpoint, leaving out the samples behind them."
+        )
+        self.left_out_samples = counter(
+            "meshtrain_left_out_samples", "Samples rollbacks left out of training (their steps read the samples after them)."
+        )
         self.restarts = gauge("meshtrain_run_restarts", "Times Ray restarted this run's worker group in the current job.")
         self.replicas_live = gauge(
             "meshtrain_replicas_live",
@@ -382,6 +389,10 @@ class TrainingMetrics(_Exporter):
                 self._stages_seen.append(record.stage)
             for stage in self._stages_seen:
                 self.stage.labels(**self._label_values, stage=stage).set(1 if stage == record.stage else 0)
+
+    def rollback(self, record: RollbackRecord) -> None:
+        self.rollbacks.inc()
+        self.left_out_samples.inc(sum(entry["stop"] - entry["start"] for entry in record.left_out))
 
     def replicas(self, live: int, heal_s: float | None, heal_bytes: int | None) -> None:
         self.replicas_live.set(live)

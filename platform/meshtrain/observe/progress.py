@@ -26,6 +26,7 @@ from meshtrain.observe.run_folder import (
     ReplicaLostRecord,
     ResizeRecord,
     ResizeSaveRecord,
+    RollbackRecord,
     StoppedRecord,
     StragglerRecord,
     TextSamplesRecord,
@@ -88,6 +89,12 @@ def progress_line(record: ReadRecord, total_steps: int) -> str:
             return (f"[meshtrain] replica group {record.replica} joined at step {record.step} with replica group "
                     f"{record.source}'s state ({record.bytes / 2**20:,.1f} MiB in {record.seconds:.1f}s); "
                     f"{record.participants} replica groups train")
+        case RollbackRecord():
+            ranges = ", ".join(f"[{r['start']}, {r['stop']})" + (f" of stage {r['stage']}" if r["stage"] else "")
+                               for r in record.left_out)
+            return (f"[meshtrain] steps {', '.join(map(str, record.skipped_steps))} spiked: rolled back from step "
+                    f"{record.step} to the checkpoint of step {record.to_step} in {record.seconds:.1f}s, leaving out "
+                    f"samples {ranges}")
         case WarningRecord():
             return f"[meshtrain] warning: {record.message}"
         case DownstreamEvalRecord():

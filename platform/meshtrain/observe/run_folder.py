@@ -44,12 +44,12 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple, TypedDict, TypeVar, cast, overload
 
-from meshtrain.config import RunConfig
+from meshtrain.config import ConfigError, RunConfig, one_line
 from meshtrain.data.local_files import write_atomically
 
 if TYPE_CHECKING:  # goodput reads the records defined here
@@ -398,11 +398,22 @@ class MixtureRecord(Record):
     stage: str | None = None  # data.stages: the stage of the last of them (whose weights the shares aim at)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RollbackRecord(Record):
+    event: ClassVar[str] = "rollback"
+    step: int  # the step whose guard reading called for it
+    to_step: int  # the checkpoint the run went back to
+    skipped_steps: list[int]  # the steps skipped within train.rollback_window
+    left_out: list[dict[str, Any]]  # the samples left out from now on: LeftOutSamples' keys
+    seconds: float  # the reload: waiting for the save in flight, loading the checkpoint, re-reading data
+    time: float
+
+
 MetricsRecord = (
     TrainRecord | EvalRecord | CheckpointSaveRecord | CheckpointLoadRecord | CheckpointSkippedRecord | StoppedRecord
     | WarningRecord | PreemptedRecord | InterruptedRecord | ResizeRecord | ResizeSaveRecord | StragglerRecord
     | EvictionRecord | ProfileRecord | MemorySnapshotRecord | DownstreamEvalRecord | DownstreamEvalFailedRecord
-    | TextSamplesRecord | GroupStartRecord | ReplicaJoinedRecord | ReplicaLostRecord | MixtureRecord
+    | TextSamplesRecord | GroupStartRecord | ReplicaJoinedRecord | ReplicaLostRecord | MixtureRecord | RollbackRecord
 )
 
 
@@ -457,6 +468,8 @@ RECORD_KINDS: dict[str, RecordKind] = _registry(
                "trained with fewer live replica groups than the one before"),
     RecordKind(MixtureRecord, "rank 0", "a logged step of a data mixture: each source's share of the samples "
                "trained since the previous one"),
+    RecordKind(RollbackRecord, "rank 0", "repeated spikes rolled the run back to a checkpoint: the steps skipped, "
+               "the samples left out from now on"),
 )
 
 
@@ -545,6 +558,11 @@ class RunPaths:
     @property
     def worker_starts(self) -> Path:
         return self.run_dir / "worker_starts.jsonl"
+
+    @property
+    def left_out(self) -> Path:
+        """The samples rollbacks left out (:class:`LeftOutSamples`), honoured by every later start."""
+        return self.run_dir / "left_out_samples.json"
 
     @property
     def stop_request(self) -> Path:
@@ -652,6 +670,50 @@ class RecordFollower:
         return _parsed(lines, self.kinds)
 
 
+# --- left_out_samples.json ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LeftOutSamples(JsonObject):
+    """Samples a rollback left out: ``[start, stop)`` of stage ``stage``'s own sequence (None: a run
+    without data.stages), with the source counts among them."""
+
+    stage: str | None
+    start: int
+    stop: int
+    rollback: int  # which of the run's rollbacks left it out (1, 2, ...)
+    step: int  # the step whose reading called for the rollback
+    rolled_back_to: int
+    sources: dict[str, int]  # the samples of each source among them
+
+
+def read_left_out(path: Path) -> list[LeftOutSamples]:
+    """The ranges rollbacks left out ([] before the first); a damaged file is one line (ConfigError)."""
+    try:
+        document = json.loads(path.read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        document = exc
+    entries: list[LeftOutSamples] = []
+    for item in document if isinstance(document, list) else [None]:
+        entry = _codec(LeftOutSamples).decode(item) if isinstance(item, dict) else None
+        if not (entry is not None and type(entry.start) is int and type(entry.stop) is int
+                and 0 <= entry.start < entry.stop and (entry.stage is None or isinstance(entry.stage, str))):
+            shown = one_line(document, 120) if isinstance(document, Exception) else "an entry is not a left-out range"
+            raise ConfigError(
+                f"{path} is damaged ({shown}); restore it from the rollback records in metrics.jsonl (their left_out "
+                "lists), or list the ranges in data.skip_samples and delete the file"
+            )
+        entries.append(entry)
+    return entries
+
+
+def write_left_out(path: Path, entries: Iterable[LeftOutSamples]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, json.dumps([entry.to_json() for entry in entries], indent=1) + "\n")
+
+
 # --- result.json and summary.json ----------------------------------------------------------------
 
 
@@ -739,6 +801,7 @@ class Summary(TypedDict, total=False):
     goodput: GoodputReport  # the driver's, from this launch's records (meshtrain.observe.goodput)
     replica_groups: int  # fault_tolerance.mode=replica (the driver's): mesh_shape and world_size are one group's
     downstream: dict[str, Any]  # the newest downstream_eval record per task
+    left_out_samples: list[dict[str, Any]]  # the driver's: data.skip_samples and the rollbacks' ranges
 
 
 def write_summary(
@@ -748,6 +811,7 @@ def write_summary(
     goodput: GoodputReport,
     replica_groups: int | None = None,
     downstream: Mapping[str, DownstreamEvalRecord] | None = None,
+    left_out: Sequence[Mapping[str, Any]] = (),
 ) -> Summary:
     """The driver's ``summary.json``: rank 0's result and the driver's keys (``replica_groups`` and
     ``downstream`` when given); returns it."""
@@ -757,6 +821,8 @@ def write_summary(
         summary["replica_groups"] = replica_groups
     if downstream is not None:
         summary["downstream"] = {task: record.to_json() for task, record in downstream.items()}
+    if left_out:
+        summary["left_out_samples"] = [dict(entry) for entry in left_out]
     write_atomically(paths.summary, json.dumps(summary, indent=2) + "\n")
     return summary
 

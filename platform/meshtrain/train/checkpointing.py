@@ -62,11 +62,12 @@ class Checkpointing(LoopPart):
         outputs: LoopOutputs,
         faults: FaultInjection,
         beat: Callable[[str], None],
-        data_counters: Callable[[int], dict[str, Any]] | None = None,
+        manifest_extra: Callable[[int], dict[str, Any]] | None = None,
     ) -> None:
-        """``data_counters``: what the manifest of a save at a data position adds (data.stages' samples)."""
+        """``manifest_extra``: what the manifest of a save at a data position adds (data.stages' samples, the
+        samples left out, the spike rules' windows)."""
         self.manager, self.state, self.progress, self.manifest = manager, state, progress, manifest
-        self.data_counters = data_counters
+        self.manifest_extra = manifest_extra
         self.last_step, self.bad_steps, self.outputs, self.faults, self.beat = last_step, bad_steps, outputs, faults, beat
         self.saved_step: int | None = None  # the newest step this worker group saved
         self.writer = True  # fault_tolerance.mode=replica: only the first live replica group saves
@@ -82,8 +83,9 @@ class Checkpointing(LoopPart):
         bad_in_a_row = self.bad_steps.check(step)
         if bad_in_a_row is None:
             return False
-        if bad_in_a_row:
-            self.outputs.emit(CheckpointSkippedRecord(step=step, reason="the step was skipped by the guard"))
+        if bad_in_a_row or self.bad_steps.rollback is not None:
+            reason = "a rollback is due" if not bad_in_a_row else "the step was skipped by the guard"
+            self.outputs.emit(CheckpointSkippedRecord(step=step, reason=reason))
             return True
         if not self.writer:
             return True
@@ -97,7 +99,7 @@ class Checkpointing(LoopPart):
         return True
 
     def _manifest(self) -> dict[str, Any]:
-        extra = self.data_counters(self.progress.data_position) if self.data_counters is not None else {}
+        extra = self.manifest_extra(self.progress.data_position) if self.manifest_extra is not None else {}
         return {**self.manifest, **vars(self.progress), **extra}
 
     def save_now(self, step: int) -> bool:
@@ -115,6 +117,9 @@ class Checkpointing(LoopPart):
         self.manager.save(self.state, self._manifest(), wait=True)
         self.saved_step = step
         return True
+
+    def rewound(self, step: int) -> None:
+        self.saved_step = None  # the newer saves were set aside: the steps after ``step`` are saved again
 
     def at_end(self, step: int) -> None:
         """Wait for the save in flight to commit."""

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from meshtrain.checkpoint.state import TrainState
 from meshtrain.train.guard import StepGuard
 
-_GUARD_TENSORS = ("bad_in_a_row", "longest_streak", "skipped", "history")
+_GUARD_TENSORS = ("bad_in_a_row", "longest_streak", "skipped", "history", "norms", "last_step", "recent")
 
 
 class HealingState:

@@ -57,6 +57,9 @@ class LoopPart:
         """After the step was applied; False ends the loop (the parts after this one do not see the step)."""
         return True
 
+    def rewound(self, step: int) -> None:
+        """The run went back to the checkpoint of ``step`` (a rollback) and trains on from there."""
+
     def at_end(self, step: int) -> None:
         """The loop ended without an error at ``step``."""
 
@@ -78,6 +81,7 @@ class LoopParts:
         self._around = [p for p in self.parts if _overrides(p, "around_step")]
         self._abandoned = [p for p in self.parts if _overrides(p, "step_abandoned")]
         self._after = [p for p in self.parts if _overrides(p, "after_step")]
+        self._rewound = [p for p in self.parts if _overrides(p, "rewound")]
         self._end = [p for p in self.parts if _overrides(p, "at_end")]
 
     def at_start(self) -> None:
@@ -103,6 +107,10 @@ class LoopParts:
 
     def after_step(self, done: StepDone) -> bool:
         return all(part.after_step(done) for part in self._after)
+
+    def rewound(self, step: int) -> None:
+        for part in self._rewound:
+            part.rewound(step)
 
     def at_end(self, step: int) -> None:
         for part in self._end:

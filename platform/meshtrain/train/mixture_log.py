@@ -22,6 +22,9 @@ class MixtureLog(LoopPart):
     def at_start(self) -> None:
         self._since = self.progress.data_position
 
+    def rewound(self, step: int) -> None:
+        self._since = self.progress.data_position
+
     def after_step(self, done: StepDone) -> bool:
         if not done.logged:
             return True

@@ -2,7 +2,7 @@
 
 Before a step: the watchdog's beat, the replica quorum, the profiler, the notice vote, faults, the
 garbage collector; around it, the out-of-memory snapshot; after it: checkpoints, the step's metrics,
-evaluation, the step log, the mixture, stragglers, and the notices acted on. A new behaviour of the
+evaluation, the step log, the mixture, a rollback the spikes call for, stragglers, and the notices acted on. A new behaviour of the
 loop is a module with one :class:`~meshtrain.train.loop.LoopPart` and a line here.
 """
 
@@ -32,6 +32,7 @@ from meshtrain.train.preemption import NoticeHandling, Notices, PreemptionNotice
 from meshtrain.train.profiling import StepProfiler
 from meshtrain.train.records import StepMetrics
 from meshtrain.train.replica_steps import ReplicaSteps
+from meshtrain.train.rollback import SpikeRollback
 from meshtrain.train.step_log import StepLog
 from meshtrain.train.stragglers import ComputeTimer, StragglerWatch
 from meshtrain.train.watchdog import HangWatchdog, Heartbeat
@@ -48,6 +49,20 @@ def memory_snapshots(memory: MemoryConfig, trainer: Trainer, run_dir: Path,
     allocations too."""
     return OutOfMemorySnapshots(cuda_allocator(trainer.rank.device), run_dir / "memory", trainer.rank.worker.world_rank,
                                 memory.history_entries, planned_bytes, trainer.outputs)
+
+
+def manifest_extra(trainer: Trainer, data: TrainingData, staged: StagedSamples | None, position: int) -> dict[str, Any]:
+    """What a checkpoint's manifest keeps beside the trainer's: each stage's samples per source, the samples
+    left out, and the spike rules' windows (read at a checkpoint step, where the loop syncs anyway)."""
+    extra: dict[str, Any] = {}
+    if staged is not None:
+        extra["data_samples"] = staged.counters(position, data.source_names)
+    if isinstance(data.train, StagedSamples):
+        extra["left_out"] = [skip.to_json() for skip in data.train.skips]
+    rules = trainer.guard.rules
+    if rules.loss_factor is not None or rules.grad_norm_factor is not None:
+        extra["spike_history"] = trainer.guard.history_state()
+    return extra
 
 
 def loop_parts(
@@ -67,18 +82,17 @@ def loop_parts(
     heartbeat = Heartbeat()
     fault_rank = layout.rank if replica is None else replica.index * layout.world_size + layout.rank
     faults = FaultInjection(plan.fault, fault_rank, run_dir / "faults", rank.worker.node, trainer.model)
-    staged = data.train if isinstance(data.train, StagedSamples) else None
+    staged = data.train if isinstance(data.train, StagedSamples) and plan.data_stages else None
     checkpointing = Checkpointing(
         checkpoints, trainer.state, progress, manifest, plan.train.steps, trainer.bad_steps, outputs, faults, heartbeat.beat,
-        data_counters=(lambda position: {"data_samples": staged.counters(position, data.source_names)})
-        if staged is not None else None,
+        manifest_extra=lambda position: manifest_extra(trainer, data, staged, position),
     )
     evaluation = Evaluation(trainer.model, data.validation, plan.eval.interval, plan.eval.batches,
                             plan.train.global_batch_size, trainer.batches.micro_batch_size, layout, rank.device, outputs, heartbeat.beat,
                             result)
     log = StepLog(plan.train.global_batch_size, layout.world_size, progress, trainer.bad_steps, outputs, result.records,
                   (trainer.attention_work, trainer.model.args), replicas=replica is not None,
-                  stage_of=data.train.stage_name if isinstance(data.train, StagedSamples) else None)
+                  stage_of=staged.stage_name if staged is not None else None)
     metrics = outputs.metrics
     stragglers = StragglerWatch(
         ComputeTimer(trainer.model.layers, rank.device), plan.metrics.straggler_factor, plan.metrics.straggler_patience,
@@ -88,7 +102,7 @@ def loop_parts(
     profiler = StepProfiler.of(plan.profile, run_dir / "profile", layout.rank, plan.train.steps, list(trainer.model.layers),
                                plan.parallel.compile, rank.device, outputs.emit)
     mixture = (MixtureLog(data.train, list(data.source_names), progress, outputs)
-               if isinstance(data.train, (MixtureSamples, StagedSamples)) else None)
+               if isinstance(data.train, (MixtureSamples, StagedSamples)) and len(data.train.components) > 1 else None)
     replicas: ReplicaSteps | None = None
     if replica is not None:
         healing = HealingState(trainer.state, trainer.guard)
@@ -117,11 +131,19 @@ def loop_parts(
             report=HangReport.of(run_dir / "hangs", layout.rank, layout.world_size, timeout_s),
             on_fire=replicas.peers.close if replicas is not None else None,
         )
+    rollback = None
+    if trainer.bad_steps.rule is not None and checkpoints is not None and isinstance(data.train, StagedSamples):
+        rollback = SpikeRollback(checkpoints, trainer.state, progress, trainer.guard, trainer.bad_steps, data.train,
+                                 trainer.batches, list(data.source_names), plan.train.rollback_skip_before,
+                                 plan.paths.left_out, outputs, layout.rank)
     collection = ScheduledCollection(plan.train.gc_every)
     if notices is not None:
         notices.listen(rank.stop_request)
     parts: list[LoopPart | None] = [
         heartbeat, replicas, profiler, checkpointing, StepMetrics(outputs, layout.world_size), evaluation, log, mixture,
-        stragglers, notices, faults, collection, trainer.memory,
+        rollback, stragglers, notices, faults, collection, trainer.memory,
     ]
-    return LoopParts([part for part in parts if part is not None])
+    loop = LoopParts([part for part in parts if part is not None])
+    if rollback is not None:
+        rollback.tell_parts = loop.rewound
+    return loop

@@ -16,6 +16,7 @@ from meshtrain.observe.run_folder import (
     Interrupted,
     MetricsRecord,
     MixtureRecord,
+    RollbackRecord,
     StragglerRecord,
     TrainRecord,
 )
@@ -106,6 +107,11 @@ class LoopOutputs:
         """fault_tolerance.mode=replica: the step's live replica groups, and this worker's healing time and bytes."""
         if self.metrics is not None:
             self.metrics.replicas(live, heal_s, heal_bytes)
+
+    def rollback(self, record: RollbackRecord) -> None:
+        if self.metrics is not None:
+            self.metrics.rollback(record)
+        self.emit(record)
 
     def skipped(self, skipped_total: int) -> None:
         if self.metrics is not None:

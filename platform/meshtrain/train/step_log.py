@@ -26,7 +26,7 @@ class StepLog(LoopPart):
         records: list[TrainRecord],
         attention: tuple[AttentionWork, ModelArgs] | None = None,
         replicas: bool = False,
-        stage_of: Callable[[int], str] | None = None,
+        stage_of: Callable[[int], str | None] | None = None,
     ) -> None:
         """``attention``: what the training steps count of the attention they compute, and the model's
         shape, for the record's FLOPs per token; None leaves them out. ``replicas``: replica mode, whose
@@ -41,6 +41,13 @@ class StepLog(LoopPart):
         self.interval_steps, self.interval_wait, self.interval_replica_wait = 0, 0.0, 0.0
         if self.attention is not None:
             self.attention[0].take()  # what forwards before the loop counted is not the first interval's
+
+    def rewound(self, step: int) -> None:
+        """A rollback: the next record's interval starts now (the reload is not step time)."""
+        self.interval_start = time.perf_counter()
+        self.interval_steps, self.interval_wait, self.interval_replica_wait = 0, 0.0, 0.0
+        if self.attention is not None:
+            self.attention[0].take()
 
     def _flops(self) -> tuple[float, float] | None:
         """The interval's training FLOPs per token (MFU's numerator per token): ``flops_per_token`` with

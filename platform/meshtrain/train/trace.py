@@ -25,7 +25,7 @@ import torch.distributed as dist
 from meshtrain.config import ConfigError, ModelArgs, OptimConfig, ParallelConfig, TrainConfig
 from meshtrain.distributed.layout import MeshPlan
 from meshtrain.distributed.parallelize import param_dtype
-from meshtrain.train.guard import StepGuard
+from meshtrain.train.guard import StepGuard, spike_rules
 from meshtrain.train.optim import build_optimizer
 from meshtrain.train.setup import fill_model, sharded_meta_model
 from meshtrain.train.step import train_step
@@ -95,7 +95,7 @@ def trace_step(args: ModelArgs, plan: MeshPlan, parallel: ParallelConfig, train:
             # torchao's float8 weights take the truth value of a precomputed scale when the tracker
             # counts their storage, which a fake tensor cannot give; the scales are a few bytes.
             optimizer = build_optimizer(model, optim, precompute_float8_scales=False)
-            guard = StepGuard(optimizer, cpu, train.loss_spike_factor, train.loss_spike_window)
+            guard = StepGuard(optimizer, cpu, spike_rules(train))
             micro_batches = []
             for _ in range(min(accumulation, _TRACED_MICRO_BATCHES)):
                 tokens = torch.randint(0, args.vocab_size, (micro, seq_len + 1))

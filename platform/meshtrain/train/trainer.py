@@ -17,16 +17,18 @@ import torch
 from meshtrain.checkpoint.state import Progress, TrainState
 from meshtrain.config import ConfigError
 from meshtrain.data import DataParallelBatches, DataPlan, TrainingData, checkpoint_sampling, open_data
+from meshtrain.data.skips import check_left_out, skips_of
+from meshtrain.data.stages import left_out_now
 from meshtrain.distributed.layout import RankLayout, WorkerLayout
 from meshtrain.distributed.plan import memory_plan
 from meshtrain.distributed.replicas import ReplicaPlacement
 from meshtrain.model.flops import AttentionWork
 from meshtrain.model.llama import count_parameters
 from meshtrain.observe.metrics import TrainingMetrics
-from meshtrain.observe.run_folder import MetricsRecord, StopRequest, StragglerRecord
+from meshtrain.observe.run_folder import MetricsRecord, LeftOutSamples, StopRequest, StragglerRecord, read_left_out
 from meshtrain.observe.reporting import RayTrainReporter
 from meshtrain.train.checkpointing import checkpoint_manager
-from meshtrain.train.guard import BadStepLimit, StepGuard
+from meshtrain.train.guard import BadStepLimit, RollbackRule, StepGuard, spike_rules
 from meshtrain.train.loop import StepDone, StepStart
 from meshtrain.train.optim import build_lr_scheduler, build_optimizer
 from meshtrain.train.parts import loop_parts, memory_snapshots
@@ -62,6 +64,21 @@ def check_sampling(manifest: dict[str, Any], reading: str, step: int) -> None:
         )
 
 
+def rollbacks_left_out(plan: WorkerPlan) -> list[LeftOutSamples]:
+    """The samples the run's rollbacks left out (none for a run without a name: a benchmark's, a test's)."""
+    return read_left_out(plan.paths.left_out) if plan.run.name is not None else []
+
+
+def open_training_data(plan: WorkerPlan) -> TrainingData:
+    """The run's data as this worker reads it: in its stages, leaving out data.skip_samples and what the run's
+    rollbacks left out (the run folder's left_out_samples.json, read at every start)."""
+    if not isinstance(plan.data, DataPlan):
+        return plan.data
+    skips = skips_of(plan.data_config.skip_samples, rollbacks_left_out(plan))
+    return open_data(plan.data, plan.data_config.seq_len, plan.train.seed, plan.data_stages, skips,
+                     may_skip=plan.train.rollback_after_spikes is not None)
+
+
 def train(
     plan: WorkerPlan,
     worker: WorkerLayout,
@@ -80,9 +97,7 @@ def train(
     logged steps to Ray Train; ``stop_request`` is where the driver asks the ranks to save and stop;
     ``replica`` (fault_tolerance.mode=replica) places this worker's group among the run's replica groups.
     """
-    data = plan.data
-    if isinstance(data, DataPlan):
-        data = open_data(data, plan.data_config.seq_len, plan.train.seed, plan.data_stages)
+    data = open_training_data(plan)
     outputs = LoopOutputs(on_record, metrics, reporter, on_straggler)
     trainer = Trainer(plan, data, RankContext(worker, device, outputs, replica, stop_request))
     try:
@@ -117,7 +132,7 @@ class Trainer:
         self.attention_work = AttentionWork()  # the (query, key) pairs the steps attend, for MFU
         self.optimizer = build_optimizer(self.model, plan.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, plan.optim, plan.horizon, plan.lr_decay_start)
-        self.guard = StepGuard(self.optimizer, device, train.loss_spike_factor, train.loss_spike_window)
+        self.guard = StepGuard(self.optimizer, device, spike_rules(train))
         self.progress = Progress()
         self.state = TrainState(self.model, self.optimizer, self.scheduler, self.progress, layout.rank)
         # A replica group that replaces a lost one receives its state from a live peer, not from storage.
@@ -127,6 +142,9 @@ class Trainer:
             restored = checkpoints.restore(self.state, at_most=replica.resume_step if replica is not None else None)
             if restored is not None:
                 check_sampling(restored.manifest, data.sampling, restored.step)
+                check_left_out(restored.manifest, *left_out_now(data.train), restored.step)
+                self.guard.load_history(restored.manifest.get("spike_history"))
+        self.guard.restart(self.progress.step)
         self.guard.skipped_before = self.progress.skipped_steps
         micro_batch, _ = train.batch_layout(layout.data_ranks)
         self.batches = DataParallelBatches(
@@ -147,7 +165,12 @@ class Trainer:
         }
         if plan.data_stages:
             manifest["data_stages"] = [stage.to_json() for stage in plan.data_stages]
-        self.bad_steps = BadStepLimit(self.guard, train.max_bad_steps, self.progress, self.outputs)
+        rollback = None
+        if train.rollback_after_spikes is not None:
+            done = max((entry.rollback for entry in rollbacks_left_out(plan)), default=0)
+            rollback = RollbackRule(train.rollback_after_spikes, train.rollback_window, train.rollback_skip_before,
+                                    train.max_rollbacks, done)
+        self.bad_steps = BadStepLimit(self.guard, train.max_bad_steps, self.progress, self.outputs, rollback)
         self.parts = loop_parts(plan, self, checkpoints, data, manifest, joining)
 
     def run(self) -> TrainResult:
