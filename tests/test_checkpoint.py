@@ -314,3 +314,62 @@ def test_data_stages_resume_at_their_boundary_as_if_never_stopped_and_a_begun_st
             relaunch(SOURCES, changed)
     with pytest.raises(ConfigError, match="were trained in data.stages and this config drops them"):
         relaunch(SOURCES)
+
+
+def test_a_run_started_from_another_runs_checkpoint_takes_its_weights_optimizer_and_learning_rate(
+    unbroken: dict, corpus: DataPlan, tmp_path: Path
+) -> None:
+    """An anneal from step 8 of the two-rank run, in one process: the weights and AdamW moments are the
+    checkpoint's, bitwise; its first step's learning rate is the one the source's cosine schedule gave
+    step 9; a linear decay to zero over its 5 steps ends at 0; its records, checkpoints and summary name
+    the source by run, step and fingerprint."""
+    from meshtrain.checkpoint.start_point import fingerprint
+    from meshtrain.cluster.start_point import resolve_start
+    from meshtrain.observe.run_folder import StartedFromRecord
+    from trainers import cpu_trainer
+
+    storage = unbroken["storage"]
+    (storage / "unbroken" / "tokenizer.json").write_text(corpus.tokenizer_json)  # as the launcher keeps it
+    source = ckpt_dir(storage, "unbroken", 8)
+    cfg = config(tmp_path, "anneal", 1, f"checkpoint.start_from={storage / 'unbroken'}", "checkpoint.start_from_optimizer=true",
+                 "optim.schedule=linear", "optim.warmup_steps=0", "optim.min_lr_ratio=0", "train.steps=5",
+                 "checkpoint.interval=5")
+    newest = ckpt_dir(storage, "unbroken", 12)
+    assert resolve_start(cfg)[1].step == 12  # a run folder names its newest checkpoint
+    cfg, start, tokenizer = resolve_start(cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(
+        update={"start_from": str(source)})}))
+    assert start is not None and tokenizer == corpus.tokenizer_json and newest.is_dir()
+    step9_lr = next(e.lr for e in unbroken["outcome"]["events"] if isinstance(e, TrainRecord) and e.step == 9)
+    assert start.lr == pytest.approx(step9_lr, rel=1e-9) and cfg.optim.lr == start.lr
+    assert start.fingerprint == fingerprint(CheckpointStorage(str(source)).read_marker(str(source)))
+
+    events: list[Record] = []
+    anneal = cpu_trainer(cfg, corpus, events.append, start_from=start)
+    try:
+        saved = consolidated(source, tmp_path)
+        ours = {name: param.detach() for name, param in anneal.model.named_parameters()}
+        assert all(torch.equal(ours[name], saved["model"][name]) for name in ours)
+        moments = {name: anneal.optimizer.state[param]["exp_avg"] for name, param in anneal.model.named_parameters()}
+        assert all(torch.equal(moments[name], saved["optimizer"][name]["exp_avg"]) for name in moments)
+        anneal.run()
+        assert anneal.scheduler.get_last_lr()[0] == 0.0
+    finally:
+        anneal.close()
+    trained = [e for e in events if isinstance(e, TrainRecord)]
+    assert trained[0].lr == pytest.approx(step9_lr, rel=1e-9) and trained[-1].lr == pytest.approx(step9_lr / 5)
+    started = [e for e in events if isinstance(e, StartedFromRecord)]
+    assert [(e.run, e.step, e.fingerprint) for e in started] == [("unbroken", 8, start.fingerprint)]
+    manifest = CheckpointStorage(str(ckpt_dir(tmp_path, "anneal", 5))).read_marker(str(ckpt_dir(tmp_path, "anneal", 5)))
+    assert manifest["started_from"] == start.to_json()
+
+    # Bad input is one line, before any worker: a path that holds no checkpoint, another model's shape.
+    from meshtrain.cluster.start_point import check_start_model
+    from meshtrain.config import ConfigError, ModelArgs
+
+    missing = config(tmp_path, "anneal2", 1, f"checkpoint.start_from={tmp_path / 'nothing'}")
+    with pytest.raises(ConfigError, match=r"^checkpoint.start_from: .*nothing") as refused:
+        resolve_start(missing)
+    assert "\n" not in str(refused.value)
+    wider = ModelArgs(**{**start.model_args, "dim": start.model_args["dim"] * 2})
+    with pytest.raises(ConfigError, match=r"^model: checkpoint.start_from .* another model shape: dim="):
+        check_start_model(wider, start)

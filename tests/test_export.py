@@ -465,11 +465,11 @@ def test_an_output_in_an_unwritable_place_is_refused_before_the_checkpoint_is_re
 def test_a_run_folder_exports_its_newest_step_as_generate_and_evaluate_read_it(
     runs: dict[str, Run], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from meshtrain.cli.common import checkpoint_to_read
+    from meshtrain.checkpoint.reading import checkpoint_in
 
     run = runs["untied-gqa"]
-    assert checkpoint_to_read(str(run.run_dir)) == str(run.step(4))
-    assert checkpoint_to_read(str(run.run_dir), average=2) == str(run.root)
+    assert checkpoint_in(str(run.run_dir)) == str(run.step(4))
+    assert checkpoint_in(str(run.run_dir), average=2) == str(run.root)
     code, lines = _export([str(run.run_dir), "--format", "torch", str(tmp_path / "model.pt")], capsys)
     assert code == 0 and lines == []
     assert torch.load(tmp_path / "model.pt", weights_only=True).keys() == load_model_state(str(run.step(4)))[0].keys()

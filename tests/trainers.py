@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from meshtrain.checkpoint.start_point import StartPoint
 from meshtrain.cluster.worker_plan import worker_plan
 from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataPlan
@@ -22,9 +23,10 @@ from meshtrain.train.trainer import RankContext, Trainer, open_training_data
 
 
 def cpu_trainer(cfg: MeshtrainConfig, corpus: DataPlan, on_record: Callable[[Any], None] | None = None,
-                metrics: TrainingMetrics | None = None, **context: Any) -> Trainer:
-    """``context``: the rest of :class:`RankContext` (``replica``, ``stop_request``)."""
-    plan = worker_plan(cfg, corpus)
+                metrics: TrainingMetrics | None = None, start_from: StartPoint | None = None, **context: Any) -> Trainer:
+    """``start_from``: checkpoint.start_from as the driver resolved it. ``context``: the rest of
+    :class:`RankContext` (``replica``, ``stop_request``)."""
+    plan = worker_plan(cfg, corpus, start_from=start_from)
     data = open_training_data(plan)
     rank = RankContext(WorkerLayout(), torch.device("cpu"), LoopOutputs(on_record, metrics), **context)
     return Trainer(plan, data, rank)

@@ -128,8 +128,9 @@ def _save_safetensors(target: Path, export: _Export) -> None:
         "step": str(export.source.manifest.get("step")),
         "model_args": json.dumps(args.model_dump()),
     }
-    if "averaged_steps" in export.source.manifest:
-        metadata["averaged_steps"] = json.dumps(export.source.manifest["averaged_steps"])
+    for key in ("averaged_steps", "started_from"):
+        if key in export.source.manifest:
+            metadata[key] = json.dumps(export.source.manifest[key])
     # safetensors refuses two names for one tensor: the tied alias is left out.
     state = {
         name: tensor
@@ -147,8 +148,10 @@ def _save_hf(target: Path, export: _Export) -> None:
         files, eos_id = tokenizer_files(export.tokenizer_json, args.max_seq_len)
         for name, text in files.items():
             (target / name).write_text(text, encoding="utf-8")
-    config = json.dumps(hf_config(args, eos_id, export.dtype), indent=2) + "\n"
-    (target / CONFIG_FILE).write_text(config, encoding="utf-8")
+    config = hf_config(args, eos_id, export.dtype)
+    if "started_from" in export.source.manifest:  # the lineage: transformers keeps unknown keys as they are
+        config["meshtrain_started_from"] = export.source.manifest["started_from"]
+    (target / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     _write_hf_weights(target, export)
 
 

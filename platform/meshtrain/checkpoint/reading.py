@@ -11,6 +11,7 @@ import json
 import sys
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -57,6 +58,26 @@ def resolve_checkpoint(path: str, storage_options: dict[str, Any] | None = None)
         )
     _read_committed(storage)  # raises the error that says what is wrong with ``path``
     return path
+
+
+def checkpoint_in(path: str, storage_options: dict[str, Any] | None = None, average: int | None = None) -> str:
+    """What export, evaluate and generate read for the ``path`` given: a committed step directory as it is; a
+    checkpoint root or a run folder, its newest committed step; with ``average``, the checkpoint root whose
+    newest steps are averaged."""
+    root = run_checkpoint_root(path, storage_options)
+    return root if average is not None else resolve_checkpoint(root, storage_options)
+
+
+def run_checkpoint_root(path: str, storage_options: dict[str, Any] | None) -> str:
+    """A run folder's checkpoint root (``{run}/checkpoints``), local or remote; any other path as it is."""
+    if "://" not in path:
+        return str(Path(path) / "checkpoints") if (Path(path) / "checkpoints").is_dir() else path
+    root = f"{path.rstrip('/')}/checkpoints"
+    try:
+        fs, fs_root = fsspec.core.url_to_fs(root, **(storage_options or {}))
+        return root if fs.isdir(fs_root) else path
+    except Exception:  # unreachable or refused: reading the checkpoint says why, in its own words
+        return path
 
 
 def newest_loadable(storage: CheckpointStorage, count: int = 1) -> list[CommittedCheckpoint]:

@@ -179,27 +179,3 @@ def check_writable_folder(folder: Path, option: str, fix: str = "give a writable
         raise ConfigError(
             f"{option} {folder}: cannot write in {existing} ({one_line(exc, limit=160)}); {fix}"
         ) from None
-
-
-def checkpoint_to_read(path: str, storage_options: dict[str, Any] | None = None, average: int | None = None) -> str:
-    """What export, evaluate and generate read for the ``path`` given: a committed step directory as it is; a
-    checkpoint root or a run folder, its newest committed step; with ``average``, the checkpoint root whose
-    newest steps are averaged."""
-    from meshtrain.checkpoint.reading import resolve_checkpoint
-
-    root = _run_checkpoint_root(path, storage_options)
-    return root if average is not None else resolve_checkpoint(root, storage_options)
-
-
-def _run_checkpoint_root(path: str, storage_options: dict[str, Any] | None) -> str:
-    """A run folder's checkpoint root (``{run}/checkpoints``), local or remote; any other path as it is."""
-    if "://" not in path:
-        return str(Path(path) / "checkpoints") if (Path(path) / "checkpoints").is_dir() else path
-    import fsspec
-
-    root = f"{path.rstrip('/')}/checkpoints"
-    try:
-        fs, fs_root = fsspec.core.url_to_fs(root, **(storage_options or {}))
-        return root if fs.isdir(fs_root) else path
-    except Exception:  # unreachable or refused: reading the checkpoint says why, in its own words
-        return path

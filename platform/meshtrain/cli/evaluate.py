@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from meshtrain.checkpoint.reading import checkpoint_in
 from meshtrain.cli.common import (
     OneLineParser,
     add_storage_options_argument,
     check_writable_folder,
-    checkpoint_to_read,
     fail,
     interrupted,
     refuse,
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             check_writable_folder(Path(args.out), "--out")
         if args.average is not None and not args.out:
             raise ConfigError("--average: the mean of several steps has no step's results folder; give --out")
-        checkpoint = checkpoint_to_read(args.checkpoint, options, args.average)
+        checkpoint = checkpoint_in(args.checkpoint, options, args.average)
         run_dir = default_run_dir(checkpoint) or Path.cwd()
         if not args.out:
             check_writable_folder(run_dir / DOWNSTREAM_DIR, "results folder", "give --out a writable folder")

@@ -18,11 +18,11 @@ import argparse
 import re
 from pathlib import Path
 
+from meshtrain.checkpoint.reading import checkpoint_in
 from meshtrain.cli.common import (
     OneLineParser,
     add_storage_options_argument,
     check_writable_folder,
-    checkpoint_to_read,
     fail,
     interrupted,
     refuse,
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         # Before the checkpoint is read (every byte of it, checked): the output must have somewhere to go.
         check_writable_folder(Path(args.out).expanduser().absolute().parent, "output", "give an output path in a "
                               "writable folder")
-        checkpoint = checkpoint_to_read(args.checkpoint, options, args.average)
+        checkpoint = checkpoint_in(args.checkpoint, options, args.average)
         result = export_checkpoint(
             checkpoint,
             args.format,

@@ -16,10 +16,10 @@ import argparse
 import math
 import time
 
+from meshtrain.checkpoint.reading import checkpoint_in
 from meshtrain.cli.common import (
     OneLineParser,
     add_storage_options_argument,
-    checkpoint_to_read,
     fail,
     interrupted,
     refuse,
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     from meshtrain.evaluate.hf_model import load_checkpoint_model
 
     try:
-        checkpoint = checkpoint_to_read(args.checkpoint, options)
+        checkpoint = checkpoint_in(args.checkpoint, options)
         loaded = load_checkpoint_model(checkpoint, options)
         started = time.perf_counter()
         results = continue_prompts(loaded, args.prompts, args.max_new_tokens, temperature=args.temperature,

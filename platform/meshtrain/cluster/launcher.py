@@ -37,7 +37,9 @@ from meshtrain.cluster.run_lease import RunLease
 from meshtrain.config import config_error_in, one_line, redact_url
 from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import prepare_data
+from meshtrain.cluster.start_point import check_start_model, resolve_start
 from meshtrain.data.skips import skips_of
+from meshtrain.model.args import model_args
 from meshtrain.data.stages import data_stages
 from meshtrain.data.local_files import write_atomically
 from meshtrain.observe.goodput import GoodputLedger
@@ -117,6 +119,7 @@ def launch(cfg: MeshtrainConfig) -> Summary:
 def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: float, started_at: float) -> Summary:
     check_fresh_start(cfg.checkpoint, cfg.run, paths)
     cached_tokenizer = read_run_tokenizer(paths)  # a damaged one stops the launch before anything is written
+    cfg, start, start_tokenizer = resolve_start(cfg)  # checkpoint.start_from: before the config is written
     cfg = resolve_schedule_horizon(cfg, paths)  # after preflight: it lists the (reachable) checkpoints
     write_run_config(cfg, paths)
     if not paths.tokenizer.exists():  # a fresh start with another config set the earlier one aside
@@ -129,7 +132,7 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
         cfg.data,
         cfg.data_cache_url(),
         cfg.data.seq_len,
-        run_tokenizer=cached_tokenizer,
+        run_tokenizer=cached_tokenizer or start_tokenizer,
         log=lambda line: print(line, flush=True),
         progress_interval_s=cfg.metrics.progress_interval_s,
     )
@@ -144,7 +147,11 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
         f"vocab {data.vocab_size} from {stores}; outputs in {paths.run_dir}",
         flush=True,
     )
-    plan = worker_plan(cfg, data, launch_id)
+    if start is not None:
+        check_start_model(model_args(cfg.model, data.vocab_size), start)
+        print(f"[meshtrain] run {paths.name} starts from {start.path} (run {start.run}, step {start.step}"
+              f"{', with its optimizer' if start.optimizer else ''}); optim.lr={cfg.optim.lr:.6g}", flush=True)
+    plan = worker_plan(cfg, data, launch_id, start_from=start)
     endpoint = DriverEndpoint.open(cfg.metrics, cfg.run.storage_path, paths.name)
     exporter = endpoint.metrics if endpoint is not None else None
     downstream = (DownstreamEvaluations(cfg.eval, cfg.checkpoint, cfg.run, paths, use_gpu=cfg.scaling.use_gpu,
@@ -198,6 +205,7 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
         # replica mode: world_size and mesh_shape are one group's
         replica_groups=cfg.replica_groups() if cfg.fault_tolerance.mode == "replica" else None,
         downstream=downstream.latest if downstream is not None else None,
+        started_from=start.to_json() if start is not None else None,
         left_out=[*({"by_hand": True, **skip.model_dump()} for skip in cfg.data.skip_samples),
                   *(entry.to_json() for entry in read_left_out(paths.left_out))],
     )

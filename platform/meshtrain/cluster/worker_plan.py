@@ -6,6 +6,7 @@ launcher ships.
 
 from __future__ import annotations
 
+from meshtrain.checkpoint.start_point import StartPoint
 from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataPlan, TrainingData
 from meshtrain.data.stages import data_stages
@@ -13,7 +14,8 @@ from meshtrain.model.args import model_args
 from meshtrain.train.plan import WorkerPlan
 
 
-def worker_plan(config: MeshtrainConfig, data: DataPlan | TrainingData, launch_id: str = "") -> WorkerPlan:
+def worker_plan(config: MeshtrainConfig, data: DataPlan | TrainingData, launch_id: str = "",
+                start_from: StartPoint | None = None) -> WorkerPlan:
     """The plan of ``config`` (checked, with run.name and optim.schedule_steps resolved by the launcher
     when it launches) for ``data`` (its tokenizer's vocabulary sizes the model)."""
     return WorkerPlan(
@@ -26,6 +28,7 @@ def worker_plan(config: MeshtrainConfig, data: DataPlan | TrainingData, launch_i
         launch_id=launch_id,
         data_stages=data_stages(config.data, config.train.global_batch_size),
         lr_decay_start=config.lr_decay_start(),
+        start_from=start_from,
         model_config=config.model,
         data_config=config.data,
         optim=config.optim,

@@ -117,6 +117,21 @@ class CheckpointConfig(Section):
         "stores; shown redacted wherever meshtrain writes or prints the config.",
     )
     resume: bool = Field(True, description="Continue from the newest committed checkpoint when one exists.")
+    start_from: OptionalLocation = Field(
+        None,
+        description="Start a new run from another run's committed meshtrain checkpoint (a step directory, or a run "
+        "folder or checkpoints folder: its newest): its weights, and with checkpoint.start_from_optimizer its "
+        "optimizer; the data and schedule are this run's (an anneal on a new mix). Once the run has checkpoints "
+        "of its own it resumes them. Its run, step and fingerprint go into the records, summary and exports.",
+    )
+    start_from_optimizer: bool = Field(
+        False, description="checkpoint.start_from: also take its AdamW moments and step counts."
+    )
+    start_from_lr: bool = Field(
+        True,
+        description="checkpoint.start_from: optim.lr becomes the learning rate the checkpoint's own schedule gave "
+        "its next step (this run's schedule then decays from it); false keeps optim.lr.",
+    )
     allow_untested_scheme: bool = Field(
         False,
         description="Accept a checkpoint.path scheme other than a local path or s3:// (untested with meshtrain).",

@@ -79,6 +79,9 @@ class MeshtrainConfig(Section):
             )
         if self.train.rollback_after_spikes is not None:
             self._check_rollback()
+        if self.checkpoint.start_from is not None and self.model.init_from is not None:
+            raise ValueError("checkpoint.start_from and model.init_from both give the starting weights; set one "
+                             "(start_from: a meshtrain checkpoint, init_from: a Hugging Face directory)")
         if self.fault_tolerance.mode == "replica":
             self.replica_groups()
             check_quorum_outlasts_hangs(self.fault_tolerance, self.run.hang_timeout_s)

@@ -399,6 +399,18 @@ class MixtureRecord(Record):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class StartedFromRecord(Record):
+    event: ClassVar[str] = "started_from"
+    run: str | None  # the run that saved the checkpoint
+    step: int
+    path: str
+    fingerprint: str  # its commit marker's digest
+    lr: float  # the learning rate its schedule gave its next step
+    optimizer: bool  # its optimizer state was taken too
+    load_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RollbackRecord(Record):
     event: ClassVar[str] = "rollback"
     step: int  # the step whose guard reading called for it
@@ -414,6 +426,7 @@ MetricsRecord = (
     | WarningRecord | PreemptedRecord | InterruptedRecord | ResizeRecord | ResizeSaveRecord | StragglerRecord
     | EvictionRecord | ProfileRecord | MemorySnapshotRecord | DownstreamEvalRecord | DownstreamEvalFailedRecord
     | TextSamplesRecord | GroupStartRecord | ReplicaJoinedRecord | ReplicaLostRecord | MixtureRecord | RollbackRecord
+    | StartedFromRecord
 )
 
 
@@ -468,6 +481,8 @@ RECORD_KINDS: dict[str, RecordKind] = _registry(
                "trained with fewer live replica groups than the one before"),
     RecordKind(MixtureRecord, "rank 0", "a logged step of a data mixture: each source's share of the samples "
                "trained since the previous one"),
+    RecordKind(StartedFromRecord, "rank 0", "checkpoint.start_from: the checkpoint a new run started from (its run, "
+               "step, fingerprint, learning rate)"),
     RecordKind(RollbackRecord, "rank 0", "repeated spikes rolled the run back to a checkpoint: the steps skipped, "
                "the samples left out from now on"),
 )
@@ -802,6 +817,7 @@ class Summary(TypedDict, total=False):
     replica_groups: int  # fault_tolerance.mode=replica (the driver's): mesh_shape and world_size are one group's
     downstream: dict[str, Any]  # the newest downstream_eval record per task
     left_out_samples: list[dict[str, Any]]  # the driver's: data.skip_samples and the rollbacks' ranges
+    started_from: dict[str, Any]  # the driver's: checkpoint.start_from's run, step, path, fingerprint, lr
 
 
 def write_summary(
@@ -812,6 +828,7 @@ def write_summary(
     replica_groups: int | None = None,
     downstream: Mapping[str, DownstreamEvalRecord] | None = None,
     left_out: Sequence[Mapping[str, Any]] = (),
+    started_from: dict[str, Any] | None = None,
 ) -> Summary:
     """The driver's ``summary.json``: rank 0's result and the driver's keys (``replica_groups`` and
     ``downstream`` when given); returns it."""
@@ -823,6 +840,8 @@ def write_summary(
         summary["downstream"] = {task: record.to_json() for task, record in downstream.items()}
     if left_out:
         summary["left_out_samples"] = [dict(entry) for entry in left_out]
+    if started_from is not None:
+        summary["started_from"] = started_from
     write_atomically(paths.summary, json.dumps(summary, indent=2) + "\n")
     return summary
 

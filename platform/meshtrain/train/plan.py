@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from meshtrain.checkpoint.start_point import StartPoint
 from meshtrain.config.data import DataConfig
 from meshtrain.config.evaluation import EvalConfig
 from meshtrain.config.fault_tolerance import FaultToleranceConfig
@@ -39,6 +40,7 @@ class WorkerPlan:
     launch_id: str = ""
     data_stages: tuple[DataStage, ...] = ()  # data.stages at their first samples, weights in the sources' order
     lr_decay_start: int | None = None  # optim.decay_from_stage: the step the wsd decay starts at
+    start_from: StartPoint | None = None  # checkpoint.start_from, resolved: loaded on the run's first start
     # The config's sections, as the driver checked them.
     model_config: ModelConfig
     data_config: DataConfig

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from meshtrain.checkpoint.start_point import load_start_point
 from meshtrain.checkpoint.state import Progress, TrainState
 from meshtrain.config import ConfigError
 from meshtrain.data import DataParallelBatches, DataPlan, TrainingData, checkpoint_sampling, open_data
@@ -25,7 +26,9 @@ from meshtrain.distributed.replicas import ReplicaPlacement
 from meshtrain.model.flops import AttentionWork
 from meshtrain.model.llama import count_parameters
 from meshtrain.observe.metrics import TrainingMetrics
-from meshtrain.observe.run_folder import MetricsRecord, LeftOutSamples, StopRequest, StragglerRecord, read_left_out
+from meshtrain.observe.run_folder import (
+    LeftOutSamples, MetricsRecord, StartedFromRecord, StopRequest, StragglerRecord, read_left_out,
+)
 from meshtrain.observe.reporting import RayTrainReporter
 from meshtrain.train.checkpointing import checkpoint_manager
 from meshtrain.train.guard import BadStepLimit, RollbackRule, StepGuard, spike_rules
@@ -144,6 +147,9 @@ class Trainer:
                 check_sampling(restored.manifest, data.sampling, restored.step)
                 check_left_out(restored.manifest, *left_out_now(data.train), restored.step)
                 self.guard.load_history(restored.manifest.get("spike_history"))
+        elif plan.start_from is not None and not resuming and not joining:
+            load_s = load_start_point(self.model, self.optimizer, plan.start_from, plan.checkpoint.storage_options)
+            self.outputs.emit(StartedFromRecord(**plan.start_from.to_json(), load_s=load_s))
         self.guard.restart(self.progress.step)
         self.guard.skipped_before = self.progress.skipped_steps
         micro_batch, _ = train.batch_layout(layout.data_ranks)
@@ -165,6 +171,8 @@ class Trainer:
         }
         if plan.data_stages:
             manifest["data_stages"] = [stage.to_json() for stage in plan.data_stages]
+        if plan.start_from is not None:
+            manifest["started_from"] = plan.start_from.to_json()  # the lineage, for exports and later runs
         rollback = None
         if train.rollback_after_spikes is not None:
             done = max((entry.rollback for entry in rollbacks_left_out(plan)), default=0)

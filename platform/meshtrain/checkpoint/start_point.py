@@ -1,0 +1,98 @@
+"""A run that starts from another run's committed checkpoint (``checkpoint.start_from``): an anneal on a
+new mix, OLMo 2's "mid-training", a continued pretraining.
+
+The driver resolves the checkpoint once (``cluster.start_point``) into a :class:`StartPoint`: which
+step directory, of which run, its fingerprint (the commit marker's digest, which covers every file's
+checksum) and the learning rate its schedule gave its next step. Each worker of the new run's first
+start loads the model's shards from it (and the optimizer's, when asked) through DCP, resharding to its
+own mesh, each read checked against the checkpoint's checksums (:func:`load_start_point`); the new run's
+data, schedule and counters start at zero. Later starts resume the run's own checkpoints.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from meshtrain.checkpoint.checksums import MARKER_CHECKSUM, seal_marker
+from meshtrain.checkpoint.state import plain_tensors
+from meshtrain.checkpoint.storage import BAD_MARKER, COMMIT_MARKER, CheckpointError, CheckpointStorage, CommittedCheckpoint
+
+
+@dataclass(frozen=True)
+class StartPoint:
+    path: str  # the committed step directory, as the user would write it
+    run: str | None  # the run that saved it
+    step: int
+    fingerprint: str  # the commit marker's digest: the manifest with every file's size and checksum
+    lr: float  # the learning rate the checkpoint's own schedule gave its next step
+    optimizer: bool  # the optimizer's state is taken too
+    model_args: dict[str, Any]  # the shape it holds (the run's must be the same)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run": self.run, "step": self.step, "path": self.path, "fingerprint": self.fingerprint,
+                "lr": self.lr, "optimizer": self.optimizer}
+
+
+def committed_step(path: str, storage_options: dict[str, Any] | None) -> tuple[CheckpointStorage, CommittedCheckpoint]:
+    """The committed checkpoint at the step directory ``path``: its marker read and sealed, not marked bad,
+    its files of the sizes the marker records (their bytes are checked as they are read); CheckpointError."""
+    storage = CheckpointStorage(path, storage_options)
+    root = storage.root.rstrip("/")
+    shown = storage.display(root)
+    manifest = storage.read_marker(root)
+    if manifest is None or "model_args" not in manifest:
+        raise CheckpointError(f"checkpoint.start_from: {shown} is not a committed meshtrain checkpoint (no "
+                              f"{COMMIT_MARKER} with model_args); give a step directory or a run folder")
+    bad = storage.bad_reason(root)
+    if bad is not None:
+        raise CheckpointError(f"checkpoint.start_from: {shown} is marked bad ({bad}); give another step, or "
+                              f"repair it and remove its {BAD_MARKER} file")
+    committed = CommittedCheckpoint(root, int(manifest.get("step", -1)), manifest)
+    storage.validate(committed)
+    return storage, committed
+
+
+def fingerprint(manifest: dict[str, Any]) -> str:
+    return str(seal_marker(manifest)[MARKER_CHECKSUM])
+
+
+def load_start_point(model: torch.nn.Module, optimizer: torch.optim.Optimizer, start: StartPoint,
+                     storage_options: dict[str, Any] | None) -> float:
+    """Fill this rank's shards of ``model`` (and of ``optimizer``'s state with ``start.optimizer``) from the
+    start point; the seconds it took. The optimizer keeps this run's hyperparameters (learning rate,
+    betas, weight decay): only its moments and step counts come from the checkpoint."""
+    started = time.perf_counter()
+    storage, committed = committed_step(start.path, storage_options)
+    if fingerprint(committed.manifest) != start.fingerprint:
+        raise CheckpointError(f"checkpoint.start_from: {start.path} changed after the driver read it (its marker's "
+                              "digest differs); do not rewrite a checkpoint a run starts from")
+    reader = storage.reader(committed.path, storage.sidecars(committed))
+    wanted: dict[str, Any] = {"model": plain_tensors(get_model_state_dict(model))}
+    if start.optimizer:
+        wanted["optimizer"] = plain_tensors(get_optimizer_state_dict(model, optimizer))
+    try:
+        dcp.load({"train": wanted}, storage_reader=reader, no_dist=not dist.is_initialized())
+    except CheckpointException as exc:  # every rank's failures, gathered
+        failure = next(iter(exc.failures.values()))[0]
+        first = (str(failure).strip().splitlines() or [type(failure).__name__])[0]
+        raise CheckpointError(f"checkpoint.start_from {start.path}: {first}") from None
+    set_model_state_dict(model, wanted["model"])
+    if start.optimizer:
+        settings = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+        set_optimizer_state_dict(model, optimizer, wanted["optimizer"])
+        for group, own in zip(optimizer.param_groups, settings):
+            group.update(own)
+    return time.perf_counter() - started
