@@ -5,6 +5,8 @@ Run with ``python jobs/bench_guard.py`` (its docstring shows examples; ``--help`
 Times optimizer steps of the same model and batches two ways, alternating in blocks so drift
 affects both alike: with meshtrain's train_step (loss and gradient norm checked on the device, the
 decision passed to fused AdamW as found_inf) and with a plain step (no check, optimizer.step()).
+Then the guard with the spike rules on (train.loss_spike_factor, train.grad_norm_spike_factor and the
+rollback window: medians and a ring buffer on the device, no host read) against it with them off.
 Also times one evaluation of eval.batches global batches against one training step. With more than
 one rank the guard adds one scalar all-reduce per step, which this single-process figure omits.
 """
@@ -26,6 +28,7 @@ from meshtrain.distributed.layout import RankLayout
 from meshtrain.distributed.parallelize import clip_grad_norm_
 from meshtrain.model.loss import token_cross_entropy_sum
 from meshtrain.train.evaluation import evaluate, validation_samples
+from meshtrain.train.guard import SpikeRules, StepGuard
 from meshtrain.train.step import train_step
 
 
@@ -63,6 +66,16 @@ def main() -> None:
     g, p, blocks = alternating_medians(guarded_steps, plain_steps, args.steps, block, 10, device)
     print(f"step with guard {g * 1000:.2f} ms, without {p * 1000:.2f} ms (medians of {blocks} blocks of "
           f"{block}); guard/plain = {g / p:.3f}")
+
+    spiky = StepGuard(optimizer, device, SpikeRules(3.0, 3.0, window=50, rollback_window=20))
+
+    def spike_rule_steps(count: int) -> None:
+        for index in range(count):
+            train_step(model, spiky, steps[index % len(steps)], RankLayout.single_process(), cfg.optim.grad_clip)
+
+    s, g, blocks = alternating_medians(spike_rule_steps, guarded_steps, args.steps, block, 10, device)
+    print(f"step with the spike rules {s * 1000:.2f} ms, without {g * 1000:.2f} ms (medians of {blocks} blocks of "
+          f"{block}); rules/no rules = {s / g:.3f}")
 
     assert data.validation is not None
     selected = data.validation.select(cfg.eval.batches * cfg.train.global_batch_size)

@@ -50,12 +50,12 @@ class SpikeRules:
     loss_factor: float | None = None
     grad_norm_factor: float | None = None
     window: int = 50
-    rollback_window: int = 20  # how many recent steps' skips are kept for the rollback rule
+    rollback_window: int | None = None  # how many recent steps' skips are kept for the rollback rule (None: off)
 
 
 def spike_rules(train: TrainConfig) -> SpikeRules:
     return SpikeRules(train.loss_spike_factor, train.grad_norm_spike_factor, train.loss_spike_window,
-                      train.rollback_window)
+                      train.rollback_window if train.rollback_after_spikes is not None else None)
 
 
 def _spikes(value: torch.Tensor, history: torch.Tensor, factor: float) -> torch.Tensor:
@@ -84,7 +84,7 @@ class StepGuard:
     def restart(self, step: int) -> None:
         """Number the next checked step ``step + 1`` and forget the skips before it (a rollback to ``step``)."""
         self.last_step = torch.tensor(step, dtype=torch.int64, device=self.device)
-        self.recent = torch.zeros(self.rules.rollback_window, dtype=torch.int64, device=self.device)
+        self.recent = torch.zeros(self.rules.rollback_window or 0, dtype=torch.int64, device=self.device)
         self.bad_in_a_row.zero_()
         self.longest_streak.zero_()
 
@@ -101,8 +101,9 @@ class StepGuard:
             self.history = torch.where(bad, self.history, torch.cat([self.history[1:], loss.reshape(1)]))
             self.norms = torch.where(bad, self.norms, torch.cat([self.norms[1:], grad_norm.reshape(1)]))
         self.last_step = self.last_step + 1
-        slot = torch.remainder(self.last_step, len(self.recent)).reshape(1)
-        self.recent = self.recent.index_put((slot,), (self.last_step * bad).reshape(1))
+        if len(self.recent):
+            slot = torch.remainder(self.last_step, len(self.recent)).reshape(1)
+            self.recent = self.recent.index_put((slot,), (self.last_step * bad).reshape(1))
         self.bad_in_a_row = (self.bad_in_a_row + 1) * bad
         self.longest_streak = torch.maximum(self.longest_streak, self.bad_in_a_row)
         self.skipped = self.skipped + bad
