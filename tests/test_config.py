@@ -534,6 +534,7 @@ PRESETS = {
     "llama3_1b": ((1_200_000_000, 1_300_000_000), True),
     "llama3_8b": ((7_900_000_000, 8_100_000_000), False),
     "llama3_70b": ((69_500_000_000, 71_000_000_000), False),
+    "llama3_405b": ((405_000_000_000, 406_500_000_000), False),
     "llama3.2_1b": ((1_200_000_000, 1_300_000_000), True),
     "llama3.2_3b": ((3_150_000_000, 3_300_000_000), True),
     "llama3.1_8b": ((7_900_000_000, 8_100_000_000), False),
@@ -570,6 +571,9 @@ def test_llama3_shapes() -> None:
     assert args.vocab_size == 128256 and args.rope_theta == 500000.0 and args.head_dim == 128
     args = ModelConfig(preset="llama3_70b").resolved(None)
     assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads) == (8192, 80, 64, 8)
+    args = ModelConfig(preset="llama3_405b").resolved(None)
+    assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.ffn_dim) == (16384, 126, 128, 8, 53248)
+    assert args.vocab_size == 128256 and args.rope_theta == 500000.0 and args.head_dim == 128
 
 
 def test_tokenizer_vocab_is_rounded_up_when_the_preset_has_none() -> None:

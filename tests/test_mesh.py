@@ -79,10 +79,45 @@ def test_auto_shape_always_covers_the_world(strategy: str, world_size: int) -> N
 
 
 def test_mesh_dim_names() -> None:
-    assert MESH_DIM_NAMES == ("replicate", "shard", "context", "tensor")
+    assert MESH_DIM_NAMES == ("pipeline", "replicate", "shard", "context", "tensor")
     assert MeshPlan(2, 4, True).dim_names == ("replicate", "shard") and MeshPlan(2, 4, True).shape == (2, 4)
     assert MeshPlan(1, 2, True, context=2, tensor=2).shape == (1, 2, 2, 2)
     assert MeshPlan(2, 1, True, tensor=4).dim_names == ("replicate", "shard", "tensor")
+    piped = MeshPlan(1, 8, True, tensor=8, pipeline=8)
+    assert piped.dim_names == ("pipeline", "replicate", "shard", "tensor") and piped.shape == (8, 1, 8, 8)
+    assert piped.sizes == (1, 8, 1, 8) and piped.all_sizes == (8, 1, 8, 1, 8)  # sizes: within a stage
+
+
+def test_pipeline_stages_are_the_outermost_blocks_of_consecutive_ranks() -> None:
+    plan = MeshPlan(2, 2, True, tensor=2, pipeline=4)  # 32 ranks, 8 to a stage
+    assert (plan.world_size, plan.stage_size, plan.data_parallel_size, plan.gradient_ranks) == (32, 8, 4, 4)
+    assert [plan.pipeline_rank(rank) for rank in (0, 7, 8, 31)] == [0, 0, 1, 3]
+    # Every stage repeats the same layout: rank 8 + r sits where rank r does, and reads the same samples.
+    assert [plan.coordinates(8 + rank) for rank in range(8)] == [plan.coordinates(rank) for rank in range(8)]
+    assert [plan.data_parallel_rank(rank) for rank in range(32)] == [rank % 8 // 2 for rank in range(32)]
+
+
+def test_pipeline_degree_divides_the_workers_before_the_data_parallel_ranks() -> None:
+    # Llama 3 405B's layout: 64 nodes of 8, TP 8 inside a node, 8 stages of 8 nodes, FSDP over 8.
+    assert resolve_mesh_shape(512, 8, "full_shard", "auto", tensor=8, pipeline=8) == MeshPlan(1, 8, True, 1, 8, 8)
+    assert resolve_mesh_shape(512, 8, "hybrid_shard", 4, tensor=8, pipeline=8) == MeshPlan(2, 4, True, 1, 8, 8)
+    # auto: a node's data-parallel ranks; a node holding whole stages shards over a stage's ranks.
+    assert resolve_mesh_shape(64, 8, "hybrid_shard", "auto", tensor=2, pipeline=4) == MeshPlan(2, 4, True, 1, 2, 4)
+    assert resolve_mesh_shape(8, 8, "hybrid_shard", "auto", pipeline=4) == MeshPlan(1, 2, True, 1, 1, 4)
+    with pytest.raises(ConfigError, match=r"^parallel.pipeline x parallel.tensor x parallel.context = 8 x 8 x 1 = 64 "
+                                          r"does not divide the 500 workers; use a multiple of 64 workers$"):
+        resolve_mesh_shape(500, 4, "full_shard", "auto", tensor=8, pipeline=8)
+    with pytest.raises(ConfigError, match=r"^parallel.tensor x parallel.context = 16 x 1 = 16 does not divide the 8 "
+                                          r"workers per node: tensor- and context-parallel groups must lie within one node"):
+        resolve_mesh_shape(512, 8, "full_shard", "auto", tensor=16, pipeline=8)
+
+
+def test_pipeline_stages_may_span_nodes_where_shard_groups_are_checked_per_stage() -> None:
+    plan = MeshPlan(2, 2, True, pipeline=2)  # 8 ranks on 2 nodes of 4: each stage on one node
+    assert check_shard_placement(plan, [0] * 4 + [1] * 4, "auto") == (
+        "[meshtrain] placement: each of the 4 shard groups of 2 ranks is on one node")
+    with pytest.raises(ConfigError, match=r"group 1 \(ranks 2-3\) on nodes 0,1"):
+        check_shard_placement(plan, [0, 0, 0, 1, 1, 1, 1, 1], "auto")
 
 
 def test_ranks_lie_tensor_fastest_and_tp_cp_peers_share_a_data_parallel_rank() -> None:

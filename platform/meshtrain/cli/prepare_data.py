@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         from meshtrain.cluster.preflight import preflight
         from meshtrain.data.pipeline import prepare_data
 
-        cfg = preflight(load_config(args.config, args.overrides), tokenizer_fits=False)
+        cfg = preflight(load_config(args.config, args.overrides), tokenizer_fits=False, trains=False)
 
         output = args.output or cfg.data_cache_url()
         init_ray()

@@ -52,6 +52,7 @@ from meshtrain.distributed.float8 import (
     float8_requirement,
 )
 from meshtrain.distributed.mesh import resolve_mesh_shape
+from meshtrain.distributed.plan import pipeline_order
 from meshtrain.distributed.torch_support import check_torch
 from meshtrain.distributed.replicas import check_torchft
 from meshtrain.evaluate.harness import HarnessRun, task_manager
@@ -68,15 +69,16 @@ class Preflighted(NamedTuple):
     model: ModelArgs  # the model's shape as far as it is known before the data is prepared (the dry run's)
 
 
-def preflight(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> MeshtrainConfig:
+def preflight(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True, trains: bool = True) -> MeshtrainConfig:
     """``cfg`` checked against the world, with what it takes from it: with ``model.init_from`` and
     ``data.tokenizer=train``, the tokenizer the weights were trained with. ``tokenizer_fits`` also
     loads a ``data.tokenizer`` file and checks its vocabulary against the model (a run and its dry
-    run; preparing data does not need the model). Calling it again on its result changes nothing."""
-    return preflighted(cfg, tokenizer_fits=tokenizer_fits).config
+    run; preparing data does not need the model). ``trains``: training follows (a launch), where a dry
+    run and data preparation only plan. Calling it again on its result changes nothing."""
+    return preflighted(cfg, tokenizer_fits=tokenizer_fits, trains=trains).config
 
 
-def preflighted(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> Preflighted:
+def preflighted(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True, trains: bool = True) -> Preflighted:
     """:func:`preflight`, with the model's shape it checked."""
     check_torch()
     cfg = cfg.model_copy(deep=True)
@@ -103,7 +105,10 @@ def preflighted(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> Preflig
             cfg.parallel.shard,
             cfg.parallel.context,
             cfg.parallel.tensor,
+            cfg.parallel.pipeline,
         )
+    if cfg.parallel.pipeline > 1:
+        pipeline_order(cfg.parallel)  # torch's own schedule takes the layout, or its reason is one line
     if cfg.fault_tolerance.mode == "replica":
         check_torchft()
     _check_preemption_budget(cfg.run, cfg.scaling, cfg.train, cfg.data.seq_len, args)
@@ -113,6 +118,12 @@ def preflighted(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True) -> Preflig
     worker_env(cfg.run, cfg.scaling, cfg.memory, os.environ)  # an allocator setting that conflicts with the environment's
     check_wandb(cfg.metrics)
     check_mlflow(cfg.metrics)
+    if trains and cfg.parallel.pipeline > 1:
+        raise ConfigError(
+            f"parallel.pipeline={cfg.parallel.pipeline}: pipeline parallel is planned (jobs/pretrain.py --dry-run shows "
+            "the stages, their memory and the bubble) but training under it is not available yet; set "
+            "parallel.pipeline=1 to train"
+        )
     return Preflighted(cfg, args)
 
 

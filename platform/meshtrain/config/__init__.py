@@ -30,8 +30,10 @@ from meshtrain.config.redaction import REDACTED, redact_options, redact_url
 from meshtrain.config.evaluation import EvalConfig
 from meshtrain.config.observability import MetricsConfig
 from meshtrain.config.parallelism import (
+    PIPELINE_SCHEDULES,
     STRATEGIES,
     ParallelConfig,
+    PipelineSchedule,
     ScalingConfig,
     Strategy,
     StrategyName,
@@ -63,6 +65,8 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",
+    "PIPELINE_SCHEDULES",
+    "PipelineSchedule",
     "RopeScaling",
     "RunConfig",
     "ScalingConfig",

@@ -1,5 +1,5 @@
-"""How a run spreads over devices: FSDP2/HSDP, tensor and context parallel, float8, compile and recompute
-(``parallel``), and the Ray worker group (``scaling``)."""
+"""How a run spreads over devices: FSDP2/HSDP, tensor, context and pipeline parallel, float8, compile and
+recompute (``parallel``), and the Ray worker group (``scaling``)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ from meshtrain.config.section import MAX_DURATION_S, Section
 
 
 StrategyName = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"]
+# torch.distributed.pipelining's schedules, as torch spells them (its get_schedule_class takes any case).
+PipelineScheduleName = Literal[
+    "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
+]
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,31 @@ STRATEGIES: dict[str, Strategy] = {
     "hybrid_shard": Strategy("group", keeps_params_after_forward=False),
     "hybrid_shard_zero2": Strategy("group", keeps_params_after_forward=True),
 }
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """What a ``parallel.pipeline_schedule`` name asks of the layout; torch builds the schedule itself
+    (``meshtrain.distributed.pipeline``)."""
+
+    stages_per_rank: Literal["one", "any", "two"]  # 1F1B/GPipe: one; looped: any (default 2); V-shaped: exactly 2
+    v_shape: bool = False  # rank r holds stages r and 2 x pipeline - 1 - r (else the looped r, r + pipeline, ...)
+
+    @property
+    def default_virtual_stages(self) -> int:
+        return 1 if self.stages_per_rank == "one" else 2
+
+
+PIPELINE_SCHEDULES: dict[str, PipelineSchedule] = {
+    "GPipe": PipelineSchedule("one"),
+    "1F1B": PipelineSchedule("one"),
+    "Interleaved1F1B": PipelineSchedule("any"),
+    "LoopedBFS": PipelineSchedule("any"),
+    "InterleavedZeroBubble": PipelineSchedule("any"),
+    "ZBVZeroBubble": PipelineSchedule("two", v_shape=True),
+    "DualPipeV": PipelineSchedule("two", v_shape=True),
+}
+_PIPELINE_SETTINGS = ("pipeline_schedule", "pipeline_microbatches", "pipeline_virtual_stages", "pipeline_split")
 
 
 class ParallelConfig(Section):
@@ -100,6 +129,49 @@ class ParallelConfig(Section):
         description="Async tensor parallel on CUDA with parallel.compile: inductor overlaps the TP collectives with "
         "the matmuls (symmetric memory). Needs parallel.tensor > 1.",
     )
+    pipeline: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Pipeline-parallel degree: the layers split into stages over this many groups of workers (the outermost "
+            "mesh dimension: a stage's workers are consecutive, so stages may span nodes while tensor and context "
+            "groups stay inside one). Data-parallel ranks = workers / (pipeline x tensor x context). Planned by "
+            "--dry-run; training under it is not available yet."
+        ),
+    )
+    pipeline_schedule: PipelineScheduleName = Field(
+        "1F1B",
+        description=(
+            "torch.distributed.pipelining schedule (any case): GPipe and 1F1B run one stage per rank; Interleaved1F1B, "
+            "LoopedBFS and InterleavedZeroBubble loop over parallel.pipeline_virtual_stages; ZBVZeroBubble and "
+            "DualPipeV hold two stages per rank in a V. --dry-run and jobs/bench_pipeline.py print its bubble."
+        ),
+    )
+    pipeline_microbatches: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Micro-batches (of train.micro_batch_size sequences each) a data-parallel rank's share of the step runs "
+            "through the pipeline at once: at least the stages (parallel.pipeline x virtual stages), and "
+            "train.global_batch_size a multiple of micro-batch x these x data-parallel ranks. unset = 2 x the stages."
+        ),
+    )
+    pipeline_virtual_stages: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Stages each pipeline rank holds: 1 for GPipe/1F1B, any for the looped schedules, exactly 2 for "
+            "ZBVZeroBubble/DualPipeV. unset = 1 for GPipe/1F1B, else 2."
+        ),
+    )
+    pipeline_split: list[int] | None = Field(
+        None,
+        description=(
+            "Layers of each stage in order (parallel.pipeline x virtual stages counts, each at least 1, summing to "
+            "model.n_layers). unset = balanced by the memory plan: each pipeline rank's planned peak with one "
+            "micro-batch in flight, the embedding counted on the first stage, the output head and loss on the last."
+        ),
+    )
 
     @field_validator("shard", mode="before")
     @classmethod
@@ -117,6 +189,51 @@ class ParallelConfig(Section):
             raise ValueError(f"expected a positive integer or 'auto', got {value!r}")
         return number
 
+    @field_validator("pipeline_schedule", mode="before")
+    @classmethod
+    def _schedule_any_case(cls, value: Any) -> Any:
+        # torch's get_schedule_class takes a name in any case: so does the setting.
+        if isinstance(value, str):
+            return next((name for name in PIPELINE_SCHEDULES if name.lower() == value.lower()), value)
+        return value
+
+    @model_validator(mode="after")
+    def _pipeline_settings(self) -> "ParallelConfig":
+        if self.pipeline == 1:
+            # One given at its default passes: a config printed by --dry-run or saved with a run names every setting.
+            fields = type(self).model_fields
+            changed = [name for name in _PIPELINE_SETTINGS if getattr(self, name) != fields[name].default]
+            if changed:
+                name = changed[0]
+                raise ValueError(f"parallel.{name}={getattr(self, name)}: a pipeline-parallel setting, and "
+                                 f"parallel.pipeline=1; set parallel.pipeline > 1, or drop parallel.{name}")
+            return self
+        schedule, virtual = self.pipeline_schedule, self.virtual_stages
+        kind = PIPELINE_SCHEDULES[schedule]
+        if kind.stages_per_rank == "one" and virtual != 1:
+            raise ValueError(f"parallel.pipeline_schedule={schedule} runs one stage per rank, and "
+                             f"parallel.pipeline_virtual_stages={virtual}; set it to 1, or use a looped schedule "
+                             "(Interleaved1F1B, InterleavedZeroBubble)")
+        if kind.stages_per_rank == "two" and virtual != 2:
+            raise ValueError(f"parallel.pipeline_schedule={schedule} holds exactly 2 stages per rank (a V), and "
+                             f"parallel.pipeline_virtual_stages={virtual}; set it to 2, or drop it")
+        stages, microbatches = self.pipeline_stages, self.microbatches
+        if microbatches < stages:
+            raise ValueError(
+                f"parallel.pipeline_microbatches={microbatches} is fewer than the {stages} stages (parallel.pipeline="
+                f"{self.pipeline} x {virtual} per rank): {schedule} needs every stage busy with one; use at least "
+                f"{stages}")
+        split = self.pipeline_split
+        if split is not None:
+            if len(split) != stages:
+                raise ValueError(f"parallel.pipeline_split={split}: {len(split)} entries for {stages} stages (parallel."
+                                 f"pipeline={self.pipeline} x {virtual} per rank); give one layer count per stage")
+            empty = [index for index, layers in enumerate(split) if layers < 1]
+            if empty:
+                raise ValueError(f"parallel.pipeline_split={split}: stage {empty[0]} gets {split[empty[0]]} layers; "
+                                 "every stage needs at least one")
+        return self
+
     @model_validator(mode="after")
     def _float8_recipe_needs_float8(self) -> "ParallelConfig":
         if self.float8_recipe != "tensorwise" and not self.float8:
@@ -132,11 +249,41 @@ class ParallelConfig(Section):
 
     @property
     def group_size(self) -> int:
-        """Workers that share one data-parallel rank: a tensor- and context-parallel group."""
+        """Workers of one tensor- and context-parallel group (within one node, within one pipeline stage)."""
         return self.tensor * self.context
 
+    @property
+    def data_rank_workers(self) -> int:
+        """Workers that share one data-parallel rank's samples: a tensor x context group in each pipeline stage."""
+        return self.pipeline * self.group_size
+
+    @property
+    def pipeline_kind(self) -> PipelineSchedule:
+        return PIPELINE_SCHEDULES[self.pipeline_schedule]
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages per pipeline rank (parallel.pipeline_virtual_stages, or the schedule's default)."""
+        if self.pipeline_virtual_stages is not None:
+            return self.pipeline_virtual_stages
+        return self.pipeline_kind.default_virtual_stages if self.pipeline > 1 else 1
+
+    @property
+    def pipeline_stages(self) -> int:
+        """Stages the layers split into: parallel.pipeline x virtual stages (1 without pipeline parallel)."""
+        return self.pipeline * self.virtual_stages
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per pipeline run (parallel.pipeline_microbatches, else 2 x the stages; 1 without PP)."""
+        if self.pipeline == 1:
+            return 1
+        return self.pipeline_microbatches if self.pipeline_microbatches is not None else 2 * self.pipeline_stages
+
     def check_model(self, model: ModelArgs) -> None:
-        """ConfigError when ``parallel.tensor`` does not divide what it splits of ``model``."""
+        """ConfigError when ``parallel.tensor`` does not divide what it splits of ``model``, or the pipeline
+        stages cannot split its layers."""
+        self._check_pipeline_layers(model.n_layers)
         tensor = self.tensor
         if tensor == 1:
             return
@@ -146,6 +293,19 @@ class ParallelConfig(Section):
                 raise ConfigError(f"parallel.tensor={tensor} does not divide {name}={value}; choose a degree that "
                                   f"divides {model.n_heads} heads, {model.n_kv_heads} KV heads, FFN {model.ffn_dim} "
                                   f"and vocabulary {model.vocab_size}")
+
+
+    def _check_pipeline_layers(self, n_layers: int) -> None:
+        if self.pipeline == 1:
+            return
+        stages, split = self.pipeline_stages, self.pipeline_split
+        if n_layers < stages:
+            per_rank = f" ({self.virtual_stages} per rank, {self.pipeline_schedule})" if self.virtual_stages > 1 else ""
+            raise ConfigError(f"model.n_layers={n_layers} is fewer than the {stages} pipeline stages{per_rank}: each "
+                              f"stage needs a layer; lower parallel.pipeline or parallel.pipeline_virtual_stages")
+        if split is not None and sum(split) != n_layers:
+            raise ConfigError(f"parallel.pipeline_split={split} holds {sum(split)} layers, and the model has "
+                              f"model.n_layers={n_layers}; make the counts sum to {n_layers}, or unset it (balanced)")
 
 
 class ScalingConfig(Section):
@@ -215,11 +375,16 @@ class ScalingConfig(Section):
 
 
 def check_parallel_groups(
-    context: int, tensor: int, workers: int, workers_named: str, per_node: int | None, per_node_named: str
+    context: int, tensor: int, workers: int, workers_named: str, per_node: int | None, per_node_named: str,
+    pipeline: int = 1,
 ) -> None:
-    """ConfigError unless whole tensor x context groups fill the workers and lie within nodes (the
-    configured counts before launch, the group Ray started at run time)."""
+    """ConfigError unless whole pipeline x tensor x context groups fill the workers and the tensor x context
+    groups lie within nodes (the configured counts before launch, the group Ray started at run time)."""
     inner = context * tensor
+    if pipeline > 1 and workers % (pipeline * inner):
+        whole = pipeline * inner
+        raise ConfigError(f"parallel.pipeline x parallel.tensor x parallel.context = {pipeline} x {tensor} x {context} = "
+                          f"{whole} does not divide {workers_named}; use a multiple of {whole} workers")
     degrees = f"parallel.tensor x parallel.context = {tensor} x {context} = {inner}"
     if workers % inner:
         raise ConfigError(f"{degrees} does not divide {workers_named}; use a multiple of {inner} workers")

@@ -75,6 +75,15 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         "ffn_dim": 28672,
         "tie_embeddings": False,
     },
+    "llama3_405b": {  # Llama 3 405B's published shape, the largest Llama 3 (past one node: pipeline parallel)
+        **_LLAMA3_COMMON,
+        "dim": 16384,
+        "n_layers": 126,
+        "n_heads": 128,
+        "n_kv_heads": 8,
+        "ffn_dim": 53248,
+        "tie_embeddings": False,
+    },
     "llama3.2_1b": {**_llama3_long_context(factor=32.0), **_LLAMA3_1B},
     "llama3.2_3b": {
         **_llama3_long_context(factor=32.0),

@@ -14,7 +14,10 @@ import torch.distributed as dist
 
 from meshtrain.config import ConfigError
 
-MESH_DIM_NAMES = ("replicate", "shard", "context", "tensor")
+# Outermost first, as torchtitan's (pp, dp_replicate, dp_shard, cp, tp): world ranks are laid out row-major,
+# tensor fastest, so a tensor group is consecutive ranks (inside a node: Ray Train numbers workers node by node)
+# and a pipeline stage is a block of consecutive ranks, which may span nodes.
+MESH_DIM_NAMES = ("pipeline", "replicate", "shard", "context", "tensor")
 
 
 @dataclass(frozen=True)
@@ -33,29 +36,42 @@ class WorkerLayout:
 class MeshPlan:
     """The mesh and what each part of training needs of it (which samples a rank reads, which ranks
     average gradients, which ranks split a window or a layer): meshtrain's one answer to "where does
-    this rank sit", as torchtitan's ParallelDims is."""
+    this rank sit", as torchtitan's ParallelDims is. ``pipeline`` stages each hold the others' degrees."""
 
     replicate: int
     shard: int
     reshard_after_forward: bool
     context: int = 1
     tensor: int = 1
+    pipeline: int = 1
 
     @property
     def dim_names(self) -> tuple[str, ...]:
-        """The mesh's dimensions: replicate and shard always, context and tensor when used."""
-        return tuple(name for name, size in zip(MESH_DIM_NAMES, self.sizes) if name in ("replicate", "shard") or size > 1)
+        """The mesh's dimensions: replicate and shard always; pipeline, context and tensor when used."""
+        return tuple(name for name, size in zip(MESH_DIM_NAMES, self.all_sizes)
+                     if name in ("replicate", "shard") or size > 1)
+
+    @property
+    def all_sizes(self) -> tuple[int, int, int, int, int]:
+        """(pipeline, replicate, shard, context, tensor)."""
+        return (self.pipeline, *self.sizes)
 
     @property
     def sizes(self) -> tuple[int, int, int, int]:
+        """(replicate, shard, context, tensor): the degrees within one pipeline stage."""
         return (self.replicate, self.shard, self.context, self.tensor)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(size for name, size in zip(MESH_DIM_NAMES, self.sizes) if name in self.dim_names)
+        return tuple(size for name, size in zip(MESH_DIM_NAMES, self.all_sizes) if name in self.dim_names)
 
     @property
     def world_size(self) -> int:
+        return self.pipeline * self.stage_size
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage (every rank without pipeline parallel)."""
         return self.replicate * self.shard * self.context * self.tensor
 
     @property
@@ -71,19 +87,23 @@ class MeshPlan:
 
     @property
     def model_parallel_size(self) -> int:
-        """Ranks that work on the same samples: one context x tensor group."""
+        """Ranks of one stage that work on the same samples: one context x tensor group."""
         return self.context * self.tensor
 
+    def pipeline_rank(self, world_rank: int) -> int:
+        """The pipeline stage group ``world_rank`` belongs to (0 without pipeline parallel)."""
+        return world_rank // self.stage_size
+
     def coordinates(self, world_rank: int) -> tuple[int, int, int, int]:
-        """(replicate, shard, context, tensor) index of ``world_rank``."""
-        rest, tensor = divmod(world_rank, self.tensor)
+        """(replicate, shard, context, tensor) index of ``world_rank`` within its pipeline stage."""
+        rest, tensor = divmod(world_rank % self.stage_size, self.tensor)
         rest, context = divmod(rest, self.context)
         replicate, shard = divmod(rest, self.shard)
         return replicate, shard, context, tensor
 
     def data_parallel_rank(self, world_rank: int) -> int:
-        """Which samples ``world_rank`` reads: its index over replicate x shard."""
-        return world_rank // self.model_parallel_size
+        """Which samples ``world_rank`` reads: its index over replicate x shard (the same in every stage)."""
+        return world_rank % self.stage_size // self.model_parallel_size
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,13 @@
-"""Resolve the device-mesh shape ("replicate", "shard"[, "context"][, "tensor"]) from a strategy name,
-the tensor- and context-parallel degrees and the cluster layout.
+"""Resolve the device-mesh shape ([ "pipeline",] "replicate", "shard"[, "context"][, "tensor"]) from a strategy
+name, the pipeline-, tensor- and context-parallel degrees and the cluster layout.
 
 Pure functions, no process groups: the driver uses them for --dry-run and config validation, the
 workers with the layout Ray reports. Ranks are laid out row-major over the mesh, tensor fastest:
 a tensor-parallel group is consecutive ranks, then a context-parallel group, then a shard group, so
-each lies within one node when the node holds a whole number of them. The data-parallel ranks are
-replicate x shard; TP and CP peers read the same samples. FSDP shards over shard x context.
+each lies within one node when the node holds a whole number of them; a pipeline stage, outermost, is
+a block of consecutive ranks that may span nodes (its peers exchange one activation per micro-batch,
+where TP and FSDP exchange every layer's). The data-parallel ranks are replicate x shard, the same in
+every stage; TP, CP and PP peers read the same samples. FSDP shards over shard x context within a stage.
 """
 
 from __future__ import annotations
@@ -28,24 +30,27 @@ def resolve_mesh_shape(
     shard: int | Literal["auto"],
     context: int = 1,
     tensor: int = 1,
+    pipeline: int = 1,
 ) -> MeshPlan:
-    """Mesh shape for ``strategy`` on ``world_size`` workers, ``workers_per_node`` to a node, with
-    ``tensor`` x ``context`` workers to each data-parallel rank."""
+    """Mesh shape for ``strategy`` on ``world_size`` workers, ``workers_per_node`` to a node, in
+    ``pipeline`` stages with ``tensor`` x ``context`` workers to each data-parallel rank of a stage."""
     inner = context * tensor
     check_parallel_groups(context, tensor, world_size, f"the {world_size} workers", workers_per_node,
-                          f"the {workers_per_node} workers per node")
+                          f"the {workers_per_node} workers per node", pipeline)
     sharding = STRATEGIES[strategy]
     reshard = not sharding.keeps_params_after_forward
-    ranks, per_node = world_size // inner, max(1, workers_per_node // inner)  # data-parallel ranks
+    ranks, per_node = world_size // (pipeline * inner), max(1, workers_per_node // inner)  # data-parallel ranks
+    if pipeline > 1 and per_node > ranks and per_node % ranks == 0:
+        per_node = ranks  # a node holds whole stages: an auto shard group is a stage's data-parallel ranks
 
     def plan(replicate: int, shard_size: int) -> MeshPlan:
-        return MeshPlan(replicate, shard_size, reshard, context, tensor)
+        return MeshPlan(replicate, shard_size, reshard, context, tensor, pipeline)
 
     if sharding.shards == "all":
         if shard not in ("auto", ranks):
             raise ConfigError(
                 f"parallel.shard={shard} conflicts with parallel.strategy={strategy}, which shards over all "
-                f"{ranks} {'workers' if inner == 1 else 'data-parallel ranks'}; use strategy hybrid_shard for a smaller shard group or drop parallel.shard"
+                f"{ranks} {'workers' if inner == 1 and pipeline == 1 else 'data-parallel ranks'}; use strategy hybrid_shard for a smaller shard group or drop parallel.shard"
             )
         return plan(1, ranks)
     if sharding.shards == "none":
@@ -57,13 +62,14 @@ def resolve_mesh_shape(
         return plan(ranks, 1)
     if shard == "auto":
         if ranks % per_node:
+            where = f"scaling.num_workers={world_size}" if pipeline == 1 else f"a stage's {ranks * inner} workers"
             raise ConfigError(
                 f"parallel.shard=auto: {workers_per_node} workers per node do not divide "
-                f"scaling.num_workers={world_size}; set parallel.shard to one of {_divisors(ranks)}"
+                f"{where}; set parallel.shard to one of {_divisors(ranks)}"
             )
         shard = per_node
     if ranks % shard:
-        where = f"scaling.num_workers={world_size}" if inner == 1 else f"the {ranks} data-parallel ranks"
+        where = f"scaling.num_workers={world_size}" if inner == 1 and pipeline == 1 else f"the {ranks} data-parallel ranks"
         raise ConfigError(f"parallel.shard={shard} does not divide {where}; choose one of {_divisors(ranks)}")
     return plan(ranks // shard, shard)
 
@@ -83,11 +89,11 @@ def shard_groups_off_node(plan: MeshPlan, node_of_rank: Sequence[int]) -> dict[i
     """Shard groups whose ranks sit on more than one node: group index -> its nodes, sorted.
 
     ``node_of_rank[i]`` is the node of world rank ``i``. Shard group ``r`` is the consecutive world
-    ranks of one replicate index (its shard x context x tensor ranks, see ``build_mesh``).
+    ranks of one (pipeline, replicate) index (its shard x context x tensor ranks, see ``build_mesh``).
     """
     if len(node_of_rank) != plan.world_size:
         raise ValueError(f"{len(node_of_rank)} placements for a {'x'.join(map(str, plan.shape))} mesh")
-    return groups_off_node(node_of_rank, plan.world_size // plan.replicate)
+    return groups_off_node(node_of_rank, plan.shard * plan.model_parallel_size)
 
 
 def _describe(split: dict[int, list[int]], group_size: int, limit: int = 4) -> str:
@@ -125,7 +131,7 @@ def check_shard_placement(plan: MeshPlan, node_of_rank: Sequence[int], shard: in
                     "ranks is on one node")
     if plan.replicate == 1 or plan.shard == 1:
         return None
-    group_size = plan.world_size // plan.replicate
+    group_size = plan.shard * inner
     per_node = node_of_rank.count(node_of_rank[0])
     if inner > 1 and group_size > per_node:
         # TP x CP fill most of a node, so a shard group of this size cannot fit in one: by design.
@@ -134,7 +140,8 @@ def check_shard_placement(plan: MeshPlan, node_of_rank: Sequence[int], shard: in
                 "weight across them)")
     split = shard_groups_off_node(plan, node_of_rank)
     if not split:
-        return f"[meshtrain] placement: each of the {plan.replicate} shard groups of {group_size} ranks is on one node"
+        return (f"[meshtrain] placement: each of the {plan.replicate * plan.pipeline} shard groups of {group_size} ranks "
+                "is on one node")
     where = _describe(split, group_size)
     if shard == "auto":
         raise ConfigError(

@@ -1,13 +1,22 @@
-"""What a run will look like before any worker starts: parameters, mesh and per-rank memory."""
+"""What a run will look like before any worker starts: parameters, mesh, pipeline stages and per-rank memory."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from meshtrain.config import ModelArgs, ParallelConfig, ScalingConfig, TrainConfig
+from meshtrain.config import ConfigError, ModelArgs, ParallelConfig, ScalingConfig, TrainConfig
 from meshtrain.distributed.layout import MeshPlan
 from meshtrain.distributed.mesh import resolve_mesh_shape
+from meshtrain.distributed.pipeline import (
+    ScheduleOrder,
+    balanced_split,
+    peak_in_flight,
+    schedule_order,
+    simulate,
+    stage_split,
+)
+from meshtrain.model.flops import ModelFlops
 from meshtrain.model.llama import Transformer, build_model, count_parameters
 from meshtrain.model.loss import loss_chunk_tokens
 
@@ -95,19 +104,22 @@ class Device:
         return self.memory_gib * (1 - FRAGMENTATION_SHARE) - CONTEXT_RESERVE_GIB
 
 
+def planned_workers_per_node(scaling: ScalingConfig) -> int:
+    """scaling.workers_per_node, else what the plan assumes: 8 GPUs, or every CPU worker on one node."""
+    if scaling.workers_per_node is not None:
+        return scaling.workers_per_node
+    return min(scaling.num_workers, _ASSUMED_GPUS_PER_NODE) if scaling.use_gpu else scaling.num_workers
+
+
 def planned_mesh(scaling: ScalingConfig, parallel: ParallelConfig) -> tuple[MeshPlan, str]:
     """The mesh the run will use, and a note when workers per node had to be assumed."""
     note = ""
-    per_node = scaling.workers_per_node
-    if per_node is None:
-        if scaling.use_gpu:
-            per_node = min(scaling.num_workers, _ASSUMED_GPUS_PER_NODE)
-            note = f"assuming {per_node} workers per node; set scaling.workers_per_node to be sure"
-        else:
-            per_node = scaling.num_workers
-            note = "assuming all workers on one node; set scaling.workers_per_node to be sure"
+    per_node = planned_workers_per_node(scaling)
+    if scaling.workers_per_node is None:
+        note = (f"assuming {per_node} workers per node" if scaling.use_gpu else "assuming all workers on one node")
+        note += "; set scaling.workers_per_node to be sure"
     plan = resolve_mesh_shape(scaling.num_workers, per_node, parallel.strategy, parallel.shard,
-                              parallel.context, parallel.tensor)
+                              parallel.context, parallel.tensor, parallel.pipeline)
     if parallel.shard != "auto" or parallel.sharding.shards != "group":
         note = ""
     return plan, note
@@ -136,28 +148,59 @@ def head_elements(model: Transformer) -> int:
     return count_parameters(model.norm) + count_parameters(model.output)
 
 
-def gathered_blocks_bytes(model: Transformer, plan: MeshPlan, prefetch: int, element_bytes: int) -> int:
+@dataclass(frozen=True)
+class RankShare:
+    """What one rank holds of the model and keeps for backward at its peak: the whole model and one
+    micro-batch without pipeline parallel; under it, its stages' layers (the embedding on the first
+    stage, the head on the last) and the micro-batches its schedule keeps in flight."""
+
+    layers: int  # blocks held
+    embedding: bool
+    head: bool  # the final norm and the output head, with the loss
+    in_flight_layers: int  # blocks x micro-batches whose activations are kept at once
+    in_flight_microbatches: int = 1  # (stage, micro-batch) pairs kept at once
+    in_flight_logits: int = 1  # micro-batches whose logits are kept at once (on the last stage)
+
+    @classmethod
+    def whole(cls, n_layers: int) -> RankShare:
+        return cls(n_layers, True, True, n_layers)
+
+
+def gathered_blocks_bytes(model: Transformer, plan: MeshPlan, prefetch: int, element_bytes: int,
+                          share: RankShare | None = None) -> int:
     """Unsharded block copies alive at once, parameters and their gradients before reduce-scatter.
 
     Resharding after forward: the running block plus ``prefetch`` gathered ahead (FSDP2 gathers
-    even on a shard group of 1, into a separate unsharded buffer). ZeRO-2: every block stays
+    even on a shard group of 1, into a separate unsharded buffer). ZeRO-2: every block held stays
     gathered from forward to backward, plus one block's gradient, plus an untied embedding unit.
     """
     block = count_parameters(model.layers[0])
     if plan.reshard_after_forward:
         return 2 * (1 + prefetch) * block * element_bytes
-    embedding = 0 if model.args.tie_embeddings else count_parameters(model.tok_embeddings)
-    return (model.args.n_layers * block + block + embedding) * element_bytes
+    return (gathered_block_weights_bytes(model, plan, prefetch, element_bytes, share) + block * element_bytes)
 
 
-def gathered_block_weights_bytes(model: Transformer, plan: MeshPlan, prefetch: int, element_bytes: int) -> int:
+def gathered_block_weights_bytes(model: Transformer, plan: MeshPlan, prefetch: int, element_bytes: int,
+                                 share: RankShare | None = None) -> int:
     """Block weights gathered from the end of forward until the first block's backward: the last block
-    and the ones prefetched for backward, or (ZeRO-2) every block and an untied embedding."""
+    and the ones prefetched for backward, or (ZeRO-2) every block held and an untied embedding."""
     block = count_parameters(model.layers[0])
     if plan.reshard_after_forward:
         return (1 + prefetch) * block * element_bytes
-    embedding = 0 if model.args.tie_embeddings else count_parameters(model.tok_embeddings)
-    return (model.args.n_layers * block + embedding) * element_bytes
+    share = share or RankShare.whole(model.args.n_layers)
+    embedding = 0 if model.args.tie_embeddings or not share.embedding else count_parameters(model.tok_embeddings)
+    return (share.layers * block + embedding) * element_bytes
+
+
+def held_parameters(model: Transformer, share: RankShare) -> int:
+    """Parameters of the blocks, embedding and head ``share`` holds; a tied weight once when one rank
+    holds both ends (under pipeline parallel the first and the last stage each hold it)."""
+    embedding, head = count_parameters(model.tok_embeddings), head_elements(model)
+    held = share.layers * count_parameters(model.layers[0])
+    held += (embedding if share.embedding else 0) + (head if share.head else 0)
+    if model.args.tie_embeddings and share.embedding and share.head:
+        held -= embedding
+    return held
 
 
 def head_unit_bytes(model: Transformer, element_bytes: int) -> int:
@@ -174,17 +217,19 @@ def logits_bytes(args: ModelArgs, tokens: int, element_bytes: int) -> int:
     return tokens * args.vocab_size * element_bytes + chunk * args.vocab_size * 4 + tokens * 4
 
 
-def activation_bytes(args: ModelArgs, recompute: str, tokens: int, element_bytes: int, tensor: int = 1) -> int:
-    """Activations every block keeps for backward, for ``tokens`` on this rank. Computing in bf16
-    without recompute, each of the two RMSNorms also keeps its input upcast to fp32 (seen in the
-    traced step). Under tensor parallel with sequence-parallel norms each rank keeps 1/TP of them,
-    but for the two gathered norm outputs the column-parallel matmuls keep whole."""
+def activation_bytes(args: ModelArgs, recompute: str, tokens: int, element_bytes: int, tensor: int = 1,
+                     layers: int | None = None) -> int:
+    """Activations every block keeps for backward, for ``tokens`` on this rank, over ``layers`` blocks
+    (default: every block of the model). Computing in bf16 without recompute, each of the two RMSNorms
+    also keeps its input upcast to fp32 (seen in the traced step). Under tensor parallel with
+    sequence-parallel norms each rank keeps 1/TP of them, but for the two gathered norm outputs the
+    column-parallel matmuls keep whole."""
     per_layer = _activation_elements_per_token_per_layer(args, recompute) * element_bytes
     if recompute == "none" and element_bytes < 4:
         per_layer += 2 * args.dim * 4
     gathered = 2 * args.dim * element_bytes if recompute != "full" else 0
     per_layer = per_layer // tensor + gathered - gathered // tensor
-    return tokens * per_layer * args.n_layers
+    return tokens * per_layer * (args.n_layers if layers is None else layers)
 
 
 def recompute_block_bytes(args: ModelArgs, recompute: str, tokens: int, element_bytes: int) -> int:
@@ -194,13 +239,15 @@ def recompute_block_bytes(args: ModelArgs, recompute: str, tokens: int, element_
     return tokens * _activation_elements_per_token_per_layer(args, "none") * element_bytes
 
 
-def gathered_kv_bytes(args: ModelArgs, recompute: str, tokens: int, element_bytes: int, context: int) -> int:
+def gathered_kv_bytes(args: ModelArgs, recompute: str, tokens: int, element_bytes: int, context: int,
+                      layers: int | None = None) -> int:
     """Under context parallel, the keys and values every block gathers from its peers (the rest of the
-    window) and keeps for attention's backward: in every block, or (full recompute) the one recomputed."""
+    window) and keeps for attention's backward: in every block (``layers``, default all of the model's),
+    or (full recompute) the one recomputed."""
     if context == 1:
         return 0
     per_block = tokens * (context - 1) * 2 * args.n_kv_heads * args.head_dim * element_bytes
-    return per_block * (1 if recompute == "full" else args.n_layers)
+    return per_block * (1 if recompute == "full" else args.n_layers if layers is None else layers)
 
 
 def document_mask_bytes(document_mask: bool, seq_len: int, micro_batch: int, use_gpu: bool, element_bytes: int) -> int:
@@ -212,32 +259,174 @@ def document_mask_bytes(document_mask: bool, seq_len: int, micro_batch: int, use
 
 
 def memory_plan(args: ModelArgs, plan: MeshPlan, parallel: ParallelConfig, train: TrainConfig, seq_len: int,
-                use_gpu: bool, document_mask: bool = False) -> MemoryPlan:
+                use_gpu: bool, document_mask: bool = False, share: RankShare | None = None,
+                model: Transformer | None = None) -> MemoryPlan:
     """One rank's peak memory for ``args`` on ``plan``'s mesh, by part (arithmetic; ``train.trace``
-    checks it against a traced step). ``document_mask``: model.document_mask."""
-    model = build_model(args, "meta")
+    checks it against a traced step). ``document_mask``: model.document_mask. ``share``: what the rank
+    holds under pipeline parallel (default: the whole model, one micro-batch); ``model``: ``args``'
+    model on meta, when the caller has built it."""
+    model = model or build_model(args, "meta")
+    share = share or RankShare.whole(args.n_layers)
     element_bytes = compute_bytes(parallel.mixed_precision, use_gpu)
     micro, _ = train.batch_layout(plan.data_parallel_size)
     tokens = micro * seq_len // plan.context  # this rank's share of its windows
     tensor = plan.tensor
     recompute = parallel.activation_checkpointing
     # FSDP shards over shard x context, tensor parallel splits each block, head and embedding further.
-    sharded = -(-count_parameters(model) // (plan.shard * plan.context * tensor))
+    sharded = -(-held_parameters(model, share) // (plan.shard * plan.context * tensor))
     on_device = 0 if parallel.cpu_offload else 1
+    head = 1 if share.head else 0
     return MemoryPlan(
         parameters=4 * sharded * on_device,
         gradients=4 * sharded * on_device,
         optimizer=8 * sharded * on_device,
-        gathered_blocks=gathered_blocks_bytes(model, plan, parallel.prefetch, element_bytes) // tensor,
-        head_unit=head_unit_bytes(model, element_bytes) // tensor,
-        activations=activation_bytes(args, recompute, tokens, element_bytes, tensor)
-        + document_mask_bytes(document_mask, seq_len, micro, use_gpu, element_bytes) // plan.context
-        + gathered_kv_bytes(args, recompute, tokens, element_bytes, plan.context),
-        logits=logits_bytes(args, tokens, element_bytes) // tensor,
+        gathered_blocks=gathered_blocks_bytes(model, plan, parallel.prefetch, element_bytes, share) // tensor,
+        head_unit=head * head_unit_bytes(model, element_bytes) // tensor,
+        activations=activation_bytes(args, recompute, tokens, element_bytes, tensor, share.in_flight_layers)
+        + share.in_flight_microbatches * document_mask_bytes(document_mask, seq_len, micro, use_gpu, element_bytes)
+        // plan.context
+        + gathered_kv_bytes(args, recompute, tokens, element_bytes, plan.context, share.in_flight_layers),
+        logits=head * share.in_flight_logits * logits_bytes(args, tokens, element_bytes) // tensor,
         recompute_block=recompute_block_bytes(args, recompute, tokens, element_bytes) // tensor,
-        head_reduce=4 * head_elements(model) // tensor,
-        gathered_block_weights=gathered_block_weights_bytes(model, plan, parallel.prefetch, element_bytes) // tensor,
+        head_reduce=head * 4 * head_elements(model) // tensor,
+        gathered_block_weights=gathered_block_weights_bytes(model, plan, parallel.prefetch, element_bytes, share)
+        // tensor,
     )
+
+
+@dataclass(frozen=True)
+class PipelineRank:
+    """One pipeline rank (a stage group of the mesh): its stages, their layers, and its memory plan."""
+
+    rank: int
+    stages: tuple[int, ...]
+    layers: tuple[range, ...]  # the model's layer indices of each stage held
+    share: RankShare
+    memory: MemoryPlan
+    bubble: float  # idle share of the simulated step
+
+    def describe(self, last_stage: int) -> str:
+        held = []
+        for stage, layers in zip(self.stages, self.layers):
+            ends = " + embedding" if stage == 0 else ""
+            ends += " + head and loss" if stage == last_stage else ""
+            held.append(f"stage {stage} = layers {layers.start}-{layers.stop - 1} ({len(layers)}){ends}")
+        return (f"  pipeline rank {self.rank}: {'; '.join(held)}; keeps up to {self.share.in_flight_microbatches} "
+                f"micro-batch{'es' if self.share.in_flight_microbatches > 1 else ''} for backward ({self.share.in_flight_layers} layer activations); idle "
+                f"{self.bubble:.1%}; peak {self.memory.total / GIB:.2f} GiB")
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The pipeline of a run: torch's schedule order, the layer split, and each pipeline rank's share."""
+
+    order: ScheduleOrder
+    split: tuple[int, ...]
+    balanced: bool  # the split was chosen here (parallel.pipeline_split unset)
+    ranks: tuple[PipelineRank, ...]
+    bubble: float  # simulated with each stage's own work (its layers, the head on the last)
+    even_bubble: float  # the same schedule with every stage alike
+
+    @property
+    def worst(self) -> PipelineRank:
+        """The rank with the largest planned peak: it decides whether the run fits."""
+        return max(self.ranks, key=lambda rank: (rank.memory.total, -rank.rank))
+
+
+def pipeline_order(parallel: ParallelConfig) -> ScheduleOrder:
+    """torch's order for the configured schedule, or ConfigError with torch's reason in one line."""
+    try:
+        return schedule_order(parallel.pipeline_schedule, parallel.pipeline, parallel.virtual_stages,
+                              parallel.microbatches)
+    except ValueError as exc:
+        raise ConfigError(
+            f"parallel.pipeline_schedule={parallel.pipeline_schedule} with parallel.pipeline={parallel.pipeline} x "
+            f"{parallel.virtual_stages} stages per rank and parallel.pipeline_microbatches={parallel.microbatches}: "
+            f"torch refuses it ({str(exc).rstrip('.')}); choose a multiple of {parallel.pipeline} micro-batches or another schedule"
+        ) from None
+
+
+def split_cost(args: ModelArgs, plan: MeshPlan, parallel: ParallelConfig, train: TrainConfig, seq_len: int,
+               use_gpu: bool, order: ScheduleOrder, model: Transformer) -> Callable[[int, int], int]:
+    """``cost(rank, layers)``: the planned peak of pipeline rank ``rank`` holding ``layers`` blocks with one
+    micro-batch in flight, the embedding counted where the first stage is and the output head with the
+    loss where the last is: the memory plan's own terms, for :func:`balanced_split`. The micro-batches a
+    schedule keeps in flight are left out of the balance (they would move layers, and with them compute,
+    off the first stages) and counted in each rank's plan."""
+    known: dict[tuple[bool, bool, int], int] = {}
+
+    def cost(rank: int, layers: int) -> int:
+        held = order.stages_of(rank)
+        key = (0 in held, order.stages - 1 in held, layers)
+        if key not in known:
+            share = RankShare(layers, key[0], key[1], layers)
+            known[key] = memory_plan(args, plan, parallel, train, seq_len, use_gpu, share=share, model=model).total
+        return known[key]
+
+    return cost
+
+
+def stage_work(args: ModelArgs, split: Sequence[int], seq_len: int) -> list[float]:
+    """Each stage's forward time relative to the mean stage's: its blocks' matrix multiplies and causal
+    attention (half the window's keys per query), and the output head's on the last stage (the embedding
+    is a lookup). The backward's share is the cost model's (``meshtrain.distributed.pipeline``)."""
+    flops = ModelFlops.of(args)
+    head = 6.0 * args.vocab_size * args.dim
+    block = (flops.matmul - head + flops.per_key * seq_len / 2) / args.n_layers
+    work = [layers * block for layers in split]
+    work[-1] += head
+    mean = sum(work) / len(work)
+    return [each / mean for each in work]
+
+
+def pipeline_plan(args: ModelArgs, plan: MeshPlan, parallel: ParallelConfig, train: TrainConfig, seq_len: int,
+                  use_gpu: bool, document_mask: bool = False, model: Transformer | None = None) -> PipelinePlan:
+    """The pipeline of ``parallel`` for ``args`` on ``plan``'s mesh (``parallel.pipeline`` > 1): torch's
+    order, the split (given, or balanced by :func:`split_costs`), each rank's memory with the micro-batches
+    its order keeps in flight, and the simulated bubble."""
+    model = model or build_model(args, "meta")
+    order = pipeline_order(parallel)
+    stages, last = order.stages, order.stages - 1
+    if parallel.pipeline_split is not None:
+        split = list(parallel.pipeline_split)
+    else:
+        cost = split_cost(args, plan, parallel, train, seq_len, use_gpu, order, model)
+        least = [len(order.stages_of(rank)) for rank in range(order.pipeline)]
+        split = stage_split(order, balanced_split(args.n_layers, least, cost))
+    first_layer = [sum(split[:stage]) for stage in range(stages)]
+    timeline = simulate(order, stage_work(args, split, seq_len).__getitem__)
+    ranks = []
+    for rank in range(order.pipeline):
+        held = order.stages_of(rank)
+        share = RankShare(
+            layers=sum(split[stage] for stage in held), embedding=0 in held, head=last in held,
+            in_flight_layers=round(peak_in_flight(order, rank, split.__getitem__)),
+            in_flight_microbatches=round(peak_in_flight(order, rank, lambda stage: 1.0)),
+            in_flight_logits=round(peak_in_flight(order, rank, lambda stage: float(stage == last))),
+        )
+        memory = memory_plan(args, plan, parallel, train, seq_len, use_gpu, document_mask, share, model)
+        layers = tuple(range(first_layer[stage], first_layer[stage] + split[stage]) for stage in held)
+        ranks.append(PipelineRank(rank, tuple(held), layers, share, memory, timeline.rank_bubble(rank)))
+    return PipelinePlan(order, tuple(split), parallel.pipeline_split is None, tuple(ranks), timeline.bubble,
+                        simulate(order).bubble)
+
+
+def _pipeline_lines(pipe: PipelinePlan, plan: MeshPlan, per_node: int | None) -> list[str]:
+    order = pipe.order
+    stage_workers = plan.stage_size
+    nodes = f", {stage_workers // per_node} nodes" if per_node and stage_workers % per_node == 0 and \
+        stage_workers > per_node else ""
+    how = "balanced by the memory plan" if pipe.balanced else "parallel.pipeline_split"
+    return [
+        f"pipeline: {order.schedule}, {order.pipeline} ranks x {order.virtual_stages} stage"
+        f"{'s' if order.virtual_stages > 1 else ''} each = {order.stages} stages, {order.microbatches} micro-batches "
+        f"per run; layout pipeline {order.pipeline} x replicate {plan.replicate} x shard {plan.shard} x context "
+        f"{plan.context} x tensor {plan.tensor} (a stage: {stage_workers} worker{'s' if stage_workers > 1 else ''}{nodes})",
+        f"pipeline split ({how}): {', '.join(map(str, pipe.split))} layers",
+        *(rank.describe(order.stages - 1) for rank in pipe.ranks),
+        f"bubble: {pipe.bubble:.1%} of each rank's step idle, simulated on torch's {order.schedule} order with each "
+        f"stage's own work ({pipe.even_bubble:.1%} with every stage alike; F=1, B=2, I=W=1 per stage forward)",
+    ]
 
 
 def planned_device(scaling: ScalingConfig) -> Device | None:
@@ -290,9 +479,19 @@ def describe_plan(args: ModelArgs, parallel: ParallelConfig, scaling: ScalingCon
     """The human-readable dry-run report (config excluded); ``group_sizes``: the worker-group sizes the
     run trains on (``MeshtrainConfig.elastic_sizes``)."""
     plan, note = planned_mesh(scaling, parallel)
-    total = count_parameters(build_model(args, "meta"))
+    model = build_model(args, "meta")
+    total = count_parameters(model)
     micro, accumulation = train.batch_layout(plan.data_parallel_size)
-    memory = memory_plan(args, plan, parallel, train, seq_len, scaling.use_gpu, document_mask)
+    pipe = None
+    if parallel.pipeline > 1:
+        pipe = pipeline_plan(args, plan, parallel, train, seq_len, scaling.use_gpu, document_mask, model)
+        memory = pipe.worst.memory
+        ranks = f"{parallel.microbatches} pipeline micro-batches x {plan.data_parallel_size} data-parallel ranks"
+        steps = f"{accumulation // parallel.microbatches} pipeline runs"
+    else:
+        memory = memory_plan(args, plan, parallel, train, seq_len, scaling.use_gpu, document_mask, model=model)
+        ranks = f"{plan.data_parallel_size} {'workers' if plan.model_parallel_size == 1 else 'data-parallel ranks'}"
+        steps = f"{accumulation} accumulation steps"
     lines = [
         f"parameters: {total:,} ({total / 1e6:.1f}M)",
         f"model: dim={args.dim} layers={args.n_layers} heads={args.n_heads} kv_heads={args.n_kv_heads} "
@@ -304,13 +503,14 @@ def describe_plan(args: ModelArgs, parallel: ParallelConfig, scaling: ScalingCon
         f"{plan.world_size} workers, "
         f"strategy={parallel.strategy}, reshard_after_forward={plan.reshard_after_forward}"
         + (f" ({note})" if note else ""),
-        f"batch: {train.global_batch_size} sequences x {seq_len} tokens per step = "
-        f"micro-batch {micro} x {plan.data_parallel_size} "
-        f"{'workers' if plan.model_parallel_size == 1 else 'data-parallel ranks'} x {accumulation} accumulation steps",
+        f"batch: {train.global_batch_size} sequences x {seq_len} tokens per step = micro-batch {micro} x {ranks} x "
+        f"{steps}",
         *_elastic_lines(scaling, train, parallel.group_size, group_sizes),
+        *(_pipeline_lines(pipe, plan, planned_workers_per_node(scaling)) if pipe is not None else []),
         # Above the table, which readers (and tests) parse as "label value" lines to the end.
         *([fit_verdict(memory, planned_device(scaling))] if scaling.use_gpu else []),
         "memory per rank (GiB):"
+        + (f" [pipeline rank {pipe.worst.rank}, the largest peak]" if pipe is not None else "")
         + (" [sharded state offloaded to host memory]" if parallel.cpu_offload else ""),
     ]
     for label, value in (

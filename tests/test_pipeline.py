@@ -1,0 +1,314 @@
+"""Pipeline parallel, planned: torch's schedule orders timed, the layer split, each pipeline rank's memory in
+the dry run (Llama 3 405B and 70B), and the refusals (one line, exit 2) of what cannot run or not yet."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import meshtrain.cluster.launcher
+from meshtrain.cli.pretrain import EXIT_CONFIG_ERROR, main
+from meshtrain.config import PIPELINE_SCHEDULES
+from meshtrain.config.loading import load_config
+from meshtrain.distributed.pipeline import (
+    Action,
+    ScheduleOrder,
+    balanced_split,
+    bubble_fraction,
+    peak_in_flight,
+    schedule_order,
+    simulate,
+    stage_split,
+)
+from meshtrain.distributed.plan import GIB, activation_bytes, pipeline_plan, planned_mesh
+from meshtrain.model.args import model_args
+
+ERROR_PREFIX = "meshtrain: config error: "
+
+# --- torch's orders, timed -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 2), (4, 16), (8, 16), (4, 7), (8, 64)])
+def test_1f1b_bubble_is_the_textbook_one(stages: int, microbatches: int) -> None:
+    # With F=1 and B=2 every rank waits (p - 1) forwards and (p - 1) backwards: (p - 1) / (m + p - 1).
+    expected = (stages - 1) / (microbatches + stages - 1)
+    assert bubble_fraction("1F1B", stages, microbatches) == pytest.approx(expected)
+    assert bubble_fraction("GPipe", stages, microbatches) == pytest.approx(expected)
+
+
+def test_bubbles_at_4_stages_and_16_microbatches_fall_with_interleaving_and_zero_bubble() -> None:
+    one_f_one_b = bubble_fraction("1F1B", 4, 16)
+    interleaved = bubble_fraction("Interleaved1F1B", 4, 16, virtual_stages=2)
+    zbv = bubble_fraction("ZBVZeroBubble", 4, 16, virtual_stages=2)
+    assert one_f_one_b <= 0.158
+    assert interleaved < one_f_one_b
+    assert zbv < interleaved
+    assert bubble_fraction("DualPipeV", 4, 16, virtual_stages=2) < interleaved
+    assert bubble_fraction("Interleaved1F1B", 4, 16, virtual_stages=4) < interleaved  # more loops, smaller bubble
+
+
+def test_the_cost_model_weighs_a_backward_as_two_forwards() -> None:
+    # GPipe, 2 stages, 1 micro-batch: F on stage 0, F on 1, B on 1, B on 0 one after another = 6; each rank busy 3.
+    timeline = simulate(schedule_order("GPipe", 2, 1, 1))
+    assert timeline.makespan == 6 and timeline.busy == (3, 3) and timeline.bubble == 0.5
+    # A stage twice as heavy as the other makes the light one wait longer.
+    heavy = simulate(schedule_order("1F1B", 2, 1, 8), work=[2.0, 1.0].__getitem__)
+    assert heavy.bubble > bubble_fraction("1F1B", 2, 8) and heavy.rank_bubble(1) > heavy.rank_bubble(0)
+
+
+@pytest.mark.parametrize("schedule", list(PIPELINE_SCHEDULES))
+def test_every_schedule_runs_each_microbatch_once_per_stage(schedule: str) -> None:
+    virtual = PIPELINE_SCHEDULES[schedule].default_virtual_stages
+    order = schedule_order(schedule, 4, virtual, 16)
+    assert sorted(order.stage_rank) == sorted(list(range(4)) * virtual)
+    for stage in range(order.stages):
+        rank = order.stage_rank[stage]
+        forwards = [a.microbatch for a in order.actions[rank] if a.stage == stage and a.kind == "F"]
+        backwards = [a.microbatch for a in order.actions[rank] if a.stage == stage and a.kind in ("B", "I")]
+        assert forwards == list(range(16)), (schedule, stage)  # forwards in turn (LoopedBFS reverses backwards)
+        assert sorted(backwards) == list(range(16)), (schedule, stage)
+        if virtual == 1:  # GPipe's and 1F1B's own loops take backwards in turn too
+            assert backwards == list(range(16))
+    assert simulate(order).makespan > 0  # it finishes
+
+
+def test_1f1b_keeps_pp_minus_its_index_microbatches_in_flight() -> None:
+    order = schedule_order("1F1B", 8, 1, 16)
+    assert [peak_in_flight(order, rank, lambda stage: 1) for rank in range(8)] == [8, 7, 6, 5, 4, 3, 2, 1]
+    gpipe = schedule_order("GPipe", 8, 1, 16)
+    assert {peak_in_flight(gpipe, rank, lambda stage: 1) for rank in range(8)} == {16}  # every forward first
+
+
+def test_v_schedules_hold_a_stage_at_each_end_of_the_pipeline() -> None:
+    order = schedule_order("ZBVZeroBubble", 4, 2, 8)
+    assert order.stages_of(0) == [0, 7] and order.stages_of(3) == [3, 4]
+    looped = schedule_order("Interleaved1F1B", 4, 2, 8)
+    assert looped.stages_of(0) == [0, 4] and looped.stages_of(3) == [3, 7]
+
+
+def test_an_order_that_cannot_finish_is_refused() -> None:
+    # Rank 1 puts stage 1's backward before its own forward of that micro-batch: it waits forever.
+    order = ScheduleOrder("broken", 2, 1, 1, {0: (Action(0, "F", 0), Action(0, "B", 0)),
+                                               1: (Action(1, "B", 0), Action(1, "F", 0))}, (0, 1))
+    with pytest.raises(ValueError, match=r"cannot finish; ranks wait at \{0: '0B0', 1: '1B0'\}"):
+        simulate(order)
+
+
+def test_torch_refusals_come_back_as_its_reason() -> None:
+    with pytest.raises(ValueError, match="DualPipeV requires at least as many microbatches as stages"):
+        schedule_order("DualPipeV", 4, 2, 6)
+    with pytest.raises(ValueError, match="multiple of the number of rounds"):
+        schedule_order("Interleaved1F1B", 4, 2, 9)
+
+
+# --- the split -------------------------------------------------------------------------------------
+
+
+def test_balanced_split_evens_alike_stages_and_the_earlier_gives_way() -> None:
+    assert balanced_split(126, [1] * 8, lambda rank, layers: layers) == [15, 15, 16, 16, 16, 16, 16, 16]
+    assert balanced_split(8, [1] * 8, lambda rank, layers: layers) == [1] * 8
+    assert balanced_split(8, [2] * 4, lambda rank, layers: layers) == [2] * 4  # two stages a rank, a layer each
+
+
+def test_balanced_split_counts_the_embedding_and_the_head() -> None:
+    # The head with the loss costs three layers, the embedding one: the ends take fewer layers.
+    split = balanced_split(80, [1] * 4, lambda rank, layers: layers + (1 if rank == 0 else 0) + (3 if rank == 3 else 0))
+    assert split == [20, 21, 21, 18] and sum(split) == 80
+    with pytest.raises(ValueError, match="3 layers cannot fill 4 stages"):
+        balanced_split(3, [1] * 4, lambda rank, layers: layers)
+
+
+def test_a_rank_s_layers_are_shared_over_its_stages_the_head_s_stage_taking_fewer() -> None:
+    v_order = schedule_order("ZBVZeroBubble", 2, 2, 4)  # rank 0: stages 0 and 3 (the head), rank 1: 1 and 2
+    assert stage_split(v_order, [7, 8]) == [4, 4, 4, 3]
+    looped = schedule_order("Interleaved1F1B", 2, 2, 4)  # rank 0: stages 0 and 2, rank 1: 1 and 3 (the head)
+    assert stage_split(looped, [9, 7]) == [5, 4, 4, 3]
+
+
+def test_a_given_split_is_kept_and_the_ranks_hold_its_layers() -> None:
+    cfg = load_config(None, [
+        "model.n_layers=8", "parallel.pipeline=2", "parallel.pipeline_schedule=Interleaved1F1B",
+        "parallel.pipeline_split=[1,3,2,2]", "scaling.num_workers=2", "train.micro_batch_size=1",
+        "train.global_batch_size=8"])
+    args = model_args(cfg.model, 2048)
+    plan, _ = planned_mesh(cfg.scaling, cfg.parallel)
+    pipe = pipeline_plan(args, plan, cfg.parallel, cfg.train, cfg.data.seq_len, False)
+    assert pipe.split == (1, 3, 2, 2) and not pipe.balanced
+    first, second = pipe.ranks
+    assert first.stages == (0, 2) and first.layers == (range(0, 1), range(4, 6))
+    assert second.stages == (1, 3) and second.layers == (range(1, 4), range(6, 8))
+    assert (first.share.embedding, first.share.head, second.share.embedding, second.share.head) == (
+        True, False, False, True)
+    assert (first.share.layers, second.share.layers) == (3, 5)
+
+
+# --- the dry run at scale ----------------------------------------------------------------------------
+
+LLAMA3_405B_512_H100 = [
+    "model.preset=llama3_405b", "data.vocab_size=128256", "data.seq_len=8192", "scaling.use_gpu=true",
+    "scaling.num_workers=512", "scaling.workers_per_node=8", "scaling.accelerator_type=H100",
+    "parallel.strategy=full_shard", "parallel.tensor=8", "parallel.pipeline=8", "parallel.activation_checkpointing=full",
+    "train.micro_batch_size=1", "train.global_batch_size=2048", "run.preemption_save_s=300",
+]
+LLAMA3_70B_64_H100 = [
+    "model.preset=llama3_70b", "data.vocab_size=128256", "data.seq_len=8192", "scaling.use_gpu=true",
+    "scaling.num_workers=64", "scaling.workers_per_node=8", "scaling.accelerator_type=H100",
+    "parallel.strategy=full_shard", "parallel.tensor=8", "parallel.pipeline=4",
+    "train.micro_batch_size=1", "train.global_batch_size=512", "run.preemption_save_s=300",
+]
+
+
+def dry_run(argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+            tmp_path: Path) -> list[str]:
+    def refuse(cfg: object) -> dict:
+        raise AssertionError("the dry run tried to launch")
+
+    monkeypatch.setattr(meshtrain.cluster.launcher, "launch", refuse)
+    code = main(["--dry-run", *argv, f"run.storage_path={tmp_path}"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out.partition("\n---\n")[2].splitlines()
+
+
+def rank_peaks(lines: list[str]) -> list[float]:
+    return [float(line.rsplit("peak ", 1)[1].split()[0]) for line in lines if line.startswith("  pipeline rank ")]
+
+
+def test_dry_run_of_llama3_405b_on_512_h100_as_fsdp8_tp8_pp8_fits(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    lines = dry_run(LLAMA3_405B_512_H100, capsys, monkeypatch, tmp_path)
+    text = "\n".join(lines)
+    assert "mesh: (pipeline=8, replicate=1, shard=8, tensor=8) on 512 workers" in text
+    assert "layout pipeline 8 x replicate 1 x shard 8 x context 1 x tensor 8 (a stage: 64 workers, 8 nodes)" in text
+    assert "micro-batch 1 x 16 pipeline micro-batches x 8 data-parallel ranks x 16 pipeline runs" in text
+    split = next(line for line in lines if line.startswith("pipeline split (balanced by the memory plan): "))
+    layers = [int(count) for count in split.split(": ")[1].removesuffix(" layers").split(", ")]
+    assert len(layers) == 8 and sum(layers) == 126 and max(layers) - min(layers) <= 3
+    peaks = rank_peaks(lines)
+    assert len(peaks) == 8 and max(peaks) <= 80 * 0.9 - 2
+    (verdict,) = [line for line in lines if line.startswith("verdict:")]
+    assert verdict.startswith("verdict: fits H100 (79.6 GiB): ") and f"{max(peaks):.1f} GiB planned" in verdict
+    assert "  pipeline rank 0: stage 0 = layers 0-" in text and "+ embedding; keeps up to 8 micro-batches" in text
+    assert "+ head and loss; keeps up to 1 micro-batch for backward" in text
+    bubble = next(line for line in lines if line.startswith("bubble: "))
+    assert "(30.4% with every stage alike" in bubble  # 1F1B: 7 / (16 + 7)
+    # Rank 0, first of the 1F1B pipeline, holds 8 micro-batches of its layers' (recomputed) activations.
+    header = lines.index(next(line for line in lines if line.startswith("memory per rank (GiB):")))
+    table = {line.strip().rsplit(None, 1)[0]: float(line.split()[-1]) for line in lines[header + 1:]}
+    if "[pipeline rank 0," in lines[header]:
+        args = model_args(load_config(None, LLAMA3_405B_512_H100).model, 128256)
+        kept = activation_bytes(args, "full", 8192, 2, tensor=8, layers=8 * layers[0])
+        assert table["activations (estimate, recompute=full)"] == pytest.approx(kept / GIB, abs=1e-3)
+
+
+def test_without_recompute_405b_keeps_too_many_microbatches_in_flight_to_fit(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    lines = dry_run([*LLAMA3_405B_512_H100, "parallel.activation_checkpointing=none"], capsys, monkeypatch, tmp_path)
+    (verdict,) = [line for line in lines if line.startswith("verdict:")]
+    assert verdict.startswith("verdict: does not fit H100")
+    peaks = rank_peaks(lines)
+    assert peaks[0] == max(peaks) and peaks[0] > 2 * peaks[-1]  # the first stage keeps 8 micro-batches, the last 1
+
+
+def test_dry_run_of_llama3_70b_at_pp4_fits(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    lines = dry_run(LLAMA3_70B_64_H100, capsys, monkeypatch, tmp_path)
+    text = "\n".join(lines)
+    assert "mesh: (pipeline=4, replicate=1, shard=2, tensor=8) on 64 workers" in text
+    peaks = rank_peaks(lines)
+    assert len(peaks) == 4 and max(peaks) <= 80 * 0.9 - 2
+    assert next(line for line in lines if line.startswith("verdict:")).startswith("verdict: fits H100")
+    # Interleaving the same layout cuts the bubble but keeps more activations in flight on the first rank (11
+    # micro-batches of half its layers against 1F1B's 4 of all): it fits with selective recompute only.
+    interleaved = [*LLAMA3_70B_64_H100, "parallel.pipeline_schedule=Interleaved1F1B"]
+    lines_interleaved = dry_run(interleaved, capsys, monkeypatch, tmp_path)
+    assert "pipeline: Interleaved1F1B, 4 ranks x 2 stages each = 8 stages, 16 micro-batches per run" in "\n".join(
+        lines_interleaved)
+    assert rank_peaks(lines_interleaved)[0] > peaks[0]
+    assert bubble_share(lines_interleaved) < bubble_share(lines) / 2
+    assert next(line for line in lines_interleaved if line.startswith("verdict:")).startswith("verdict: does not fit")
+    lines = dry_run([*interleaved, "parallel.activation_checkpointing=selective"], capsys, monkeypatch, tmp_path)
+    assert next(line for line in lines if line.startswith("verdict:")).startswith("verdict: fits H100")
+
+
+def bubble_share(lines: list[str]) -> float:
+    line = next(line for line in lines if line.startswith("bubble: "))
+    return float(line.split()[1].removesuffix("%")) / 100
+
+
+# --- refusals: one line, exit 2, before any worker ------------------------------------------------------
+
+BASE = ["scaling.num_workers=4", "train.micro_batch_size=1", "train.global_batch_size=16"]
+REFUSALS = [
+    (["parallel.pipeline=2", "parallel.pipeline_split=[1,2]"],
+     "parallel.pipeline_split=[1, 2] holds 3 layers, and the model has model.n_layers=4"),
+    (["parallel.pipeline=2", "parallel.pipeline_split=[4,0]"], "parallel.pipeline_split=[4, 0]: stage 1 gets 0 layers"),
+    (["parallel.pipeline=2", "parallel.pipeline_split=[1,1,2]"], "3 entries for 2 stages"),
+    (["parallel.pipeline=4", "parallel.pipeline_microbatches=3"],
+     "parallel.pipeline_microbatches=3 is fewer than the 4 stages"),
+    (["parallel.pipeline=2", "parallel.pipeline_schedule=Interleaved1F1B", "parallel.pipeline_microbatches=3"],
+     "parallel.pipeline_microbatches=3 is fewer than the 4 stages (parallel.pipeline=2 x 2 per rank)"),
+    (["parallel.pipeline=4", "parallel.pipeline_schedule=Interleaved1F1B"],
+     "model.n_layers=4 is fewer than the 8 pipeline stages (2 per rank, Interleaved1F1B)"),
+    (["parallel.pipeline=2", "parallel.pipeline_schedule=ZBVZeroBubble", "parallel.pipeline_virtual_stages=3"],
+     "holds exactly 2 stages per rank"),
+    (["parallel.pipeline=2", "parallel.pipeline_virtual_stages=2"], "parallel.pipeline_schedule=1F1B runs one stage per rank"),
+    (["parallel.pipeline=2", "parallel.tensor=2", "scaling.num_workers=8", "scaling.workers_per_node=1"],
+     "tensor- and context-parallel groups must lie within one node"),
+    (["parallel.pipeline=3"], "parallel.pipeline x parallel.tensor x parallel.context = 3 x 1 x 1 = 3 does not divide "
+                              "scaling.num_workers=4"),
+    (["parallel.pipeline=2", "train.global_batch_size=12"],
+     "train.global_batch_size=12 is not a multiple of train.micro_batch_size (1) x parallel.pipeline_microbatches (4) "
+     "x data-parallel ranks (2) = 8"),
+    (["parallel.pipeline=4", "model.n_layers=8", "parallel.pipeline_schedule=Interleaved1F1B",
+      "parallel.pipeline_microbatches=9", "train.global_batch_size=9"], "torch refuses it (Interleaved 1F1B requires"),
+    (["parallel.pipeline_microbatches=8"], "parallel.pipeline_microbatches=8: a pipeline-parallel setting, and "
+                                           "parallel.pipeline=1"),
+    (["parallel.pipeline=2", "scaling.min_workers=2"], "scaling.min_workers (elastic training) with parallel.pipeline"),
+    (["parallel.pipeline=2", "fault_tolerance.mode=replica", "parallel.shard=1"],
+     "fault_tolerance.mode=replica with parallel.pipeline > 1 is not planned yet"),
+]
+
+
+def run_main(argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int, str, str]:
+    def no_ray() -> bool:
+        raise AssertionError("Ray was started: the config got past preflight")
+
+    monkeypatch.setattr(meshtrain.cluster.launcher, "init_ray", no_ray)
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line(code: int, out: str, err: str, expected: str) -> None:
+    assert code == EXIT_CONFIG_ERROR == 2, (code, err)
+    assert out == "" and "Traceback" not in err
+    (line,) = err.splitlines()
+    assert line.startswith(ERROR_PREFIX) and expected in line, line
+
+
+@pytest.mark.parametrize(("overrides", "expected"), REFUSALS, ids=[expected[:40] for _, expected in REFUSALS])
+def test_a_layout_that_cannot_run_is_one_line_in_the_dry_run(
+    overrides: list[str], expected: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path
+) -> None:
+    code, out, err = run_main(["--dry-run", *BASE, *overrides, f"run.storage_path={tmp_path}"], capsys, monkeypatch)
+    assert_one_line(code, out, err, expected)
+
+
+def test_training_under_pipeline_parallel_is_refused_but_its_dry_run_plans(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    argv = [*BASE, "parallel.pipeline=2", f"run.storage_path={tmp_path}"]
+    code, out, err = run_main(argv, capsys, monkeypatch)
+    assert_one_line(code, out, err, "parallel.pipeline=2: pipeline parallel is planned (jobs/pretrain.py --dry-run")
+    assert "training under it is not available yet" in err
+    assert not any(tmp_path.iterdir())  # nothing of a run was written
+    code, out, err = run_main(["--dry-run", *argv], capsys, monkeypatch)
+    assert code == 0 and "pipeline: 1F1B, 2 ranks x 1 stage each = 2 stages, 4 micro-batches per run" in out
+    code, out, err = run_main(["--dry-run", "--trace", *argv], capsys, monkeypatch)
+    assert_one_line(code, out, err, "--trace steps the whole model as one rank")
