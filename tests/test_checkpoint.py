@@ -268,49 +268,69 @@ def test_uncommitted_checkpoint_is_ignored_and_cleared(unbroken: dict, corpus: D
     assert (ckpt_dir(tmp_path, "partial", 8) / COMMIT_MARKER).is_file()  # rewritten by this run
 
 
-SOURCES = "data.sources=[{source: stdlib, name: early, max_documents: 12}, {source: stdlib, name: late, max_documents: 24}]"
+SOURCES = ("data.sources=[{source: stdlib, name: early, max_documents: 12}, {source: stdlib, name: late, max_documents: 24}, "
+           "{source: stdlib, name: extra, max_documents: 6}]")
 
 
-def stages(main: str = "{early: 1, late: 3}", tail: str = "{late: 1}") -> str:
+def stages(main: str = "{early: 1, late: 3}", tail: str = "{late: 1, extra: 1}", tail_len: int = 64, after: str = "") -> str:
     return (f"data.stages=[{{name: warm, until_step: 4, weights: {{early: 1}}}}, "
-            f"{{name: main, until_step: 12, weights: {main}}}, {{name: tail, weights: {tail}}}]")
+            f"{{name: main, until_step: 12, weights: {main}}}, {{name: tail, seq_len: {tail_len}, weights: {tail}{after}}}]")
 
 
-def test_data_stages_resume_at_their_boundary_as_if_never_stopped_and_a_begun_stage_cannot_change(
+def test_data_stages_resume_at_their_boundaries_as_if_never_stopped_and_a_begun_stage_cannot_change(
     tmp_path: Path,
 ) -> None:
-    """Steps 1-4 read only `early`, steps 5-12 both sources 1:3; a run stopped at the boundary (step 4)
-    trains steps 5-12 exactly as the unbroken one, each checkpoint counts the samples per stage and
-    source, and a relaunch may change only the stages that have not begun."""
+    """Steps 1-4 read only `early`; steps 5-12 `late` joins, 1:3; from step 13 `extra` joins, `early` leaves
+    and the sequences double to 64 tokens. A run stopped at the first boundary trains steps 5-16 bitwise as
+    the unbroken one; one stopped at the second and resumed on two ranks trains steps 13-16 within 1e-6,
+    each checkpoint counting the samples and tokens per stage and source exactly alike; a relaunch may
+    change only the stages that have not begun."""
     from meshtrain.cluster.resume import data_for_resume
     from meshtrain.config import ConfigError
     from meshtrain.checkpoint.storage import run_checkpoints
     from meshtrain.data.pipeline import prepare_data
 
-    base = config(tmp_path, "staged", 1, SOURCES, stages())
+    steps = "train.steps=16"
+    base = config(tmp_path, "staged", 1, SOURCES, stages(), steps, "eval.interval=null", "data.validation.fraction=0")
     plan = prepare_data(base.data, str(tmp_path / "stores"), base.data.seq_len, use_ray=False, log=lambda _: None)
     unbroken = run(base, plan, 1)
     records = [e for e in unbroken["events"] if isinstance(e, TrainRecord)]
-    assert [(r.step, r.stage) for r in records if r.step in (4, 5, 12)] == [(4, "warm"), (5, "main"), (12, "main")]
+    assert [(r.step, r.stage) for r in records if r.step in (4, 5, 12, 13)] == [
+        (4, "warm"), (5, "main"), (12, "main"), (13, "tail")]
+    assert records[12].tokens - records[11].tokens == 8 * 64  # step 13: 8 sequences of 64 tokens
     manifests = {c.step: c.manifest for c in run_checkpoints(base.checkpoint, base.run).committed()}
     assert manifests[4]["data_samples"] == {"warm": {"early": 32}}
     main = manifests[8]["data_samples"]["main"]
     assert main.keys() == {"early", "late"} and sum(main.values()) == 32 and main["late"] > main["early"]
+    tail = manifests[16]["data_samples"]["tail"]
+    assert tail.keys() == {"late", "extra"} and sum(tail.values()) == 32
+    assert manifests[16]["data_tokens"]["tail"] == {source: 64 * count for source, count in tail.items()}
 
-    seed_run_with(tmp_path, "staged-resumed", ckpt_dir(tmp_path, "staged", 4))
-    resumed = run(config(tmp_path, "staged-resumed", 1, SOURCES, stages()), plan, 1)
+    def same_run(name: str, *overrides: str) -> MeshtrainConfig:
+        return config(tmp_path, name, 1, SOURCES, stages(), steps, "eval.interval=null", "data.validation.fraction=0",
+                      *overrides)
+
     expected = losses(unbroken)
-    assert losses(resumed) == {step: expected[step] for step in range(5, 13)}  # exact float equality
+    seed_run_with(tmp_path, "staged-resumed", ckpt_dir(tmp_path, "staged", 4))
+    resumed = run(same_run("staged-resumed"), plan, 1)
+    assert losses(resumed) == {step: expected[step] for step in range(5, 17)}  # exact float equality
+    seed_run_with(tmp_path, "staged-wider", ckpt_dir(tmp_path, "staged", 12))
+    wider = run(same_run("staged-wider", "scaling.num_workers=2"), plan, 2)
+    assert losses(wider) == pytest.approx({step: expected[step] for step in range(13, 17)}, rel=1e-6)
+    wider_manifest = CheckpointStorage(str(ckpt_dir(tmp_path, "staged-wider", 16))).read_marker(
+        str(ckpt_dir(tmp_path, "staged-wider", 16)))
+    assert wider_manifest["data_tokens"] == manifests[16]["data_tokens"]
 
     def relaunch(*overrides: str) -> None:
-        cfg = config(tmp_path, "staged", 1, *overrides)
+        cfg = config(tmp_path, "staged", 1, *overrides, steps, "eval.interval=null", "data.validation.fraction=0")
         data_for_resume(cfg.checkpoint, cfg.run, plan, allow_fingerprint_change=False,
                         stages=worker_plan(cfg, plan).data_stages)
 
-    relaunch(SOURCES, stages(tail="{early: 1, late: 1}"))  # the stage after step 12 has not begun
-    relaunch(SOURCES, stages(main="{early: 2, late: 6}"))  # the same proportions
-    for changed in (stages(main="{early: 1, late: 1}"), stages().replace("until_step: 4", "until_step: 5")):
-        with pytest.raises(ConfigError, match=r"^data.stages: stage '(main|warm)' had begun by the checkpoint of step 12"):
+    # A stage after step 16 has not begun; the same proportions are the same stage.
+    relaunch(SOURCES, stages(main="{early: 2, late: 6}", after=", until_step: 20}, {name: cool, weights: {early: 1}"))
+    for changed in (stages(main="{early: 1, late: 1}"), stages().replace("until_step: 4", "until_step: 5"),
+                    stages(tail_len=32)):
+        with pytest.raises(ConfigError, match=r"^data.stages: stage '(main|warm|tail)' had begun by the checkpoint of step 16"):
             relaunch(SOURCES, changed)
     with pytest.raises(ConfigError, match="were trained in data.stages and this config drops them"):
         relaunch(SOURCES)

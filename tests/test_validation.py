@@ -45,6 +45,24 @@ def test_span_split_partitions_the_windows(windows: int, fraction: float, span: 
     assert len(firsts) == split.held_out_spans
 
 
+@pytest.mark.parametrize(("tokens", "seq_len", "span", "times"), [(100_003, 16, 8, 2), (54_321, 8, 12, 4), (4_097, 32, 4, 2)])
+def test_windows_of_another_length_hold_out_the_same_token_spans(tokens: int, seq_len: int, span: int, times: int) -> None:
+    """A long-context stage's windows (``times`` the length) train on no token the base split holds out, and
+    train on every token of the base's training windows' spans."""
+    base = SpanSplit((tokens - 1) // seq_len, 0.05, span)
+    longer = SpanSplit.at_length(base, (tokens - 1) // (seq_len * times), span // times)
+
+    def covered(split: SpanSplit, length: int, windows: list[int]) -> set[int]:
+        return {t for w in windows for t in range(w * length, (w + 1) * length)}  # the inputs' tokens
+
+    held = covered(base, seq_len, [base.held_out(k) for k in range(base.held_out_windows)])
+    trained = covered(longer, seq_len * times, [longer.training(j) for j in range(longer.training_windows)])
+    assert held and trained and held.isdisjoint(trained)
+    trained_base = covered(base, seq_len, [base.training(j) for j in range(base.spans * base.span_windows
+                                                                           - base.held_out_windows)])
+    assert trained_base <= trained
+
+
 def test_span_length_follows_the_setting_and_shrinks_only_for_a_small_corpus() -> None:
     assert span_windows_for(128, 65536, windows=10**9, fraction=0.01) == 512
     assert span_windows_for(8192, 65536, windows=10**9, fraction=0.001) == 8

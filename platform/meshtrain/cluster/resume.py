@@ -202,8 +202,8 @@ def data_for_resume(checkpoint: CheckpointConfig, run: RunConfig, plan: DataPlan
 def check_begun_stages(manifest: dict[str, Any], step: int, run_name: str | None,
                        stages: tuple[DataStage, ...]) -> None:
     """ConfigError unless a checkpoint's samples were drawn in the stages the config gives up to its data
-    position: a stage that has begun keeps its name, start, weights (as the mixture apportions them) and,
-    once over, its end; the stages after it may change freely."""
+    position: a stage that has begun keeps its name, start, weights (as the mixture apportions them),
+    sequence length and, once over, its end; the stages after it may change freely."""
     trained = manifest.get("data_stages")
     if trained is None and not stages:
         return
@@ -222,7 +222,7 @@ def check_begun_stages(manifest: dict[str, Any], step: int, run_name: str | None
             return None
         end = plan[k + 1]["first_sample"] if k + 1 < len(plan) else position
         return (plan[k]["name"], plan[k]["first_sample"], apportion(MIXTURE_BLOCK, plan[k]["weights"]),
-                min(end, position))
+                plan[k].get("seq_len"), min(end, position))
 
     for k, stage in enumerate(trained):
         if stage["first_sample"] >= position:
@@ -230,6 +230,6 @@ def check_begun_stages(manifest: dict[str, Any], step: int, run_name: str | None
         if drawn(given, k) != drawn(trained, k):
             raise ConfigError(
                 f"data.stages: stage {stage['name']!r} had begun by the checkpoint of step {step} (run {run_name}), "
-                "and this config changes it (its name, start, weights or, where it is over, its end); a stage that "
+                "and this config changes it (its name, start, weights, seq_len or, where it is over, its end); a stage that "
                 f"has begun cannot change: change only the stages after step {step}, or use another run.name"
             )

@@ -54,6 +54,14 @@ class StageConfig(Section):
     weights: dict[str, float] = Field(
         description="Share of the stage's samples per source, by data.sources[].name; a source left out is not drawn."
     )
+    seq_len: int | None = Field(
+        None,
+        gt=1,
+        description="Tokens per sequence in this stage (a long-context stage); unset = data.seq_len. Samples of "
+        "another length come from each source's own order at that length, continuing where earlier stages of "
+        "that length left it; held-out validation spans stay held out (data.validation.span_tokens must be a "
+        "multiple of it).",
+    )
 
     @field_validator("weights")
     @classmethod
@@ -244,6 +252,10 @@ class DataConfig(Section):
             if not names and skip.stage is not None:
                 raise ValueError(f"data.skip_samples: stage {skip.stage!r} given, but the run has no data.stages; "
                                  "unset stage (the samples are counted in the run's one sequence)")
+
+    def longest_seq_len(self) -> int:
+        """The longest sequence any stage trains (what the model's RoPE table and memory must hold)."""
+        return max([self.seq_len, *(stage.seq_len for stage in self.stages or [] if stage.seq_len is not None)])
 
     def source_list(self) -> list[SourceConfig]:
         """The mixture's sources, or the single data.source as a one-source list."""

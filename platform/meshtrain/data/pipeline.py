@@ -20,7 +20,7 @@ from meshtrain.data.sampling import MixtureSamples, PackedSequences, Samples, wi
 from meshtrain.data.skips import SkipRange
 from meshtrain.data.stages import DataStage, StagedSamples, unstaged
 from meshtrain.data.schemes import SAMPLING_SCHEME
-from meshtrain.data.splits import WholeStream, validation_split
+from meshtrain.data.splits import SpanSplit, WholeStream, validation_split
 from meshtrain.data.validation import ValidationPart, ValidationSet
 from meshtrain.data.sources import SourcePlan, plan_source
 from meshtrain.data.location import ReadSettings, StoreLocation
@@ -226,6 +226,34 @@ class TrainingData:
     source_names: tuple[str, ...] = ()  # the training sources' labels, in the mixture's order
 
 
+def _windows_of_length(stores: Sequence[TokenStore], components: Sequence[PackedSequences], length: int,
+                       seed: int) -> list[PackedSequences]:
+    """Each source's training windows of ``length`` tokens (a data.stages stage's own seq_len), holding out
+    the same token spans as its windows of data.seq_len: a held-out span of ``span_windows x seq_len``
+    tokens is one of ``span_windows x seq_len / length`` windows of this length, over as many spans, in the
+    same order."""
+    windows = []
+    for index, (store, base) in enumerate(zip(stores, components)):
+        split = None
+        if isinstance(base.split, SpanSplit):
+            span = base.split.span_windows * base.seq_len
+            if span % length:
+                raise ConfigError(
+                    f"data.stages: a stage's seq_len={length} does not divide the held-out validation spans of "
+                    f"{span} tokens; set data.validation.span_tokens to a multiple of {length} (or hold out "
+                    "validation by data.validation.source)"
+                )
+            split = SpanSplit.at_length(base.split, window_count(store, length), span // length)
+        elif base.split is not None:
+            raise ConfigError(
+                f"data.stages: a stage's own seq_len needs the {SAMPLING_SCHEME} sampling scheme (this run's "
+                f"checkpoints were trained with {base.scheme}); leave seq_len unset or use another run.name"
+            )
+        own_seed = (seed, length) if len(stores) == 1 else (seed, index, length)
+        windows.append(PackedSequences(store, length, own_seed, split=split, scheme=base.scheme))
+    return windows
+
+
 def open_data(plan: DataPlan, seq_len: int, seed: int, stages: Sequence[DataStage] = (),
               skips: Sequence[SkipRange] = (), may_skip: bool = False) -> TrainingData:
     """Map every store and build this run's training samples (stage by stage with ``stages``, leaving out
@@ -248,9 +276,12 @@ def open_data(plan: DataPlan, seq_len: int, seed: int, stages: Sequence[DataStag
         components.append(sequences)
         if split is not None:
             held_out.append(ValidationPart(ref.name, sequences, split, plan.eos_id))
+    other_lengths = {length: _windows_of_length(stores, components, length, seed)
+                     for length in sorted({stage.seq_len for stage in stages if stage.seq_len is not None})}
     train: Samples
     if stages or skips or may_skip:
-        train = StagedSamples(components, stages or unstaged([ref.weight for ref in plan.stores]), seed, skips=skips)
+        train = StagedSamples(components, stages or unstaged([ref.weight for ref in plan.stores]), seed, skips=skips,
+                              other_lengths=other_lengths)
     elif len(components) == 1:
         train = components[0]
     else:

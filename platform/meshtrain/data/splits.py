@@ -70,6 +70,18 @@ class SpanSplit:
         self._training_in_spans = (self.spans - self.held_out_spans) * self.span_windows
         self._permutation = FeistelPermutation(self.spans, (_VALIDATION_SEED,))
 
+    @classmethod
+    def at_length(cls, base: SpanSplit, windows: int, span_windows: int) -> SpanSplit:
+        """The split of ``base``'s stream cut into windows of another length, ``span_windows`` of which make
+        one of its spans (``windows`` of them in all): the same token spans held out, in the same order."""
+        split = cls.__new__(cls)
+        split.span_windows, split.spans, split.held_out_spans = span_windows, base.spans, base.held_out_spans
+        split.held_out_windows = split.held_out_spans * span_windows
+        split.training_windows = windows - split.held_out_windows
+        split._training_in_spans = (split.spans - split.held_out_spans) * span_windows
+        split._permutation = base._permutation
+        return split
+
     def held_out(self, k: int) -> int:
         round_, nth = divmod(k, self.held_out_spans)
         return self._permutation(nth) * self.span_windows + round_

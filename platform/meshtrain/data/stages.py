@@ -19,7 +19,7 @@ next stage continue after everything the stage's sequence reached, left-out samp
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +37,13 @@ class DataStage:
     name: str | None
     first_sample: int
     weights: tuple[float, ...]
+    seq_len: int | None = None  # the stage's own sequence length (None: data.seq_len)
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "first_sample": self.first_sample, "weights": list(self.weights)}
+        document: dict[str, Any] = {"name": self.name, "first_sample": self.first_sample, "weights": list(self.weights)}
+        if self.seq_len is not None:
+            document["seq_len"] = self.seq_len
+        return document
 
 
 def data_stages(data: DataConfig, global_batch_size: int) -> tuple[DataStage, ...]:
@@ -48,7 +52,9 @@ def data_stages(data: DataConfig, global_batch_size: int) -> tuple[DataStage, ..
     sources = [source.name or "" for source in data.sources or []]
     resolved, first = [], 0
     for stage in data.stages or ():
-        resolved.append(DataStage(stage.name, first, tuple(float(stage.weights.get(name, 0.0)) for name in sources)))
+        seq_len = stage.seq_len if stage.seq_len != data.seq_len else None
+        resolved.append(DataStage(stage.name, first, tuple(float(stage.weights.get(name, 0.0)) for name in sources),
+                                  seq_len))
         if stage.until_step is not None:
             first = stage.until_step * global_batch_size
     return tuple(resolved)
@@ -60,18 +66,28 @@ def unstaged(weights: Sequence[float]) -> tuple[DataStage, ...]:
 
 
 class StagedSamples:
-    """Global samples drawn stage by stage; each stage a mixture of its own over the same sources."""
+    """Global samples drawn stage by stage; each stage a mixture of its own over the same sources (at the
+    stage's own sequence length: ``other_lengths`` holds the sources' windows of each length that is not
+    data.seq_len, in the sources' order)."""
 
     def __init__(self, components: Sequence[Samples], stages: Sequence[DataStage], seed: int,
-                 block: int = MIXTURE_BLOCK, skips: Sequence[SkipRange] = ()) -> None:
+                 block: int = MIXTURE_BLOCK, skips: Sequence[SkipRange] = (),
+                 other_lengths: Mapping[int, Sequence[Samples]] | None = None) -> None:
         if not stages or stages[0].first_sample != 0:
             raise ValueError("the first stage starts at sample 0")
         if any(b.first_sample <= a.first_sample for a, b in zip(stages, stages[1:])):
             raise ValueError("stages must start at increasing samples")
         self.components, self.stages = list(components), list(stages)
+        lengths = dict(other_lengths or {})
+        missing = sorted({stage.seq_len for stage in stages if stage.seq_len is not None} - lengths.keys())
+        if missing:
+            raise ValueError(f"no windows of length {missing[0]} for the stages that train it")
+        # Each stage's sources: the run's windows, or those of the stage's own length.
+        self.sources_of = [list(lengths[stage.seq_len]) if stage.seq_len is not None else self.components
+                           for stage in self.stages]
         self.firsts = [stage.first_sample for stage in self.stages]
         # Stage 0 keeps the plain mixture's shuffle, so one stage is the mixture of old.
-        self.mixtures = [MixtureSamples(self.components, stage.weights, seed, block, salt=() if k == 0 else (k,))
+        self.mixtures = [MixtureSamples(self.sources_of[k], stage.weights, seed, block, salt=() if k == 0 else (k,))
                          for k, stage in enumerate(self.stages)]
         self.skip(skips)
 
@@ -83,12 +99,16 @@ class StagedSamples:
             raise ValueError(f"skipped ranges name stages this run does not have: {', '.join(unknown)}")
         self.skips = tuple(skips)
         self.maps = [SkipMap([(s.start, s.stop) for s in skips if s.stage == stage.name]) for stage in self.stages]
-        # Each source's samples drawn by the stages before stage k: where its index continues in stage k.
-        self.offsets = [[0] * len(self.components)]
-        for k in range(1, len(self.stages)):
-            reach = self.maps[k - 1].extent(self.firsts[k] - self.firsts[k - 1])
-            drawn = self.mixtures[k - 1].source_counts(0, reach)
-            self.offsets.append([before + now for before, now in zip(self.offsets[-1], drawn)])
+        # Each source's samples drawn by the stages of the same length before stage k: where its index
+        # continues in stage k (windows of another length are another order of the source).
+        drawn_by_length: dict[int | None, list[int]] = {}
+        self.offsets = []
+        for k, stage in enumerate(self.stages):
+            before = drawn_by_length.setdefault(stage.seq_len, [0] * len(self.components))
+            self.offsets.append(list(before))
+            if k + 1 < len(self.stages):
+                reach = self.maps[k].extent(self.firsts[k + 1] - self.firsts[k])
+                drawn_by_length[stage.seq_len] = [a + b for a, b in zip(before, self.mixtures[k].source_counts(0, reach))]
 
     def stage_of(self, global_index: int) -> int:
         return bisect.bisect_right(self.firsts, global_index) - 1
@@ -121,7 +141,7 @@ class StagedSamples:
 
     def locate(self, global_index: int) -> WindowRef:
         source, index = self.source_of(global_index)
-        return self.components[source].locate(index)
+        return self.sources_of[self.stage_of(global_index)][source].locate(index)
 
     def sample(self, global_index: int) -> Any:
         return self.locate(global_index).read()

@@ -56,7 +56,11 @@ def manifest_extra(trainer: Trainer, data: TrainingData, staged: StagedSamples |
     left out, and the spike rules' windows (read at a checkpoint step, where the loop syncs anyway)."""
     extra: dict[str, Any] = {}
     if staged is not None:
-        extra["data_samples"] = staged.counters(position, data.source_names)
+        samples = staged.counters(position, data.source_names)
+        lengths = {stage.name or "": stage.seq_len or trainer.plan.data_config.seq_len for stage in staged.stages}
+        extra["data_samples"] = samples
+        extra["data_tokens"] = {stage: {source: count * lengths[stage] for source, count in counts.items()}
+                                for stage, counts in samples.items()}
     if isinstance(data.train, StagedSamples):
         extra["left_out"] = [skip.to_json() for skip in data.train.skips]
     rules = trainer.guard.rules

@@ -119,7 +119,7 @@ class Trainer:
         torch.manual_seed(train.seed)
         self.memory = memory_snapshots(
             plan.memory, self, plan.run.run_dir,
-            lambda: memory_plan(model, self.layout.plan, plan.parallel, train, plan.data_config.seq_len,
+            lambda: memory_plan(model, self.layout.plan, plan.parallel, train, plan.data_config.longest_seq_len(),
                                 device.type == "cuda", plan.model_config.document_mask).total,
         )
         checkpoints = checkpoint_manager(plan.checkpoint, plan.run, worker, self.outputs.checkpoint_event)
