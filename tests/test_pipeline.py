@@ -31,13 +31,16 @@ ERROR_PREFIX = "meshtrain: config error: "
 
 @pytest.mark.parametrize(("stages", "microbatches"), [(2, 2), (4, 16), (8, 16), (4, 7), (8, 64)])
 def test_1f1b_bubble_is_the_textbook_one(stages: int, microbatches: int) -> None:
-    # With F=1 and B=2 every rank waits (p - 1) forwards and (p - 1) backwards: (p - 1) / (m + p - 1).
+    """Timed on torch's own 1F1B (and GPipe) order with F=1, B=2, every rank waits p - 1 forwards and p - 1
+    backwards: the bubble is (p - 1) / (m + p - 1)."""
     expected = (stages - 1) / (microbatches + stages - 1)
     assert bubble_fraction("1F1B", stages, microbatches) == pytest.approx(expected)
     assert bubble_fraction("GPipe", stages, microbatches) == pytest.approx(expected)
 
 
 def test_bubbles_at_4_stages_and_16_microbatches_fall_with_interleaving_and_zero_bubble() -> None:
+    """At 4 ranks and 16 micro-batches: 1F1B at most 15.8%, Interleaved1F1B (2 stages a rank) below it, more
+    loops lower still, ZBVZeroBubble and DualPipeV below Interleaved1F1B."""
     one_f_one_b = bubble_fraction("1F1B", 4, 16)
     interleaved = bubble_fraction("Interleaved1F1B", 4, 16, virtual_stages=2)
     zbv = bubble_fraction("ZBVZeroBubble", 4, 16, virtual_stages=2)
@@ -49,7 +52,8 @@ def test_bubbles_at_4_stages_and_16_microbatches_fall_with_interleaving_and_zero
 
 
 def test_the_cost_model_weighs_a_backward_as_two_forwards() -> None:
-    # GPipe, 2 stages, 1 micro-batch: F on stage 0, F on 1, B on 1, B on 0 one after another = 6; each rank busy 3.
+    """GPipe, 2 stages, 1 micro-batch: F on stage 0, F on 1, B on 1, B on 0 one after another = 6, each rank
+    busy 3 (bubble 1/2); a stage twice as heavy makes the other wait longer."""
     timeline = simulate(schedule_order("GPipe", 2, 1, 1))
     assert timeline.makespan == 6 and timeline.busy == (3, 3) and timeline.bubble == 0.5
     # A stage twice as heavy as the other makes the light one wait longer.
@@ -59,6 +63,8 @@ def test_the_cost_model_weighs_a_backward_as_two_forwards() -> None:
 
 @pytest.mark.parametrize("schedule", list(PIPELINE_SCHEDULES))
 def test_every_schedule_runs_each_microbatch_once_per_stage(schedule: str) -> None:
+    """torch builds every schedule's order from stand-in stages (no process group); each stage runs each
+    micro-batch's forward once, in turn, and its backward once; the timed order finishes."""
     virtual = PIPELINE_SCHEDULES[schedule].default_virtual_stages
     order = schedule_order(schedule, 4, virtual, 16)
     assert sorted(order.stage_rank) == sorted(list(range(4)) * virtual)
@@ -74,6 +80,8 @@ def test_every_schedule_runs_each_microbatch_once_per_stage(schedule: str) -> No
 
 
 def test_1f1b_keeps_pp_minus_its_index_microbatches_in_flight() -> None:
+    """What each rank keeps for backward, walked on torch's order: 1F1B rank r keeps p - r micro-batches,
+    GPipe all of them on every rank."""
     order = schedule_order("1F1B", 8, 1, 16)
     assert [peak_in_flight(order, rank, lambda stage: 1) for rank in range(8)] == [8, 7, 6, 5, 4, 3, 2, 1]
     gpipe = schedule_order("GPipe", 8, 1, 16)
@@ -88,7 +96,8 @@ def test_v_schedules_hold_a_stage_at_each_end_of_the_pipeline() -> None:
 
 
 def test_an_order_that_cannot_finish_is_refused() -> None:
-    # Rank 1 puts stage 1's backward before its own forward of that micro-batch: it waits forever.
+    """An order whose rank 1 puts stage 1's backward before its own forward of that micro-batch waits forever:
+    the simulation says where each rank waits."""
     order = ScheduleOrder("broken", 2, 1, 1, {0: (Action(0, "F", 0), Action(0, "B", 0)),
                                                1: (Action(1, "B", 0), Action(1, "F", 0))}, (0, 1))
     with pytest.raises(ValueError, match=r"cannot finish; ranks wait at \{0: '0B0', 1: '1B0'\}"):
@@ -112,7 +121,7 @@ def test_balanced_split_evens_alike_stages_and_the_earlier_gives_way() -> None:
 
 
 def test_balanced_split_counts_the_embedding_and_the_head() -> None:
-    # The head with the loss costs three layers, the embedding one: the ends take fewer layers.
+    """The head with the loss costing three layers and the embedding one, the ends take fewer layers."""
     split = balanced_split(80, [1] * 4, lambda rank, layers: layers + (1 if rank == 0 else 0) + (3 if rank == 3 else 0))
     assert split == [20, 21, 21, 18] and sum(split) == 80
     with pytest.raises(ValueError, match="3 layers cannot fill 4 stages"):
@@ -178,6 +187,9 @@ def rank_peaks(lines: list[str]) -> list[float]:
 def test_dry_run_of_llama3_405b_on_512_h100_as_fsdp8_tp8_pp8_fits(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    """Llama 3 405B, 64 nodes x 8 H100, FSDP 8 x TP 8 x PP 8 at seq 8192 with full recompute: the layout, a
+    balanced split of the 126 layers, every pipeline rank within 80 GB (the worst in the verdict), rank 0
+    keeping 8 micro-batches and its activations exactly 8 x its layers', the last 1; the 1F1B bubble."""
     lines = dry_run(LLAMA3_405B_512_H100, capsys, monkeypatch, tmp_path)
     text = "\n".join(lines)
     assert "mesh: (pipeline=8, replicate=1, shard=8, tensor=8) on 512 workers" in text
@@ -206,6 +218,7 @@ def test_dry_run_of_llama3_405b_on_512_h100_as_fsdp8_tp8_pp8_fits(
 def test_without_recompute_405b_keeps_too_many_microbatches_in_flight_to_fit(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    """The same layout without recompute does not fit, decided by the first rank's 8 micro-batches in flight."""
     lines = dry_run([*LLAMA3_405B_512_H100, "parallel.activation_checkpointing=none"], capsys, monkeypatch, tmp_path)
     (verdict,) = [line for line in lines if line.startswith("verdict:")]
     assert verdict.startswith("verdict: does not fit H100")
@@ -216,6 +229,8 @@ def test_without_recompute_405b_keeps_too_many_microbatches_in_flight_to_fit(
 def test_dry_run_of_llama3_70b_at_pp4_fits(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    """Llama 3 70B on 64 H100 as FSDP 2 x TP 8 x PP 4 fits without recompute under 1F1B; Interleaved1F1B halves
+    the bubble but keeps more in flight on rank 0 and fits only with selective recompute."""
     lines = dry_run(LLAMA3_70B_64_H100, capsys, monkeypatch, tmp_path)
     text = "\n".join(lines)
     assert "mesh: (pipeline=4, replicate=1, shard=2, tensor=8) on 64 workers" in text
@@ -296,6 +311,10 @@ def test_a_layout_that_cannot_run_is_one_line_in_the_dry_run(
     overrides: list[str], expected: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path
 ) -> None:
+    """Each is one line and exit 2 before any worker: a split of the wrong sum or length or with an empty
+    stage, fewer micro-batches or layers than stages, a schedule's stages per rank, TP not within a node,
+    pipeline x TP x CP not dividing the workers, a batch not of whole pipeline runs, torch's own refusal,
+    pipeline settings without PP, elastic and replica mode."""
     code, out, err = run_main(["--dry-run", *BASE, *overrides, f"run.storage_path={tmp_path}"], capsys, monkeypatch)
     assert_one_line(code, out, err, expected)
 
@@ -303,6 +322,8 @@ def test_a_layout_that_cannot_run_is_one_line_in_the_dry_run(
 def test_training_under_pipeline_parallel_is_refused_but_its_dry_run_plans(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    """A real launch with parallel.pipeline > 1 is one honest line, exit 2, nothing written and no Ray; its dry
+    run plans; --trace with it is one line."""
     argv = [*BASE, "parallel.pipeline=2", f"run.storage_path={tmp_path}"]
     code, out, err = run_main(argv, capsys, monkeypatch)
     assert_one_line(code, out, err, "parallel.pipeline=2: pipeline parallel is planned (jobs/pretrain.py --dry-run")

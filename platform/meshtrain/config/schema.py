@@ -67,8 +67,10 @@ class MeshtrainConfig(Section):
                 f"data.stages: the last stage, {last.name!r}, ends at step {last.until_step}, before "
                 f"train.steps={self.train.steps}; unset its until_step or add a stage after it"
             )
-        # TP and CP peers read the same samples: the data-parallel ranks are the workers over TP x CP.
-        self.train.batch_layout(self.scaling.num_workers // self.parallel.group_size)
+        # TP, CP and PP peers read the same samples: the data-parallel ranks are the workers over PP x TP x CP.
+        self.train.batch_layout(self.scaling.num_workers // self.parallel.data_rank_workers)
+        if self.parallel.pipeline > 1:
+            self._check_pipeline()
         sizes = self.elastic_sizes()
         if self.scaling.evict_stragglers and self.fault_tolerance.mode == "replica":
             # A slow node's whole replica group is slow, and ranks compare speeds only inside their group.
@@ -175,14 +177,16 @@ class MeshtrainConfig(Section):
     def _check_parallel_degrees(self) -> None:
         """parallel.tensor / parallel.context against the workers, the nodes, the window and the paths."""
         parallel, scaling, inner = self.parallel, self.scaling, self.parallel.group_size
-        if inner == 1:
+        if inner == 1 and parallel.pipeline == 1:
             if parallel.async_tensor:
                 raise ValueError("parallel.async_tensor needs tensor parallelism; set parallel.tensor > 1 or drop it")
             return
         per_node = scaling.workers_per_node
         check_parallel_groups(parallel.context, parallel.tensor, scaling.num_workers,
                               f"scaling.num_workers={scaling.num_workers}", per_node,
-                              f"scaling.workers_per_node={per_node}")
+                              f"scaling.workers_per_node={per_node}", parallel.pipeline)
+        if inner == 1 and parallel.async_tensor:
+            raise ValueError("parallel.async_tensor needs tensor parallelism; set parallel.tensor > 1 or drop it")
         for name, seq_len in self._seq_lens():
             if parallel.context > 1 and seq_len % (2 * parallel.context):
                 raise ValueError(f"{name}={seq_len} is not a multiple of 2 x parallel.context="
@@ -191,6 +195,23 @@ class MeshtrainConfig(Section):
         if parallel.async_tensor and (parallel.tensor == 1 or not scaling.use_gpu or not parallel.compile):
             raise ValueError("parallel.async_tensor needs parallel.tensor > 1, scaling.use_gpu=true and "
                              "parallel.compile=true (inductor pipelines the collectives on CUDA); drop it or set those")
+
+    def _check_pipeline(self) -> None:
+        """parallel.pipeline > 1: the step's batch in whole pipeline runs, and what pipeline stages do not plan yet."""
+        parallel, train = self.parallel, self.train
+        ranks = self.scaling.num_workers // parallel.data_rank_workers
+        run = train.micro_batch_size * parallel.microbatches * ranks
+        if train.global_batch_size % run:
+            raise ValueError(
+                f"train.global_batch_size={train.global_batch_size} is not a multiple of train.micro_batch_size "
+                f"({train.micro_batch_size}) x parallel.pipeline_microbatches ({parallel.microbatches}) x data-parallel "
+                f"ranks ({ranks}) = {run}: a step is whole pipeline runs; make it a multiple of {run}")
+        if self.scaling.elastic:
+            raise ValueError("scaling.min_workers (elastic training) with parallel.pipeline > 1 is not planned yet: a "
+                             "smaller group would need another split; unset scaling.min_workers")
+        if self.fault_tolerance.mode == "replica":
+            raise ValueError("fault_tolerance.mode=replica with parallel.pipeline > 1 is not planned yet; use "
+                             "fault_tolerance.mode=restart")
 
     def _check_eviction_can_happen(self, sizes: list[int]) -> None:
         """scaling.evict_stragglers with settings under which no straggler could ever be evicted

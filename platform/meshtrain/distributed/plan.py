@@ -311,9 +311,11 @@ class PipelineRank:
             ends = " + embedding" if stage == 0 else ""
             ends += " + head and loss" if stage == last_stage else ""
             held.append(f"stage {stage} = layers {layers.start}-{layers.stop - 1} ({len(layers)}){ends}")
-        return (f"  pipeline rank {self.rank}: {'; '.join(held)}; keeps up to {self.share.in_flight_microbatches} "
-                f"micro-batch{'es' if self.share.in_flight_microbatches > 1 else ''} for backward ({self.share.in_flight_layers} layer activations); idle "
-                f"{self.bubble:.1%}; peak {self.memory.total / GIB:.2f} GiB")
+        kept = self.share.in_flight_microbatches
+        what = f"micro-batch{'es' if kept > 1 else ''}" + (" of its stages" if len(self.stages) > 1 else "")
+        return (f"  pipeline rank {self.rank}: {'; '.join(held)}; keeps up to {kept} {what} for backward "
+                f"({self.share.in_flight_layers} layer activations); idle {self.bubble:.1%}; peak "
+                f"{self.memory.total / GIB:.2f} GiB")
 
 
 @dataclass(frozen=True)
