@@ -645,6 +645,8 @@ def test_shipped_job_config_validates(path: Path) -> None:
     cfg = load_config(path)
     assert cfg.model.preset in MODEL_PRESETS
     assert cfg.train.batch_layout(cfg.scaling.num_workers // cfg.parallel.group_size)[1] >= 1
+    # Written back whole (config.yaml, a checkpoint's manifest, --dry-run), it reads back the same.
+    assert MeshtrainConfig.model_validate(cfg.model_dump(mode="json")) == cfg
 
 
 def test_debug_job_config_is_the_default() -> None:

@@ -396,7 +396,7 @@ NAMED = "[{source: stdlib, name: a}, {source: stdlib, name: b, max_documents: 9}
         (["data.sources=[{source: stdlib, weight: 0}]"], "data.sources.0.weight: .*positive finite number"),
         (["data.sources=[{source: stdlib, weight: -1}]"], "data.sources.0.weight"),
         (["data.sources=[]"], "data.sources: an empty list"),
-        (["data.source=stdlib", "data.sources=[{source: stdlib}]"], "set either data.source or data.sources"),
+        (["data.source=hf:wikitext", "data.sources=[{source: stdlib}]"], "set either data.source or data.sources"),
         (["data.validation.fraction=0.6"], "data.validation.fraction"),
         (["data.stages=[{name: a, weights: {x: 1}}]"], "data.stages: stages weigh data.sources by name"),
         ([f"data.sources={NAMED}", "data.stages=[{name: a, until_step: 9, weights: {a: 1}}, "

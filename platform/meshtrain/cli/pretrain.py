@@ -58,7 +58,7 @@ def dry_run(cfg: MeshtrainConfig, args: ModelArgs, trace: bool = False) -> None:
     if trace and cfg.parallel.pipeline > 1:
         raise ConfigError("--trace steps the whole model as one rank; under parallel.pipeline > 1 it is not available "
                           "yet: drop --trace (the dry run's plan covers each pipeline rank)")
-    report = describe_plan(args, cfg.parallel, cfg.scaling, cfg.train, cfg.data.seq_len, cfg.model.document_mask,
+    report = describe_plan(args, cfg.parallel, cfg.scaling, cfg.train, cfg.data.longest_seq_len(), cfg.model.document_mask,
                            cfg.elastic_sizes())  # may raise ConfigError: then nothing goes to stdout
     print(config_yaml(cfg), end="")
     print("---")
@@ -73,7 +73,7 @@ def traced_report(cfg: MeshtrainConfig, args: ModelArgs) -> str:
     from meshtrain.train.trace import trace_step
 
     plan, _ = planned_mesh(cfg.scaling, cfg.parallel)
-    use_gpu, seq_len = cfg.scaling.use_gpu, cfg.data.seq_len
+    use_gpu, seq_len = cfg.scaling.use_gpu, cfg.data.longest_seq_len()
     planned = memory_plan(args, plan, cfg.parallel, cfg.train, seq_len, use_gpu, cfg.model.document_mask).total
     peak = trace_step(args, plan, cfg.parallel, cfg.train, cfg.optim, seq_len, use_gpu)
     traced = peak.on_device(cfg.parallel.cpu_offload)

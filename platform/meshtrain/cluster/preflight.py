@@ -111,7 +111,7 @@ def preflighted(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True, trains: bo
         pipeline_order(cfg.parallel)  # torch's own schedule takes the layout, or its reason is one line
     if cfg.fault_tolerance.mode == "replica":
         check_torchft()
-    _check_preemption_budget(cfg.run, cfg.scaling, cfg.train, cfg.data.seq_len, args)
+    _check_preemption_budget(cfg.run, cfg.scaling, cfg.train, cfg.data.longest_seq_len(), args)
     _check_metrics_address(cfg.metrics)
     _check_float8(cfg.parallel, cfg.scaling)
     _check_downstream(cfg.eval.downstream, cfg.scaling.use_gpu, args)

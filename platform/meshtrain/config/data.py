@@ -206,7 +206,9 @@ class DataConfig(Section):
         if self.sources is not None:
             if not self.sources:
                 raise ValueError("data.sources: an empty list; give at least one {source, weight} or use data.source")
-            if "source" in self.model_fields_set:
+            # A whole config written back (config.yaml, a checkpoint's manifest, --dry-run) spells out
+            # data.source at its default: only another source beside data.sources is a contradiction.
+            if "source" in self.model_fields_set and self.source != type(self).model_fields["source"].default:
                 raise ValueError("data.sources: set either data.source or data.sources (a mixture), not both")
         if self.stages is not None:
             self._check_stages(self.stages)
