@@ -232,6 +232,17 @@ def test_left_out_samples_are_never_read_count_as_drawn_and_join_up_with_later_r
         check_left_out(trained_with, skips[1:], stages, 2)
 
 
+def test_stage_ends_in_tokens_resolve_to_the_step_that_reaches_them_at_each_stages_own_length() -> None:
+    """16 sequences a step: 2,000 tokens of 32-token sequences end after step 4 (2,048 tokens); 6,144 tokens
+    in all, the second stage's sequences 64 tokens long, end after step 8."""
+    data = DataConfig(seq_len=32, sources=NAMED_SOURCES, stages=[
+        StageConfig(name="code", until_tokens=2000, weights={"code": 1}),
+        StageConfig(name="both", until_tokens=6144, seq_len=64, weights={"code": 1, "text": 1}),
+        StageConfig(name="text", weights={"text": 1})])
+    assert data.stage_ends(16) == [4, 8, None]
+    assert [(stage.first_sample, stage.seq_len) for stage in data_stages(data, 16)] == [(0, None), (64, 64), (128, None)]
+
+
 def test_one_stage_of_the_sources_own_weights_is_the_plain_mixture() -> None:
     code, text = mixture().components
     one = StagedSamples([code, text], data_stages(DataConfig(
@@ -408,6 +419,11 @@ NAMED = "[{source: stdlib, name: a}, {source: stdlib, name: b, max_documents: 9}
         ([f"data.sources={NAMED}", "data.stages=[{name: s, until_step: 9, weights: {a: 1}}, "
           "{name: t, until_step: 9, weights: {b: 1}}]"], r"data.stages: until_step must increase from stage to stage \(got 9, 9\)"),
         ([f"data.sources={NAMED}", "data.stages=[{name: s, weights: {a: 0}}]"], "give at least one source a positive"),
+        ([f"data.sources={NAMED}", "data.stages=[{name: s, until_step: 4, until_tokens: 9, weights: {a: 1}}, "
+          "{name: t, weights: {b: 1}}]"], "data.stages: stage 's' gives until_step and until_tokens; give one"),
+        ([f"data.sources={NAMED}", "data.stages=[{name: s, until_step: 4, weights: {a: 1}}, "
+          "{name: t, until_tokens: 1000, weights: {b: 1}}, {name: u, weights: {a: 1}}]"],
+         r"data.stages: stage 't' ends with until_tokens=1,000 \(the stages before it trained 8,192 tokens by step 4\)"),
         ([f"data.sources={NAMED}", "train.steps=20", "data.stages=[{name: s, until_step: 10, weights: {a: 1}}]"],
          "the last stage, 's', ends at step 10, before train.steps=20; unset its until_step"),
     ],

@@ -51,6 +51,12 @@ class StageConfig(Section):
     until_step: int | None = Field(
         None, gt=0, description="The stage's last step (the next starts after it); unset on the last stage = to the end."
     )
+    until_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Instead of until_step: the stage ends with the first step at which the run has trained this many "
+        "tokens (train.global_batch_size x each stage's seq_len per step), counted from the run's start.",
+    )
     weights: dict[str, float] = Field(
         description="Share of the stage's samples per source, by data.sources[].name; a source left out is not drawn."
     )
@@ -238,8 +244,11 @@ class DataConfig(Section):
             if unknown:
                 raise ValueError(f"data.stages: stage {stage.name!r} weighs {', '.join(map(repr, unknown))}, not among "
                                  f"data.sources' names ({', '.join(map(repr, names))})")
+        for stage in stages:
+            if stage.until_step is not None and stage.until_tokens is not None:
+                raise ValueError(f"data.stages: stage {stage.name!r} gives until_step and until_tokens; give one")
         for stage in stages[:-1]:
-            if stage.until_step is None:
+            if stage.until_step is None and stage.until_tokens is None:
                 raise ValueError(f"data.stages: stage {stage.name!r} has no until_step; only the last stage runs to the end")
         ends = [stage.until_step for stage in stages if stage.until_step is not None]
         if any(b <= a for a, b in zip(ends, ends[1:])):
@@ -254,6 +263,27 @@ class DataConfig(Section):
             if not names and skip.stage is not None:
                 raise ValueError(f"data.skip_samples: stage {skip.stage!r} given, but the run has no data.stages; "
                                  "unset stage (the samples are counted in the run's one sequence)")
+
+    def stage_ends(self, global_batch_size: int) -> list[int | None]:
+        """Each data.stages stage's last step (None: the last stage, to the end): its until_step, or the first
+        step at which the tokens trained, each stage at its own seq_len, reach its until_tokens; ValueError
+        when a stage would end before or with the one before it."""
+        ends: list[int | None] = []
+        step = tokens = 0
+        for stage in self.stages or []:
+            per_step = global_batch_size * (stage.seq_len or self.seq_len)
+            end = stage.until_step
+            if stage.until_tokens is not None:
+                end = step + -(-(stage.until_tokens - tokens) // per_step)
+            if end is not None:
+                if end <= step:
+                    given = (f"until_tokens={stage.until_tokens:,} (the stages before it trained {tokens:,} tokens by "
+                             f"step {step})" if stage.until_tokens is not None else f"until_step={end}")
+                    raise ValueError(f"data.stages: stage {stage.name!r} ends with {given}, not after the stage "
+                                     "before it; end it later")
+                tokens, step = tokens + (end - step) * per_step, end
+            ends.append(end)
+        return ends
 
     def longest_seq_len(self) -> int:
         """The longest sequence any stage trains (what the model's RoPE table and memory must hold)."""

@@ -62,10 +62,11 @@ class MeshtrainConfig(Section):
         self._check_parallel_degrees()
         self._check_metrics_ports()
         last = self.data.stages[-1] if self.data.stages else None
-        if last is not None and last.until_step is not None and last.until_step < self.train.steps:
+        last_end = self.data.stage_ends(self.train.global_batch_size)[-1] if self.data.stages else None
+        if last is not None and last_end is not None and last_end < self.train.steps:
             raise ValueError(
-                f"data.stages: the last stage, {last.name!r}, ends at step {last.until_step}, before "
-                f"train.steps={self.train.steps}; unset its until_step or add a stage after it"
+                f"data.stages: the last stage, {last.name!r}, ends at step {last_end}, before "
+                f"train.steps={self.train.steps}; unset its until_step (or until_tokens) or add a stage after it"
             )
         # TP, CP and PP peers read the same samples: the data-parallel ranks are the workers over PP x TP x CP.
         self.train.batch_layout(self.scaling.num_workers // self.parallel.data_rank_workers)
@@ -288,7 +289,7 @@ class MeshtrainConfig(Section):
         if index is None:
             raise ValueError(f"optim.decay_from_stage: no data.stages stage is named {name!r} "
                              f"(stages: {', '.join(repr(stage.name) for stage in stages) or 'none'})")
-        return stages[index - 1].until_step or 0 if index else 0
+        return self.data.stage_ends(self.train.global_batch_size)[index - 1] or 0 if index else 0
 
     def _seq_lens(self) -> list[tuple[str, int]]:
         """data.seq_len and each data.stages stage's own, named as settings."""

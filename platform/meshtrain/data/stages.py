@@ -47,16 +47,16 @@ class DataStage:
 
 
 def data_stages(data: DataConfig, global_batch_size: int) -> tuple[DataStage, ...]:
-    """``data.stages`` as the samples see them: a stage ending after step ``s`` ends at sample ``s * G``,
-    its weights in the order of ``data.sources``."""
+    """``data.stages`` as the samples see them: a stage ending after step ``s`` (its until_step, or the step its
+    until_tokens resolve to) ends at sample ``s * G``, its weights in the order of ``data.sources``."""
     sources = [source.name or "" for source in data.sources or []]
     resolved, first = [], 0
-    for stage in data.stages or ():
+    for stage, end in zip(data.stages or (), data.stage_ends(global_batch_size)):
         seq_len = stage.seq_len if stage.seq_len != data.seq_len else None
         resolved.append(DataStage(stage.name, first, tuple(float(stage.weights.get(name, 0.0)) for name in sources),
                                   seq_len))
-        if stage.until_step is not None:
-            first = stage.until_step * global_batch_size
+        if end is not None:
+            first = end * global_batch_size
     return tuple(resolved)
 
 
