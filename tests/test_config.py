@@ -372,15 +372,26 @@ def _float_fields(model: type[BaseModel], prefix: tuple[str | int, ...] = ()) ->
     return paths
 
 
+_PLACEHOLDERS: dict[Any, Any] = {str: "x", dict[str, float]: {"x": 1.0}}
+
+
 def _override(path: tuple[str | int, ...], value: str) -> str:
-    """``dotted.key=value``; a list on the way becomes a one-item YAML list: ``data.sources=[{weight: inf}]``."""
+    """``dotted.key=value``; a list on the way becomes a one-item YAML list: ``data.sources=[{weight: inf}]``,
+    the item's required fields given placeholders (``data.stages=[{name: x, weights: {x: 1.0}, lr_decay_to: inf}]``)."""
+    model: Any = MeshtrainConfig
     for index, part in enumerate(path):
         if isinstance(part, int):
             item: Any = value
             for key in reversed(path[index + 1 :]):
                 item = {key: item}
-            listed = yaml.safe_dump([item], default_flow_style=True).strip()
+            required = {name: _PLACEHOLDERS[field.annotation] for name, field in model.model_fields.items()
+                        if field.is_required() and name not in item}
+            listed = yaml.safe_dump([{**required, **item}], default_flow_style=True).strip()
             return f"{'.'.join(map(str, path[:index]))}={listed}"
+        annotation = model.model_fields[part].annotation
+        members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+        model = next((get_args(m)[0] if get_origin(m) is list else m) for m in members
+                     if m is not type(None) and (get_origin(m) is list or isinstance(m, type)))
     return f"{'.'.join(map(str, path))}={value}"
 
 

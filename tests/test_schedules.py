@@ -162,7 +162,7 @@ def test_scheduler_refuses_a_horizon_the_warmup_does_not_fit() -> None:
         ),
         (
             ["optim.schedule=step"],
-            "optim.schedule: Input should be 'cosine', 'linear', 'wsd' or 'constant' (got 'step')",
+            "optim.schedule: Input should be 'cosine', 'linear', 'wsd', 'constant' or 'staged' (got 'step')",
         ),
         (["optim.schedule_steps=0"], "optim.schedule_steps: Input should be greater than 0 (got 0)"),
         (
@@ -315,3 +315,33 @@ def test_inherited_horizon_must_fit_the_warmup(tmp_path: Path) -> None:
     (tmp_path / "r" / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
     with pytest.raises(ConfigError, match=r"^optim\.warmup_steps=20 does not fit in the LR schedule's 10 "):
         launch_config(tmp_path, "train.steps=100")
+
+
+def test_a_rerun_may_change_data_stages_for_the_checkpoints_to_judge(tmp_path: Path) -> None:
+    """config.yaml lets data.stages change on a re-run; which changes stand is data_for_resume's call,
+    against the newest checkpoint's stages (a stage that has begun stays, tested in test_checkpoint)."""
+    sources = "data.sources=[{source: stdlib, name: a}, {source: stdlib, name: b, max_documents: 9}]"
+    launch_config(tmp_path, "train.steps=100", sources, "data.stages=[{name: s, until_step: 50, weights: {a: 1}}, "
+                  "{name: t, weights: {b: 1}}]")
+    commit_a_checkpoint(tmp_path)
+    launch_config(tmp_path, "train.steps=100", sources, "data.stages=[{name: s, until_step: 50, weights: {a: 1}}, "
+                  "{name: t, weights: {a: 1, b: 1}}]")
+    assert written(tmp_path)["data"]["stages"][1]["weights"] == {"a": 1, "b": 1}
+
+
+def test_staged_schedule_holds_or_decays_per_stage() -> None:
+    """Stages ending at steps 40 and 80 and the horizon (120), warmup 10: the first decays from 1 at the
+    warmup's end to 0.5 at step 40, the second holds 0.5, the third decays to zero at 120 and stays there."""
+    stages = ((40, 0.5), (80, None), (None, 0.0))
+    cfg = OptimConfig(schedule="staged", warmup_steps=10)
+    values = {step: lr_multiplier(step, cfg, 120, stages=stages) for step in (0, 9, 10, 25, 40, 60, 79, 80, 100, 120, 500)}
+    assert values == pytest.approx({0: 0.1, 9: 1.0, 10: 1.0, 25: 0.75, 40: 0.5, 60: 0.5, 79: 0.5, 80: 0.5,
+                                    100: 0.25, 120: 0.0, 500: 0.0}, abs=1e-12)
+    resolved = load_config(None, ["train.steps=120", "train.global_batch_size=16", "optim.schedule=staged",
+                                  "data.sources=[{source: stdlib, name: a}, {source: stdlib, name: b, max_documents: 9}]",
+                                  "data.stages=[{name: s, until_step: 40, lr_decay_to: 0.5, weights: {a: 1}}, "
+                                  "{name: t, until_tokens: 163840, weights: {b: 1}}, {name: u, lr_decay_to: 0, weights: {a: 1}}]"])
+    assert resolved.lr_stages() == stages  # 163,840 tokens = 80 steps of 16 x 128
+    with pytest.raises(ConfigError, match=r"stage 's' sets lr_decay_to, which optim.schedule=staged reads"):
+        load_config(None, ["data.sources=[{source: stdlib, name: a}]",
+                           "data.stages=[{name: s, lr_decay_to: 0.5, weights: {a: 1}}]"])

@@ -35,7 +35,7 @@ def resolve_schedule_horizon(cfg: MeshtrainConfig, paths: RunPaths) -> Meshtrain
         horizon = previous["optim"].get("schedule_steps") or previous["train"]["steps"]
     else:
         horizon = cfg.train.steps
-    cfg.optim.check_horizon(horizon, cfg.lr_decay_start())
+    cfg.optim.check_horizon(horizon, cfg.lr_decay_start(), cfg.lr_stages())
     cfg = cfg.model_copy(deep=True)
     cfg.optim.schedule_steps = horizon
     return cfg
@@ -54,6 +54,8 @@ RESUMABLE_CHANGES = (
     "optim.schedule_steps", "eval", "train.max_bad_steps", "train.loss_spike_factor", "train.loss_spike_window",
     "train.grad_norm_spike_factor", "train.rollback_after_spikes", "train.rollback_window", "train.rollback_skip_before",
     "train.max_rollbacks", "data.skip_samples", "train.gc_every", "memory",
+    # The stages not begun by the newest checkpoint may change; data_for_resume refuses a change to one that has.
+    "data.stages",
 )
 
 

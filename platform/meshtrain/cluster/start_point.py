@@ -23,7 +23,8 @@ def schedule_lr(settings: dict[str, Any], step: int, shown: str) -> float:
     try:
         source = MeshtrainConfig.model_validate(settings)
         horizon = source.optim.schedule_steps or source.train.steps
-        return source.optim.lr * lr_multiplier(step, source.optim, horizon, source.lr_decay_start())
+        return source.optim.lr * lr_multiplier(step, source.optim, horizon, source.lr_decay_start(),
+                                                 source.lr_stages())
     except (ValidationError, ValueError, TypeError) as exc:
         raise ConfigError(
             f"checkpoint.start_from: the schedule of {shown} cannot be read ({one_line(exc, 160)}); set "

@@ -28,6 +28,7 @@ def worker_plan(config: MeshtrainConfig, data: DataPlan | TrainingData, launch_i
         launch_id=launch_id,
         data_stages=data_stages(config.data, config.train.global_batch_size),
         lr_decay_start=config.lr_decay_start(),
+        lr_stages=config.lr_stages(),
         start_from=start_from,
         model_config=config.model,
         data_config=config.data,

@@ -60,6 +60,13 @@ class StageConfig(Section):
     weights: dict[str, float] = Field(
         description="Share of the stage's samples per source, by data.sources[].name; a source left out is not drawn."
     )
+    lr_decay_to: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="optim.schedule=staged: the stage decays the LR linearly from where it stands at its start to "
+        "this ratio of optim.lr by its last step (0: to zero); unset = it holds the LR it starts with.",
+    )
     seq_len: int | None = Field(
         None,
         gt=1,

@@ -82,6 +82,12 @@ class MeshtrainConfig(Section):
             )
         if self.train.rollback_after_spikes is not None:
             self._check_rollback()
+        decaying = [stage.name for stage in self.data.stages or [] if stage.lr_decay_to is not None]
+        if self.optim.schedule == "staged" and not self.data.stages:
+            raise ValueError("optim.schedule=staged: the LR follows data.stages; give the stages, or another schedule")
+        if decaying and self.optim.schedule != "staged":
+            raise ValueError(f"data.stages: stage {decaying[0]!r} sets lr_decay_to, which optim.schedule=staged reads; "
+                             f"set optim.schedule=staged, or drop lr_decay_to (the schedule is {self.optim.schedule})")
         if self.checkpoint.start_from is not None and self.model.init_from is not None:
             raise ValueError("checkpoint.start_from and model.init_from both give the starting weights; set one "
                              "(start_from: a meshtrain checkpoint, init_from: a Hugging Face directory)")
@@ -96,7 +102,7 @@ class MeshtrainConfig(Section):
                 )
             self._check_eviction_can_happen(sizes)
         # A re-run may resolve another horizon (the launcher keeps the first launch's); it checks again.
-        self.optim.check_horizon(self.optim.schedule_steps or self.train.steps, self.lr_decay_start())
+        self.optim.check_horizon(self.optim.schedule_steps or self.train.steps, self.lr_decay_start(), self.lr_stages())
         self.profile.check_within(self.train.steps, self.scaling.num_workers)
         self.memory.check_device(self.scaling.use_gpu)
         if (self.eval.downstream.enabled or self.eval.samples.prompts) and not self.checkpoint.enabled:
@@ -290,6 +296,15 @@ class MeshtrainConfig(Section):
             raise ValueError(f"optim.decay_from_stage: no data.stages stage is named {name!r} "
                              f"(stages: {', '.join(repr(stage.name) for stage in stages) or 'none'})")
         return self.data.stage_ends(self.train.global_batch_size)[index - 1] or 0 if index else 0
+
+    def lr_stages(self) -> tuple[tuple[int | None, float | None], ...]:
+        """optim.schedule=staged: each data.stages stage's last step (None: the last, to the end of the schedule)
+        and the ratio of optim.lr it decays to (None: it holds); () for the other schedules."""
+        if self.optim.schedule != "staged":
+            return ()
+        stages = self.data.stages or []
+        ends = self.data.stage_ends(self.train.global_batch_size)
+        return tuple((end, stage.lr_decay_to) for stage, end in zip(stages, ends))
 
     def _seq_lens(self) -> list[tuple[str, int]]:
         """data.seq_len and each data.stages stage's own, named as settings."""

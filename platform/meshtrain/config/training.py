@@ -12,11 +12,13 @@ from meshtrain.config.section import Section
 
 class OptimConfig(Section):
     lr: float = Field(3e-3, gt=0, description="Peak learning rate (after warmup).")
-    schedule: Literal["cosine", "linear", "wsd", "constant"] = Field(
+    schedule: Literal["cosine", "linear", "wsd", "constant", "staged"] = Field(
         "cosine",
         description="LR after warmup: cosine or linear decay to min_lr_ratio x lr by the end of the "
         "schedule; wsd = stable at lr, then linear decay to min_lr_ratio x lr over the last "
-        "optim.decay_fraction of the schedule (or from the start of optim.decay_from_stage); constant = lr throughout.",
+        "optim.decay_fraction of the schedule (or from the start of optim.decay_from_stage); constant = lr throughout; "
+        "staged = each data.stages stage holds the LR it starts with, or decays it linearly to its lr_decay_to x lr "
+        "by its last step (the last stage: by the end of the schedule).",
     )
     min_lr_ratio: float = Field(
         0.1, ge=0, le=1, description="Final LR of the cosine, linear and wsd decays, as a fraction of lr."
@@ -72,8 +74,10 @@ class OptimConfig(Section):
         assert self.decay_fraction is not None, "the wsd schedule decays over a fraction or from a stage"
         return max(1, round(self.decay_fraction * horizon))
 
-    def check_horizon(self, horizon: int, decay_start: int | None = None) -> None:
-        """ConfigError unless the warmup (and a wsd decay) fit in a schedule of ``horizon`` steps."""
+    def check_horizon(self, horizon: int, decay_start: int | None = None,
+                      stages: tuple[tuple[int | None, float | None], ...] = ()) -> None:
+        """ConfigError unless the warmup (and a wsd decay, or the first staged decay) fit in a schedule of
+        ``horizon`` steps (``stages``: optim.schedule=staged's stage ends and decay ratios)."""
         span = f"the LR schedule's {horizon} steps (optim.schedule_steps, unset = train.steps)"
         if self.schedule == "wsd":
             if decay_start is not None and not self.warmup_steps <= decay_start < horizon:
@@ -89,6 +93,12 @@ class OptimConfig(Section):
                     f"(optim.decay_fraction={self.decay_fraction}) exceed {span}; "
                     "lower optim.warmup_steps or optim.decay_fraction, or lengthen the schedule"
                 )
+        elif self.schedule == "staged" and any(end is not None and decay is not None and end <= self.warmup_steps
+                                               for end, decay in stages):
+            raise ConfigError(
+                f"optim.warmup_steps={self.warmup_steps}: a data.stages stage that sets lr_decay_to ends within the "
+                "warmup; shorten the warmup or end the stage later"
+            )
         elif self.warmup_steps >= horizon:
             raise ConfigError(
                 f"optim.warmup_steps={self.warmup_steps} does not fit in {span}; "

@@ -38,16 +38,41 @@ def build_optimizer(
     return optimizer
 
 
-def lr_multiplier(step: int, cfg: OptimConfig, horizon: int, decay_start: int | None = None) -> float:
+StageLR = tuple[tuple[int | None, float | None], ...]  # each stage's last step (None: the horizon), its decay ratio
+
+
+def staged_multiplier(step: int, horizon: int, stages: StageLR, warmup: int = 0) -> float:
+    """optim.schedule=staged after the warmup: each stage holds the factor it starts with, or decays it linearly
+    to its ratio by its last step (from the warmup's end, in a stage the warmup reaches into); steps past the
+    horizon keep the factor it reaches."""
+    step = min(step, horizon)
+    level, first = 1.0, 0
+    for end, decay_to in stages:
+        last = horizon if end is None else end
+        if decay_to is not None:
+            begin = max(first, warmup)
+            if step < last:
+                return level + (decay_to - level) * max(0, step - begin) / max(1, last - begin)
+            level = decay_to
+        elif step < last:
+            return level
+        first = last
+    return level
+
+
+def lr_multiplier(step: int, cfg: OptimConfig, horizon: int, decay_start: int | None = None,
+                  stages: StageLR = ()) -> float:
     """LR factor for the update that follows ``step`` completed steps of a ``horizon``-step schedule:
     linear warmup over ``cfg.warmup_steps``, then ``cfg.schedule``; steps past the horizon keep its
     final factor (``cfg.min_lr_ratio`` for the decaying schedules). ``decay_start``: the step a wsd decay
-    starts at (optim.decay_from_stage, resolved)."""
+    starts at (optim.decay_from_stage, resolved); ``stages``: optim.schedule=staged's stages, resolved."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     floor = cfg.min_lr_ratio
     if cfg.schedule == "constant":
         return 1.0
+    if cfg.schedule == "staged":
+        return staged_multiplier(step, horizon, stages, cfg.warmup_steps)
     if cfg.schedule == "wsd":
         decay_steps = cfg.wsd_decay_steps(horizon, decay_start)
         progress = min(1.0, max(0.0, (step - (horizon - decay_steps)) / decay_steps))
@@ -59,7 +84,7 @@ def lr_multiplier(step: int, cfg: OptimConfig, horizon: int, decay_start: int | 
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, horizon: int,
-                       decay_start: int | None = None) -> LambdaLR:
+                       decay_start: int | None = None, stages: StageLR = ()) -> LambdaLR:
     """The ``cfg`` schedule over ``horizon`` steps (ConfigError if the warmup does not fit in it)."""
-    cfg.check_horizon(horizon, decay_start)
-    return LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, horizon, decay_start))
+    cfg.check_horizon(horizon, decay_start, stages)
+    return LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, horizon, decay_start, stages))

@@ -40,6 +40,7 @@ class WorkerPlan:
     launch_id: str = ""
     data_stages: tuple[DataStage, ...] = ()  # data.stages at their first samples, weights in the sources' order
     lr_decay_start: int | None = None  # optim.decay_from_stage: the step the wsd decay starts at
+    lr_stages: tuple[tuple[int | None, float | None], ...] = ()  # optim.schedule=staged: stage ends, decay ratios
     start_from: StartPoint | None = None  # checkpoint.start_from, resolved: loaded on the run's first start
     # The config's sections, as the driver checked them.
     model_config: ModelConfig

@@ -134,7 +134,8 @@ class Trainer:
         layout, mesh = self.layout, self.layout.plan
         self.attention_work = AttentionWork()  # the (query, key) pairs the steps attend, for MFU
         self.optimizer = build_optimizer(self.model, plan.optim)
-        self.scheduler = build_lr_scheduler(self.optimizer, plan.optim, plan.horizon, plan.lr_decay_start)
+        self.scheduler = build_lr_scheduler(self.optimizer, plan.optim, plan.horizon, plan.lr_decay_start,
+                                            plan.lr_stages)
         self.guard = StepGuard(self.optimizer, device, spike_rules(train))
         self.progress = Progress()
         self.state = TrainState(self.model, self.optimizer, self.scheduler, self.progress, layout.rank)
