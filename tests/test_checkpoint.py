@@ -282,7 +282,8 @@ def test_data_stages_resume_at_their_boundaries_as_if_never_stopped_and_a_begun_
 ) -> None:
     """Steps 1-4 read only `early`; steps 5-12 `late` joins, 1:3; from step 13 `extra` joins, `early` leaves
     and the sequences double to 64 tokens. A run stopped at the first boundary trains steps 5-16 bitwise as
-    the unbroken one; one stopped at the second and resumed on two ranks trains steps 13-16 within 1e-6,
+    the unbroken one; one stopped at the second, or inside the main stage, and resumed on two ranks trains
+    the rest within 1e-6,
     each checkpoint counting the samples and tokens per stage and source exactly alike; a relaunch may
     change only the stages that have not begun."""
     from meshtrain.cluster.resume import data_for_resume
@@ -317,6 +318,9 @@ def test_data_stages_resume_at_their_boundaries_as_if_never_stopped_and_a_begun_
     seed_run_with(tmp_path, "staged-wider", ckpt_dir(tmp_path, "staged", 12))
     wider = run(same_run("staged-wider", "scaling.num_workers=2"), plan, 2)
     assert losses(wider) == pytest.approx({step: expected[step] for step in range(13, 17)}, rel=1e-6)
+    seed_run_with(tmp_path, "staged-midway", ckpt_dir(tmp_path, "staged", 8))  # inside a stage, on two ranks
+    midway = run(same_run("staged-midway", "scaling.num_workers=2"), plan, 2)
+    assert losses(midway) == pytest.approx({step: expected[step] for step in range(9, 17)}, rel=1e-6)
     wider_manifest = CheckpointStorage(str(ckpt_dir(tmp_path, "staged-wider", 16))).read_marker(
         str(ckpt_dir(tmp_path, "staged-wider", 16)))
     assert wider_manifest["data_tokens"] == manifests[16]["data_tokens"]

@@ -250,6 +250,8 @@ def test_the_kinds_a_cpu_run_does_not_write_conform() -> None:
         ReplicaLostRecord(step=5, participants=1, replicas=2, stall_s=3.1, quorum_s=1.2, time=now),
         MemorySnapshotRecord(step=3, rank=0, path="memory/rank0.step3.end.pickle"),
         MixtureRecord(step=10, samples=[0, 80], sources={"web": 0.75, "code": 0.25}),
+        MixtureRecord(step=20, samples=[80, 160], sources={"web": 0.5, "code": 0.5}, stage="late",
+                      target={"web": 0.5, "code": 0.5}),
     ]
     documents = [json.loads(json.dumps(record.to_json())) for record in records]
     assert [problem for document in documents for problem in check_record(document)] == []

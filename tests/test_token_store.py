@@ -159,6 +159,11 @@ def test_the_mixture_log_reports_each_sources_share_of_the_samples_trained_since
     log.after_step(StepDone(8, last=True, logged=True, lr=0.0, output=output, data_wait_s=0.0))
     assert records[-1].sources == {name: count / MIXTURE_BLOCK
                                       for name, count in zip(["code", "text"], apportion(MIXTURE_BLOCK, [0.7, 0.3]))}
+    assert records[-1].target == records[-1].sources  # what a whole block gives is what the mixture aims at
+    from meshtrain.observe.progress import progress_line
+
+    assert progress_line(records[-1], 8) == ("[meshtrain] mixture of steps to 8: code 70.0% (aims at 70.0%), "
+                                             "text 30.0% (aims at 30.0%)")
 
 
 NAMED_SOURCES = [SourceConfig(name="code"), SourceConfig(name="text")]

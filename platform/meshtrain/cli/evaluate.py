@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from meshtrain.checkpoint.reading import checkpoint_in
 from meshtrain.cli.common import (
     OneLineParser,
     add_storage_options_argument,
@@ -82,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             check_writable_folder(Path(args.out), "--out")
         if args.average is not None and not args.out:
             raise ConfigError("--average: the mean of several steps has no step's results folder; give --out")
+        from meshtrain.checkpoint.reading import checkpoint_in  # torch: after the arguments are checked
+
         checkpoint = checkpoint_in(args.checkpoint, options, args.average)
         run_dir = default_run_dir(checkpoint) or Path.cwd()
         if not args.out:

@@ -18,7 +18,6 @@ import argparse
 import re
 from pathlib import Path
 
-from meshtrain.checkpoint.reading import checkpoint_in
 from meshtrain.cli.common import (
     OneLineParser,
     add_storage_options_argument,
@@ -89,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         # Before the checkpoint is read (every byte of it, checked): the output must have somewhere to go.
         check_writable_folder(Path(args.out).expanduser().absolute().parent, "output", "give an output path in a "
                               "writable folder")
+        from meshtrain.checkpoint.reading import checkpoint_in  # torch: after the arguments are checked
+
         checkpoint = checkpoint_in(args.checkpoint, options, args.average)
         result = export_checkpoint(
             checkpoint,

@@ -16,7 +16,6 @@ import argparse
 import math
 import time
 
-from meshtrain.checkpoint.reading import checkpoint_in
 from meshtrain.cli.common import (
     OneLineParser,
     add_storage_options_argument,
@@ -71,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     from meshtrain.evaluate.hf_model import load_checkpoint_model
 
     try:
+        from meshtrain.checkpoint.reading import checkpoint_in  # torch: after the arguments are checked
+
         checkpoint = checkpoint_in(args.checkpoint, options)
         loaded = load_checkpoint_model(checkpoint, options)
         started = time.perf_counter()

@@ -18,6 +18,7 @@ from meshtrain.observe.run_folder import (
     EvalRecord,
     EvictionRecord,
     GroupStartRecord,
+    MixtureRecord,
     LineAppender,
     PreemptedRecord,
     ReadRecord,
@@ -104,6 +105,12 @@ def progress_line(record: ReadRecord, total_steps: int) -> str:
         case TextSamplesRecord():
             return "\n".join(f"[meshtrain] sample step {record.step}: {sample['prompt']!r} -> {sample['continuation']!r}"
                              for sample in record.samples)
+        case MixtureRecord():
+            target = record.target or {}
+            shares = ", ".join(f"{source} {share:.1%}" + (f" (aims at {target[source]:.1%})" if source in target else "")
+                               for source, share in record.sources.items())
+            stage = f" (stage {record.stage})" if record.stage else ""
+            return f"[meshtrain] mixture of steps to {record.step}{stage}: {shares}"
         case DownstreamEvalFailedRecord():
             return f"[meshtrain] downstream evaluation of step {record.step} failed ({record.error}); training is not affected"
         case TrainRecord():

@@ -396,6 +396,7 @@ class MixtureRecord(Record):
     samples: list[int]  # the global samples [from, to) it counts: those trained since the previous record
     sources: dict[str, float]  # each source's share of them (data.sources' weights are what they aim at)
     stage: str | None = None  # data.stages: the stage of the last of them (whose weights the shares aim at)
+    target: dict[str, float] | None = None  # the shares the mixture (of that stage) aims at
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -410,13 +411,25 @@ class StartedFromRecord(Record):
     load_s: float
 
 
+class LeftOutRange(TypedDict):
+    """A range a rollback left out, as the record and left_out_samples.json write it (:class:`LeftOutSamples`)."""
+
+    stage: str | None
+    start: int
+    stop: int
+    rollback: int
+    step: int
+    rolled_back_to: int
+    sources: dict[str, int]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RollbackRecord(Record):
     event: ClassVar[str] = "rollback"
     step: int  # the step whose guard reading called for it
     to_step: int  # the checkpoint the run went back to
     skipped_steps: list[int]  # the steps skipped within train.rollback_window
-    left_out: list[dict[str, Any]]  # the samples left out from now on: LeftOutSamples' keys
+    left_out: list[LeftOutRange]  # the samples left out from now on
     seconds: float  # the reload: waiting for the save in flight, loading the checkpoint, re-reading data
     time: float
 

@@ -1,5 +1,5 @@
 """The data mixture as trained: at each logged step, each source's share of the samples since the
-previous one. ``data.sources``' weights are what the shares aim at; the mixture is exact per block of
+previous one, beside the share it aims at (the mixture's, exact per block). ``data.sources``' weights are what the shares aim at; the mixture is exact per block of
 samples, so over a short interval the shares wander around the weights; with data.stages each record
 names the stage whose weights its shares aim at."""
 
@@ -32,9 +32,12 @@ class MixtureLog(LoopPart):
         self._since = until
         if self.outputs.on_record is not None:  # counted only where the records are written
             counts = self.samples.source_counts(since, until)
+            mixture = (self.samples.mixtures[self.samples.stage_of(max(until - 1, 0))]
+                       if isinstance(self.samples, StagedSamples) else self.samples)
             self.outputs.mixture(MixtureRecord(
                 step=done.step, samples=[since, until],
                 sources={label: counts[k] / max(until - since, 1) for k, label in enumerate(self.labels)},
                 stage=self.samples.stage_name(until - 1) if isinstance(self.samples, StagedSamples) else None,
+                target={label: mixture.counts[k] / mixture.block for k, label in enumerate(self.labels)},
             ))
         return True

@@ -23,13 +23,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 from meshtrain.checkpoint.manager import CheckpointManager
 from meshtrain.checkpoint.state import Progress, TrainState
 from meshtrain.data.batches import DataParallelBatches
 from meshtrain.data.skips import merged_skips
 from meshtrain.data.stages import StagedSamples
-from meshtrain.observe.run_folder import LeftOutSamples, RollbackRecord, read_left_out, write_left_out
+from meshtrain.observe.run_folder import LeftOutRange, LeftOutSamples, RollbackRecord, read_left_out, write_left_out
 from meshtrain.train.guard import BadStepLimit, StepGuard
 from meshtrain.train.loop import LoopPart, StepDone
 from meshtrain.train.records import LoopOutputs
@@ -87,7 +88,8 @@ class SpikeRollback(LoopPart):
         self.guard.skipped.zero_()
         self.outputs.rollback(RollbackRecord(
             step=done.step, to_step=restored.step, skipped_steps=list(due.skipped),
-            left_out=[entry.to_json() for entry in left_out], seconds=time.perf_counter() - started, time=time.time(),
+            left_out=[cast(LeftOutRange, entry.to_json()) for entry in left_out], seconds=time.perf_counter() - started,
+            time=time.time(),
         ))
         self.tell_parts(self.progress.step)
         return True
