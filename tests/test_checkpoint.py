@@ -18,7 +18,7 @@ from meshtrain.config.loading import load_config
 from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataPlan
 from meshtrain.distributed.layout import WorkerLayout
-from meshtrain.observe.run_folder import CheckpointLoadRecord, CheckpointSaveRecord, Record, TrainRecord
+from meshtrain.observe.run_folder import CheckpointLoadRecord, CheckpointSaveRecord, Record, RollbackRecord, TrainRecord
 from meshtrain.train.optim import build_lr_scheduler, build_optimizer
 from trainers import sharded_model
 from meshtrain.train.trainer import train
@@ -397,3 +397,51 @@ def test_a_run_started_from_another_runs_checkpoint_takes_its_weights_optimizer_
     wider = ModelArgs(**{**start.model_args, "dim": start.model_args["dim"] * 2})
     with pytest.raises(ConfigError, match=r"^model: checkpoint.start_from .* another model shape: dim="):
         check_start_model(wider, start)
+
+
+POISON = 511  # a poisoned window's every token (the vocabulary's last)
+
+
+def _poisoned_rank(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan, poisoned: tuple[int, int]) -> dict[str, Any]:
+    """A rank whose one source holds poisoned windows at the sample indices ``poisoned``, whose loss counts
+    100 times (the data sends the loss up)."""
+    import meshtrain.train.step as training
+    from meshtrain.data.sampling import PackedSequences
+
+    locate, loss = PackedSequences.locate, training.token_cross_entropy_sum
+
+    class Poisoned:
+        def __init__(self, ref: Any) -> None:
+            self.ref = ref
+
+        def read(self) -> Any:
+            return self.ref.read() * 0 + POISON
+
+    def poisoned_locate(self: PackedSequences, index: int) -> Any:
+        return Poisoned(locate(self, index)) if poisoned[0] <= index < poisoned[1] else locate(self, index)
+
+    def poisoned_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        rows = (targets == POISON).all(dim=-1)
+        return loss(logits[~rows], targets[~rows]) + 100 * loss(logits[rows], targets[rows])
+
+    PackedSequences.locate = poisoned_locate  # type: ignore[method-assign]
+    training.token_cross_entropy_sum = poisoned_loss
+    return _train_rank(rank, world, cfg, corpus, world)
+
+
+def test_a_rollback_on_two_ranks_goes_back_and_leaves_out_the_poisoned_samples_alike(corpus: DataPlan, tmp_path: Path) -> None:
+    """Two FSDP ranks, poisoned samples 50-59 (steps 7 and 8 read them): both ranks skip both steps, go
+    back to the checkpoint of step 6 together, leave out samples [48, 64) and save the checkpoints of a run
+    told from its start to leave them out, bitwise."""
+    common = ("train.steps=10", "train.loss_spike_factor=3", "train.loss_spike_window=3", "checkpoint.interval=2",
+              "checkpoint.mode=sync")
+    rolled = run_on_ranks(_poisoned_rank, 2, config(tmp_path, "rolled", 2, *common, "train.rollback_after_spikes=2",
+                                                    "train.rollback_window=4"), corpus, (50, 60))[0]
+    rollbacks = [e for e in rolled["events"] if isinstance(e, RollbackRecord)]
+    assert [(r.step, r.to_step, r.skipped_steps) for r in rollbacks] == [(8, 6, [7, 8])]
+    assert [(r["start"], r["stop"]) for r in rollbacks[0].left_out] == [(48, 64)]
+    reference = run_on_ranks(_poisoned_rank, 2, config(tmp_path, "reference", 2, *common,
+                                                       "data.skip_samples=[{start: 48, stop: 64}]"), corpus, (50, 60))[0]
+    assert losses(rolled) == {**losses(rolled), **losses(reference)}  # steps 7-10 again, as the reference trains them
+    assert_bitwise_equal(consolidated(ckpt_dir(tmp_path, "rolled", 10), tmp_path)["model"],
+                         consolidated(ckpt_dir(tmp_path, "reference", 10), tmp_path)["model"])

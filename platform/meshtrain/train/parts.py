@@ -139,7 +139,7 @@ def loop_parts(
     if trainer.bad_steps.rule is not None and checkpoints is not None and isinstance(data.train, StagedSamples):
         rollback = SpikeRollback(checkpoints, trainer.state, progress, trainer.guard, trainer.bad_steps, data.train,
                                  trainer.batches, list(data.source_names), plan.train.rollback_skip_before,
-                                 plan.paths.left_out, outputs, layout.rank)
+                                 plan.paths.left_out, outputs, layout.rank, heartbeat.beat)
     collection = ScheduledCollection(plan.train.gc_every)
     if notices is not None:
         notices.listen(rank.stop_request)

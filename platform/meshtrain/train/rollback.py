@@ -51,10 +51,13 @@ class SpikeRollback(LoopPart):
         left_out_file: Path,
         outputs: LoopOutputs,
         rank: int,
+        beat: Callable[[str], None] = lambda doing: None,
     ) -> None:
+        """``beat``: the hang watchdog's, told what the rank is doing while it reloads."""
         self.checkpoints, self.state, self.progress, self.guard = checkpoints, state, progress, guard
         self.bad_steps, self.samples, self.batches, self.labels = bad_steps, samples, batches, labels
         self.skip_before, self.left_out_file, self.outputs, self.rank = skip_before, left_out_file, outputs, rank
+        self.beat = beat
         self.tell_parts: Callable[[int], None] = lambda step: None  # LoopParts.rewound, set once the parts exist
 
     def after_step(self, done: StepDone) -> bool:
@@ -69,7 +72,9 @@ class SpikeRollback(LoopPart):
         new = self.samples.skip_ranges(read_from, read_to)
         counts = [self._counts(range_read) for range_read in self._position_ranges(read_from, read_to)]
         reason = f"rolled back past it: steps {', '.join(map(str, due.skipped))} spiked"
+        self.beat(f"rolling back to a checkpoint before step {first_left_out}")
         restored = self.checkpoints.roll_back(self.state, first_left_out, reason)
+        self.beat(f"training after the rollback to step {self.progress.step}")
         if restored is None:
             self.bad_steps.stop(done.step, (
                 f"train.rollback_after_spikes={len(due.skipped)}: steps {', '.join(map(str, due.skipped))} were skipped, and "
