@@ -95,6 +95,7 @@ def test_the_mean_of_the_newest_checkpoints_is_scored_as_one_model(
     four, _, _ = load_model_state(str(run_dir / "checkpoints" / "step-00000004"))
     mean = (two["tok_embeddings.weight"] + four["tok_embeddings.weight"]) / 2
     assert loaded.step == 4 and torch.equal(loaded.model.model.embed_tokens.weight, mean)
+    capsys.readouterr()  # what loading printed (torchao's first import in this process) is not the command's
     assert evaluate_main([str(run_dir), "--tasks", "meshtrain_mc", "--include-path", str(TASKS), "--average", "2"]) == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert error == ["evaluate: error: --average: the mean of several steps has no step's results folder; give --out"]

@@ -56,7 +56,7 @@ def resolve_checkpoint(path: str, storage_options: dict[str, Any] | None = None)
             f"no committed checkpoint under {storage.display(storage.root)} (step {interrupted[0][0]} has no "
             f"{COMMIT_MARKER} marker: an interrupted save); wait for a save to commit or give another run"
         )
-    _read_committed(storage)  # raises the error that says what is wrong with ``path``
+    read_committed(storage)  # raises the error that says what is wrong with ``path``
     return path
 
 
@@ -93,7 +93,10 @@ def newest_loadable(storage: CheckpointStorage, count: int = 1) -> list[Committe
     return chosen
 
 
-def _read_committed(storage: CheckpointStorage) -> CommittedCheckpoint:
+def read_committed(storage: CheckpointStorage, whole_files: bool = True) -> CommittedCheckpoint:
+    """The committed meshtrain checkpoint at ``storage``'s root: its marker read and sealed, not marked bad, its
+    files of the sizes the marker records and, with ``whole_files``, every byte checked against its checksums
+    (a reader that checks each read as it goes passes False); CheckpointError naming what is wrong."""
     path = storage.root.rstrip("/")
     shown = storage.display(path)
     if not storage.fs.exists(path):
@@ -118,7 +121,7 @@ def _read_committed(storage: CheckpointStorage) -> CommittedCheckpoint:
         )
     checkpoint = CommittedCheckpoint(path, int(manifest.get("step", -1)), manifest)
     storage.validate(checkpoint)
-    if not storage.verify_files(checkpoint):  # every byte, whole files: an export reads the checkpoint once
+    if whole_files and not storage.verify_files(checkpoint):  # every byte: an export reads the checkpoint once
         print(
             f"[meshtrain] checkpoint {shown} has no checksums (written before meshtrain recorded them): "
             "checked its file sizes only",
@@ -165,7 +168,7 @@ class CommittedModel:
     @classmethod
     def open(cls, checkpoint: str, storage_options: dict[str, Any] | None) -> "CommittedModel":
         storage = CheckpointStorage(checkpoint, storage_options)
-        committed = _read_committed(storage)
+        committed = read_committed(storage)
         try:
             args = ModelArgs(**committed.manifest["model_args"])
         except ValidationError as exc:

@@ -28,7 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from meshtrain.checkpoint.checksums import MARKER_CHECKSUM, seal_marker
 from meshtrain.checkpoint.state import plain_tensors
-from meshtrain.checkpoint.storage import BAD_MARKER, COMMIT_MARKER, CheckpointError, CheckpointStorage, CommittedCheckpoint
+from meshtrain.checkpoint.reading import read_committed
+from meshtrain.checkpoint.storage import CheckpointError, CheckpointStorage
 
 
 @dataclass(frozen=True)
@@ -46,25 +47,6 @@ class StartPoint:
                 "lr": self.lr, "optimizer": self.optimizer}
 
 
-def committed_step(path: str, storage_options: dict[str, Any] | None) -> tuple[CheckpointStorage, CommittedCheckpoint]:
-    """The committed checkpoint at the step directory ``path``: its marker read and sealed, not marked bad,
-    its files of the sizes the marker records (their bytes are checked as they are read); CheckpointError."""
-    storage = CheckpointStorage(path, storage_options)
-    root = storage.root.rstrip("/")
-    shown = storage.display(root)
-    manifest = storage.read_marker(root)
-    if manifest is None or "model_args" not in manifest:
-        raise CheckpointError(f"checkpoint.start_from: {shown} is not a committed meshtrain checkpoint (no "
-                              f"{COMMIT_MARKER} with model_args); give a step directory or a run folder")
-    bad = storage.bad_reason(root)
-    if bad is not None:
-        raise CheckpointError(f"checkpoint.start_from: {shown} is marked bad ({bad}); give another step, or "
-                              f"repair it and remove its {BAD_MARKER} file")
-    committed = CommittedCheckpoint(root, int(manifest.get("step", -1)), manifest)
-    storage.validate(committed)
-    return storage, committed
-
-
 def fingerprint(manifest: dict[str, Any]) -> str:
     return str(seal_marker(manifest)[MARKER_CHECKSUM])
 
@@ -75,7 +57,8 @@ def load_start_point(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
     start point; the seconds it took. The optimizer keeps this run's hyperparameters (learning rate,
     betas, weight decay): only its moments and step counts come from the checkpoint."""
     started = time.perf_counter()
-    storage, committed = committed_step(start.path, storage_options)
+    storage = CheckpointStorage(start.path, storage_options)
+    committed = read_committed(storage, whole_files=False)  # DCP's reads are checked as they go
     if fingerprint(committed.manifest) != start.fingerprint:
         raise CheckpointError(f"checkpoint.start_from: {start.path} changed after the driver read it (its marker's "
                               "digest differs); do not rewrite a checkpoint a run starts from")

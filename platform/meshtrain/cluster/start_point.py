@@ -8,9 +8,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from meshtrain.checkpoint.reading import checkpoint_in, run_tokenizer
-from meshtrain.checkpoint.start_point import StartPoint, committed_step, fingerprint
-from meshtrain.checkpoint.storage import CheckpointError
+from meshtrain.checkpoint.reading import checkpoint_in, read_committed, run_tokenizer
+from meshtrain.checkpoint.start_point import StartPoint, fingerprint
+from meshtrain.checkpoint.storage import CheckpointError, CheckpointStorage
 from meshtrain.config import ConfigError, ModelArgs, one_line
 from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data.tokenizer import tokenizer_sha256
@@ -42,7 +42,8 @@ def resolve_start(cfg: MeshtrainConfig) -> tuple[MeshtrainConfig, StartPoint | N
     options = checkpoint.storage_options
     try:
         path = checkpoint_in(checkpoint.start_from, options)
-        storage, committed = committed_step(path, options)
+        storage = CheckpointStorage(path, options)
+        committed = read_committed(storage, whole_files=False)  # each worker checks what it reads
     except (CheckpointError, OSError) as exc:
         raise ConfigError(f"checkpoint.start_from: {one_line(exc, 300)}") from None
     manifest, shown = committed.manifest, storage.display(committed.path)

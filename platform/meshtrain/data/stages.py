@@ -158,16 +158,25 @@ class StagedSamples:
 
     def _trained(self, k: int, start: int, stop: int) -> list[int]:
         """Samples each source gives positions ``[start, stop)`` of stage ``k`` (the left-out ones not)."""
-        low, high = self.maps[k].index(start), self.maps[k].extent(stop)
+        return self._kept(k, self.maps[k].index(start), self.maps[k].extent(stop))
+
+    def _kept(self, k: int, low: int, high: int) -> list[int]:
+        """Samples each source has at indices ``[low, high)`` of stage ``k``'s sequence, less those left out."""
         counts = self.mixtures[k].source_counts(low, high)
         for a, b in self.maps[k].inside(low, high):
             counts = [n - m for n, m in zip(counts, self.mixtures[k].source_counts(a, b))]
         return counts
 
+    def _stage_index(self, skip: SkipRange) -> int:
+        return next(k for k, stage in enumerate(self.stages) if stage.name == skip.stage)
+
     def skipped_counts(self, skip: SkipRange) -> list[int]:
         """Samples each source has in a left-out range."""
-        k = next(k for k, stage in enumerate(self.stages) if stage.name == skip.stage)
-        return self.mixtures[k].source_counts(skip.start, skip.stop)
+        return self.mixtures[self._stage_index(skip)].source_counts(skip.start, skip.stop)
+
+    def newly_left_out(self, skip: SkipRange) -> list[int]:
+        """Samples each source has in ``skip`` that are not left out yet (what leaving it out takes away)."""
+        return self._kept(self._stage_index(skip), skip.start, skip.stop)
 
     def counters(self, position: int, labels: Sequence[str]) -> dict[str, dict[str, int]]:
         """Samples each source gave each stage that began before ``position`` (the samples trained so far)."""

@@ -100,8 +100,8 @@ class StepGuard:
         if rules.loss_factor is not None or rules.grad_norm_factor is not None:
             self.history = torch.where(bad, self.history, torch.cat([self.history[1:], loss.reshape(1)]))
             self.norms = torch.where(bad, self.norms, torch.cat([self.norms[1:], grad_norm.reshape(1)]))
-        self.last_step = self.last_step + 1
-        if len(self.recent):
+        if len(self.recent):  # the rollback rule's ring of skipped steps (nothing added to the step without it)
+            self.last_step = self.last_step + 1
             slot = torch.remainder(self.last_step, len(self.recent)).reshape(1)
             self.recent = self.recent.index_put((slot,), (self.last_step * bad).reshape(1))
         self.bad_in_a_row = (self.bad_in_a_row + 1) * bad

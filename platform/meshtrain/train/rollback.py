@@ -70,7 +70,8 @@ class SpikeRollback(LoopPart):
         G = self.batches.global_batch_size
         read_from, read_to = (first_left_out - 1) * G, self.progress.data_position
         new = self.samples.skip_ranges(read_from, read_to)
-        counts = [self._counts(range_read) for range_read in self._position_ranges(read_from, read_to)]
+        counts = [{label: count for label, count in zip(self.labels, self.samples.newly_left_out(skip)) if count}
+                  for skip in new]
         reason = f"rolled back past it: steps {', '.join(map(str, due.skipped))} spiked"
         self.beat(f"rolling back to a checkpoint before step {first_left_out}")
         restored = self.checkpoints.roll_back(self.state, first_left_out, reason)
@@ -98,13 +99,3 @@ class SpikeRollback(LoopPart):
         ))
         self.tell_parts(self.progress.step)
         return True
-
-    def _position_ranges(self, start: int, stop: int) -> list[tuple[int, int]]:
-        """``[start, stop)`` cut at the stage boundaries (one piece per stage, as ``skip_ranges`` gives them)."""
-        cuts = [first for first in self.samples.firsts if start < first < stop]
-        edges = [start, *cuts, stop]
-        return list(zip(edges, edges[1:]))
-
-    def _counts(self, positions: tuple[int, int]) -> dict[str, int]:
-        counts = self.samples.source_counts(*positions)
-        return {label: count for label, count in zip(self.labels, counts) if count}
