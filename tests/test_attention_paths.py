@@ -315,7 +315,7 @@ def test_selective_recompute_keeps_flex_attention_inside_compiled_blocks(monkeyp
     monkeypatch.setattr(flex_module, "_validate_device", lambda *_: None)
     model = initialized_model(tiny_args(), recompute="selective")
     backend = aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=partition)
-    for block in model.layers:
+    for block in model.layers.values():
         block.compile(fullgraph=True, backend=backend)
     tokens = torch.randint(1, 97, (2, 32), generator=torch.Generator().manual_seed(0))
     tokens[:, 5::11] = 0

@@ -125,7 +125,7 @@ def test_flex_attention_inside_compiled_blocks_gives_the_same_logits() -> None:
     tokens = torch.cat(documents(generator, [20, 25, 19], 97))[:64][None]
     with torch.no_grad():
         sdpa = model(tokens, find_documents(tokens, EOS, "sdpa"))
-        for block in model.layers:
+        for block in model.layers.values():
             block.compile(fullgraph=True)
         flex = model(tokens, find_documents(tokens, EOS, "flex"))
     torch.testing.assert_close(flex, sdpa, rtol=0, atol=1e-5)

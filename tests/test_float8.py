@@ -102,19 +102,19 @@ def test_only_the_blocks_aligned_linears_become_float8() -> None:
     # torch._scaled_mm takes dimensions that are multiples of 16: a 40-wide feed-forward stays as it is.
     unaligned = build_model(args.model_copy(update={"ffn_dim": 40}), "meta")
     assert convert_to_float8(unaligned, emulate=True, fsdp_all_gather=False) == 2 * 4
-    assert not isinstance(unaligned.layers[0].feed_forward.w1, Float8Linear)
+    assert not isinstance(unaligned.layers["0"].feed_forward.w1, Float8Linear)
     # Under TP=2 each rank multiplies half of k and v's 16 outputs: those two stay too.
     split = build_model(args, "meta")
     assert convert_to_float8(split, emulate=True, fsdp_all_gather=False, tensor=2) == 2 * 5
-    assert not isinstance(split.layers[0].attention.wk, Float8Linear)
+    assert not isinstance(split.layers["0"].attention.wk, Float8Linear)
     # Rowwise converts the same linears. torchao all-gathers only tensorwise weights in float8 (as
     # its weight wrapper): rowwise weights stay plain, so nothing is gathered as bytes or precomputed.
     gathered = build_model(args, "meta")
     convert_to_float8(gathered, emulate=True, fsdp_all_gather=True)
-    assert type(gathered.layers[0].attention.wq.weight) is not torch.nn.Parameter
+    assert type(gathered.layers["0"].attention.wq.weight) is not torch.nn.Parameter
     rowwise = build_model(args, "meta")
     assert convert_to_float8(rowwise, emulate=True, fsdp_all_gather=True, recipe="rowwise") == 2 * 7
-    assert rowwise.layers[0].attention.wq.config.round_scales_to_power_of_2
+    assert rowwise.layers["0"].attention.wq.config.round_scales_to_power_of_2
     assert all(type(p) is torch.nn.Parameter for p in rowwise.parameters())
 
 

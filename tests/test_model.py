@@ -181,9 +181,9 @@ def test_init_is_seeded_and_depth_scaled() -> None:
         assert torch.equal(pa, pb), name
         if "norm" not in name:
             assert not torch.equal(pa, pc), name
-    assert torch.equal(a.layers[0].attention_norm.weight, torch.ones(256))
-    std_q = a.layers[0].attention.wq.weight.std().item()
-    std_o = a.layers[0].attention.wo.weight.std().item()
+    assert torch.equal(a.layers["0"].attention_norm.weight, torch.ones(256))
+    std_q = a.layers["0"].attention.wq.weight.std().item()
+    std_o = a.layers["0"].attention.wo.weight.std().item()
     assert std_q == pytest.approx(0.02, rel=0.05)
     assert std_o == pytest.approx(std_q / math.sqrt(2 * 8), rel=0.05)
 

@@ -116,7 +116,7 @@ def replica_process(cfg: MeshtrainConfig, corpus: DataPlan, index: int, lighthou
             if trainer.progress.step + 1 == die_in_backward_at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        trainer.model.layers[0].register_full_backward_hook(in_backward)
+        trainer.model.layers["0"].register_full_backward_hook(in_backward)
     if started is not None:
         started.wait(timeout=120)
     if ready is not None and hold_after is None:

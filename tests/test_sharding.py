@@ -118,7 +118,7 @@ def _compute_dtypes(rank: int, world: int) -> dict[str, str]:
     cfg = load_config(None, [f"scaling.num_workers={world}", "parallel.mixed_precision=bf16", "data.vocab_size=512"])
     model, _ = sharded_model(cfg, 512, WorkerLayout(rank, world, rank, world, 0), torch.device("cpu"))
     seen: dict[str, str] = {}
-    model.layers[0].attention.wq.register_forward_hook(lambda m, i, o: seen.update(block=str(o.dtype)))
+    model.layers["0"].attention.wq.register_forward_hook(lambda m, i, o: seen.update(block=str(o.dtype)))
     logits = model(torch.randint(0, 512, (2, 16)))
     logits.float().sum().backward()
     seen["logits"] = str(logits.dtype)

@@ -10,6 +10,7 @@ from meshtrain.checkpoint.start_point import StartPoint
 from meshtrain.config.schema import MeshtrainConfig
 from meshtrain.data import DataPlan, TrainingData
 from meshtrain.data.stages import data_stages
+from meshtrain.distributed.plan import planned_split
 from meshtrain.model.args import model_args
 from meshtrain.train.plan import WorkerPlan
 
@@ -18,8 +19,9 @@ def worker_plan(config: MeshtrainConfig, data: DataPlan | TrainingData, launch_i
                 start_from: StartPoint | None = None) -> WorkerPlan:
     """The plan of ``config`` (checked, with run.name and optim.schedule_steps resolved by the launcher
     when it launches) for ``data`` (its tokenizer's vocabulary sizes the model)."""
+    args = model_args(config.model, data.vocab_size)
     return WorkerPlan(
-        model=model_args(config.model, data.vocab_size),
+        model=args,
         data=data,
         horizon=config.optim.schedule_steps or config.train.steps,
         group_sizes=tuple(config.elastic_sizes()),
@@ -30,6 +32,8 @@ def worker_plan(config: MeshtrainConfig, data: DataPlan | TrainingData, launch_i
         lr_decay_start=config.lr_decay_start(),
         lr_stages=config.lr_stages(),
         start_from=start_from,
+        pipeline_split=planned_split(args, config.parallel, config.scaling, config.train, config.data.longest_seq_len(),
+                                     config.model.document_mask),
         model_config=config.model,
         data_config=config.data,
         optim=config.optim,

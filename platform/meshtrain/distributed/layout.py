@@ -119,6 +119,9 @@ class RankLayout:
     # The loop's own small collectives (stop votes, straggler times): a gloo group of every rank, apart
     # from the step's and the background checkpoint writes'. None = single process, or not opened.
     control_group: dist.ProcessGroup | None = None
+    # The ranks of this rank's other pipeline stages (one of each stage group, at this rank's place in it).
+    # None = no pipeline parallel.
+    pipeline_group: dist.ProcessGroup | None = None
 
     @classmethod
     def single_process(cls) -> RankLayout:

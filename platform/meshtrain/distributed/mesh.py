@@ -38,7 +38,9 @@ def resolve_mesh_shape(
     check_parallel_groups(context, tensor, world_size, f"the {world_size} workers", workers_per_node,
                           f"the {workers_per_node} workers per node", pipeline)
     sharding = STRATEGIES[strategy]
-    reshard = not sharding.keeps_params_after_forward
+    # Under pipeline parallel the gathered weights stay through a step's micro-batches (torchtitan's default): a
+    # reshard after each micro-batch's forward would gather every weight once per micro-batch.
+    reshard = not sharding.keeps_params_after_forward and pipeline == 1
     ranks, per_node = world_size // (pipeline * inner), max(1, workers_per_node // inner)  # data-parallel ranks
     if pipeline > 1 and per_node > ranks and per_node % ranks == 0:
         per_node = ranks  # a node holds whole stages: an auto shard group is a stage's data-parallel ranks

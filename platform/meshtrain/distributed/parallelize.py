@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -22,6 +23,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
     RowwiseParallel,
+    ParallelStyle,
     SequenceParallel,
     parallelize_module,
 )
@@ -51,7 +53,7 @@ def fsdp_mesh(mesh: DeviceMesh, plan: MeshPlan) -> DeviceMesh:
         return shard
     if plan.context > 1:
         return DeviceMesh._concatenate([mesh["replicate"], shard])
-    return mesh["replicate", "shard"] if plan.tensor > 1 else mesh
+    return mesh["replicate", "shard"] if plan.tensor > 1 or plan.pipeline > 1 else mesh
 
 
 def loss_group(mesh: DeviceMesh, plan: MeshPlan) -> dist.ProcessGroup | None:
@@ -67,13 +69,16 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh) -> None:
     FFN units), the output projections by rows; the residual stream and the norms between them stay
     split along the sequence (sequence parallel), so each norm's activations are 1/TP in size; the
     embedding splits the vocabulary and the output head returns vocabulary-sharded logits for the
-    vocabulary-parallel loss (full logits never exist on one rank)."""
-    parallelize_module(model, mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-    })
-    for block in model.layers:
+    vocabulary-parallel loss (full logits never exist on one rank). A pipeline stage's part splits the ends
+    it holds."""
+    ends: dict[str, ParallelStyle] = {}
+    if model.tok_embeddings is not None:
+        ends["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.output is not None:
+        ends["norm"] = SequenceParallel()
+        ends["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, mesh, ends)
+    for block in model.layers.values():
         parallelize_module(block, mesh, {
             "attention_norm": SequenceParallel(),
             # The attention gets the gathered sequence; RoPE tables and the mask pass through as they are.
@@ -89,7 +94,7 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh) -> None:
             "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         })
-    if model.args.tie_embeddings:
+    if model.args.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
         # Both plans split the shared weight by vocabulary rows (Shard(0)), so the head's plan kept the
         # embedding's DTensor but wrapped it in a Parameter of its own: one Parameter again, one gradient.
         model.output.weight = model.tok_embeddings.weight
@@ -124,9 +129,14 @@ def enable_async_tensor_parallel(mesh: DeviceMesh) -> None:
     enable_symm_mem_for_group(mesh.get_group().group_name)
 
 
-def parallelize(model: Transformer, mesh: DeviceMesh, plan: MeshPlan, cfg: ParallelConfig) -> Transformer:
+def parallelize(model: Transformer, mesh: DeviceMesh, plan: MeshPlan, cfg: ParallelConfig,
+                stages: Sequence[nn.Module] = ()) -> Transformer:
     """Apply, in this order: tensor parallel, per-block compile, FSDP2, prefetch (each block recomputes
     in backward as it was built to, ``parallel.activation_checkpointing``).
+
+    Under pipeline parallel ``model`` is this rank's part and ``stages`` its stages' views
+    (:mod:`meshtrain.model.stages`): each stage is an FSDP root of its own, as torch's pipeline stage runs
+    it.
 
     Compile goes first so FSDP's all-gather/reduce-scatter hooks wrap the compiled, checkpointed block
     from the outside (the order torch.compile and FSDP2 expect).
@@ -145,7 +155,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, plan: MeshPlan, cfg: Paral
 
     # 2. torch.compile per block: repeated identical blocks reuse one compiled graph.
     if cfg.compile:
-        for block in model.layers:
+        for block in model.layers.values():
             block.compile(fullgraph=True)
 
     # 3. FSDP2, bottom-up: each block, then the embedding, then norm+head, then the root.
@@ -167,32 +177,39 @@ def parallelize(model: Transformer, mesh: DeviceMesh, plan: MeshPlan, cfg: Paral
         fully_shard(module, mesh=data_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                     offload_policy=offload_policy)
 
-    reshard = plan.reshard_after_forward
-    last = len(model.layers) - 1
-    for index, block in enumerate(model.layers):
-        shard(block, reshard_after_forward=reshard and index < last)
+    reshard = plan.reshard_after_forward  # off under pipeline parallel (resolve_mesh_shape)
+    blocks = list(model.layers.values())
+    for index, block in enumerate(blocks):
+        shard(block, reshard_after_forward=reshard and index < len(blocks) - 1)
     if not model.args.tie_embeddings:
         # A tied weight must live in exactly one unit, so with tying both stay in the root.
-        shard(model.tok_embeddings, reshard_after_forward=reshard)
-        shard([model.norm, model.output], reshard_after_forward=False)
-    shard(model, reshard_after_forward=False)
+        if model.tok_embeddings is not None:
+            shard(model.tok_embeddings, reshard_after_forward=reshard)
+        if model.norm is not None and model.output is not None:
+            shard([model.norm, model.output], reshard_after_forward=False)
+    roots: Sequence[nn.Module] = stages or (model,)
+    for root in roots:
+        shard(root, reshard_after_forward=False)
     if cfg.float8 and mesh.device_type == "cpu":
         gather_float8_as_bytes(model)
 
     # 4. Prefetch: FSDP2 already gathers one block ahead; deeper prefetch trades memory for overlap.
     if cfg.prefetch > 1:
-        units = [cast(FSDPModule, block) for block in model.layers]
-        for index, unit in enumerate(units):
-            unit.set_modules_to_forward_prefetch(units[index + 1 : index + 1 + cfg.prefetch])
-            unit.set_modules_to_backward_prefetch(units[max(0, index - cfg.prefetch) : index][::-1])
+        for root in roots:
+            units = [cast(FSDPModule, block) for block in cast(nn.ModuleDict, root.layers).values()]
+            for index, unit in enumerate(units):
+                unit.set_modules_to_forward_prefetch(units[index + 1 : index + 1 + cfg.prefetch])
+                unit.set_modules_to_backward_prefetch(units[max(0, index - cfg.prefetch) : index][::-1])
     return model
 
 
-def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float,
+                    pipeline: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Global L2 norm of all gradients (sharded or not), clipped to ``max_norm`` when > 0.
 
     On DTensor gradients the per-shard norms are combined over the dims that split them only
-    (replicas hold the same gradient), then the clip factor applies to every local shard.
+    (replicas hold the same gradient), then the clip factor applies to every local shard. ``pipeline``:
+    the ranks of the other pipeline stages (each holds other parameters), whose squares are added too.
     """
     # Gradients grouped by how they are sharded (with TP the norms' weights are replicated over the
     # tensor dim where the linears' are split): each group's squared norm is summed over the mesh dims
@@ -201,6 +218,10 @@ def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float) -> to
     for grad in (p.grad for p in parameters if p.grad is not None):
         kinds.setdefault((grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None, []).append(grad)
     squares = [_squared_norm(grads) for grads in kinds.values()] or [torch.zeros(())]
+    if pipeline is not None:
+        squared = torch.stack(squares).sum()
+        dist.all_reduce(squared, group=pipeline)
+        squares = [squared]
     total = squares[0].sqrt() if len(squares) == 1 else torch.stack(squares).sum().sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)

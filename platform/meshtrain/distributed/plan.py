@@ -145,7 +145,18 @@ def compute_bytes(mixed_precision: str, use_gpu: bool) -> int:
 def head_elements(model: Transformer) -> int:
     """Parameters of the final norm + output head; with tied embeddings the root unit holds the
     same weight (embedding = head) and the norm, so the count is the same."""
+    assert model.norm is not None and model.output is not None, "the memory plan reads the whole model"
     return count_parameters(model.norm) + count_parameters(model.output)
+
+
+def block_parameters(model: Transformer) -> int:
+    """Parameters of one block (they are all alike)."""
+    return count_parameters(next(iter(model.layers.values())))
+
+
+def embedding_parameters(model: Transformer) -> int:
+    assert model.tok_embeddings is not None, "the memory plan reads the whole model"
+    return count_parameters(model.tok_embeddings)
 
 
 @dataclass(frozen=True)
@@ -174,7 +185,7 @@ def gathered_blocks_bytes(model: Transformer, plan: MeshPlan, prefetch: int, ele
     even on a shard group of 1, into a separate unsharded buffer). ZeRO-2: every block held stays
     gathered from forward to backward, plus one block's gradient, plus an untied embedding unit.
     """
-    block = count_parameters(model.layers[0])
+    block = block_parameters(model)
     if plan.reshard_after_forward:
         return 2 * (1 + prefetch) * block * element_bytes
     return (gathered_block_weights_bytes(model, plan, prefetch, element_bytes, share) + block * element_bytes)
@@ -184,19 +195,19 @@ def gathered_block_weights_bytes(model: Transformer, plan: MeshPlan, prefetch: i
                                  share: RankShare | None = None) -> int:
     """Block weights gathered from the end of forward until the first block's backward: the last block
     and the ones prefetched for backward, or (ZeRO-2) every block held and an untied embedding."""
-    block = count_parameters(model.layers[0])
+    block = block_parameters(model)
     if plan.reshard_after_forward:
         return (1 + prefetch) * block * element_bytes
     share = share or RankShare.whole(model.args.n_layers)
-    embedding = 0 if model.args.tie_embeddings or not share.embedding else count_parameters(model.tok_embeddings)
+    embedding = 0 if model.args.tie_embeddings or not share.embedding else embedding_parameters(model)
     return (share.layers * block + embedding) * element_bytes
 
 
 def held_parameters(model: Transformer, share: RankShare) -> int:
     """Parameters of the blocks, embedding and head ``share`` holds; a tied weight once when one rank
     holds both ends (under pipeline parallel the first and the last stage each hold it)."""
-    embedding, head = count_parameters(model.tok_embeddings), head_elements(model)
-    held = share.layers * count_parameters(model.layers[0])
+    embedding, head = embedding_parameters(model), head_elements(model)
+    held = share.layers * block_parameters(model)
     held += (embedding if share.embedding else 0) + (head if share.head else 0)
     if model.args.tie_embeddings and share.embedding and share.head:
         held -= embedding
@@ -411,6 +422,18 @@ def pipeline_plan(args: ModelArgs, plan: MeshPlan, parallel: ParallelConfig, tra
         ranks.append(PipelineRank(rank, tuple(held), layers, share, memory, timeline.rank_bubble(rank)))
     return PipelinePlan(order, tuple(split), parallel.pipeline_split is None, tuple(ranks), timeline.bubble,
                         simulate(order).bubble)
+
+
+def planned_split(args: ModelArgs, parallel: ParallelConfig, scaling: ScalingConfig, train: TrainConfig, seq_len: int,
+                  document_mask: bool) -> tuple[int, ...]:
+    """Each pipeline stage's layers as the run will train them (parallel.pipeline_split, or the balance on the
+    planned mesh: what --dry-run shows); () without pipeline parallel."""
+    if parallel.pipeline == 1:
+        return ()
+    if parallel.pipeline_split is not None:
+        return tuple(parallel.pipeline_split)
+    return pipeline_plan(args, planned_mesh(scaling, parallel)[0], parallel, train, seq_len, scaling.use_gpu,
+                         document_mask).split
 
 
 def _pipeline_lines(pipe: PipelinePlan, plan: MeshPlan, per_node: int | None) -> list[str]:

@@ -14,6 +14,7 @@ later by :func:`meshtrain.model.init.init_weights`, which reads :meth:`Transform
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Literal
 
 import torch
@@ -209,10 +210,12 @@ class Transformer(nn.Module):
         of every window (parallel.context); ``recompute``: what each block recomputes in backward."""
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args, recompute) for _ in range(args.n_layers))
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # The ends are None on a pipeline stage that does not hold them (meshtrain.model.stages). Blocks are keyed
+        # by their index in the whole model, so parameter names (and checkpoints) do not depend on the split.
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(index): TransformerBlock(args, recompute) for index in range(args.n_layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         cos, sin = rope_tables(
@@ -222,6 +225,8 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.document_eos = document_eos
         self.context_parallel = context_parallel
+        # Under pipeline parallel: the stages of this part that a pipeline schedule runs (meshtrain.model.stages).
+        self.stages: tuple[nn.Module, ...] = ()
 
     def _may_span_documents(self, tokens: torch.Tensor) -> bool:
         """Whether a window holds a document boundary. On CPU, a batch without one (an end-of-document
@@ -232,42 +237,51 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         """Logits of shape (batch, seq, vocab) for token ids of shape (batch, seq). ``documents``
         overrides the layout found from :attr:`document_eos` (tests pick the kernel this way)."""
-        if self.context_parallel is not None:
-            return self._forward_share(tokens, self.context_parallel)
-        h = self._embed(tokens)
-        if documents is None and self.document_eos is not None and self._may_span_documents(tokens):
-            documents = find_documents(tokens, self.document_eos, dtype=h.dtype)
-        seq = tokens.shape[1]
-        if documents is None:
-            cos, sin, mask = self.rope_cos[:seq], self.rope_sin[:seq], None
-        else:
-            cos, sin, mask = self.rope_cos[documents.positions], self.rope_sin[documents.positions], documents.mask
-        for layer in self.layers:
-            h = layer(h, cos, sin, mask)
-        return self.output(self.norm(h))
+        return self.run_blocks(self.embed(tokens), tokens, self.layers.values(), documents, head=True)
 
-    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The residual stream's start: this rank's share of the windows (context parallel) embedded."""
+        assert self.tok_embeddings is not None, "a pipeline stage without the embedding embeds nothing"
+        if self.context_parallel is not None:
+            tokens = self.context_parallel.shard(tokens)
         h = self.tok_embeddings(tokens)
         # Under tensor parallel the embedding's sequence-sharded output is a view (of its reduce-scatter);
         # a compiled first block receiving a view loses the gradient to the embedding (measured: zero),
         # and FSDP's pre-backward hook may be dropped from it. A copy of 1/TP of the activations fixes both.
         return h.clone() if h._is_view() else h
 
-    def _forward_share(self, tokens: torch.Tensor, context: ContextParallel) -> torch.Tensor:
-        """Logits of this rank's share of each window (``context.shard`` of the positions): documents
-        and RoPE positions are found on the whole window, which every rank of the group holds."""
-        seq = tokens.shape[1]
-        h = self._embed(context.shard(tokens))
-        if self.document_eos is None:
-            ids, positions = None, context.positions(seq, tokens.device)
-        else:
-            ids = document_ids(tokens, self.document_eos)
-            positions = context.shard(document_positions(tokens, self.document_eos))
-        share = WindowShare(context, context.mask(ids, seq, h.dtype, tokens.device))
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        for layer in self.layers:
-            h = layer(h, cos, sin, share)
+    def run_blocks(self, h: torch.Tensor, tokens: torch.Tensor, blocks: Iterable[nn.Module],
+                   documents: Documents | None = None, head: bool = False) -> torch.Tensor:
+        """``blocks`` applied to ``h``, the residual stream of the windows ``tokens`` (whole windows: each
+        block's RoPE positions and document mask are found from them), then the norm and the output head
+        when ``head``: logits."""
+        cos, sin, mask = self._attention_inputs(tokens, h.dtype, documents)
+        for block in blocks:
+            h = block(h, cos, sin, mask)
+        if not head:
+            return h
+        assert self.norm is not None and self.output is not None, "a pipeline stage without the head has no logits"
         return self.output(self.norm(h))
+
+    def _attention_inputs(self, tokens: torch.Tensor, dtype: torch.dtype, documents: Documents | None
+                          ) -> tuple[torch.Tensor, torch.Tensor, AttentionMask | WindowShare]:
+        """The RoPE tables and the mask every block of a forward reads, from the whole windows ``tokens``."""
+        seq = tokens.shape[1]
+        context = self.context_parallel
+        if context is not None:
+            # Documents and RoPE positions are found on the whole window, which every rank of the group holds.
+            if self.document_eos is None:
+                ids, positions = None, context.positions(seq, tokens.device)
+            else:
+                ids = document_ids(tokens, self.document_eos)
+                positions = context.shard(document_positions(tokens, self.document_eos))
+            return self.rope_cos[positions], self.rope_sin[positions], WindowShare(
+                context, context.mask(ids, seq, dtype, tokens.device))
+        if documents is None and self.document_eos is not None and self._may_span_documents(tokens):
+            documents = find_documents(tokens, self.document_eos, dtype=dtype)
+        if documents is None:
+            return self.rope_cos[:seq], self.rope_sin[:seq], None
+        return self.rope_cos[documents.positions], self.rope_sin[documents.positions], documents.mask
 
     def local_targets(self, targets: torch.Tensor) -> torch.Tensor:
         """The targets of the positions :meth:`forward` returns logits for (this rank's share of each

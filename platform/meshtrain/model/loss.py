@@ -17,6 +17,7 @@ from functools import cache
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 _LOSS_CHUNK_FP32_BYTES = 256 * 2**20  # one chunk's fp32 logits: ~520 tokens at a 128K vocabulary
 _IGNORE_INDEX = -100  # F.cross_entropy's default, kept so a -100 target still contributes nothing
@@ -223,3 +224,17 @@ def vocab_parallel_cross_entropy_sum(local_logits: torch.Tensor, targets: torch.
         return _ChunkedCrossEntropySum.apply(flat_logits, flat_targets, chunk, not local_logits.is_leaf,
                                              vocab_start, group, kernels)
     return _vocab_parallel_cross_entropy(flat_logits, flat_targets, vocab_start, group, chunk, kernels)[0]
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Summed fp32 cross entropy of ``logits`` (of the windows ``rows`` selects, when given): plain
+    ones, or the vocabulary-sharded DTensor that a tensor-parallel output head returns (then computed
+    on each rank's columns, see ``vocab_parallel_cross_entropy_sum``; the same sum on every rank of
+    the TP group)."""
+    if not isinstance(logits, DTensor):
+        return token_cross_entropy_sum(logits if rows is None else logits[rows], targets)
+    mesh = logits.device_mesh
+    local = logits.to_local()
+    vocab_start = local.shape[-1] * mesh.get_local_rank()
+    return vocab_parallel_cross_entropy_sum(local if rows is None else local[rows], targets, vocab_start,
+                                            mesh.get_group())

@@ -14,8 +14,8 @@ from meshtrain.config import OVERALL_LABEL
 from meshtrain.data import IGNORE_INDEX, ValidationSet, ValidationWindow
 from meshtrain.distributed.layout import RankLayout
 from meshtrain.model.llama import Transformer
+from meshtrain.model.loss import loss_sum
 from meshtrain.observe.run_folder import EvalRecord, SourceEval
-from meshtrain.train.step import loss_sum
 from meshtrain.train.loop import LoopPart, StepDone
 from meshtrain.train.records import LoopOutputs, TrainResult
 

@@ -99,11 +99,11 @@ def loop_parts(
                   stage_of=staged.stage_name if staged is not None else None)
     metrics = outputs.metrics
     stragglers = StragglerWatch(
-        ComputeTimer(trainer.model.layers, rank.device), plan.metrics.straggler_factor, plan.metrics.straggler_patience,
+        ComputeTimer(trainer.model.layers.values(), rank.device), plan.metrics.straggler_factor, plan.metrics.straggler_patience,
         layout.rank, layout.node, outputs, layout.control_group,
         metrics.set_rank_speed if metrics is not None else None, outputs.on_straggler,
     )
-    profiler = StepProfiler.of(plan.profile, run_dir / "profile", layout.rank, plan.train.steps, list(trainer.model.layers),
+    profiler = StepProfiler.of(plan.profile, run_dir / "profile", layout.rank, plan.train.steps, list(trainer.model.layers.values()),
                                plan.parallel.compile, rank.device, outputs.emit)
     mixture = (MixtureLog(data.train, list(data.source_names), progress, outputs)
                if isinstance(data.train, (MixtureSamples, StagedSamples)) and len(data.train.components) > 1 else None)

@@ -42,6 +42,7 @@ class WorkerPlan:
     lr_decay_start: int | None = None  # optim.decay_from_stage: the step the wsd decay starts at
     lr_stages: tuple[tuple[int | None, float | None], ...] = ()  # optim.schedule=staged: stage ends, decay ratios
     start_from: StartPoint | None = None  # checkpoint.start_from, resolved: loaded on the run's first start
+    pipeline_split: tuple[int, ...] = ()  # parallel.pipeline > 1: each stage's layers (given, or balanced)
     # The config's sections, as the driver checked them.
     model_config: ModelConfig
     data_config: DataConfig

@@ -8,15 +8,15 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from meshtrain.distributed.layout import RankLayout
 from meshtrain.distributed.parallelize import clip_grad_norm_
 from meshtrain.distributed.torch_support import reset_iteration
 from meshtrain.model.flops import AttentionWork
 from meshtrain.model.llama import Transformer
-from meshtrain.model.loss import token_cross_entropy_sum, vocab_parallel_cross_entropy_sum
+from meshtrain.model.loss import loss_sum
 from meshtrain.train.guard import StepGuard
+from meshtrain.train.pipeline_step import PipelineSchedule
 from meshtrain.train.profiling import region
 
 
@@ -24,20 +24,6 @@ def _sum_over_ranks(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> to
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
-
-
-def loss_sum(logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Summed fp32 cross entropy of ``logits`` (of the windows ``rows`` selects, when given): plain
-    ones, or the vocabulary-sharded DTensor that a tensor-parallel output head returns (then computed
-    on each rank's columns, see ``vocab_parallel_cross_entropy_sum``; the same sum on every rank of
-    the TP group)."""
-    if not isinstance(logits, DTensor):
-        return token_cross_entropy_sum(logits if rows is None else logits[rows], targets)
-    mesh = logits.device_mesh
-    local = logits.to_local()
-    vocab_start = local.shape[-1] * mesh.get_local_rank()
-    return vocab_parallel_cross_entropy_sum(local if rows is None else local[rows], targets, vocab_start,
-                                            mesh.get_group())
 
 
 class GroupReduction(Protocol):
@@ -94,6 +80,7 @@ def train_step(
     defer_all_reduce: bool = True,
     attention_work: AttentionWork | None = None,
     reduction: GroupReduction | None = None,
+    pipeline: PipelineSchedule | None = None,
 ) -> StepOutput | None:
     """One optimizer step over this rank's micro-batches, skipped by ``guard`` when it goes bad.
 
@@ -116,14 +103,46 @@ def train_step(
     With tensor or context parallel, the gradient ranks are replicate x shard x context (context peers
     hold different tokens of the same samples); the loss sums are added over ``layout.loss_group``
     (not over TP peers, which hold the same sum).
+
+    ``pipeline``: this rank's pipeline stages (parallel.pipeline > 1), which run the micro-batches through
+    their schedule; the loss sum then comes from the last stage's ranks and the gradient norm adds every
+    stage's squares.
     """
     device = micro_batches[0][1].device
     gradient_ranks = layout.gradient_ranks
     groups = reduction.groups if reduction is not None else 1
     global_tokens = sum(model.local_targets(targets).numel() for _, targets in micro_batches) * gradient_ranks * groups
     scale = gradient_ranks / global_tokens
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    hsdp = _deferrable_hsdp(model, len(micro_batches), layout, device) if defer_all_reduce else None
+    if attention_work is not None:
+        for inputs, _ in micro_batches:
+            attention_work.count_tokens(inputs, model.document_eos, model.context_parallel)
+    if pipeline is not None:
+        with region("pipeline"):
+            total = pipeline.run(micro_batches, scale)
+    else:
+        hsdp = _deferrable_hsdp(model, len(micro_batches), layout, device) if defer_all_reduce else None
+        total = _forward_backward(model, micro_batches, scale, hsdp)
+    total = _sum_over_ranks(total, layout.loss_group)
+    if reduction is not None:
+        with region("replica sum"):
+            applied = reduction.reduce(list(model.parameters()), total)
+        if not applied:
+            guard.optimizer.zero_grad(set_to_none=True)
+            return None
+    with region("grad clip"):
+        grad_norm = clip_grad_norm_(list(model.parameters()), grad_clip,
+                                    pipeline.group if pipeline is not None else None)
+    with region("optimizer step"):
+        guard.step(guard.check(total / global_tokens, grad_norm))
+        guard.optimizer.zero_grad(set_to_none=True)
+    return StepOutput(total, grad_norm, global_tokens)
+
+
+def _forward_backward(model: Transformer, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
+                      hsdp: FSDPModule | None) -> torch.Tensor:
+    """Forward and backward of each micro-batch in turn, its summed loss times ``scale``; the summed loss.
+    ``hsdp``: the model when its replicate all-reduce waits for the last micro-batch."""
+    total = torch.zeros((), dtype=torch.float32, device=micro_batches[0][1].device)
     last = len(micro_batches) - 1
     try:
         for index, (inputs, targets) in enumerate(micro_batches):
@@ -131,8 +150,6 @@ def train_step(
                 hsdp.set_requires_all_reduce(index == last)
             with region("forward"):
                 logits = model(inputs)
-            if attention_work is not None:
-                attention_work.count_tokens(inputs, model.document_eos, model.context_parallel)
             with region("loss"):
                 summed = loss_sum(logits, model.local_targets(targets))
             del logits  # the loss keeps what its backward needs
@@ -143,16 +160,4 @@ def train_step(
         if hsdp is not None:
             _abandon_deferred_reduction(hsdp)
         raise
-    total = _sum_over_ranks(total, layout.loss_group)
-    if reduction is not None:
-        with region("replica sum"):
-            applied = reduction.reduce(list(model.parameters()), total)
-        if not applied:
-            guard.optimizer.zero_grad(set_to_none=True)
-            return None
-    with region("grad clip"):
-        grad_norm = clip_grad_norm_(list(model.parameters()), grad_clip)
-    with region("optimizer step"):
-        guard.step(guard.check(total / global_tokens, grad_norm))
-        guard.optimizer.zero_grad(set_to_none=True)
-    return StepOutput(total, grad_norm, global_tokens)
+    return total

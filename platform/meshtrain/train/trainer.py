@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -25,6 +25,7 @@ from meshtrain.distributed.plan import memory_plan
 from meshtrain.distributed.replicas import ReplicaPlacement
 from meshtrain.model.flops import AttentionWork
 from meshtrain.model.llama import count_parameters
+from meshtrain.model.stages import ModelStage
 from meshtrain.observe.metrics import TrainingMetrics
 from meshtrain.observe.run_folder import (
     LeftOutSamples, MetricsRecord, StartedFromRecord, StopRequest, StragglerRecord, read_left_out,
@@ -35,6 +36,7 @@ from meshtrain.train.guard import BadStepLimit, RollbackRule, StepGuard, spike_r
 from meshtrain.train.loop import StepDone, StepStart
 from meshtrain.train.optim import build_lr_scheduler, build_optimizer
 from meshtrain.train.parts import loop_parts, memory_snapshots
+from meshtrain.train.pipeline_step import PipelineSchedule
 from meshtrain.train.plan import WorkerPlan
 from meshtrain.train.profiling import region
 from meshtrain.train.records import LoopOutputs, TrainResult
@@ -127,11 +129,18 @@ class Trainer:
         self.model, layout = build_sharded_model(
             model, plan.parallel, worker, device, train.seed, plan.scaling.workers_per_node,
             init_from=None if resuming else plan.model_config.init_from,
-            document_eos=data.eos_id if plan.model_config.document_mask else None,
+            document_eos=data.eos_id if plan.model_config.document_mask else None, pipeline_split=plan.pipeline_split,
         )
         # Every part of the loop asks this one layout which ranks it works with.
         self.layout: RankLayout = layout.with_control_group()
         layout, mesh = self.layout, self.layout.plan
+        self.pipeline = None
+        if self.model.stages:
+            assert layout.pipeline_group is not None
+            self.pipeline = PipelineSchedule([cast(ModelStage, stage) for stage in self.model.stages],
+                                             plan.parallel.pipeline_schedule, plan.parallel.pipeline_stages,
+                                             plan.parallel.microbatches, device, layout.pipeline_group,
+                                             self.model.local_targets)
         self.attention_work = AttentionWork()  # the (query, key) pairs the steps attend, for MFU
         self.optimizer = build_optimizer(self.model, plan.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, plan.optim, plan.horizon, plan.lr_decay_start,
@@ -199,7 +208,8 @@ class Trainer:
                 data_wait = time.perf_counter() - waiting_since
                 with self.parts.around_step(start.step):
                     output = train_step(self.model, self.guard, micro_batches, self.layout, self.plan.optim.grad_clip,
-                                        attention_work=self.attention_work, reduction=start.reduction)
+                                        attention_work=self.attention_work, reduction=start.reduction,
+                                        pipeline=self.pipeline)
                 if output is None:  # the reduction was not committed (a replica group failed): train it again
                     self.parts.step_abandoned(start)
                     continue
