@@ -405,10 +405,10 @@ POISON = 511  # a poisoned window's every token (the vocabulary's last)
 def _poisoned_rank(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan, poisoned: tuple[int, int]) -> dict[str, Any]:
     """A rank whose one source holds poisoned windows at the sample indices ``poisoned``, whose loss counts
     100 times (the data sends the loss up)."""
-    import meshtrain.train.step as training
+    import meshtrain.model.loss as loss_module
     from meshtrain.data.sampling import PackedSequences
 
-    locate, loss = PackedSequences.locate, training.token_cross_entropy_sum
+    locate, loss = PackedSequences.locate, loss_module.token_cross_entropy_sum
 
     class Poisoned:
         def __init__(self, ref: Any) -> None:
@@ -425,7 +425,7 @@ def _poisoned_rank(rank: int, world: int, cfg: MeshtrainConfig, corpus: DataPlan
         return loss(logits[~rows], targets[~rows]) + 100 * loss(logits[rows], targets[rows])
 
     PackedSequences.locate = poisoned_locate  # type: ignore[method-assign]
-    training.token_cross_entropy_sum = poisoned_loss
+    loss_module.token_cross_entropy_sum = poisoned_loss
     return _train_rank(rank, world, cfg, corpus, world)
 
 

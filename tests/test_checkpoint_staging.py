@@ -46,7 +46,7 @@ def buffers(staged: dict[str, Any]) -> dict[str, int]:
         elif isinstance(value, torch.Tensor) and value.numel() > 1:
             found[where] = _local(value).data_ptr()
 
-    walk({"model": staged["train"]["model"], "optimizer": staged["train"]["optimizer"]["state"]}, "")
+    walk({"model": staged["train"]["model"], "optimizer": staged["train"]["optimizer"]}, "")
     return found
 
 

@@ -99,11 +99,12 @@ def test_pipeline_stages_are_the_outermost_blocks_of_consecutive_ranks() -> None
 
 def test_pipeline_degree_divides_the_workers_before_the_data_parallel_ranks() -> None:
     # Llama 3 405B's layout: 64 nodes of 8, TP 8 inside a node, 8 stages of 8 nodes, FSDP over 8.
-    assert resolve_mesh_shape(512, 8, "full_shard", "auto", tensor=8, pipeline=8) == MeshPlan(1, 8, True, 1, 8, 8)
-    assert resolve_mesh_shape(512, 8, "hybrid_shard", 4, tensor=8, pipeline=8) == MeshPlan(2, 4, True, 1, 8, 8)
+    # Under pipeline parallel the gathered weights stay through the micro-batches: reshard_after_forward is off.
+    assert resolve_mesh_shape(512, 8, "full_shard", "auto", tensor=8, pipeline=8) == MeshPlan(1, 8, False, 1, 8, 8)
+    assert resolve_mesh_shape(512, 8, "hybrid_shard", 4, tensor=8, pipeline=8) == MeshPlan(2, 4, False, 1, 8, 8)
     # auto: a node's data-parallel ranks; a node holding whole stages shards over a stage's ranks.
-    assert resolve_mesh_shape(64, 8, "hybrid_shard", "auto", tensor=2, pipeline=4) == MeshPlan(2, 4, True, 1, 2, 4)
-    assert resolve_mesh_shape(8, 8, "hybrid_shard", "auto", pipeline=4) == MeshPlan(1, 2, True, 1, 1, 4)
+    assert resolve_mesh_shape(64, 8, "hybrid_shard", "auto", tensor=2, pipeline=4) == MeshPlan(2, 4, False, 1, 2, 4)
+    assert resolve_mesh_shape(8, 8, "hybrid_shard", "auto", pipeline=4) == MeshPlan(1, 2, False, 1, 1, 4)
     with pytest.raises(ConfigError, match=r"^parallel.pipeline x parallel.tensor x parallel.context = 8 x 8 x 1 = 64 "
                                           r"does not divide the 500 workers; use a multiple of 64 workers$"):
         resolve_mesh_shape(500, 4, "full_shard", "auto", tensor=8, pipeline=8)

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-import meshtrain.train.step as training
+import meshtrain.model.loss as loss_module
 from meshtrain.checkpoint.storage import CheckpointStorage, checkpoint_root
 from meshtrain.cluster.outcome import stopped_message
 from meshtrain.config.loading import load_config
@@ -47,7 +47,7 @@ def config(tmp_path: Path, *overrides: str) -> MeshtrainConfig:
 def corrupt_losses(monkeypatch: pytest.MonkeyPatch, factor: float, steps: set[int] | None, from_step: int = 0) -> None:
     """Multiply the training loss of ``steps`` (or of every step from ``from_step``) by ``factor``."""
     calls = [0]
-    original = training.token_cross_entropy_sum
+    original = loss_module.token_cross_entropy_sum
 
     def corrupted(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         step = calls[0] // MICRO_BATCHES_PER_STEP + 1
@@ -56,7 +56,7 @@ def corrupt_losses(monkeypatch: pytest.MonkeyPatch, factor: float, steps: set[in
         hit = step in steps if steps is not None else step >= from_step
         return value * factor if hit else value
 
-    monkeypatch.setattr(training, "token_cross_entropy_sum", corrupted)
+    monkeypatch.setattr(loss_module, "token_cross_entropy_sum", corrupted)
 
 
 def run(cfg: MeshtrainConfig, corpus: DataPlan, metrics: TrainingMetrics | None = None) -> tuple[Trainer, list]:
@@ -201,13 +201,13 @@ def poison(trainer: Trainer, ranges: list[tuple[int, int]]) -> None:
 
 def poisoned_losses(monkeypatch: pytest.MonkeyPatch) -> None:
     """A poisoned window's loss counts 100 times: the data sends the step's loss up."""
-    original = training.token_cross_entropy_sum
+    original = loss_module.token_cross_entropy_sum
 
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         rows = (targets == POISON).all(dim=-1)
         return original(logits[~rows], targets[~rows]) + 100 * original(logits[rows], targets[rows])
 
-    monkeypatch.setattr(training, "token_cross_entropy_sum", loss)
+    monkeypatch.setattr(loss_module, "token_cross_entropy_sum", loss)
 
 
 def test_repeated_spikes_roll_back_and_leave_out_the_samples_behind_them(

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from meshtrain.checkpoint.dcp_files import ChecksummedWriting
 from meshtrain.checkpoint.errors import CheckpointError, CheckpointUnreachable, NoLoadableCheckpoint
 from meshtrain.checkpoint.save_failures import is_full, not_writable, storage_full, storage_os_error, wrapped_errors
-from meshtrain.checkpoint.state import TrainState
+from meshtrain.checkpoint.state import TrainState, keeps_optimizer_by_name
 from meshtrain.checkpoint.storage import BAD_MARKER, CheckpointStorage, CommittedCheckpoint
 from meshtrain.checkpoint.write_progress import counting_writes
 
@@ -305,7 +305,7 @@ class CheckpointManager:
         started = time.perf_counter()
         try:  # read, verify and unpickle the metadata on every rank, before DCP's collectives
             reader = self.storage.reader(checkpoint.path, self.storage.sidecars(checkpoint))
-            reader.read_metadata()
+            by_name = keeps_optimizer_by_name(reader.read_metadata())
         except Exception as exc:
             problem = _problem(exc, shown)
         problem = _settled(self._agree(problem))
@@ -313,7 +313,11 @@ class CheckpointManager:
             return problem
         try:
             state.include_rng = checkpoint.manifest.get("world_size") == self.world_size
-            dcp.load({"train": state}, storage_reader=reader, process_group=self.group, no_dist=not self.distributed)
+            state.optimizer_by_name = by_name
+            try:
+                dcp.load({"train": state}, storage_reader=reader, process_group=self.group, no_dist=not self.distributed)
+            finally:
+                state.optimizer_by_name = True  # the next save writes the current layout
         except (Exception, CheckpointException) as exc:  # DCP gathers every rank's failure into one
             problem = _problem(exc, shown)
         problem = _settled(self._agree(problem))

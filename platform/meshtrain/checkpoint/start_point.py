@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from meshtrain.checkpoint.checksums import MARKER_CHECKSUM, seal_marker
-from meshtrain.checkpoint.state import plain_tensors
+from meshtrain.checkpoint.state import keeps_optimizer_by_name, optimizer_by_name, plain_tensors
 from meshtrain.checkpoint.reading import read_committed
 from meshtrain.checkpoint.storage import CheckpointError, CheckpointStorage
 
@@ -64,8 +64,9 @@ def load_start_point(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
                               "digest differs); do not rewrite a checkpoint a run starts from")
     reader = storage.reader(committed.path, storage.sidecars(committed))
     wanted: dict[str, Any] = {"model": plain_tensors(get_model_state_dict(model))}
+    options = optimizer_by_name(keeps_optimizer_by_name(reader.read_metadata())) if start.optimizer else None
     if start.optimizer:
-        wanted["optimizer"] = plain_tensors(get_optimizer_state_dict(model, optimizer))
+        wanted["optimizer"] = plain_tensors(get_optimizer_state_dict(model, optimizer, options=options))
     try:
         dcp.load({"train": wanted}, storage_reader=reader, no_dist=not dist.is_initialized())
     except CheckpointException as exc:  # every rank's failures, gathered
@@ -75,7 +76,7 @@ def load_start_point(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
     set_model_state_dict(model, wanted["model"])
     if start.optimizer:
         settings = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
-        set_optimizer_state_dict(model, optimizer, wanted["optimizer"])
+        set_optimizer_state_dict(model, optimizer, wanted["optimizer"], options=options)
         for group, own in zip(optimizer.param_groups, settings):
             group.update(own)
     return time.perf_counter() - started

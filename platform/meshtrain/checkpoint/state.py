@@ -5,14 +5,35 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
+
+
+# An optimizer state keyed by group index ("optimizer.param_groups.0.lr", with the group's parameter names in
+# "optimizer.param_groups.0.params"): how checkpoints before pipeline parallel kept it. Since, every entry is
+# keyed by its parameter's name ("optimizer.param_groups.layers.0.attention.wq.weight.lr"), and no key lists
+# parameters: with the index, the pipeline stages' groups 0 would be one entry, which only one stage's
+# parameters list.
+_BY_GROUP_INDEX = re.compile(r"(^|\.)optimizer\.param_groups\.\d+\.params$")
+
+
+def optimizer_by_name(flat: bool = True) -> StateDictOptions:
+    """The optimizer state's layout in a checkpoint: by parameter name (``flat``), or by group index."""
+    return StateDictOptions(flatten_optimizer_state_dict=flat)
+
+
+def keeps_optimizer_by_name(metadata: Metadata) -> bool:
+    """Whether a checkpoint keeps its optimizer state by parameter name (every one written since pipeline
+    parallel), rather than by group index."""
+    return not any(_BY_GROUP_INDEX.search(key) for key in metadata.state_dict_metadata)
 
 
 @dataclass
@@ -43,9 +64,11 @@ class TrainState(Stateful):
     ) -> None:
         self.model, self.optimizer, self.scheduler, self.progress, self.rank = model, optimizer, scheduler, progress, rank
         self.include_rng = True
+        self.optimizer_by_name = True  # False to read a checkpoint that keeps it by group index
 
     def state_dict(self) -> dict[str, Any]:
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer,
+                                                      options=optimizer_by_name(self.optimizer_by_name))
         state: dict[str, Any] = {
             "model": plain_tensors(model_state),
             "optimizer": plain_tensors(optimizer_state),
@@ -66,7 +89,8 @@ class TrainState(Stateful):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_state_dict(
-            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+            options=optimizer_by_name(self.optimizer_by_name),
         )
         self.scheduler.load_state_dict(state["scheduler"])
         for key, value in state["progress"].items():

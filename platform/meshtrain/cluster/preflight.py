@@ -118,12 +118,6 @@ def preflighted(cfg: MeshtrainConfig, *, tokenizer_fits: bool = True, trains: bo
     worker_env(cfg.run, cfg.scaling, cfg.memory, os.environ)  # an allocator setting that conflicts with the environment's
     check_wandb(cfg.metrics)
     check_mlflow(cfg.metrics)
-    if trains and cfg.parallel.pipeline > 1:
-        raise ConfigError(
-            f"parallel.pipeline={cfg.parallel.pipeline}: pipeline parallel is planned (jobs/pretrain.py --dry-run shows "
-            "the stages, their memory and the bubble) but training under it is not available yet; set "
-            "parallel.pipeline=1 to train"
-        )
     return Preflighted(cfg, args)
 
 

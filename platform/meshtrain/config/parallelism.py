@@ -282,8 +282,8 @@ class ParallelConfig(Section):
 
     def check_model(self, model: ModelArgs) -> None:
         """ConfigError when ``parallel.tensor`` does not divide what it splits of ``model``, or the pipeline
-        stages cannot split its layers."""
-        self._check_pipeline_layers(model.n_layers)
+        stages cannot split it."""
+        self._check_pipeline_model(model)
         tensor = self.tensor
         if tensor == 1:
             return
@@ -295,9 +295,14 @@ class ParallelConfig(Section):
                                   f"and vocabulary {model.vocab_size}")
 
 
-    def _check_pipeline_layers(self, n_layers: int) -> None:
+    def _check_pipeline_model(self, model: ModelArgs) -> None:
         if self.pipeline == 1:
             return
+        if model.tie_embeddings:
+            raise ConfigError(f"parallel.pipeline={self.pipeline} with a tied embedding (model.tie_embeddings, this "
+                              "preset's default): the first stage holds the embedding and the last the output head; "
+                              "set model.tie_embeddings=false, or parallel.pipeline=1")
+        n_layers = model.n_layers
         stages, split = self.pipeline_stages, self.pipeline_split
         if n_layers < stages:
             per_rank = f" ({self.virtual_stages} per rank, {self.pipeline_schedule})" if self.virtual_stages > 1 else ""

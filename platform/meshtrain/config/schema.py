@@ -204,7 +204,7 @@ class MeshtrainConfig(Section):
                              "parallel.compile=true (inductor pipelines the collectives on CUDA); drop it or set those")
 
     def _check_pipeline(self) -> None:
-        """parallel.pipeline > 1: the step's batch in whole pipeline runs, and what pipeline stages do not plan yet."""
+        """parallel.pipeline > 1: the step's batch in whole pipeline runs, and what pipeline stages do not run yet."""
         parallel, train = self.parallel, self.train
         ranks = self.scaling.num_workers // parallel.data_rank_workers
         run = train.micro_batch_size * parallel.microbatches * ranks
@@ -213,9 +213,6 @@ class MeshtrainConfig(Section):
                 f"train.global_batch_size={train.global_batch_size} is not a multiple of train.micro_batch_size "
                 f"({train.micro_batch_size}) x parallel.pipeline_microbatches ({parallel.microbatches}) x data-parallel "
                 f"ranks ({ranks}) = {run}: a step is whole pipeline runs; make it a multiple of {run}")
-        if self.scaling.elastic:
-            raise ValueError("scaling.min_workers (elastic training) with parallel.pipeline > 1 is not planned yet: a "
-                             "smaller group would need another split; unset scaling.min_workers")
         if self.fault_tolerance.mode == "replica":
             raise ValueError("fault_tolerance.mode=replica with parallel.pipeline > 1 is not planned yet; use "
                              "fault_tolerance.mode=restart")
@@ -251,9 +248,10 @@ class MeshtrainConfig(Section):
                 f"scaling.min_workers={scaling.min_workers} exceeds scaling.num_workers={scaling.num_workers}; "
                 "set it to at most scaling.num_workers (or unset it: not elastic)"
             )
-        shard, inner = self.parallel.shard, self.parallel.group_size
+        shard, inner = self.parallel.shard, self.parallel.data_rank_workers
         # The unit of workers a size is a whole number of: each data-parallel rank is a tensor x context
-        # group of workers (one worker without TP/CP).
+        # group of workers (one worker without TP/CP) in each pipeline stage; a smaller group keeps the
+        # stages and has fewer data-parallel ranks (the replicate dimension shrinks).
         if self.parallel.sharding.shards != "group":
             unit = inner  # the shard group is every data-parallel rank (or one): any number holds it
         elif shard != "auto":
@@ -265,8 +263,10 @@ class MeshtrainConfig(Section):
                 )
             unit = shard * inner
         else:
-            unit = scaling.workers_per_node or inner  # learned from Ray when unset: checked when the group starts
-        step_samples = self.train.micro_batch_size
+            # Learned from Ray when unset: checked when the group starts.
+            unit = scaling.workers_per_node * self.parallel.pipeline if scaling.workers_per_node else inner
+        # A data-parallel rank's share of a step is whole pipeline runs (one micro-batch without PP).
+        step_samples = self.train.micro_batch_size * self.parallel.microbatches
         sizes = [
             size
             for size in range(scaling.min_workers, scaling.num_workers + 1)

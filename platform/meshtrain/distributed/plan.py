@@ -424,6 +424,15 @@ def pipeline_plan(args: ModelArgs, plan: MeshPlan, parallel: ParallelConfig, tra
                         simulate(order).bubble)
 
 
+def rank_memory_plan(args: ModelArgs, plan: MeshPlan, parallel: ParallelConfig, train: TrainConfig, seq_len: int,
+                     use_gpu: bool, document_mask: bool, world_rank: int) -> MemoryPlan:
+    """The memory plan of rank ``world_rank``: its pipeline rank's under pipeline parallel, else the model's."""
+    if plan.pipeline == 1:
+        return memory_plan(args, plan, parallel, train, seq_len, use_gpu, document_mask)
+    return pipeline_plan(args, plan, parallel, train, seq_len, use_gpu, document_mask).ranks[
+        plan.pipeline_rank(world_rank)].memory
+
+
 def planned_split(args: ModelArgs, parallel: ParallelConfig, scaling: ScalingConfig, train: TrainConfig, seq_len: int,
                   document_mask: bool) -> tuple[int, ...]:
     """Each pipeline stage's layers as the run will train them (parallel.pipeline_split, or the balance on the
@@ -530,7 +539,7 @@ def describe_plan(args: ModelArgs, parallel: ParallelConfig, scaling: ScalingCon
         + (f" ({note})" if note else ""),
         f"batch: {train.global_batch_size} sequences x {seq_len} tokens per step = micro-batch {micro} x {ranks} x "
         f"{steps}",
-        *_elastic_lines(scaling, train, parallel.group_size, group_sizes),
+        *_elastic_lines(scaling, train, parallel.data_rank_workers, group_sizes),
         *(_pipeline_lines(pipe, plan, planned_workers_per_node(scaling)) if pipe is not None else []),
         # Above the table, which readers (and tests) parse as "label value" lines to the end.
         *([fit_verdict(memory, planned_device(scaling))] if scaling.use_gpu else []),

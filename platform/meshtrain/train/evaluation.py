@@ -17,6 +17,7 @@ from meshtrain.model.llama import Transformer
 from meshtrain.model.loss import loss_sum
 from meshtrain.observe.run_folder import EvalRecord, SourceEval
 from meshtrain.train.loop import LoopPart, StepDone
+from meshtrain.train.pipeline_step import PipelineSchedule
 from meshtrain.train.records import LoopOutputs, TrainResult
 
 
@@ -35,21 +36,33 @@ def evaluate(
     micro_batch_size: int,
     layout: RankLayout,
     device: torch.device,
+    pipeline: PipelineSchedule | None = None,
 ) -> dict[str, tuple[float, int]]:
     """Mean token loss and scored tokens over the ``chosen`` held-out windows, split over the
     data-parallel ranks of ``layout``: per source, and overall under ``OVERALL_LABEL`` (every scored
-    token alike)."""
+    token alike). ``pipeline``: this rank's pipeline stages, which run the windows (the last stage's ranks
+    score them)."""
     parts = len(validation.names)
     totals = torch.zeros(2, parts, dtype=torch.float64, device=device)  # per source: loss sum, scored tokens
+
+    def score(logits: torch.Tensor, targets: torch.Tensor, sources: torch.Tensor) -> None:
+        local_targets = model.local_targets(targets)  # this rank's share under context parallel
+        for part in sources.unique().tolist():
+            rows = sources == part
+            targets = local_targets[rows]
+            totals[0, part] += loss_sum(logits, targets, rows).double()
+            totals[1, part] += (targets != IGNORE_INDEX).sum()
+
+    batches = validation.batches(chosen, micro_batch_size, layout.data_rank, layout.data_ranks, device)
     with torch.no_grad():
-        for batch in validation.batches(chosen, micro_batch_size, layout.data_rank, layout.data_ranks, device):
-            logits = model(batch.inputs)
-            local_targets = model.local_targets(batch.targets)  # this rank's share under context parallel
-            for part in batch.sources.unique().tolist():
-                rows = batch.sources == part
-                targets = local_targets[rows]
-                totals[0, part] += loss_sum(logits, targets, rows).double()
-                totals[1, part] += (targets != IGNORE_INDEX).sum()
+        if pipeline is None:
+            for batch in batches:
+                score(model(batch.inputs), batch.targets, batch.sources)
+        else:
+            mine = list(batches)
+            targets, sources = (torch.cat([getattr(batch, name) for batch in mine]) for name in ("targets", "sources"))
+            pipeline.score([batch.inputs for batch in mine],
+                           lambda logits, rows: score(logits, targets[rows], sources[rows]))
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(totals, group=layout.loss_group)  # TP peers hold the same sums
     # Units that keep their parameters gathered after forward (for backward) are resharded here:
@@ -84,8 +97,9 @@ class Evaluation(LoopPart):
         outputs: LoopOutputs,
         beat: Callable[[str], None],
         result: TrainResult,
+        pipeline: PipelineSchedule | None = None,
     ) -> None:
-        self.model, self.validation, self.interval = model, validation, interval
+        self.model, self.validation, self.interval, self.pipeline = model, validation, interval, pipeline
         self.micro_batch_size, self.layout, self.device, self.outputs, self.beat = (
             micro_batch_size, layout, device, outputs, beat
         )
@@ -127,7 +141,8 @@ class Evaluation(LoopPart):
         self.beat(f"evaluating at step {step}")
         started = time.perf_counter()
         self.model.eval()
-        losses = evaluate(self.model, self.validation, self.chosen, self.micro_batch_size, self.layout, self.device)
+        losses = evaluate(self.model, self.validation, self.chosen, self.micro_batch_size, self.layout, self.device,
+                          self.pipeline)
         self.model.train()
         loss, tokens = losses.pop(OVERALL_LABEL)
         self.last_by_source = {name: None if math.isnan(value) else value for name, (value, _) in losses.items()}

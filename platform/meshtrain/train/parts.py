@@ -93,7 +93,7 @@ def loop_parts(
     )
     evaluation = Evaluation(trainer.model, data.validation, plan.eval.interval, plan.eval.batches,
                             plan.train.global_batch_size, trainer.batches.micro_batch_size, layout, rank.device, outputs, heartbeat.beat,
-                            result)
+                            result, trainer.pipeline)
     log = StepLog(plan.train.global_batch_size, layout.world_size, progress, trainer.bad_steps, outputs, result.records,
                   (trainer.attention_work, trainer.model.args), replicas=replica is not None,
                   stage_of=staged.stage_name if staged is not None else None)

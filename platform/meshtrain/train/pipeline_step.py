@@ -20,6 +20,10 @@ from meshtrain.model.loss import loss_sum
 from meshtrain.model.stages import ModelStage
 
 
+# What a forward-only pass hands each micro-batch's logits to, with the micro-batch's rows.
+Scoring = Callable[[torch.Tensor, torch.Tensor], None]
+
+
 class _ScaledLoss:
     """The schedule's loss function: each micro-batch's summed loss times ``scale``; the sums are kept,
     unscaled, for the step's record."""
@@ -46,7 +50,8 @@ class PipelineSchedule:
         self.holds_last = any(stage.last for stage in stages)
         self.group = group
         self._loss = _ScaledLoss(local_targets)
-        torch_stages = [PipelineStage(stage, stage.index, num_stages, device, group=group) for stage in stages]
+        self._stages = [PipelineStage(stage, stage.index, num_stages, device, group=group) for stage in stages]
+        torch_stages = self._stages
         cls = torch_schedules.get_schedule_class(name)
         if issubclass(cls, torch_schedules.PipelineScheduleSingle):
             self._schedule: torch_schedules._PipelineSchedule = cls(
@@ -72,3 +77,34 @@ class PipelineSchedule:
         if not sums:
             return torch.zeros((), dtype=torch.float32, device=micro_batches[0][1].device)
         return torch.stack(sums).sum()
+
+    def score(self, inputs: Sequence[torch.Tensor], scoring: Scoring) -> None:
+        """Forward only, of ``inputs`` (micro-batches, whole pipeline runs): on the ranks of the last stage,
+        ``scoring(logits, rows)`` for each micro-batch, ``rows`` its rows' indices in ``inputs`` concatenated.
+
+        Each micro-batch goes through the stages in order, one at a time (no overlap: an evaluation is a small
+        share of a run), through the stages' own sends and receives. Not the schedules' ``eval``: torch
+        2.13's V schedules (ZBV, DualPipeV) still hand a backward between their two stages there, and fail.
+        """
+        stages = sorted(self._stages, key=lambda stage: stage.stage_index)
+        held = {stage.stage_index: stage for stage in stages}
+        rows = 0
+        for start in range(0, len(inputs), self.microbatches):
+            run = inputs[start:start + self.microbatches]
+            sends: list[list[dist.Work]] = []
+            for index, tokens in enumerate(run):
+                for stage in stages:
+                    if not stage.is_first and stage.stage_index - 1 not in held:
+                        torch_schedules._wait_batch_p2p(torch_schedules._batch_p2p(stage.get_fwd_recv_ops(index)))
+                    output = stage.forward_one_chunk(index, (tokens,) if stage.is_first else (), {"tokens": tokens})
+                    if stage.is_last:
+                        scoring(output, torch.arange(rows, rows + tokens.shape[0], device=tokens.device))
+                    elif stage.stage_index + 1 in held:
+                        held[stage.stage_index + 1].set_local_fwd_input(output, index)
+                    else:
+                        sends.append(torch_schedules._batch_p2p(stage.get_fwd_send_ops(index)))
+                rows += tokens.shape[0]
+            for work in sends:
+                torch_schedules._wait_batch_p2p(work)
+            for stage in stages:
+                stage.clear_runtime_states()

@@ -21,10 +21,10 @@ from meshtrain.data import DataParallelBatches, DataPlan, TrainingData, checkpoi
 from meshtrain.data.skips import check_left_out, skips_of
 from meshtrain.data.stages import left_out_now
 from meshtrain.distributed.layout import RankLayout, WorkerLayout
-from meshtrain.distributed.plan import memory_plan
+from meshtrain.distributed.plan import rank_memory_plan
 from meshtrain.distributed.replicas import ReplicaPlacement
 from meshtrain.model.flops import AttentionWork
-from meshtrain.model.llama import count_parameters
+from meshtrain.model.llama import build_model, count_parameters
 from meshtrain.model.stages import ModelStage
 from meshtrain.observe.metrics import TrainingMetrics
 from meshtrain.observe.run_folder import (
@@ -121,8 +121,8 @@ class Trainer:
         torch.manual_seed(train.seed)
         self.memory = memory_snapshots(
             plan.memory, self, plan.run.run_dir,
-            lambda: memory_plan(model, self.layout.plan, plan.parallel, train, plan.data_config.longest_seq_len(),
-                                device.type == "cuda", plan.model_config.document_mask).total,
+            lambda: rank_memory_plan(model, self.layout.plan, plan.parallel, train, plan.data_config.longest_seq_len(),
+                                     device.type == "cuda", plan.model_config.document_mask, self.layout.rank).total,
         )
         checkpoints = checkpoint_manager(plan.checkpoint, plan.run, worker, self.outputs.checkpoint_event)
         resuming = checkpoints is not None and plan.checkpoint.resume and checkpoints.any_committed()
@@ -169,7 +169,9 @@ class Trainer:
             read_ahead_steps=plan.data_config.read_ahead_steps, read_threads=plan.data_config.read_threads,
         )
         self.result = TrainResult(
-            mesh_shape=mesh.shape, world_size=layout.world_size, parameters=count_parameters(self.model)
+            mesh_shape=mesh.shape, world_size=layout.world_size,
+            # A pipeline rank holds its stages' part: the run's model is counted whole, on meta.
+            parameters=count_parameters(build_model(model, "meta") if self.model.stages else self.model),
         )
         manifest: dict[str, Any] = {
             "world_size": layout.world_size,
