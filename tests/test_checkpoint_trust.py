@@ -231,6 +231,24 @@ def test_a_checkpoint_from_before_checksums_still_loads_with_one_line(run: Run) 
     assert run.lines == [f"[meshtrain] checkpoint {directory} has no checksums (written before meshtrain recorded them): checked its file sizes only"]
 
 
+def test_a_checkpoint_that_keeps_its_optimizer_by_group_index_still_loads(run: Run) -> None:
+    """Checkpoints written before pipeline parallel keep the optimizer state by group index; every one since,
+    by parameter name. Both restore the same state, and the next save writes by name."""
+    saved = make_state(seed=1, step=4)
+    expected = snapshot(saved)
+    saved.optimizer_by_name = False
+    run.save(saved)
+    keys = run.storage.reader(run.step(4)).read_metadata().state_dict_metadata
+    assert "train.optimizer.param_groups.0.params" in keys
+    target = make_state(seed=2, step=0)
+    assert run.restore(target) == 4 and target.optimizer_by_name
+    assert_bitwise_equal(snapshot(target), expected)
+    target.progress.step = 8
+    run.save(target)
+    keys = run.storage.reader(run.step(8)).read_metadata().state_dict_metadata
+    assert "train.optimizer.param_groups.0.weight.lr" in keys and "train.optimizer.param_groups.0.params" not in keys
+
+
 # --- falling back ---------------------------------------------------------------------------------
 
 
