@@ -376,9 +376,11 @@ def _process_group(device: torch.device, timeout: timedelta, host: str) -> Any:
             # torchft drops the old group here, and gloo's destructor waits for a collective still in
             # flight: one a late peer never joined would hold the new quorum for the whole timeout.
             # The old group is let go on a thread of its own instead.
-            if self._pg is not None:  # the thread holds the only reference: the destructor runs there
-                threading.Thread(target=_let_go, args=(self._pg,), name="meshtrain-old-replica-group", daemon=True).start()
+            old: Any = self._pg  # type: ignore[has-type]
+            if old is not None:  # the thread holds the only reference once this returns: the destructor runs there
+                threading.Thread(target=_let_go, args=(old,), name="meshtrain-old-replica-group", daemon=True).start()
                 self._pg = None
+            del old
             return super().reconfigure(opts)
 
     return NodeAddressedProcessGroup(timeout=timeout)
