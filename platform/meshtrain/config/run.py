@@ -161,7 +161,7 @@ class FaultConfig(Section):
         ),
     )
     slow_factor: float = Field(3.0, gt=1, description="fault.kind=slow: how many times slower the worker computes.")
-    freeze_s: float = Field(30.0, gt=0, le=3600, description="fault.kind=freeze: how long the worker stays stopped.")
+    freeze_s: float = Field(30.0, gt=0, le=MAX_DURATION_S, description="fault.kind=freeze: how long the worker stays stopped.")
     node: str | None = Field(
         None, description="fault.kind=slow: slow every worker on the node with this address (Ray: its IP) instead of fault.kill_rank."
     )
