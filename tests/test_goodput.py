@@ -95,12 +95,15 @@ def test_replica_mode_loses_its_waits_and_a_new_writer_continues_the_timeline() 
     # takes over at 6; step 4 waited 3 s for its quorum after a peer was lost.
     records = [train(step, float(step) + (3.0 if step >= 4 else 0.0), step_s=4.0 if step == 4 else 1.0,
                      replica_wait_s=3.0 if step == 4 else 0.05) for step in range(1, 6)]
-    records += [make(ReplicaLostRecord, step=4), make(GroupStartRecord, restarts=1)]
+    records.insert(3, make(ReplicaLostRecord, step=4, stall_s=2.9, cause="hung"))  # written as step 4 began
+    records.append(make(GroupStartRecord, restarts=1))
     records += [train(step, float(step) + 3.0 + 0.01, replica_wait_s=0.05) for step in range(6, 9)]
     report = goodput_of(records, started=0.0, ended=11.1)
     lost = report["lost_s"]
     assert lost["redone"] == 0.0 and lost["restarts"] == pytest.approx(0.0, abs=0.02)
-    assert lost["replica_waits"] == pytest.approx(3.0 + 7 * 0.05)
+    # The stall the replica_lost record names goes to its cause; the rest of the waits stay waits.
+    assert lost["replica_hung"] == pytest.approx(2.9) and lost["replica_frozen"] == 0.0
+    assert lost["replica_waits"] == pytest.approx(3.0 - 2.9 + 7 * 0.05)
     assert accounted(report) == pytest.approx(11.1, abs=0.02)
 
 

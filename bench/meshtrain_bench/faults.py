@@ -37,6 +37,7 @@ from meshtrain.observe.run_folder import (
     CheckpointLoadRecord,
     DownstreamEvalFailedRecord,
     InterruptedRecord,
+    ReplicaLostRecord,
     RunPaths,
     TextSamplesRecord,
     TrainRecord,
@@ -398,6 +399,50 @@ class Matrix:
         }
         return self.row("6''. a killed worker (a restart fixes it)", job, run_dir, 5, checks)
 
+    def replica_fault(self, kind: str) -> Row:
+        """Replica mode, two groups of one worker: at step 6 worker 1 freezes for 30 s (SIGSTOP), hangs
+        (sleeps forever inside the step) or computes 2x slower from then on. The other group must stall at
+        most max(10 s, 3 x the median step) + the heartbeat timeout, the record must name the cause (no
+        record for the slow one), every step must be logged once with the unbroken replica run's losses."""
+        heartbeat_s = 2.0
+        replica = ("fault_tolerance.mode=replica", "parallel.strategy=hybrid_shard", "parallel.shard=1",
+                   f"fault_tolerance.heartbeat_timeout_s={heartbeat_s}", "train.steps=40")
+        if not hasattr(self, "replica_losses"):
+            unbroken = self.root / "replica-unbroken"
+            shutil.rmtree(unbroken, ignore_errors=True)
+            if run_job(unbroken, *replica).returncode != 0:
+                raise SystemExit("the unbroken replica-mode run failed")
+            self.replica_losses = {r.step: r.loss for r in read_records(unbroken / RUN / "metrics.jsonl", TrainRecord)}
+        storage = self.root / f"replica-{kind}"
+        shutil.rmtree(storage, ignore_errors=True)
+        fault = {"frozen": ["fault.kind=freeze", "fault.freeze_s=30"], "hung": ["fault.kind=hang"],
+                 "slow": ["fault.kind=slow", "fault.slow_factor=2"]}[kind]
+        job = run_job(storage, *replica, "fault.kill_rank=1", "fault.at_step=6", *fault)
+        run_dir = storage / RUN
+        trained = list(read_records(run_dir / "metrics.jsonl", TrainRecord))
+        lost = list(read_records(run_dir / "metrics.jsonl", ReplicaLostRecord))
+        median_s = float(np.median([r.step_time_s for r in trained if r.step < 6])) if trained else 0.0
+        bound_s = max(10.0, 3 * median_s) + heartbeat_s
+        checks = {
+            "exit 0": job.returncode == 0,
+            "every step logged once": [r.step for r in trained] == list(range(1, 41)),
+            "the unbroken run's losses": all(abs(r.loss - self.replica_losses[r.step]) <= 1e-4 * abs(self.replica_losses[r.step])
+                                             for r in trained),
+        }
+        if kind == "slow":
+            checks["not declared hung"] = not lost
+        else:
+            checks[f"replica_lost names {kind}"] = [r.cause for r in lost][:1] == [kind]
+            checks[f"stall within {bound_s:.1f}s"] = bool(lost) and lost[0].stall_s <= bound_s
+        starts = read_worker_starts(RunPaths(run_dir.name, run_dir.parent))
+        happened = (f"{lost[0].cause} at step {lost[0].step}: stall {lost[0].stall_s:.1f}s (quorum {lost[0].quorum_s:.1f}s)"
+                    if lost else "no replica lost") + f"; {job.final_line}"
+        wrong = [name for name, ok in checks.items() if not ok]
+        row = Row(f"R. replica group {kind} at step 6", len(starts) - 2 if starts else None, job.seconds, happened,
+                  0, not wrong, "; ".join(wrong))
+        self.log(format_row(row))
+        return row
+
     def disk_full(self) -> Row | None:
         """checkpoint.path on a 12 MiB tmpfs: the first save fills it (needs root to mount)."""
         mount = self.root / "small-disk"
@@ -646,7 +691,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| fault | restarts | seconds | final line | steps lost | outcome |", flush=True)
     print("|---|---|---|---|---|---|", flush=True)
     matrix = Matrix(args.dir, lambda line: print(line, flush=True))
-    if args.only is None or set(args.only) - {"round_two", "downstream_not_waited_for", "oversized_document"}:
+    if args.only is None or set(args.only) - {"round_two", "downstream_not_waited_for", "oversized_document",
+                                               "replica_frozen", "replica_hung", "replica_slow"}:
         matrix.prepare()
     rows: list[Row | None] = []
     steps: list[tuple[str, Callable[[], Any]]] = [
@@ -670,6 +716,9 @@ def main(argv: list[str] | None = None) -> int:
         ("downstream_not_waited_for", matrix.downstream_not_waited_for),
         ("oversized_document", matrix.oversized_document),
         ("round_two", lambda: list(matrix.round_two())),
+        ("replica_frozen", lambda: matrix.replica_fault("frozen")),
+        ("replica_hung", lambda: matrix.replica_fault("hung")),
+        ("replica_slow", lambda: matrix.replica_fault("slow")),
     ]
     for name, step in steps:
         if args.only is None or name in args.only:

@@ -31,7 +31,8 @@ def fit_replica_groups(plan: WorkerPlan, build: Callable[[WorkerPlan, ReplicaPla
     replicas = plan.replica_groups
     assert replicas is not None, "fault_tolerance.mode=replica resolves the replica groups"
     lighthouse = LighthouseServer(plan.fault_tolerance, replicas)
-    address = lighthouse.address_on(ray.util.get_node_ip_address())
+    node = ray.util.get_node_ip_address()
+    address, board = lighthouse.address_on(node), lighthouse.board_on(node)
     _, newest = newest_committed(plan.checkpoint, plan.run)
     resume_step = newest.step if newest is not None else 0
     outcomes: dict[int, BaseException | None] = {}
@@ -40,7 +41,7 @@ def fit_replica_groups(plan: WorkerPlan, build: Callable[[WorkerPlan, ReplicaPla
     def fit(index: int) -> None:
         error: BaseException | None = None
         try:
-            build(plan, ReplicaPlacement(index, replicas, address, resume_step=resume_step)).fit()
+            build(plan, ReplicaPlacement(index, replicas, address, resume_step=resume_step, board=board)).fit()
         except BaseException as exc:  # handed to the driver's thread
             error = exc
         with changed:

@@ -55,6 +55,18 @@ class FaultToleranceConfig(Section):
         60.0, gt=0, le=MAX_DURATION_S,
         description="fault_tolerance.mode=replica: the cross-replica collectives' and healing transfer's timeout.",
     )
+    hang_factor: float = Field(
+        2.5, ge=1.5, le=100,
+        description="fault_tolerance.mode=replica: a replica group that has not reached the cross-replica sum of a step "
+        "this many times the median of the step's recent durations after the step began (and at least "
+        "fault_tolerance.hang_floor_s) is declared hung by its peers: they stop waiting for it, and the lighthouse ends "
+        "its workers so Ray replaces the group.",
+    )
+    hang_floor_s: float = Field(
+        8.0, gt=0, le=MAX_DURATION_S,
+        description="fault_tolerance.mode=replica: the shortest wait before a peer replica group is declared hung, "
+        "whatever the step time (a loaded machine's jitter, a step that compiles).",
+    )
 
     @model_validator(mode="after")
     def _replica_settings_need_replica_mode(self) -> FaultToleranceConfig:

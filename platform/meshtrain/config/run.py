@@ -151,15 +151,17 @@ class FaultConfig(Section):
         None, ge=0, description="Chaos testing: this worker fails once, at fault.at_step (how: fault.kind)."
     )
     at_step: int | None = Field(None, gt=0, description="Step at which fault.kill_rank fails.")
-    kind: Literal["kill", "hang", "nan", "slow"] = Field(
+    kind: Literal["kill", "hang", "freeze", "nan", "slow"] = Field(
         "kill",
         description=(
-            "kill: the worker sends itself SIGKILL; hang: it stops making progress (sleeps forever); nan: its "
+            "kill: the worker sends itself SIGKILL; hang: it stops making progress (sleeps forever); freeze: it "
+            "sends itself SIGSTOP (every thread stops, its heartbeats too) and is resumed fault.freeze_s later; nan: its "
             "logits are NaN from fault.at_step on, so the global loss and gradients are (the step guard's case); "
             "slow: its transformer blocks take fault.slow_factor times as long from fault.at_step on (a straggler)."
         ),
     )
     slow_factor: float = Field(3.0, gt=1, description="fault.kind=slow: how many times slower the worker computes.")
+    freeze_s: float = Field(30.0, gt=0, le=MAX_DURATION_S, description="fault.kind=freeze: how long the worker stays stopped.")
     node: str | None = Field(
         None, description="fault.kind=slow: slow every worker on the node with this address (Ray: its IP) instead of fault.kill_rank."
     )

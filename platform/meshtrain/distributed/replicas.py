@@ -16,6 +16,14 @@ hook: FSDP2 calls that hook only when it reduces over more than one rank, so a r
 worker would train on its own share alone (measured: each replica's gradient was its half's, norm
 0.71 of the batch's). torchft's own average (``ReduceOp.AVG``) divides in a future's callback that
 ``wait`` does not wait for; sums with meshtrain's own scale avoid it.
+
+A group that heartbeats but stops making progress inside a step (hung) or stops altogether (frozen)
+would hold its peers in the cross-replica sum for the collective's whole timeout. Its peers wait only
+until a deadline (``train/replica_pace.py``), then tell the lighthouse to end the groups that have not
+reached the sum (each group posts the step it reached on the run's board, a key-value store beside the
+lighthouse), through torchft's own kill route, which ends the group's manager process: a hung group's
+workers exit and Ray replaces the group; a frozen one cannot answer and has already stopped
+heartbeating, so the lighthouse leaves it out of the next quorum.
 """
 
 from __future__ import annotations
@@ -23,10 +31,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -35,6 +48,7 @@ from meshtrain.config import ConfigError, FaultToleranceConfig
 from meshtrain.config.network import Endpoint
 
 FT_EXTRA = "pip install -e '.[ft]'"
+Ended = Literal["hung", "frozen"]  # why a replica group's peers ended it
 
 
 def check_torchft() -> None:
@@ -54,6 +68,7 @@ class ReplicaPlacement:
     # The newest committed step when the launch began (0: none; None: no limit). A group of the launch
     # loads that one, not one a peer saved since: a group that starts late heals from its peers anyway.
     resume_step: int | None = None
+    board: str | None = None  # the run's board (host:port), where each group posts the step it reached
 
 
 @dataclass(frozen=True)
@@ -88,7 +103,13 @@ class LighthouseServer:
             join_timeout_ms=int(settings.join_timeout_s * 1000),
             heartbeat_timeout_ms=int(settings.heartbeat_timeout_s * 1000),
         )
+        self._board: dist.TCPStore | None = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
         self.replicas = replicas
+
+    def board_on(self, host: str) -> str:
+        """The board's address at ``host`` (host:port)."""
+        assert self._board is not None, "the lighthouse is closed"
+        return Endpoint(host, self._board.port).target
 
     @property
     def address(self) -> str:
@@ -101,6 +122,7 @@ class LighthouseServer:
 
     def close(self) -> None:
         self._server.shutdown()
+        self._board = None
 
 
 class ReplicaPeers:
@@ -127,6 +149,13 @@ class ReplicaPeers:
         self.placement = placement
         self._healed_from: tuple[int, int] | None = None  # (source replica group, bytes received)
         self._closed = False
+        self._late = False  # a sum of this step ran past its deadline
+        self._heartbeat_timeout_s = settings.heartbeat_timeout_s
+        self._board: dist.TCPStore | None = None
+        if placement.board is not None and group_rank == 0:  # one worker per group posts and declares
+            board_host, board_port = placement.board.rsplit(":", 1)
+            self._board = dist.TCPStore(board_host.strip("[]"), int(board_port), is_master=False,
+                                        wait_for_workers=False, timeout=timedelta(seconds=settings.timeout_s))
 
         def send() -> dict[str, Any]:
             return {"state": state(), "replica": placement.index}
@@ -159,11 +188,14 @@ class ReplicaPeers:
             init_sync=False,
             max_retries=settings.max_uncommitted_steps,
         )
+        self._members = _QuorumMembers(self._manager._client)
+        self._manager._client = self._members
 
     def quorum(self) -> StepQuorum:
         """Join the next step's quorum; a group behind its peers receives a live peer's state first."""
         manager = self._manager
         self._healed_from = None
+        self._late = False
         manager.start_quorum()
         rank = manager.participating_rank()
         if rank is None:  # only a group that healed may sit out a step; with a synchronous quorum it takes part
@@ -172,22 +204,58 @@ class ReplicaPeers:
         return StepQuorum(manager.num_participants(), rank, manager.current_step(), healed is not None,
                           *(healed if healed is not None else (None, 0)))
 
-    def sum_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
+    def sum_gradients(self, parameters: list[torch.nn.Parameter], deadline: float | None = None) -> None:
         """Sum each gradient (this rank's shard) over the live replica groups, in one flat buffer per dtype."""
         local = [_local(p.grad) for p in parameters if p.grad is not None]
+        if self._board is not None:
+            self._board.set(_reached_key(self.placement.index), str(self._manager.current_step() + 1))
         for dtype in {grad.dtype for grad in local}:
             grads = [grad for grad in local if grad.dtype == dtype]
             flat = torch.cat([grad.reshape(-1) for grad in grads])
-            self.sum(flat)
+            self.sum(flat, deadline)
             offset = 0
             for grad in grads:
                 grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
 
-    def sum(self, tensor: torch.Tensor) -> None:
+    def sum(self, tensor: torch.Tensor, deadline: float | None = None) -> None:
         """``tensor`` summed over the live replica groups, in place (zeros after a failed collective:
-        that step is not committed)."""
-        self._manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM).wait()
+        that step is not committed). ``deadline`` (``time.monotonic``): stop waiting for the peers then;
+        the step is not committed, and ``late`` says so."""
+        work = self._manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM)
+        if deadline is None:
+            work.wait()
+            return
+        done = work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        if time.monotonic() >= deadline:
+            self._late = True
+            if done:  # this group was the late one (a frozen process resumed): its peers went on without it
+                self._manager.report_error(TimeoutError("the cross-replica sum ended past its deadline"))
+
+    @property
+    def late(self) -> bool:
+        """A sum of this step ran past its deadline: some peer group never reached it."""
+        return self._late
+
+    def end_late_peers(self, step: int) -> dict[int, Ended]:
+        """The peer groups of the last quorum that never reached the sum of ``step`` (on the board), each
+        ended through the lighthouse: ``hung`` when its manager took the order (its workers exit),
+        ``frozen`` when it could not answer (it no longer heartbeats either). Empty on a worker that
+        does not declare (only group rank 0 does), or without a board."""
+        if self._board is None:
+            return {}
+        ended: dict[int, Ended] = {}
+        for member in self._members.ids:
+            index = _replica_index(member)
+            if index == self.placement.index or self._reached(index) >= step:
+                continue
+            ended[index] = _kill(self.placement.lighthouse, member, min(2.0, self._heartbeat_timeout_s))
+        return ended
+
+    def _reached(self, index: int) -> int:
+        key = _reached_key(index)
+        assert self._board is not None
+        return int(self._board.get(key)) if self._board.check([key]) else 0
 
     def commit(self) -> bool:
         """Every live group's vote: True when the step's collectives succeeded everywhere (then apply it)."""
@@ -204,6 +272,45 @@ class ReplicaPeers:
         self._closed = True
         self._manager.shutdown(wait=False)
         self._store.close()
+        self._board = None
+
+
+def _reached_key(index: int) -> str:
+    return f"reached/{index}"
+
+
+def _replica_index(replica_id: str) -> int:
+    """torchft's replica id of a group: ``replica_<index>:<uuid>``."""
+    return int(replica_id.split(":", 1)[0].removeprefix("replica_"))
+
+
+def _kill(lighthouse: str, replica_id: str, timeout_s: float) -> Ended:
+    """Tell the lighthouse to end a replica group (torchft's kill route: its manager process exits at
+    once); ``hung`` when the order reached a live process, ``frozen`` when it got no answer."""
+    url = f"{lighthouse}/replica/{urllib.parse.quote(replica_id)}/kill"
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=timeout_s).close()
+    except urllib.error.HTTPError:  # the manager exits before it answers: the lighthouse reports an error
+        return "hung"
+    except OSError:  # no answer in time (the process is stopped), or no lighthouse to ask
+        return "frozen"
+    return "hung"
+
+
+class _QuorumMembers:
+    """torchft's manager client, keeping the replica ids of the last quorum (the manager does not)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.ids: list[str] = []
+
+    def _quorum(self, **kwargs: Any) -> Any:
+        result = self._client._quorum(**kwargs)
+        self.ids = list(result.replica_ids)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
 
 
 def tensor_bytes(value: Any) -> int:
@@ -265,7 +372,22 @@ def _process_group(device: torch.device, timeout: timedelta, host: str) -> Any:
             handle["store"] = _on_host(handle["store"], host)
             return json.dumps(handle)
 
+        def reconfigure(self, opts: Any) -> Any:
+            # torchft drops the old group here, and gloo's destructor waits for a collective still in
+            # flight: one a late peer never joined would hold the new quorum for the whole timeout.
+            # The old group is let go on a thread of its own instead.
+            old: Any = self._pg  # type: ignore[has-type]
+            if old is not None:  # the thread holds the only reference once this returns: the destructor runs there
+                threading.Thread(target=_let_go, args=(old,), name="meshtrain-old-replica-group", daemon=True).start()
+                self._pg = None
+            del old
+            return super().reconfigure(opts)
+
     return NodeAddressedProcessGroup(timeout=timeout)
+
+
+def _let_go(group: Any) -> None:
+    group.abort()
 
 
 class _GroupStore:

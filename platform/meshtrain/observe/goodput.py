@@ -10,7 +10,9 @@ failure's detection, Ray's restart, the model build and checkpoint load, and the
 failed group had trained) and finishing (after the last: the final save, the workers' exit). When a
 later record covers steps an earlier one covered (a restart resumed from a checkpoint behind them),
 the earlier interval's share of those steps is redone work; after a rollback (a ``rollback`` record),
-those steps and the reload are the rollback's.
+those steps and the reload are the rollback's. The replica-mode waits of a step that went on without a
+replica group (a ``replica_lost`` record, up to its ``stall_s``) are lost to that group's cause
+(``replica_hung``, ``replica_frozen``, ``replica_lost``, ``replica_slow``) instead of ``replica_waits``.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TypedDict
 
-from meshtrain.observe.run_folder import CheckpointSaveRecord, EvalRecord, RollbackRecord, TrainRecord
+from meshtrain.observe.run_folder import CheckpointSaveRecord, EvalRecord, ReplicaLostRecord, RollbackRecord, TrainRecord
 
 # Lost time inside a train record's interval, by cause.
-IN_STEP_CAUSES = ("data_wait", "replica_waits", "evaluation", "checkpoints")
+STALL_CAUSES = ("replica_hung", "replica_frozen", "replica_lost", "replica_slow")  # a replica_lost record's cause
+IN_STEP_CAUSES = ("data_wait", "replica_waits", *STALL_CAUSES, "evaluation", "checkpoints")
 CAUSES = ("start_up", "restarts", "redone", "rollbacks", *IN_STEP_CAUSES, "finishing", "other")
 
 
@@ -68,6 +71,7 @@ class GoodputLedger:
         self._covered = 0.0
         self._reloads = 0.0  # rollbacks' reload seconds: between intervals, not a restart's
         self._redone_cause = "redone"  # what the next record's superseded steps are lost to
+        self._stalls = dict.fromkeys(STALL_CAUSES, 0.0)  # replica_lost stalls, for the next train record's waits
 
     def add(self, record: object) -> None:
         """One record of ``metrics.jsonl`` (a kind the account does not use is passed over)."""
@@ -81,6 +85,8 @@ class GoodputLedger:
         elif isinstance(record, RollbackRecord):
             self._reloads += record.seconds
             self._redone_cause = "rollbacks"
+        elif isinstance(record, ReplicaLostRecord):
+            self._stalls[f"replica_{record.cause}"] += record.stall_s
 
     def _add_train(self, record: TrainRecord) -> None:
         steps = record.interval_steps
@@ -96,6 +102,11 @@ class GoodputLedger:
             overlap = min(seconds, max(0.0, self._last_end - (end - seconds)))
             seconds -= overlap
             losses["replica_waits"] = max(0.0, losses["replica_waits"] - overlap)
+        for cause, stall in self._stalls.items():
+            moved = min(stall, losses["replica_waits"])
+            losses["replica_waits"] -= moved
+            losses[cause] = moved
+        self._stalls = dict.fromkeys(STALL_CAUSES, 0.0)
         interval = _Interval(first, record.step, seconds, losses)
         self._supersede(interval.first)
         self._intervals.append(interval)

@@ -142,7 +142,8 @@ class DriverMetrics(_Exporter):
         self.lost_seconds = Gauge(
             "meshtrain_lost_seconds",
             "Wall time since the job's launch not spent on productive steps, by cause (start_up, restarts, "
-            "redone, data_wait, replica_waits, evaluation, checkpoints, finishing, other).",
+            "redone, rollbacks, data_wait, replica_waits, replica_hung, replica_frozen, replica_lost, replica_slow, "
+            "evaluation, checkpoints, finishing, other).",
             ("run", "cause"), registry=self.registry,
         )
         self.score = Gauge(

@@ -387,6 +387,11 @@ class ReplicaLostRecord(Record):
     stall_s: float
     quorum_s: float
     time: float
+    # Why: hung (it heartbeat but missed the step's deadline; its peers had the lighthouse end it), frozen (it
+    # missed the deadline and could not be reached: a stopped process or node), lost (it failed, left or
+    # stopped heartbeating on its own), slow (a straggler group its peers replaced).
+    cause: Literal["lost", "hung", "frozen", "slow"] = "lost"
+    groups: list[int] | None = None  # the replica groups its peers ended (none for a lost group)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,10 +1,11 @@
-"""Fault injection for tests and demos: a worker that kills itself once with SIGKILL, hangs, turns NaN or
-computes slowly."""
+"""Fault injection for tests and demos: a worker that kills itself once with SIGKILL, hangs, freezes, turns
+NaN or computes slowly."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,8 +18,8 @@ from meshtrain.train.loop import LoopPart, StepStart
 
 
 def maybe_kill_self(fault: FaultConfig, rank: int, step: int, during_checkpoint: bool, marker_dir: Path) -> None:
-    """SIGKILL this process (``fault.kind=hang``: sleep forever) if ``fault`` names this rank and
-    step, unless it already happened.
+    """SIGKILL this process (``fault.kind=hang``: sleep forever; ``freeze``: SIGSTOP, and SIGCONT from a
+    helper process ``fault.freeze_s`` later) if ``fault`` names this rank and step, unless it already happened.
 
     A marker file in the run directory records the fault, so the restarted worker passes the same
     step without failing again.
@@ -37,6 +38,12 @@ def maybe_kill_self(fault: FaultConfig, rank: int, step: int, during_checkpoint:
         sys.stdout.flush()
         while True:
             time.sleep(3600)
+    if fault.kind == "freeze":
+        sys.stdout.write(f"[meshtrain] fault injection: rank {rank} freezes for {fault.freeze_s:g}s at step {step} {where}\n")
+        sys.stdout.flush()
+        subprocess.Popen(["sh", "-c", f"sleep {fault.freeze_s}; kill -CONT {os.getpid()}"], start_new_session=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
     sys.stdout.write(f"[meshtrain] fault injection: rank {rank} sends itself SIGKILL at step {step} {where}\n")
     sys.stdout.flush()
     os.kill(os.getpid(), signal.SIGKILL)

@@ -31,6 +31,7 @@ from meshtrain.train.plan import WorkerPlan
 from meshtrain.train.preemption import NoticeHandling, Notices, PreemptionNotice, StopVote
 from meshtrain.train.profiling import StepProfiler
 from meshtrain.train.records import StepMetrics
+from meshtrain.train.replica_pace import StepPace
 from meshtrain.train.replica_steps import ReplicaSteps
 from meshtrain.train.rollback import SpikeRollback
 from meshtrain.train.step_log import StepLog
@@ -115,7 +116,8 @@ def loop_parts(
         if not joining:
             peers.set_step(progress.step)
         replicas = ReplicaSteps(peers, plan.fault_tolerance.data == "strict", layout, trainer.batches, progress,
-                                outputs, checkpointing, joining, heartbeat, log)
+                                outputs, checkpointing, joining, heartbeat, log,
+                                StepPace(plan.fault_tolerance.hang_factor, plan.fault_tolerance.hang_floor_s))
     # The loop's own small collectives (notice votes, straggler times) go on the layout's control
     # group; every rank issues them in the same order.
     budget = plan.run.preemption_save_s

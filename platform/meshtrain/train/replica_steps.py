@@ -13,10 +13,11 @@ from meshtrain.checkpoint.state import Progress
 from meshtrain.config import PermanentError
 from meshtrain.data import DataParallelBatches
 from meshtrain.distributed.layout import RankLayout
-from meshtrain.distributed.replicas import ReplicaPeers
+from meshtrain.distributed.replicas import Ended, ReplicaPeers
 from meshtrain.observe.run_folder import ReplicaJoinedRecord, ReplicaLostRecord
 from meshtrain.train.checkpointing import Checkpointing
-from meshtrain.train.loop import LoopPart, StepStart
+from meshtrain.train.loop import LoopPart, StepDone, StepStart
+from meshtrain.train.replica_pace import StepPace
 from meshtrain.train.records import LoopOutputs
 from meshtrain.train.step_log import StepLog
 from meshtrain.train.watchdog import Heartbeat
@@ -32,10 +33,11 @@ class LiveReplicas:
 
     peers: ReplicaPeers
     groups: int
+    deadline: float | None = None  # time.monotonic(): the peers not in the sum by then are declared hung
 
     def reduce(self, parameters: list[torch.nn.Parameter], loss_sum: torch.Tensor) -> bool:
-        self.peers.sum_gradients(parameters)
-        self.peers.sum(loss_sum)
+        self.peers.sum_gradients(parameters, self.deadline)
+        self.peers.sum(loss_sum, self.deadline)
         return self.peers.commit()
 
 
@@ -49,6 +51,9 @@ class ReplicaSteps(LoopPart):
     share it has when all groups live, and the shares of the missing ones are skipped.
     ``joining``: this group replaces a lost one, so it must receive a live peer's state at its first
     quorum; it never reads a checkpoint (when every group was lost, the relaunched run does).
+    ``pace``: the deadline of each step's sum; the peers that miss it are ended, and the record of the
+    quorum that goes on without them names why (``hung``, ``frozen``; ``lost`` for a group that failed
+    or stopped heartbeating on its own).
     """
 
     def __init__(
@@ -63,10 +68,12 @@ class ReplicaSteps(LoopPart):
         joining: bool,
         heartbeat: Heartbeat,
         log: StepLog,
+        pace: StepPace,
     ) -> None:
         self.peers, self.strict, self.layout, self.batches = peers, strict, layout, batches
         self.progress, self.outputs, self.checkpointing, self.joining = progress, outputs, checkpointing, joining
-        self.heartbeat, self.log = heartbeat, log
+        self.heartbeat, self.log, self.pace = heartbeat, log, pace
+        self._ended: dict[int, Ended] = {}  # peer groups this group declared hung or frozen, and why
         self.participants: int | None = None
         self._attempting: tuple[int, float] | None = None  # (step, when its first attempt asked for a quorum)
         self._attempt_started = 0.0
@@ -81,7 +88,13 @@ class ReplicaSteps(LoopPart):
         self.heartbeat.beat(f"training step {start.step}")
 
     def step_abandoned(self, start: StepStart) -> None:
+        if self.peers.late:
+            self._ended.update(self.peers.end_late_peers(start.step))
         self.log.waited_for_replicas(time.perf_counter() - self._attempt_started)
+
+    def after_step(self, done: StepDone) -> bool:
+        self.pace.committed(time.perf_counter() - self._attempt_started)
+        return True
 
     def close(self) -> None:
         self.peers.close()
@@ -117,13 +130,17 @@ class ReplicaSteps(LoopPart):
             self.outputs.emit(ReplicaLostRecord(
                 step=self.progress.step + 1, participants=quorum.participants,
                 replicas=placement.replicas, stall_s=now - self._attempting[1], quorum_s=now - asked, time=time.time(),
+                cause=next(iter(self._ended.values()), "lost"), groups=sorted(self._ended) or None,
             ))
+        self._ended = {}
         self.participants = quorum.participants
         group_ranks = self.layout.data_ranks
         sharing = quorum.participants if self.strict else placement.replicas
         self.batches.resplit(quorum.rank * group_ranks + self.layout.data_rank, sharing * group_ranks,
                              self.progress.data_position)
-        return LiveReplicas(self.peers, quorum.participants)
+        bound = self.pace.bound_s()
+        return LiveReplicas(self.peers, quorum.participants,
+                            time.monotonic() + bound if bound is not None and quorum.participants > 1 else None)
 
     def hand_over(self) -> int:
         """This group is leaving (a preemption notice): the live replica groups besides it in the last
