@@ -62,7 +62,18 @@ def consolidated(path: Path, tmp_path: Path) -> dict[str, Any]:
     out = tmp_path / f"consolidated-{path.parent.parent.name}-{path.name}.pt"
     dcp_to_torch_save(path, out)
     state = torch.load(out, weights_only=False)["train"]
-    return {"model": state["model"], "optimizer": state["optimizer"]["state"], "progress": state["progress"]}
+    return {"model": state["model"], "optimizer": optimizer_moments(state["optimizer"]), "progress": state["progress"]}
+
+
+def optimizer_moments(optimizer: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each parameter's optimizer state, by its name, from a checkpoint's optimizer entry (kept by name:
+    ``state.<parameter>.<moment>``)."""
+    moments: dict[str, dict[str, Any]] = {}
+    for key, value in optimizer.items():
+        if key.startswith("state."):
+            name, _, moment = key.removeprefix("state.").rpartition(".")
+            moments.setdefault(name, {})[moment] = value
+    return moments
 
 
 def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:
