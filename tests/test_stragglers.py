@@ -82,6 +82,28 @@ def test_the_timer_counts_block_compute_not_what_comes_before_a_block() -> None:
     timer.close()
 
 
+def test_a_pipeline_rank_is_timed_as_the_whole_model_would_take_at_its_pace() -> None:
+    """Pipeline ranks hold different numbers of blocks: a rank of 1 block of a 4-block model that computes as
+    fast per block as a rank of 3 reports the same time, so neither is a straggler."""
+    class Block(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.05)
+            return x
+
+    def timed(blocks: int) -> float:
+        layers = [Block() for _ in range(blocks)]
+        timer = ComputeTimer(layers, torch.device("cpu"), model_blocks=4)
+        for layer in layers:
+            layer(torch.ones(1))
+        seconds = timer.take()
+        timer.close()
+        return seconds
+
+    one, three = timed(1), timed(3)
+    assert 0.19 <= one and 0.19 <= three and slowdowns([one, three]) == pytest.approx([one / three, three / one])
+    assert max(slowdowns([one, three])) < 1.3
+
+
 def test_straggler_settings_are_checked() -> None:
     from meshtrain.config import ConfigError
 

@@ -53,12 +53,14 @@ def maybe_poison_outputs(fault: FaultConfig, rank: int, step: int, model: torch.
     """``fault.kind=nan``: from ``fault.at_step`` on, this rank's logits are NaN. The loss sum is
     reduced over the ranks and FSDP reduces the gradients, so every rank's step guard sees the step
     go bad, as with a real divergence. Called before each step; a resumed run reaches the step again.
+    Under pipeline parallel the rank's stages' outputs are NaN (the loss, on the last stage, follows).
     """
     if fault.kind != "nan" or (fault.kill_rank, fault.at_step) != (rank, step):
         return
     sys.stdout.write(f"[meshtrain] fault injection: rank {rank} computes NaN logits from step {step} on\n")
     sys.stdout.flush()
-    model.register_forward_hook(lambda _module, _inputs, logits: logits * float("nan"))
+    for module in getattr(model, "stages", ()) or (model,):
+        module.register_forward_hook(lambda _module, _inputs, outputs: outputs * float("nan"))
 
 
 def maybe_slow_down(fault: FaultConfig, rank: int, node: str, step: int, model: torch.nn.Module) -> None:
@@ -82,7 +84,8 @@ def maybe_slow_down(fault: FaultConfig, rank: int, node: str, step: int, model: 
     def end(module: torch.nn.Module, _args: object, _output: object) -> None:
         time.sleep((fault.slow_factor - 1) * (time.perf_counter() - started.pop(id(module), time.perf_counter())))
 
-    for block in getattr(model, "layers", []):
+    blocks = getattr(model, "layers", None)
+    for block in blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks or []:
         block.register_forward_pre_hook(torch.compiler.disable(begin))
         block.register_forward_hook(torch.compiler.disable(end), prepend=True)
 

@@ -100,7 +100,7 @@ def loop_parts(
                   stage_of=staged.stage_name if staged is not None else None)
     metrics = outputs.metrics
     stragglers = StragglerWatch(
-        ComputeTimer(trainer.model.layers.values(), rank.device), plan.metrics.straggler_factor, plan.metrics.straggler_patience,
+        ComputeTimer(trainer.model.layers.values(), rank.device, trainer.model.args.n_layers), plan.metrics.straggler_factor, plan.metrics.straggler_patience,
         layout.rank, layout.node, outputs, layout.control_group,
         metrics.set_rank_speed if metrics is not None else None, outputs.on_straggler,
     )

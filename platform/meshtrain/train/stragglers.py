@@ -34,9 +34,13 @@ from meshtrain.train.records import LoopOutputs
 
 
 class ComputeTimer:
-    """Forward compute time of ``blocks`` on this rank, collective waits excluded."""
+    """Forward compute time of ``blocks`` on this rank, collective waits excluded, as the whole model's
+    ``model_blocks`` would take at that pace (pipeline ranks hold different numbers of blocks; their speeds
+    compare per block)."""
 
-    def __init__(self, blocks: Iterable[nn.Module], device: torch.device) -> None:
+    def __init__(self, blocks: Iterable[nn.Module], device: torch.device, model_blocks: int | None = None) -> None:
+        blocks = list(blocks)
+        self._scale = (model_blocks / len(blocks)) if model_blocks and blocks else 1.0
         self.cuda = device.type == "cuda"
         self._host_seconds = 0.0
         self._events: list[tuple[Any, Any]] = []
@@ -68,14 +72,14 @@ class ComputeTimer:
             self._host_seconds += time.perf_counter() - start
 
     def take(self) -> float:
-        """Seconds of block compute since the last call (a device sync on CUDA)."""
+        """Seconds of block compute since the last call, as the whole model would take (a device sync on CUDA)."""
         if self.cuda:
             events, self._events = self._events, []
             if events:
                 events[-1][1].synchronize()
-            return sum(start.elapsed_time(end) for start, end in events) / 1000
+            return sum(start.elapsed_time(end) for start, end in events) / 1000 * self._scale
         seconds, self._host_seconds = self._host_seconds, 0.0
-        return seconds
+        return seconds * self._scale
 
     def close(self) -> None:
         for handle in self._handles:
