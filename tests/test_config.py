@@ -774,7 +774,7 @@ REPLICAS = ("fault_tolerance.mode=replica", "scaling.num_workers=4", "parallel.s
 
 @pytest.mark.parametrize("overrides, message", [
     (("parallel.shard=4",), r"^fault_tolerance.mode=replica needs at least 2 replica groups: scaling.num_workers=4 "
-                            r"over groups of 4 workers \(parallel.shard x context x tensor\) makes 1; "),
+                            r"over groups of 4 workers \(parallel.pipeline x shard x context x tensor\) makes 1; "),
     (("parallel.strategy=full_shard", "parallel.shard=auto"),
      r"^fault_tolerance.mode=replica replaces whole model copies, .* parallel.strategy=full_shard has none"),
     (("parallel.shard=auto",), r"^fault_tolerance.mode=replica needs the size of a replica group: set parallel.shard"),

@@ -295,8 +295,8 @@ REFUSALS = [
                                            "parallel.pipeline=1"),
     (["parallel.pipeline=2", "scaling.min_workers=3"], "scaling.min_workers=3: no smaller group than scaling.num_workers=4"),
     (["parallel.pipeline=2", "model.tie_embeddings=true"], "parallel.pipeline=2 with a tied embedding"),
-    (["parallel.pipeline=2", "fault_tolerance.mode=replica", "parallel.shard=1"],
-     "fault_tolerance.mode=replica with parallel.pipeline > 1 is not planned yet"),
+    (["parallel.pipeline=2", "fault_tolerance.mode=replica", "parallel.strategy=hybrid_shard", "parallel.shard=2"],
+     "needs at least 2 replica groups: scaling.num_workers=4 over groups of 4 workers (parallel.pipeline x shard"),
 ]
 
 
@@ -325,7 +325,7 @@ def test_a_layout_that_cannot_run_is_one_line_in_the_dry_run(
     """Each is one line and exit 2 before any worker: a split of the wrong sum or length or with an empty
     stage, fewer micro-batches or layers than stages, a schedule's stages per rank, TP not within a node,
     pipeline x TP x CP not dividing the workers, a batch not of whole pipeline runs, torch's own refusal,
-    pipeline settings without PP, an elastic size that cannot hold the stages, a tied embedding and replica mode."""
+    pipeline settings without PP, an elastic size that cannot hold the stages, a tied embedding, and replica groups (whole pipelines) too large for two."""
     code, out, err = run_main(["--dry-run", *BASE, *overrides, f"run.storage_path={tmp_path}"], capsys, monkeypatch)
     assert_one_line(code, out, err, expected)
 

@@ -16,7 +16,7 @@ class FaultToleranceConfig(Section):
         "restart",
         description=(
             "restart: a lost worker ends its whole worker group; Ray Train restarts every rank from the newest "
-            "committed checkpoint. replica: each replica group (a shard x context x tensor group of workers, one "
+            "committed checkpoint. replica: each replica group (a pipeline x shard x context x tensor group of workers, one "
             "copy of the model) trains under a per-step quorum (torchft, pip install -e '.[ft]'); a lost replica "
             "stops only its own group, the others keep stepping, and its replacement receives the model and "
             "optimizer state from a live peer's memory."
@@ -116,13 +116,13 @@ def check_replica_mode(
 ) -> int:
     """The number of replica groups of a replica-mode run, or ValueError naming the setting to change.
 
-    ``group_workers``: the workers of one replica group (shard x context x tensor); ``group_data_ranks``:
+    ``group_workers``: the workers of one replica group (pipeline x shard x context x tensor); ``group_data_ranks``:
     its data-parallel ranks; ``batch_layout(data_ranks)`` raises when the global batch does not split.
     """
     if num_workers % group_workers or num_workers // group_workers < 2:
         raise ValueError(
             f"fault_tolerance.mode=replica needs at least 2 replica groups: scaling.num_workers={num_workers} over "
-            f"groups of {group_workers} workers (parallel.shard x context x tensor) makes "
+            f"groups of {group_workers} workers (parallel.pipeline x shard x context x tensor) makes "
             f"{num_workers / group_workers:g}; use a multiple of {group_workers} of at least {2 * group_workers} workers, "
             "or a smaller parallel.shard"
         )

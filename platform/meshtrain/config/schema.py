@@ -146,16 +146,26 @@ class MeshtrainConfig(Section):
         elif parallel.shard != "auto":
             shard = parallel.shard
         elif scaling.workers_per_node is not None:
-            shard = max(1, scaling.workers_per_node // self.parallel.group_size)
+            shard = max(1, scaling.workers_per_node // self.parallel.group_size)  # a node's stage, under PP
         else:
             raise ValueError(
                 "fault_tolerance.mode=replica needs the size of a replica group: set parallel.shard (data-parallel "
                 "ranks per replica), or scaling.workers_per_node (one replica per node)"
             )
+        # A replica group is a whole pipeline: its stages, each shard x context x tensor workers.
         return check_replica_mode(
-            self.fault_tolerance, scaling.num_workers, shard * self.parallel.group_size, shard,
-            scaling.min_workers not in (None, scaling.num_workers), self.train.batch_layout,
+            self.fault_tolerance, scaling.num_workers, shard * self.parallel.data_rank_workers, shard,
+            scaling.min_workers not in (None, scaling.num_workers), self._pipeline_runs,
         )
+
+    def _pipeline_runs(self, data_ranks: int) -> object:
+        """train.batch_layout over ``data_ranks``, each rank's share whole pipeline runs (ValueError otherwise)."""
+        micro, accumulation = self.train.batch_layout(data_ranks)
+        if accumulation % self.parallel.microbatches:
+            raise ValueError(f"train.global_batch_size={self.train.global_batch_size} over {data_ranks} data-parallel "
+                             f"ranks is {accumulation} micro-batches each, not whole pipeline runs of "
+                             f"parallel.pipeline_microbatches={self.parallel.microbatches}")
+        return micro, accumulation
 
     def _check_rollback(self) -> None:
         train = self.train
@@ -213,9 +223,6 @@ class MeshtrainConfig(Section):
                 f"train.global_batch_size={train.global_batch_size} is not a multiple of train.micro_batch_size "
                 f"({train.micro_batch_size}) x parallel.pipeline_microbatches ({parallel.microbatches}) x data-parallel "
                 f"ranks ({ranks}) = {run}: a step is whole pipeline runs; make it a multiple of {run}")
-        if self.fault_tolerance.mode == "replica":
-            raise ValueError("fault_tolerance.mode=replica with parallel.pipeline > 1 is not planned yet; use "
-                             "fault_tolerance.mode=restart")
 
     def _check_eviction_can_happen(self, sizes: list[int]) -> None:
         """scaling.evict_stragglers with settings under which no straggler could ever be evicted
