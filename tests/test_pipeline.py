@@ -343,6 +343,33 @@ def test_the_dry_run_plans_the_pipeline_and_trace_is_one_line(
 
 # --- training --------------------------------------------------------------------------------------
 
+
+def test_a_stages_part_holds_the_whole_models_weights_under_the_same_names_bitwise() -> None:
+    """Each pipeline rank builds the whole model on meta and keeps its stages: the blocks keep their indices in
+    the whole model's names, the ends live only where their stage is, and initialization (by name) gives every
+    kept weight bitwise the value it has without pipeline parallel."""
+    from meshtrain.model.init import init_weights
+    from meshtrain.model.llama import build_model, materialize
+    from meshtrain.model.stages import keep_stages
+
+    args = model_args(load_config(None, ["model.n_layers=6"]).model, 512)
+    whole = materialize(build_model(args, "meta"), "cpu")
+    init_weights(whole, seed=7)
+    expected = dict(whole.named_parameters())
+    # ZBV's V: rank 1 of 3 holds stages 1 and 4 of 6 (one block each here), neither end.
+    for held, layers, ends in (([1, 4], [range(1, 2), range(4, 5)], set()),
+                               ([0, 5], [range(0, 1), range(5, 6)], {"tok_embeddings", "norm", "output"})):
+        part = build_model(args, "meta")
+        stages = keep_stages(part, layers, held, 6)
+        assert [stage.index for stage in stages] == held and part.stages == tuple(stages)
+        materialize(part, "cpu")
+        init_weights(part, seed=7)
+        names = dict(part.named_parameters())
+        assert {name.split(".")[0] for name in names} == {"layers"} | ends
+        assert sorted({name.split(".")[1] for name in names if name.startswith("layers.")}) == \
+            sorted(str(layer) for held_layers in layers for layer in held_layers)
+        assert all(torch.equal(param, expected[name]) for name, param in names.items())
+
 STEPS = 10
 # Each layout trains 10 steps of 8 windows of 32 tokens on 4 gloo ranks, with the document mask and without.
 LAYOUTS = {
