@@ -135,8 +135,9 @@ class ParallelConfig(Section):
         description=(
             "Pipeline-parallel degree: the layers split into stages over this many groups of workers (the outermost "
             "mesh dimension: a stage's workers are consecutive, so stages may span nodes while tensor and context "
-            "groups stay inside one). Data-parallel ranks = workers / (pipeline x tensor x context). Planned by "
-            "--dry-run; training under it is not available yet."
+            "groups stay inside one). Data-parallel ranks = workers / (pipeline x tensor x context). torch's "
+            "schedule runs the stages (parallel.pipeline_schedule); --dry-run shows each pipeline rank's memory and "
+            "the bubble."
         ),
     )
     pipeline_schedule: PipelineScheduleName = Field(
