@@ -382,7 +382,16 @@ LAYOUTS = {
                                    "parallel.pipeline_microbatches=4", "train.micro_batch_size=1"],
     "PP2 x FSDP2, DualPipeV": ["parallel.pipeline=2", "parallel.shard=2", "parallel.pipeline_schedule=DualPipeV",
                                "parallel.pipeline_microbatches=4", "train.micro_batch_size=1"],
+    # The other schedules torch offers, with the mask only.
+    "PP2 x FSDP2, GPipe": ["parallel.pipeline=2", "parallel.shard=2", "parallel.pipeline_schedule=GPipe",
+                           "parallel.pipeline_microbatches=2"],
+    "PP2 x FSDP2, LoopedBFS": ["parallel.pipeline=2", "parallel.shard=2", "parallel.pipeline_schedule=LoopedBFS",
+                               "parallel.pipeline_microbatches=4", "train.micro_batch_size=1"],
+    "PP2 x FSDP2, InterleavedZeroBubble": [
+        "parallel.pipeline=2", "parallel.shard=2", "parallel.pipeline_schedule=InterleavedZeroBubble",
+        "parallel.pipeline_microbatches=4", "train.micro_batch_size=1"],
 }
+MASK_ONLY = ("DualPipeV", "GPipe", "LoopedBFS", "InterleavedZeroBubble")
 
 
 def training_config(*overrides: str) -> Any:
@@ -425,7 +434,8 @@ def test_every_schedule_trains_as_one_process_with_and_without_the_document_mask
     """PP2 with FSDP2 or TP2 under 1F1B, Interleaved1F1B with 2 stages per rank, ZBV and DualPipeV (which split
     the backward: the mask is built inside each stage from the token ids, never passed between stages): every
     step's loss and gradient norm, and the validation losses, within 1e-5 of one process, mask on and off (the
-    gradient norm under TP within TP's own 1e-4)."""
+    gradient norm under TP within TP's own 1e-4); torch's other schedules (GPipe, LoopedBFS,
+    InterleavedZeroBubble) likewise with the mask."""
     masks = {"mask on": "model.document_mask=true", "mask off": "model.document_mask=false"}
     references = {}
     for mask, setting in masks.items():
@@ -436,7 +446,7 @@ def test_every_schedule_trains_as_one_process_with_and_without_the_document_mask
         "the mask should matter on this corpus"
     runs = [(f"{label}, {mask}", training_config("scaling.num_workers=4", setting, *overrides))
             for label, overrides in LAYOUTS.items() for mask, setting in masks.items()
-            if mask == "mask on" or "DualPipeV" not in label]
+            if mask == "mask on" or not label.endswith(MASK_ONLY)]
     trained = run_on_ranks(_train_layouts, 4, runs, packed)
     for label, _ in runs:
         reference = references[label.rsplit(", ", 1)[1]]
