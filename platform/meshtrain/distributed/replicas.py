@@ -375,18 +375,21 @@ def _process_group(device: torch.device, timeout: timedelta, host: str) -> Any:
         def reconfigure(self, opts: Any) -> Any:
             # torchft drops the old group here, and gloo's destructor waits for a collective still in
             # flight: one a late peer never joined would hold the new quorum for the whole timeout.
-            # The old group is let go on a thread of its own instead.
-            old: Any = self._pg  # type: ignore[has-type]
-            if old is not None:  # the thread holds the only reference once this returns: the destructor runs there
-                threading.Thread(target=_let_go, args=(old,), name="meshtrain-old-replica-group", daemon=True).start()
+            # The old group is let go on a thread of its own instead, which takes the only reference to
+            # it: had this thread kept one (a local) past that thread's end, the destructor would run here.
+            if self._pg is not None:  # type: ignore[has-type]
+                held: list[Any] = [self._pg]  # type: ignore[has-type]
                 self._pg = None
-            del old
+                threading.Thread(target=_let_go, args=(held,), name="meshtrain-old-replica-group", daemon=True).start()
             return super().reconfigure(opts)
 
     return NodeAddressedProcessGroup(timeout=timeout)
 
 
-def _let_go(group: Any) -> None:
+def _let_go(held: list[Any]) -> None:
+    """Abort the old process group in ``held`` and drop it: its destructor, which waits for a collective
+    a late peer never joined (until that peer resumes, or the collective's timeout), runs on this thread."""
+    group = held.pop()
     group.abort()
 
 
