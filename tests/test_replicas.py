@@ -486,3 +486,78 @@ def test_the_healing_transport_loads_a_peers_state_as_weights_only(tmp_path: Pat
     finally:
         sender.shutdown()
         receiver.shutdown()
+
+
+def test_a_changed_quorum_destroys_the_old_process_group_on_its_own_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gloo's destructor waits for a collective that a frozen peer never joined (until it resumes): the
+    old group of a changed quorum must die on the thread that lets it go, never on torchft's quorum
+    thread, however soon its abort returns (through Ray, the quorum thread once kept the last reference
+    and the survivor waited out a 30 s freeze)."""
+    import threading
+    from datetime import timedelta
+
+    from torchft.process_group import ProcessGroupGloo
+
+    from meshtrain.distributed.replicas import _process_group
+
+    destroyed_on: list[str] = []
+
+    class OldGroup:
+        def abort(self) -> None:
+            pass
+
+        def __del__(self) -> None:
+            destroyed_on.append(threading.current_thread().name)
+
+    monkeypatch.setattr(ProcessGroupGloo, "reconfigure", lambda self, opts: "reconfigured")
+    group = _process_group(torch.device("cpu"), timedelta(seconds=5), "127.0.0.1")
+    for _ in range(20):
+        group._pg = OldGroup()
+        assert group.reconfigure(None) == "reconfigured"
+        for thread in threading.enumerate():
+            if thread.name == "meshtrain-old-replica-group":
+                thread.join(timeout=5)
+    assert destroyed_on == ["meshtrain-old-replica-group"] * 20
+
+
+def test_a_joining_group_takes_its_peers_step_pace_with_its_state() -> None:
+    """A group that heals has measured no step of its own: it takes the peer's recent step durations with
+    the rest of its state (through the weights-only transport), so from its first step it gives a
+    frozen or hung peer the same deadline (through Ray, a group that joined at step 5 had none, and
+    waited for its frozen peer until that peer resumed)."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from meshtrain.distributed.replicas import _transport
+    from meshtrain.train.healing import _GUARD_TENSORS, HealingState
+    from meshtrain.train.replica_pace import StepPace
+
+    class Weights:
+        def __init__(self, value: float) -> None:
+            self.w = torch.full((2,), value)
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"w": self.w}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            self.w = state["w"]
+
+    def guard() -> Any:
+        return SimpleNamespace(skipped_before=0, **{name: torch.zeros(1) for name in _GUARD_TENSORS})
+
+    peer_pace, own_pace = StepPace(2.5, 1.0), StepPace(2.5, 1.0)
+    for seconds in (0.5, 0.75, 1.0, 2.0):
+        peer_pace.committed(seconds)
+    peer = HealingState(Weights(1.0), guard(), peer_pace)  # type: ignore[arg-type]
+    joining = HealingState(Weights(0.0), guard(), own_pace)  # type: ignore[arg-type]
+    assert own_pace.bound_s() is None
+    timeout = timedelta(seconds=10)
+    sender, receiver = _transport("127.0.0.1", timeout), _transport("127.0.0.1", timeout)
+    try:
+        sender.send_checkpoint(dst_ranks=[1], step=4, state_dict=peer.state_dict(), timeout=timeout)
+        joining.load_state_dict(receiver.recv_checkpoint(src_rank=0, metadata=sender.metadata(), step=4, timeout=timeout))
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+    assert torch.equal(joining.state.w, torch.ones(2))
+    assert own_pace.recent() == [0.5, 0.75, 1.0, 2.0] and own_pace.bound_s() == peer_pace.bound_s() == 2.5 * 0.875

@@ -406,7 +406,8 @@ class Matrix:
         record for the slow one), every step must be logged once with the unbroken replica run's losses."""
         heartbeat_s = 2.0
         replica = ("fault_tolerance.mode=replica", "parallel.strategy=hybrid_shard", "parallel.shard=1",
-                   f"fault_tolerance.heartbeat_timeout_s={heartbeat_s}", "train.steps=40")
+                   f"fault_tolerance.heartbeat_timeout_s={heartbeat_s}", "train.steps=40",
+                   "train.log_every=1")  # a record per step: each step is seen to be trained once
         if not hasattr(self, "replica_losses"):
             unbroken = self.root / "replica-unbroken"
             shutil.rmtree(unbroken, ignore_errors=True)

@@ -110,14 +110,14 @@ def loop_parts(
                if isinstance(data.train, (MixtureSamples, StagedSamples)) and len(data.train.components) > 1 else None)
     replicas: ReplicaSteps | None = None
     if replica is not None:
-        healing = HealingState(trainer.state, trainer.guard)
+        pace = StepPace(plan.fault_tolerance.hang_factor, plan.fault_tolerance.hang_floor_s)
+        healing = HealingState(trainer.state, trainer.guard, pace)
         peers = ReplicaPeers(plan.fault_tolerance, replica, layout.rank, layout.world_size, rank.device,
                              healing.state_dict, healing.load_state_dict, host=rank.worker.node or None)
         if not joining:
             peers.set_step(progress.step)
         replicas = ReplicaSteps(peers, plan.fault_tolerance.data == "strict", layout, trainer.batches, progress,
-                                outputs, checkpointing, joining, heartbeat, log,
-                                StepPace(plan.fault_tolerance.hang_factor, plan.fault_tolerance.hang_floor_s))
+                                outputs, checkpointing, joining, heartbeat, log, pace)
     # The loop's own small collectives (notice votes, straggler times) go on the layout's control
     # group; every rank issues them in the same order.
     budget = plan.run.preemption_save_s
