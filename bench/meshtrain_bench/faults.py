@@ -38,6 +38,7 @@ from meshtrain.observe.run_folder import (
     DownstreamEvalFailedRecord,
     InterruptedRecord,
     ReplicaLostRecord,
+    ReplicaStragglerRecord,
     RunPaths,
     TextSamplesRecord,
     TrainRecord,
@@ -432,12 +433,16 @@ class Matrix:
         }
         if kind == "slow":
             checks["not declared hung"] = not lost
+            checks["reported as a straggler group"] = [r.replica for r in read_records(
+                run_dir / "metrics.jsonl", ReplicaStragglerRecord)] == [1]
         else:
             checks[f"replica_lost names {kind}"] = [r.cause for r in lost][:1] == [kind]
             checks[f"stall within {bound_s:.1f}s"] = bool(lost) and lost[0].stall_s <= bound_s
         starts = read_worker_starts(RunPaths(run_dir.name, run_dir.parent))
-        happened = (f"{lost[0].cause} at step {lost[0].step}: stall {lost[0].stall_s:.1f}s (quorum {lost[0].quorum_s:.1f}s)"
-                    if lost else "no replica lost") + f"; {job.final_line}"
+        slow = [f"group {r.replica} a straggler at step {r.step} ({r.slowdown:.1f}x)"
+                for r in read_records(run_dir / "metrics.jsonl", ReplicaStragglerRecord)]
+        happened = "; ".join([f"{lost[0].cause} at step {lost[0].step}: stall {lost[0].stall_s:.1f}s (quorum {lost[0].quorum_s:.1f}s)"
+                              if lost else "no replica lost", *slow, job.final_line])
         wrong = [name for name, ok in checks.items() if not ok]
         row = Row(f"R. replica group {kind} at step 6", len(starts) - 2 if starts else None, job.seconds, happened,
                   0, not wrong, "; ".join(wrong))
