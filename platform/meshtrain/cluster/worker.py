@@ -51,7 +51,7 @@ from meshtrain.observe.run_folder import (
 )
 from meshtrain.observe.trackers import DRIVER_RECORDS
 from meshtrain.train.plan import WorkerPlan
-from meshtrain.train.replica_steps import NoPeerToHeal
+from meshtrain.train.replica_steps import EndedByPeers, NoPeerToHeal
 from meshtrain.train.trainer import train
 
 
@@ -216,10 +216,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         _train_worker(loop_config)
     except BaseException as exc:
         plan: WorkerPlan = loop_config["plan"]
-        if isinstance(exc, NoPeerToHeal) and training_ended(plan.checkpoint, plan.run, plan.train.steps):
+        if isinstance(exc, (NoPeerToHeal, EndedByPeers)) and training_ended(plan.checkpoint, plan.run, plan.train.steps):
             if context.get_world_rank() == 0:
+                late = "this replacement started" if isinstance(exc, NoPeerToHeal) else "this group, ended by its peers, resumed"
                 print(f"[meshtrain] replica group {loop_config['replica'].index}: training ended at step "
-                      f"{plan.train.steps} before this replacement started; it has nothing to replace", flush=True)
+                      f"{plan.train.steps} before {late}; it has nothing to replace", flush=True)
             return
         stamp(exc, context.get_world_rank(), ray.util.get_node_ip_address())
         raise

@@ -250,7 +250,37 @@ class ReplicaPeers:
             if index == self.placement.index or self._reached(index) >= step:
                 continue
             ended[index] = _kill(self.placement.lighthouse, member, min(2.0, self._heartbeat_timeout_s))
+            self._board.set(_ended_key(index), str(step))
         return ended
+
+    def was_ended(self, healed: bool) -> int | None:
+        """The step at which this group's peers ended it (on the board; None: they did not, it has since
+        healed from a peer (``healed``: it just did), or this worker does not read the board). A frozen
+        group cannot take the kill order, so it reads it here once it resumes: its peers went on
+        without it, perhaps to the run's end."""
+        if self._board is None:
+            return None
+        key = _ended_key(self.placement.index)
+        if not self._board.check([key]):
+            return None
+        if healed:  # back among its peers, with their state
+            self._board.delete_key(key)
+            return None
+        return int(self._board.get(key))
+
+    def compare_compute(self, seconds: float) -> dict[int, float]:
+        """Post this group's block compute per step on the board; the latest that each group of the last
+        quorum posted, by group index (this one's included). Empty on a worker that does not post (only
+        group rank 0 does), or without a board."""
+        if self._board is None:
+            return {}
+        self._board.set(_compute_key(self.placement.index), repr(seconds))
+        posted: dict[int, float] = {}
+        for index in map(_replica_index, self._members.ids):
+            key = _compute_key(index)
+            if self._board.check([key]):
+                posted[index] = float(self._board.get(key))
+        return posted
 
     def _reached(self, index: int) -> int:
         key = _reached_key(index)
@@ -277,6 +307,14 @@ class ReplicaPeers:
 
 def _reached_key(index: int) -> str:
     return f"reached/{index}"
+
+
+def _ended_key(index: int) -> str:
+    return f"ended/{index}"
+
+
+def _compute_key(index: int) -> str:
+    return f"compute/{index}"
 
 
 def _replica_index(replica_id: str) -> int:
@@ -375,18 +413,23 @@ def _process_group(device: torch.device, timeout: timedelta, host: str) -> Any:
         def reconfigure(self, opts: Any) -> Any:
             # torchft drops the old group here, and gloo's destructor waits for a collective still in
             # flight: one a late peer never joined would hold the new quorum for the whole timeout.
-            # The old group is let go on a thread of its own instead.
-            old: Any = self._pg  # type: ignore[has-type]
-            if old is not None:  # the thread holds the only reference once this returns: the destructor runs there
-                threading.Thread(target=_let_go, args=(old,), name="meshtrain-old-replica-group", daemon=True).start()
+            # The old group is let go on a thread of its own instead, which takes the only reference to
+            # it: had this thread kept one (a local) past that thread's end, the destructor would run here.
+            # Not a daemon: a process that ends while gloo's threads still wait in that collective aborts
+            # (std::terminate), so its exit waits for the collective to end (the peer resumes, or timeout_s).
+            if self._pg is not None:  # type: ignore[has-type]
+                held: list[Any] = [self._pg]  # type: ignore[has-type]
                 self._pg = None
-            del old
+                threading.Thread(target=_let_go, args=(held,), name="meshtrain-old-replica-group").start()
             return super().reconfigure(opts)
 
     return NodeAddressedProcessGroup(timeout=timeout)
 
 
-def _let_go(group: Any) -> None:
+def _let_go(held: list[Any]) -> None:
+    """Abort the old process group in ``held`` and drop it: its destructor, which waits for a collective
+    a late peer never joined (until that peer resumes, or the collective's timeout), runs on this thread."""
+    group = held.pop()
     group.abort()
 
 

@@ -25,6 +25,7 @@ from meshtrain.observe.run_folder import (
     RecordFollower,
     ReplicaJoinedRecord,
     ReplicaLostRecord,
+    ReplicaStragglerRecord,
     ResizeRecord,
     ResizeSaveRecord,
     RollbackRecord,
@@ -72,6 +73,12 @@ def progress_line(record: ReadRecord, total_steps: int) -> str:
                 f"[meshtrain] straggler: rank {record.rank} on node {record.node} computes {record.slowdown:.2f}x "
                 f"slower than the median of the other ranks for {record.logged_steps} logged steps (step {record.step}); "
                 "every step waits for it"
+            )
+        case ReplicaStragglerRecord():
+            return (
+                f"[meshtrain] straggler: replica group {record.replica} computes {record.slowdown:.2f}x slower than "
+                f"the median of the other groups for {record.logged_steps} logged steps (step {record.step}); every "
+                "step's cross-replica sum waits for it"
             )
         case EvictionRecord():
             verb = "evicting" if record.evicted else "not evicting"

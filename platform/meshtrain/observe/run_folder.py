@@ -288,6 +288,19 @@ class StragglerRecord(Record):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicaStragglerRecord(Record):
+    """fault_tolerance.mode=replica: a replica group whose compute stays slower than the other groups'."""
+
+    event: ClassVar[str] = "replica_straggler"
+    step: int
+    replica: int  # the slow group's index
+    slowdown: float  # its block compute per step over the median of the other live groups'
+    compute_s: float  # its block compute per step (its slowest worker's)
+    median_others_s: float
+    logged_steps: int  # logged steps in a row at or above metrics.straggler_factor
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class EvictionRecord(Record):
     event: ClassVar[str] = "eviction"
     step: int
@@ -442,7 +455,7 @@ class RollbackRecord(Record):
 MetricsRecord = (
     TrainRecord | EvalRecord | CheckpointSaveRecord | CheckpointLoadRecord | CheckpointSkippedRecord | StoppedRecord
     | WarningRecord | PreemptedRecord | InterruptedRecord | ResizeRecord | ResizeSaveRecord | StragglerRecord
-    | EvictionRecord | ProfileRecord | MemorySnapshotRecord | DownstreamEvalRecord | DownstreamEvalFailedRecord
+    | ReplicaStragglerRecord | EvictionRecord | ProfileRecord | MemorySnapshotRecord | DownstreamEvalRecord | DownstreamEvalFailedRecord
     | TextSamplesRecord | GroupStartRecord | ReplicaJoinedRecord | ReplicaLostRecord | MixtureRecord | RollbackRecord
     | StartedFromRecord
 )
@@ -485,6 +498,8 @@ RECORD_KINDS: dict[str, RecordKind] = _registry(
     RecordKind(ResizeRecord, "rank 0", "the worker group changed size: from, to, why"),
     RecordKind(ResizeSaveRecord, "rank 0", "the save made before Ray grows the group"),
     RecordKind(StragglerRecord, "rank 0", "a rank slower than its peers: rank, node, slowdown"),
+    RecordKind(ReplicaStragglerRecord, "rank 0", "fault_tolerance.mode=replica (rank 0 of the first live group): a "
+               "replica group slower than the others: its index, slowdown"),
     RecordKind(EvictionRecord, "rank 0", "a straggler's node drained: accepted or why not"),
     RecordKind(ProfileRecord, "rank 0", "a profiler window: its trace and top ops"),
     RecordKind(MemorySnapshotRecord, "rank 0", "a CUDA allocator snapshot written at the end of the steps"),

@@ -84,8 +84,8 @@ def maybe_slow_down(fault: FaultConfig, rank: int, node: str, step: int, model: 
     def end(module: torch.nn.Module, _args: object, _output: object) -> None:
         time.sleep((fault.slow_factor - 1) * (time.perf_counter() - started.pop(id(module), time.perf_counter())))
 
-    blocks = getattr(model, "layers", None)
-    for block in blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks or []:
+    layers = getattr(model, "layers", None)  # keyed by each block's index in the whole model
+    for block in layers.values() if isinstance(layers, torch.nn.ModuleDict) else []:
         block.register_forward_pre_hook(torch.compiler.disable(begin))
         block.register_forward_hook(torch.compiler.disable(end), prepend=True)
 

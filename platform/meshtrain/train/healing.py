@@ -1,6 +1,7 @@
 """What a replica group that joins a running replica-mode run receives from a live peer: the same
-state a checkpoint holds (model and optimizer shards, schedule, counters, RNG) and the step guard's
-loss history, rank to same rank, as plain tensors.
+state a checkpoint holds (model and optimizer shards, schedule, counters, RNG), the step guard's
+loss history and the replica step pace (so the joining group gives its peers the same deadline from its
+first step), rank to same rank, as plain tensors.
 
 Sharded tensors travel as this rank's local shard; the receiver puts each back into the DTensor of
 its own state, whose mesh and placements are the sender's (the same rank of an identical group).
@@ -15,13 +16,14 @@ from torch.distributed.tensor import DTensor
 
 from meshtrain.checkpoint.state import TrainState
 from meshtrain.train.guard import StepGuard
+from meshtrain.train.replica_pace import StepPace
 
 _GUARD_TENSORS = ("bad_in_a_row", "longest_streak", "skipped", "history", "norms", "last_step", "recent")
 
 
 class HealingState:
-    def __init__(self, state: TrainState, guard: StepGuard) -> None:
-        self.state, self.guard = state, guard
+    def __init__(self, state: TrainState, guard: StepGuard, pace: StepPace) -> None:
+        self.state, self.guard, self.pace = state, guard, pace
 
     def state_dict(self) -> dict[str, Any]:
         """The sender's side: every tensor this rank holds, local shards for DTensors."""
@@ -29,6 +31,7 @@ class HealingState:
             "train": _local_tensors(self.state.state_dict()),
             "guard": {name: getattr(self.guard, name) for name in _GUARD_TENSORS},
             "guard_skipped_before": self.guard.skipped_before,
+            "pace": torch.tensor(self.pace.recent(), dtype=torch.float64),
         }
 
     def load_state_dict(self, received: dict[str, Any]) -> None:
@@ -39,6 +42,7 @@ class HealingState:
             current = getattr(self.guard, name)
             setattr(self.guard, name, received["guard"][name].to(current.device, current.dtype))
         self.guard.skipped_before = int(received["guard_skipped_before"])
+        self.pace.take_over(received["pace"].tolist())
 
 
 def _local_tensors(value: Any) -> Any:

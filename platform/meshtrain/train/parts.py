@@ -33,6 +33,7 @@ from meshtrain.train.profiling import StepProfiler
 from meshtrain.train.records import StepMetrics
 from meshtrain.train.replica_pace import StepPace
 from meshtrain.train.replica_steps import ReplicaSteps
+from meshtrain.train.replica_stragglers import ReplicaStragglers
 from meshtrain.train.rollback import SpikeRollback
 from meshtrain.train.step_log import StepLog
 from meshtrain.train.stragglers import ComputeTimer, StragglerWatch
@@ -98,26 +99,29 @@ def loop_parts(
     log = StepLog(plan.train.global_batch_size, layout.world_size, progress, trainer.bad_steps, outputs, result.records,
                   (trainer.attention_work, trainer.model.args), replicas=replica is not None,
                   stage_of=staged.stage_name if staged is not None else None)
-    metrics = outputs.metrics
-    stragglers = StragglerWatch(
-        ComputeTimer(trainer.model.layers.values(), rank.device, trainer.model.args.n_layers), plan.metrics.straggler_factor, plan.metrics.straggler_patience,
-        layout.rank, layout.node, outputs, layout.control_group,
-        metrics.set_rank_speed if metrics is not None else None, outputs.on_straggler,
-    )
     profiler = StepProfiler.of(plan.profile, run_dir / "profile", layout.rank, plan.train.steps, list(trainer.model.layers.values()),
                                plan.parallel.compile, rank.device, outputs.emit)
     mixture = (MixtureLog(data.train, list(data.source_names), progress, outputs)
                if isinstance(data.train, (MixtureSamples, StagedSamples)) and len(data.train.components) > 1 else None)
     replicas: ReplicaSteps | None = None
     if replica is not None:
-        healing = HealingState(trainer.state, trainer.guard)
+        pace = StepPace(plan.fault_tolerance.hang_factor, plan.fault_tolerance.hang_floor_s)
+        healing = HealingState(trainer.state, trainer.guard, pace)
         peers = ReplicaPeers(plan.fault_tolerance, replica, layout.rank, layout.world_size, rank.device,
                              healing.state_dict, healing.load_state_dict, host=rank.worker.node or None)
         if not joining:
             peers.set_step(progress.step)
         replicas = ReplicaSteps(peers, plan.fault_tolerance.data == "strict", layout, trainer.batches, progress,
-                                outputs, checkpointing, joining, heartbeat, log,
-                                StepPace(plan.fault_tolerance.hang_factor, plan.fault_tolerance.hang_floor_s))
+                                outputs, checkpointing, joining, heartbeat, log, pace)
+    metrics = outputs.metrics
+    stragglers = StragglerWatch(
+        ComputeTimer(trainer.model.layers.values(), rank.device, trainer.model.args.n_layers), plan.metrics.straggler_factor,
+        plan.metrics.straggler_patience,
+        layout.rank, layout.node, outputs, layout.control_group,
+        metrics.set_rank_speed if metrics is not None else None, outputs.on_straggler,
+        ReplicaStragglers(replicas.peers, plan.metrics.straggler_factor, plan.metrics.straggler_patience, outputs)
+        if replicas is not None else None,
+    )
     # The loop's own small collectives (notice votes, straggler times) go on the layout's control
     # group; every rank issues them in the same order.
     budget = plan.run.preemption_save_s

@@ -4,7 +4,9 @@ The bound comes from the run's own steps: ``fault_tolerance.hang_factor`` times 
 this group's recent committed steps (from the quorum to the commit, the wait for slower peers
 included, so a peer that is slow but steady raises the bound with it), and never less than
 ``fault_tolerance.hang_floor_s``. Until a few steps are measured (the first compiles) there is no
-bound: the collective's own timeout (``fault_tolerance.timeout_s``) applies.
+bound: the collective's own timeout (``fault_tolerance.timeout_s``) applies. A group that joins takes
+its peer's recent durations with the rest of its state (``train/healing.py``): it has measured nothing
+yet, and without them a peer frozen in its first steps would hold it for the collective's timeout.
 """
 
 from __future__ import annotations
@@ -23,6 +25,15 @@ class StepPace:
 
     def committed(self, seconds: float) -> None:
         self._durations.append(seconds)
+
+    def recent(self) -> list[float]:
+        """The measured durations, oldest first (what a joining group takes over)."""
+        return list(self._durations)
+
+    def take_over(self, durations: list[float]) -> None:
+        """A peer's recent durations in place of this group's own (it just joined, from that peer)."""
+        self._durations.clear()
+        self._durations.extend(durations)
 
     def median_s(self) -> float | None:
         return statistics.median(self._durations) if len(self._durations) >= MEASURED_BEFORE_BOUND else None

@@ -27,6 +27,11 @@ class NoPeerToHeal(PermanentError):
     """A replacement replica group found no live peer to receive the run's state from."""
 
 
+class EndedByPeers(RuntimeError):
+    """This replica group's peers ended it while it could not take the order (frozen): it leaves as the
+    order would have made it, and Ray replaces it with a group that heals from a live peer."""
+
+
 @dataclass(frozen=True)
 class LiveReplicas:
     """The replica groups that train this step: the step's sum over them, and its commit vote."""
@@ -106,6 +111,10 @@ class ReplicaSteps(LoopPart):
             self._attempting = (step, asked)
         quorum = self.peers.quorum()
         placement = self.peers.placement
+        ended_at = self.peers.was_ended(healed=quorum.healed)
+        if ended_at is not None and quorum.participants == 1:  # alone, it would train again what its peers trained
+            raise EndedByPeers(f"replica group {placement.index} was ended by its peers at step {ended_at} (it missed "
+                               "that step's deadline) and finds none of them live; it leaves so that Ray replaces it")
         if self.joining and not quorum.healed:
             raise NoPeerToHeal(
                 f"replica group {placement.index} replaces a lost one but no live replica group is ahead of it "

@@ -97,6 +97,24 @@ def slowdowns(times: list[float]) -> list[float]:
     return result
 
 
+class Streaks:
+    """Which of several (ranks, or replica groups) stay slow: each one's run of logged steps at or above
+    ``factor`` times the median of the others, and those whose run reached ``patience``."""
+
+    def __init__(self, factor: float, patience: int) -> None:
+        self.factor, self.patience = factor, patience
+        self.runs: dict[int, int] = {}
+        self.flagged: set[int] = set()
+
+    def update(self, ratios: dict[int, float]) -> list[int]:
+        """Each one's slowdown at a logged step; the ones that just became stragglers."""
+        self.runs = {key: self.runs.get(key, 0) + 1 if ratio >= self.factor else 0 for key, ratio in ratios.items()}
+        self.flagged &= {key for key, run in self.runs.items() if run}
+        new = [key for key, run in self.runs.items() if run >= self.patience and key not in self.flagged]
+        self.flagged.update(new)
+        return new
+
+
 class StragglerWatch(LoopPart):
     """Compares the ranks' compute at logged steps and names a rank that stays slow."""
 
@@ -111,12 +129,13 @@ class StragglerWatch(LoopPart):
         group: Any,
         set_gauges: Callable[[float, float, bool], None] | None = None,
         on_straggler: Callable[[StragglerRecord], None] | None = None,
+        replicas: Callable[[int, float], None] | None = None,
     ) -> None:
         self.timer, self.factor, self.patience = timer, factor, patience
         self.rank, self.node, self.outputs, self.group = rank, node, outputs, group
         self.set_gauges, self.on_straggler = set_gauges, on_straggler
-        self.streaks: list[int] = []
-        self.flagged: set[int] = set()
+        self.streaks = Streaks(factor, patience)
+        self.replicas = replicas  # replica mode: hears the group's compute per step at each logged step
         self._steps = 0
 
     def step_done(self) -> None:
@@ -138,29 +157,24 @@ class StragglerWatch(LoopPart):
         else:
             gathered = [mine]
         self.observe(step, gathered)
+        if self.replicas is not None:  # the group steps at its slowest rank's pace
+            self.replicas(step, max(seconds for seconds, _ in gathered))
 
     def observe(self, step: int, gathered: list[tuple[float, str]]) -> None:
         """Every rank's (compute seconds per step, node) at a logged step: update the streaks, report
         a rank that became a straggler, and set this rank's gauges."""
         times = [seconds for seconds, _ in gathered]
         ratios = slowdowns(times)
-        if len(self.streaks) != len(times):
-            self.streaks = [0] * len(times)
-        for rank, ratio in enumerate(ratios):
-            self.streaks[rank] = self.streaks[rank] + 1 if ratio >= self.factor else 0
-            if self.streaks[rank] >= self.patience and rank not in self.flagged:
-                self.flagged.add(rank)
-                self._report(step, rank, gathered[rank][1], ratio, times)
-            elif self.streaks[rank] == 0 and rank in self.flagged:
-                self.flagged.discard(rank)
+        for rank in self.streaks.update(dict(enumerate(ratios))):
+            self._report(step, rank, gathered[rank][1], ratios[rank], times)
         if self.set_gauges is not None:
-            self.set_gauges(times[self.rank], ratios[self.rank], self.rank in self.flagged)
+            self.set_gauges(times[self.rank], ratios[self.rank], self.rank in self.streaks.flagged)
 
     def _report(self, step: int, rank: int, node: str, ratio: float, times: list[float]) -> None:
         others = times[:rank] + times[rank + 1 :]
         record = StragglerRecord(
             step=step, rank=rank, node=node, slowdown=ratio, compute_s=times[rank],
-            median_others_s=statistics.median(others), logged_steps=self.streaks[rank],
+            median_others_s=statistics.median(others), logged_steps=self.streaks.runs[rank],
         )
         self.outputs.emit(record)  # the driver prints it in the job log, from metrics.jsonl
         if self.on_straggler is not None:
