@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,9 @@ from meshtrain.model.documents import (
     find_documents,
     masked_attention,
 )
+
+if TYPE_CHECKING:
+    from meshtrain.model.stages import ModelStage
 
 Recompute = Literal["none", "full", "selective"]
 
@@ -226,7 +229,7 @@ class Transformer(nn.Module):
         self.document_eos = document_eos
         self.context_parallel = context_parallel
         # Under pipeline parallel: the stages of this part that a pipeline schedule runs (meshtrain.model.stages).
-        self.stages: tuple[nn.Module, ...] = ()
+        self.stages: tuple["ModelStage", ...] = ()
 
     def _may_span_documents(self, tokens: torch.Tensor) -> bool:
         """Whether a window holds a document boundary. On CPU, a batch without one (an end-of-document

@@ -46,10 +46,8 @@ class ModelStage(nn.Module):
 def keep_stages(model: Transformer, layers: Sequence[range], stage_indices: Sequence[int], num_stages: int
                 ) -> list[ModelStage]:
     """Prune ``model`` (on meta) to the stages ``stage_indices`` of ``num_stages``, whose blocks are ``layers``
-    (one range per held stage), and return their views, in the order given."""
-    if model.args.tie_embeddings and num_stages > 1:
-        raise ValueError("a tied embedding would live on the first and the last stage; pipeline parallel "
-                         "needs model.tie_embeddings=false")
+    (one range per held stage), and return their views, in the order given. An untied model only: the
+    config refuses a tied embedding under pipeline parallel (``ParallelConfig.check_model``)."""
     kept = {str(layer) for held in layers for layer in held}
     for key in [key for key in model.layers if key not in kept]:
         model.layers.pop(key)

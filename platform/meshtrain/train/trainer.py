@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -25,7 +25,6 @@ from meshtrain.distributed.plan import rank_memory_plan
 from meshtrain.distributed.replicas import ReplicaPlacement
 from meshtrain.model.flops import AttentionWork
 from meshtrain.model.llama import build_model, count_parameters
-from meshtrain.model.stages import ModelStage
 from meshtrain.observe.metrics import TrainingMetrics
 from meshtrain.observe.run_folder import (
     LeftOutSamples, MetricsRecord, StartedFromRecord, StopRequest, StragglerRecord, read_left_out,
@@ -137,7 +136,7 @@ class Trainer:
         self.pipeline = None
         if self.model.stages:
             assert layout.pipeline_group is not None
-            self.pipeline = PipelineSchedule([cast(ModelStage, stage) for stage in self.model.stages],
+            self.pipeline = PipelineSchedule(self.model.stages,
                                              plan.parallel.pipeline_schedule, plan.parallel.pipeline_stages,
                                              plan.parallel.microbatches, device, layout.pipeline_group,
                                              self.model.local_targets)
