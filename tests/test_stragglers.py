@@ -147,8 +147,10 @@ def test_eviction_needs_an_elastic_run() -> None:
         load_config(None, ["scaling.evict_stragglers=true"])
     assert load_config(None, ["scaling.evict_stragglers=true", "scaling.num_workers=4", "scaling.min_workers=2",
                             "train.micro_batch_size=4"])
-    # Replica mode says so in one line, whether or not scaling.min_workers is set (both would ask to change the other).
-    for elastic in ([], ["scaling.min_workers=2"]):
-        with pytest.raises(ConfigError, match=r"^scaling.evict_stragglers=true works in fault_tolerance.mode=restart"):
-            load_config(None, ["scaling.evict_stragglers=true", "fault_tolerance.mode=replica", "scaling.num_workers=4",
-                               "train.micro_batch_size=4", *elastic])
+    # Replica mode replaces a slow group: no elastic setting, but the others must stay at least min_replicas.
+    replica = ["scaling.evict_stragglers=true", "fault_tolerance.mode=replica", "parallel.strategy=hybrid_shard",
+               "parallel.shard=1", "scaling.num_workers=2", "train.micro_batch_size=4"]
+    assert load_config(None, replica).scaling.evict_stragglers
+    with pytest.raises(ConfigError, match=r"^scaling.evict_stragglers=true cannot act: ending one of the 2 replica "
+                                          r"groups leaves 1, below fault_tolerance.min_replicas=2"):
+        load_config(None, [*replica, "fault_tolerance.min_replicas=2"])

@@ -37,6 +37,7 @@ from meshtrain.observe.run_folder import (
     CheckpointLoadRecord,
     DownstreamEvalFailedRecord,
     InterruptedRecord,
+    ReplicaJoinedRecord,
     ReplicaLostRecord,
     ReplicaStragglerRecord,
     RunPaths,
@@ -402,7 +403,8 @@ class Matrix:
 
     def replica_fault(self, kind: str) -> Row:
         """Replica mode, two groups of one worker: at step 6 worker 1 freezes for 30 s (SIGSTOP), hangs
-        (sleeps forever inside the step) or computes 2x slower from then on. The other group must stall at
+        (sleeps forever inside the step) or computes 2x slower from then on (``evicted``: with
+        scaling.evict_stragglers, so its peer ends it and Ray replaces it). The other group must stall at
         most max(10 s, 3 x the median step) + the heartbeat timeout, the record must name the cause (no
         record for the slow one), every step must be logged once with the unbroken replica run's losses."""
         heartbeat_s = 2.0
@@ -418,7 +420,8 @@ class Matrix:
         storage = self.root / f"replica-{kind}"
         shutil.rmtree(storage, ignore_errors=True)
         fault = {"frozen": ["fault.kind=freeze", "fault.freeze_s=30"], "hung": ["fault.kind=hang"],
-                 "slow": ["fault.kind=slow", "fault.slow_factor=2"]}[kind]
+                 "slow": ["fault.kind=slow", "fault.slow_factor=2"],
+                 "evicted": ["fault.kind=slow", "fault.slow_factor=2", "scaling.evict_stragglers=true"]}[kind]
         job = run_job(storage, *replica, "fault.kill_rank=1", "fault.at_step=6", *fault)
         run_dir = storage / RUN
         trained = list(read_records(run_dir / "metrics.jsonl", TrainRecord))
@@ -431,17 +434,23 @@ class Matrix:
             "the unbroken run's losses": all(abs(r.loss - self.replica_losses[r.step]) <= 1e-4 * abs(self.replica_losses[r.step])
                                              for r in trained),
         }
+        stragglers = list(read_records(run_dir / "metrics.jsonl", ReplicaStragglerRecord))
         if kind == "slow":
             checks["not declared hung"] = not lost
             # once per episode: on a loaded machine one logged step may end an episode and a later one start another
-            checks["reported as a straggler group"] = {r.replica for r in read_records(
-                run_dir / "metrics.jsonl", ReplicaStragglerRecord)} == {1}
+            checks["reported as a straggler group"] = {r.replica for r in stragglers} == {1}
+        elif kind == "evicted":
+            # its replacement is as slow (the fault follows the rank): reported, never ended a second time
+            checks["ended once as slow"] = [r.cause for r in lost] == ["slow"] and [r.replaced for r in stragglers][:1] == [True]
+            checks["its replacement healed from a peer"] = bool(read_records(run_dir / "metrics.jsonl", ReplicaJoinedRecord))
+            checks[f"stall within {bound_s:.1f}s"] = bool(lost) and lost[0].stall_s <= bound_s
         else:
             checks[f"replica_lost names {kind}"] = [r.cause for r in lost][:1] == [kind]
             checks[f"stall within {bound_s:.1f}s"] = bool(lost) and lost[0].stall_s <= bound_s
         starts = read_worker_starts(RunPaths(run_dir.name, run_dir.parent))
-        slow = [f"group {r.replica} a straggler at step {r.step} ({r.slowdown:.1f}x)"
-                for r in read_records(run_dir / "metrics.jsonl", ReplicaStragglerRecord)]
+        slow = [f"group {r.replica} a straggler at step {r.step} ({r.slowdown:.1f}x{', ended' if r.replaced else ''})"
+                for r in stragglers]
+        slow += [f"group {r.replica} joined at step {r.step}" for r in read_records(run_dir / "metrics.jsonl", ReplicaJoinedRecord)]
         happened = "; ".join([f"{lost[0].cause} at step {lost[0].step}: stall {lost[0].stall_s:.1f}s (quorum {lost[0].quorum_s:.1f}s)"
                               if lost else "no replica lost", *slow, job.final_line])
         wrong = [name for name, ok in checks.items() if not ok]
@@ -699,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|", flush=True)
     matrix = Matrix(args.dir, lambda line: print(line, flush=True))
     if args.only is None or set(args.only) - {"round_two", "downstream_not_waited_for", "oversized_document",
-                                               "replica_frozen", "replica_hung", "replica_slow"}:
+                                               "replica_frozen", "replica_hung", "replica_slow", "replica_evicted"}:
         matrix.prepare()
     rows: list[Row | None] = []
     steps: list[tuple[str, Callable[[], Any]]] = [
@@ -726,6 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         ("replica_frozen", lambda: matrix.replica_fault("frozen")),
         ("replica_hung", lambda: matrix.replica_fault("hung")),
         ("replica_slow", lambda: matrix.replica_fault("slow")),
+        ("replica_evicted", lambda: matrix.replica_fault("evicted")),
     ]
     for name, step in steps:
         if args.only is None or name in args.only:

@@ -284,7 +284,7 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
 
     reporter = RayTrainReporter(plan.metrics.ray_report_interval_s, layout.world_rank, device)
     eviction = None
-    if plan.scaling.evict_stragglers and layout.world_rank == 0:
+    if plan.scaling.evict_stragglers and replica is None and layout.world_rank == 0:  # replica mode ends slow groups
         eviction = StragglerEviction(workers, plan.scaling.required_workers, on_record)
     try:
         stop_request = StopRequest(str(paths.stop_request), plan.launch_id)

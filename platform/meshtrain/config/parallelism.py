@@ -357,9 +357,11 @@ class ScalingConfig(Section):
     )
     evict_stragglers: bool = Field(
         False,
-        description="Elastic training (fault_tolerance.mode=restart): drain the node of a rank reported as a straggler "
-        "(metrics.straggler_*), so the group saves, restarts without that node and goes on; never below "
-        "scaling.min_workers.",
+        description="Replace what the straggler report (metrics.straggler_*) names. fault_tolerance.mode=restart "
+        "(elastic): drain the node of a slow rank, so the group saves, restarts without that node and goes on; never "
+        "below scaling.min_workers. fault_tolerance.mode=replica: end a replica group slower than the others, which "
+        "Ray replaces and which heals from a peer (once per group in a launch; never below "
+        "fault_tolerance.min_replicas).",
     )
 
     @property

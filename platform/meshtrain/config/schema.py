@@ -73,13 +73,6 @@ class MeshtrainConfig(Section):
         if self.parallel.pipeline > 1:
             self._check_pipeline()
         sizes = self.elastic_sizes()
-        if self.scaling.evict_stragglers and self.fault_tolerance.mode == "replica":
-            # A slow node's whole replica group is slow, and ranks compare speeds only inside their group.
-            raise ValueError(
-                "scaling.evict_stragglers=true works in fault_tolerance.mode=restart with an elastic group; replica "
-                "mode compares ranks only inside each replica group, so it reports stragglers but cannot evict "
-                "one: unset scaling.evict_stragglers, or use fault_tolerance.mode=restart with scaling.min_workers"
-            )
         if self.train.rollback_after_spikes is not None:
             self._check_rollback()
         decaying = [stage.name for stage in self.data.stages or [] if stage.lr_decay_to is not None]
@@ -95,12 +88,16 @@ class MeshtrainConfig(Section):
             self.replica_groups()
             check_quorum_outlasts_hangs(self.fault_tolerance, self.run.hang_timeout_s)
         if self.scaling.evict_stragglers:
-            if not self.scaling.elastic:
+            if self.fault_tolerance.mode == "replica":
+                self._check_replica_eviction_can_happen()
+            elif not self.scaling.elastic:
                 raise ValueError(
                     "scaling.evict_stragglers=true needs an elastic run to go on without the node: set "
-                    "scaling.min_workers below scaling.num_workers"
+                    "scaling.min_workers below scaling.num_workers, or use fault_tolerance.mode=replica (a slow "
+                    "replica group is replaced)"
                 )
-            self._check_eviction_can_happen(sizes)
+            else:
+                self._check_eviction_can_happen(sizes)
         # A re-run may resolve another horizon (the launcher keeps the first launch's); it checks again.
         self.optim.check_horizon(self.optim.schedule_steps or self.train.steps, self.lr_decay_start(), self.lr_stages())
         self.profile.check_within(self.train.steps, self.scaling.num_workers)
@@ -224,9 +221,8 @@ class MeshtrainConfig(Section):
                 f"({train.micro_batch_size}) x parallel.pipeline_microbatches ({parallel.microbatches}) x data-parallel "
                 f"ranks ({ranks}) = {run}: a step is whole pipeline runs; make it a multiple of {run}")
 
-    def _check_eviction_can_happen(self, sizes: list[int]) -> None:
-        """scaling.evict_stragglers with settings under which no straggler could ever be evicted
-        (``sizes``: the trainable group sizes, :meth:`elastic_sizes`)."""
+    def _check_patience_within_run(self) -> None:
+        """scaling.evict_stragglers: a straggler can be found before the run ends."""
         patience, every = self.metrics.straggler_patience, self.train.log_every
         if patience * every >= self.train.steps:
             raise ValueError(
@@ -234,6 +230,23 @@ class MeshtrainConfig(Section):
                 f"train.log_every={every} is {patience * every} steps, not within train.steps={self.train.steps}; "
                 "lower metrics.straggler_patience or train.log_every"
             )
+
+    def _check_replica_eviction_can_happen(self) -> None:
+        """scaling.evict_stragglers in replica mode: a slow group is ended only while the others stay at
+        least fault_tolerance.min_replicas."""
+        self._check_patience_within_run()
+        groups, least = self.replica_groups(), self.fault_tolerance.min_replicas
+        if groups - 1 < least:
+            raise ValueError(
+                f"scaling.evict_stragglers=true cannot act: ending one of the {groups} replica groups leaves "
+                f"{groups - 1}, below fault_tolerance.min_replicas={least}; lower fault_tolerance.min_replicas "
+                "or add replica groups"
+            )
+
+    def _check_eviction_can_happen(self, sizes: list[int]) -> None:
+        """scaling.evict_stragglers with settings under which no straggler could ever be evicted
+        (``sizes``: the trainable group sizes, :meth:`elastic_sizes`)."""
+        self._check_patience_within_run()
         per_node = self.scaling.workers_per_node
         if per_node is not None and not any(size <= self.scaling.num_workers - per_node for size in sizes):
             raise ValueError(

@@ -23,7 +23,9 @@ until a deadline (``train/replica_pace.py``), then tell the lighthouse to end th
 reached the sum (each group posts the step it reached on the run's board, a key-value store beside the
 lighthouse), through torchft's own kill route, which ends the group's manager process: a hung group's
 workers exit and Ray replaces the group; a frozen one cannot answer and has already stopped
-heartbeating, so the lighthouse leaves it out of the next quorum.
+heartbeating, so the lighthouse leaves it out of the next quorum. A group that steps slower than the
+others (``train/replica_stragglers.py``) is ended the same way when ``scaling.evict_stragglers`` is set,
+once per group index: Ray's replacement heals from a peer as a lost group's does.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -48,7 +50,7 @@ from meshtrain.config import ConfigError, FaultToleranceConfig
 from meshtrain.config.network import Endpoint
 
 FT_EXTRA = "pip install -e '.[ft]'"
-Ended = Literal["hung", "frozen"]  # why a replica group's peers ended it
+Ended = Literal["hung", "frozen", "slow"]  # why a replica group's peers ended it
 
 
 def check_torchft() -> None:
@@ -69,6 +71,13 @@ class ReplicaPlacement:
     # loads that one, not one a peer saved since: a group that starts late heals from its peers anyway.
     resume_step: int | None = None
     board: str | None = None  # the run's board (host:port), where each group posts the step it reached
+
+
+class GroupCompute(NamedTuple):
+    """A replica group's transformer-block compute per step, and the node of its slowest worker."""
+
+    seconds: float
+    node: str
 
 
 @dataclass(frozen=True)
@@ -151,11 +160,11 @@ class ReplicaPeers:
         self._closed = False
         self._late = False  # a sum of this step ran past its deadline
         self._heartbeat_timeout_s = settings.heartbeat_timeout_s
-        self._board: dist.TCPStore | None = None
-        if placement.board is not None and group_rank == 0:  # one worker per group posts and declares
-            board_host, board_port = placement.board.rsplit(":", 1)
-            self._board = dist.TCPStore(board_host.strip("[]"), int(board_port), is_master=False,
-                                        wait_for_workers=False, timeout=timedelta(seconds=settings.timeout_s))
+        self._board_timeout = timedelta(seconds=settings.timeout_s)
+        self._board: dist.TCPStore | None = None  # one worker per group posts and declares
+        self._board_reader: dist.TCPStore | None = None  # the group's other workers, once they find it alone
+        if group_rank == 0:
+            self._board = self._open_board()
 
         def send() -> dict[str, Any]:
             return {"state": state(), "replica": placement.index}
@@ -249,37 +258,74 @@ class ReplicaPeers:
             index = _replica_index(member)
             if index == self.placement.index or self._reached(index) >= step:
                 continue
-            ended[index] = _kill(self.placement.lighthouse, member, min(2.0, self._heartbeat_timeout_s))
-            self._board.set(_ended_key(index), str(step))
+            ended[index] = self._end(member, step)
         return ended
 
-    def was_ended(self, healed: bool) -> int | None:
-        """The step at which this group's peers ended it (on the board; None: they did not, it has since
-        healed from a peer (``healed``: it just did), or this worker does not read the board). A frozen
-        group cannot take the kill order, so it reads it here once it resumes: its peers went on
-        without it, perhaps to the run's end."""
-        if self._board is None:
+    def end_slow_peer(self, index: int, step: int) -> bool:
+        """End peer group ``index`` of the last quorum, which steps slower than the others, after step
+        ``step`` (through the lighthouse, as a hung one): Ray replaces it. Once per group index in a launch
+        (a replacement that is slow too stays: the slowness is not its node's); False when it was ended
+        for slowness before, is not in the last quorum, or this worker does not declare."""
+        members = [member for member in self._members.ids if _replica_index(member) == index]
+        if self._board is None or not members or index == self.placement.index:
+            return False
+        if self._board.add(_evicted_key(index), 1) > 1:  # atomic: two groups never both evict it
+            return False
+        self._end(members[0], step)
+        return True
+
+    def _end(self, member: str, step: int) -> Ended:
+        assert self._board is not None
+        ended = _kill(self.placement.lighthouse, member, min(2.0, self._heartbeat_timeout_s))
+        self._board.set(_ended_key(_replica_index(member)), str(step))
+        return ended
+
+    def was_ended(self, healed: bool, alone: bool) -> int | None:
+        """The step at which this group's peers ended it (on the board; None: they did not, or it has
+        since healed from a peer (``healed``: it just did)). A frozen group cannot take the kill order,
+        so it reads it here once it resumes: its peers went on without it, perhaps to the run's end.
+        The group's first worker reads it at every quorum (and clears it once healed); the others only
+        when the quorum holds this group ``alone``, the one case in which it leaves, so that every worker
+        of the group leaves together."""
+        board = self._board
+        if board is None and alone and not self._closed:
+            board = self._board_reader = self._board_reader or self._open_board()
+        if board is None:
             return None
         key = _ended_key(self.placement.index)
-        if not self._board.check([key]):
+        if not board.check([key]):
             return None
         if healed:  # back among its peers, with their state
-            self._board.delete_key(key)
+            if board is self._board:
+                board.delete_key(key)
             return None
-        return int(self._board.get(key))
+        return int(board.get(key))
 
-    def compare_compute(self, seconds: float) -> dict[int, float]:
-        """Post this group's block compute per step on the board; the latest that each group of the last
-        quorum posted, by group index (this one's included). Empty on a worker that does not post (only
-        group rank 0 does), or without a board."""
+    def _open_board(self) -> dist.TCPStore | None:
+        if self.placement.board is None:
+            return None
+        host, port = self.placement.board.rsplit(":", 1)
+        return dist.TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
+                             timeout=self._board_timeout)
+
+    @property
+    def groups(self) -> frozenset[int]:
+        """The replica groups of the last quorum, by index (empty before the first)."""
+        return frozenset(map(_replica_index, self._members.ids))
+
+    def compare_compute(self, seconds: float, node: str) -> dict[int, GroupCompute]:
+        """Post this group's block compute per step (and its slowest worker's node) on the board; the
+        latest that each group of the last quorum posted, by group index (this one's included). Empty on a
+        worker that does not post (only group rank 0 does), or without a board."""
         if self._board is None:
             return {}
-        self._board.set(_compute_key(self.placement.index), repr(seconds))
-        posted: dict[int, float] = {}
+        self._board.set(_compute_key(self.placement.index), json.dumps([seconds, node]))
+        posted: dict[int, GroupCompute] = {}
         for index in map(_replica_index, self._members.ids):
             key = _compute_key(index)
             if self._board.check([key]):
-                posted[index] = float(self._board.get(key))
+                value, where = json.loads(self._board.get(key))
+                posted[index] = GroupCompute(float(value), str(where))
         return posted
 
     def _reached(self, index: int) -> int:
@@ -302,7 +348,7 @@ class ReplicaPeers:
         self._closed = True
         self._manager.shutdown(wait=False)
         self._store.close()
-        self._board = None
+        self._board = self._board_reader = None
 
 
 def _reached_key(index: int) -> str:
@@ -315,6 +361,10 @@ def _ended_key(index: int) -> str:
 
 def _compute_key(index: int) -> str:
     return f"compute/{index}"
+
+
+def _evicted_key(index: int) -> str:
+    return f"evicted/{index}"
 
 
 def _replica_index(replica_id: str) -> int:

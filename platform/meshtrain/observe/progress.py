@@ -45,6 +45,21 @@ def format_duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
+_LOST_WHY = {
+    "hung": "missed the step's deadline while heartbeating; its peers ended it",
+    "frozen": "missed the step's deadline and could not be reached; its peers ended it",
+    "slow": "stepped slower than the others; its peers ended it",
+}
+
+
+def _lost_groups(record: ReplicaLostRecord) -> str:
+    """Which replica groups a step went on without, and why."""
+    if record.cause == "lost" or not record.groups:
+        return "a replica group was lost"
+    names = " and ".join(str(group) for group in record.groups)
+    return f"replica group{'s' if len(record.groups) > 1 else ''} {names} {_LOST_WHY[record.cause]}"
+
+
 def progress_line(record: ReadRecord, total_steps: int) -> str:
     match record:
         case CheckpointSaveRecord():
@@ -77,8 +92,10 @@ def progress_line(record: ReadRecord, total_steps: int) -> str:
         case ReplicaStragglerRecord():
             return (
                 f"[meshtrain] straggler: replica group {record.replica} computes {record.slowdown:.2f}x slower than "
-                f"the median of the other groups for {record.logged_steps} logged steps (step {record.step}); every "
-                "step's cross-replica sum waits for it"
+                f"the median of the other groups for {record.logged_steps} logged steps (step {record.step}"
+                + (f", slowest worker on {record.node}" if record.node else "") + "); "
+                + ("its peers end it and Ray replaces it (scaling.evict_stragglers)" if record.replaced
+                   else "every step's cross-replica sum waits for it")
             )
         case EvictionRecord():
             verb = "evicting" if record.evicted else "not evicting"
@@ -91,7 +108,7 @@ def progress_line(record: ReadRecord, total_steps: int) -> str:
             return f"[meshtrain] growing the group: step {record.step} saved in {record.save_s:.1f}s, waiting for Ray to restart it"
         case ReplicaLostRecord():
             return (f"[meshtrain] step {record.step} trains on {record.participants} of {record.replicas} replica "
-                    f"groups: a replica group was lost ({record.stall_s:.1f}s stall, {record.quorum_s:.1f}s of it "
+                    f"groups: {_lost_groups(record)} ({record.stall_s:.1f}s stall, {record.quorum_s:.1f}s of it "
                     "waiting for the quorum); Ray replaces it while the others go on")
         case ReplicaJoinedRecord():
             return (f"[meshtrain] replica group {record.replica} joined at step {record.step} with replica group "

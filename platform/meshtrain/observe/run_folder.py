@@ -298,6 +298,9 @@ class ReplicaStragglerRecord(Record):
     compute_s: float  # its block compute per step (its slowest worker's)
     median_others_s: float
     logged_steps: int  # logged steps in a row at or above metrics.straggler_factor
+    node: str = ""  # the node of its slowest worker
+    # scaling.evict_stragglers: its peers ended it for Ray to replace (once per group index in a launch)
+    replaced: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

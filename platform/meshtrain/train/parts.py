@@ -33,7 +33,7 @@ from meshtrain.train.profiling import StepProfiler
 from meshtrain.train.records import StepMetrics
 from meshtrain.train.replica_pace import StepPace
 from meshtrain.train.replica_steps import ReplicaSteps
-from meshtrain.train.replica_stragglers import ReplicaStragglers
+from meshtrain.train.replica_stragglers import ReplicaEviction, ReplicaStragglers
 from meshtrain.train.rollback import SpikeRollback
 from meshtrain.train.step_log import StepLog
 from meshtrain.train.stragglers import ComputeTimer, StragglerWatch
@@ -119,7 +119,9 @@ def loop_parts(
         plan.metrics.straggler_patience,
         layout.rank, layout.node, outputs, layout.control_group,
         metrics.set_rank_speed if metrics is not None else None, outputs.on_straggler,
-        ReplicaStragglers(replicas.peers, plan.metrics.straggler_factor, plan.metrics.straggler_patience, outputs)
+        ReplicaStragglers(replicas.peers, plan.metrics.straggler_factor, plan.metrics.straggler_patience, outputs,
+                          ReplicaEviction(replicas.end_slow, plan.fault_tolerance.min_replicas)
+                          if plan.scaling.evict_stragglers else None)
         if replicas is not None else None,
     )
     # The loop's own small collectives (notice votes, straggler times) go on the layout's control

@@ -78,7 +78,8 @@ class ReplicaSteps(LoopPart):
         self.peers, self.strict, self.layout, self.batches = peers, strict, layout, batches
         self.progress, self.outputs, self.checkpointing, self.joining = progress, outputs, checkpointing, joining
         self.heartbeat, self.log, self.pace = heartbeat, log, pace
-        self._ended: dict[int, Ended] = {}  # peer groups this group declared hung or frozen, and why
+        self._ended: dict[int, Ended] = {}  # peer groups this group ended (hung, frozen, slow), and why
+        self._carried: set[int] = set()  # of those, the ones still in the last quorum once already
         self.participants: int | None = None
         self._attempting: tuple[int, float] | None = None  # (step, when its first attempt asked for a quorum)
         self._attempt_started = 0.0
@@ -109,9 +110,10 @@ class ReplicaSteps(LoopPart):
         step = self.progress.step + 1
         if self._attempting is None or self._attempting[0] != step:
             self._attempting = (step, asked)
+        before = self.peers.groups
         quorum = self.peers.quorum()
         placement = self.peers.placement
-        ended_at = self.peers.was_ended(healed=quorum.healed)
+        ended_at = self.peers.was_ended(healed=quorum.healed, alone=quorum.participants == 1)
         if ended_at is not None and quorum.participants == 1:  # alone, it would train again what its peers trained
             raise EndedByPeers(f"replica group {placement.index} was ended by its peers at step {ended_at} (it missed "
                                "that step's deadline) and finds none of them live; it leaves so that Ray replaces it")
@@ -136,12 +138,14 @@ class ReplicaSteps(LoopPart):
             ), any_replica=True)
         elif self.participants is not None and quorum.participants < self.participants:
             now = time.perf_counter()
+            gone = before - self.peers.groups
+            ended = {group: cause for group, cause in self._ended.items() if group in gone}
             self.outputs.emit(ReplicaLostRecord(
                 step=self.progress.step + 1, participants=quorum.participants,
                 replicas=placement.replicas, stall_s=now - self._attempting[1], quorum_s=now - asked, time=time.time(),
-                cause=next(iter(self._ended.values()), "lost"), groups=sorted(self._ended) or None,
+                cause=next(iter(ended.values()), "lost"), groups=sorted(ended) or None,
             ))
-        self._ended = {}
+        self._forget_ended()
         self.participants = quorum.participants
         group_ranks = self.layout.data_ranks
         sharing = quorum.participants if self.strict else placement.replicas
@@ -150,6 +154,23 @@ class ReplicaSteps(LoopPart):
         bound = self.pace.bound_s()
         return LiveReplicas(self.peers, quorum.participants,
                             time.monotonic() + bound if bound is not None and quorum.participants > 1 else None)
+
+    def end_slow(self, group: int, step: int) -> bool:
+        """End peer group ``group``, slower than the others, after step ``step`` (``scaling.evict_stragglers``;
+        see ``ReplicaPeers.end_slow_peer``); the quorum that goes on without it names the cause."""
+        if not self.peers.end_slow_peer(group, step):
+            return False
+        self._ended[group] = "slow"
+        return True
+
+    def _forget_ended(self) -> None:
+        """After a quorum: an ended group still in it stays noted for one quorum more (a slow group ended
+        after its step's commit may have asked for the next quorum before the order reached it, and is
+        left out only from the one after); the others are accounted for, or never left."""
+        groups = self.peers.groups
+        kept = {group: cause for group, cause in self._ended.items() if group in groups and group not in self._carried}
+        self._carried = set(kept)
+        self._ended = kept
 
     def hand_over(self) -> int:
         """This group is leaving (a preemption notice): the live replica groups besides it in the last

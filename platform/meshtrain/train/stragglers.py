@@ -129,13 +129,13 @@ class StragglerWatch(LoopPart):
         group: Any,
         set_gauges: Callable[[float, float, bool], None] | None = None,
         on_straggler: Callable[[StragglerRecord], None] | None = None,
-        replicas: Callable[[int, float], None] | None = None,
+        replicas: Callable[[int, float, str], None] | None = None,
     ) -> None:
         self.timer, self.factor, self.patience = timer, factor, patience
         self.rank, self.node, self.outputs, self.group = rank, node, outputs, group
         self.set_gauges, self.on_straggler = set_gauges, on_straggler
         self.streaks = Streaks(factor, patience)
-        self.replicas = replicas  # replica mode: hears the group's compute per step at each logged step
+        self.replicas = replicas  # replica mode: hears the group's compute per step (and slowest node) at each logged step
         self._steps = 0
 
     def step_done(self) -> None:
@@ -158,7 +158,7 @@ class StragglerWatch(LoopPart):
             gathered = [mine]
         self.observe(step, gathered)
         if self.replicas is not None:  # the group steps at its slowest rank's pace
-            self.replicas(step, max(seconds for seconds, _ in gathered))
+            self.replicas(step, *max(gathered))
 
     def observe(self, step: int, gathered: list[tuple[float, str]]) -> None:
         """Every rank's (compute seconds per step, node) at a logged step: update the streaks, report
