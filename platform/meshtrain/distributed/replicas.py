@@ -275,6 +275,10 @@ class ReplicaPeers:
         return True
 
     def _end(self, member: str, step: int) -> Ended:
+        """Send the lighthouse's kill order for group ``member`` and mark it ended at ``step`` on the board
+        (a frozen group reads it once it resumes). The order waits for its answer (at most 2 s for a frozen
+        group's): the lighthouse finds the group's manager in its last quorum, which this group's next
+        quorum request would replace."""
         assert self._board is not None
         ended = _kill(self.placement.lighthouse, member, min(2.0, self._heartbeat_timeout_s))
         self._board.set(_ended_key(_replica_index(member)), str(step))
