@@ -188,13 +188,18 @@ def test_the_driver_exports_goodput_and_downstream_scores_per_task_and_metric() 
 
 def test_a_replica_groups_workers_label_every_series_with_their_group() -> None:
     """fault_tolerance.mode=replica: every group numbers its world ranks from 0, so the replica label is
-    what tells group 1's rank 0 from group 0's (a sum over a run's workers counts each worker once)."""
+    what tells group 1's rank 0 from group 0's (a sum over a run's workers counts each worker once). Its
+    tokens/s and MFU are its own share of the step, which the groups split."""
     metrics = new_metrics(rank=0, replica=1)
     metrics.evaluated(make(EvalRecord, step=4, loss=2.0, sources={}))
+    # Two groups of two workers trained the step: each worker, a quarter of the run's 2000 tokens/s.
+    metrics.logged(make(TrainRecord, tokens_per_s=2000.0, replicas=2), world_size=2)
     exposed = generate_latest(metrics.registry).decode()
     samples = [sample for family in text_string_to_metric_families(exposed) for sample in family.samples]
     assert {sample.name for sample in samples} >= {"meshtrain_step_duration_seconds_count", "meshtrain_eval_loss"}
     assert all((sample.labels["replica"], sample.labels["rank"]) == ("1", "0") for sample in samples)
+    value = {sample.name: sample.value for sample in samples}
+    assert value["meshtrain_tokens_per_second"] == 500.0 and value["meshtrain_mfu_ratio"] == 500.0 * 1000.0 / 1e6
 
 
 def test_a_taken_port_falls_back_to_a_free_one() -> None:

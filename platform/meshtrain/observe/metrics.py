@@ -366,14 +366,17 @@ class TrainingMetrics(_Exporter):
         self.data_wait.inc(data_wait_s)
 
     def logged(self, record: TrainRecord, world_size: int) -> None:
-        """At logging steps, from the record rank 0 also writes to metrics.jsonl."""
+        """At logging steps, from the record rank 0 also writes to metrics.jsonl (``world_size``: this
+        worker's group's)."""
         for seconds in self._clock.drain():
             self.step_duration.observe(seconds)
         self.loss.set(record.loss)
         self.learning_rate.set(record.lr)
         self.grad_norm.set(record.grad_norm)
         self.run_tokens.set(record.tokens)
-        worker_tokens_per_s = record.tokens_per_s / world_size
+        # This worker's share of the step's tokens: in replica mode the replica groups that trained the step
+        # (record.replicas) split its samples, each over the world_size workers of its group.
+        worker_tokens_per_s = record.tokens_per_s / (world_size * (record.replicas or 1))
         self.tokens_per_second.set(worker_tokens_per_s)
         if self.peak_flops_per_s:
             # A record without the interval's own counts (no model counted them) falls back to the whole window.
