@@ -159,10 +159,25 @@ def test_prometheus_config_loads_the_rules() -> None:
     for path in config["rule_files"]:
         assert (PROMETHEUS_CONFIG.parent / path).is_file(), path  # relative to the config file
     # MeshtrainTargetDown names the run of a down target: the run label of up comes from the
-    # targets file's name, <run.name>.json (Prometheus anchors relabelling regexes at both ends).
+    # targets file's name, <run.name>.json, and a replica group's replica label too,
+    # <run.name>.replica<N>.json (Prometheus anchors relabelling regexes at both ends, and a
+    # replacement that comes out empty removes the label).
     [job] = [job for job in config["scrape_configs"] if job["job_name"] == "meshtrain"]
-    [relabel] = [r for r in job["relabel_configs"] if r.get("target_label") == "run"]
-    assert relabel["source_labels"] == ["__meta_filepath"]
-    match = re.fullmatch(relabel["regex"], "/mnt/shared/meshtrain-runs/prometheus/llama3.8b-run.json")
-    assert match and match[1] == "llama3.8b-run"
-    assert job["honor_labels"] is True  # the workers' own run label stays "run", not "exported_run"
+    relabels = job["relabel_configs"]
+    assert [r["target_label"] for r in relabels] == ["run", "replica"]
+
+    def target_labels(path: str) -> dict[str, str]:
+        labels = {}
+        for relabel in relabels:
+            assert relabel["source_labels"] == ["__meta_filepath"] and relabel.get("action", "replace") == "replace"
+            match = re.fullmatch(relabel["regex"], path)
+            value = match.expand(re.sub(r"\$(\d)", r"\\g<\1>", relabel.get("replacement", "$1"))) if match else ""
+            if value:
+                labels[relabel["target_label"]] = value
+        return labels
+
+    folder = "/mnt/shared/meshtrain-runs/prometheus"
+    assert target_labels(f"{folder}/llama3.8b-run.json") == {"run": "llama3.8b-run"}
+    assert target_labels(f"{folder}/driver/llama3.8b-run.json") == {"run": "llama3.8b-run"}
+    assert target_labels(f"{folder}/llama3.8b-run.replica12.json") == {"run": "llama3.8b-run", "replica": "12"}
+    assert job["honor_labels"] is True  # the workers' own labels stay "run", "replica", not "exported_run"

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
@@ -38,6 +39,7 @@ from meshtrain.observe.run_folder import (
     CheckpointLoadRecord,
     CheckpointSaveRecord,
     DownstreamEvalRecord,
+    EvalRecord,
     Record,
     TrainRecord,
     append_records,
@@ -111,8 +113,9 @@ def test_exposition_follows_prometheus_conventions_and_shows_only_known_values()
     try:
         before = scrape(port)
         for sample in before.values():
-            assert {"run": "r1", "rank": "3", "node": "10.0.0.7"}.items() <= sample["labels"].items()
-            assert sample["labels"].keys() <= {"run", "rank", "node", "le"}
+            # Restart mode's one group is replica group 0.
+            assert {"run": "r1", "replica": "0", "rank": "3", "node": "10.0.0.7"}.items() <= sample["labels"].items()
+            assert sample["labels"].keys() <= {"run", "replica", "rank", "node", "le"}
         names = set(before)
         assert all(name.startswith("meshtrain_") for name in names)
         assert not any(name.endswith("_created") for name in names)
@@ -181,6 +184,22 @@ def test_the_driver_exports_goodput_and_downstream_scores_per_task_and_metric() 
     assert ratio.labels == {"run": "r1"} and ratio.value == 0.75 / 4.0
     lost = {s.labels["cause"]: s.value for s in families["meshtrain_lost_seconds"].samples}
     assert (lost["start_up"], lost["data_wait"], lost["finishing"], lost["redone"]) == (2.0, 0.25, 1.0, 0.0)
+
+
+def test_a_replica_groups_workers_label_every_series_with_their_group() -> None:
+    """fault_tolerance.mode=replica: every group numbers its world ranks from 0, so the replica label is
+    what tells group 1's rank 0 from group 0's (a sum over a run's workers counts each worker once). Its
+    tokens/s and MFU are its own share of the step, which the groups split."""
+    metrics = new_metrics(rank=0, replica=1)
+    metrics.evaluated(make(EvalRecord, step=4, loss=2.0, sources={}))
+    # Two groups of two workers trained the step: each worker, a quarter of the run's 2000 tokens/s.
+    metrics.logged(make(TrainRecord, tokens_per_s=2000.0, replicas=2), world_size=2)
+    exposed = generate_latest(metrics.registry).decode()
+    samples = [sample for family in text_string_to_metric_families(exposed) for sample in family.samples]
+    assert {sample.name for sample in samples} >= {"meshtrain_step_duration_seconds_count", "meshtrain_eval_loss"}
+    assert all((sample.labels["replica"], sample.labels["rank"]) == ("1", "0") for sample in samples)
+    value = {sample.name: sample.value for sample in samples}
+    assert value["meshtrain_tokens_per_second"] == 500.0 and value["meshtrain_mfu_ratio"] == 500.0 * 1000.0 / 1e6
 
 
 def test_a_taken_port_falls_back_to_a_free_one() -> None:

@@ -1,10 +1,14 @@
-"""The dashboard against a real Prometheus scraping a real run.
+"""The dashboard against a real Prometheus scraping a real run, and its queries' meaning in both
+fault-tolerance modes.
 
 Prometheus (Debian's package; .ci/run installs it) runs on loopback with cluster/prometheus.yml,
 re-pointed at this test's run storage and scraping every second. A short job trains, loses a
 worker to an injected SIGKILL and resumes. Afterwards every PromQL expression in
 dashboards/meshtrain.json is evaluated over the job's time window as Grafana would, and must
 return data; the values Prometheus holds must agree with metrics.jsonl.
+
+Offline, promtool evaluates every expression on the series of one run trained in either mode (one
+group of four workers, or two replica groups of two), which must show the same run.
 """
 
 from __future__ import annotations
@@ -138,9 +142,9 @@ def dashboard_queries() -> tuple[list[str], list[str]]:
     return exprs, variables
 
 
-def grafana_substitute(expr: str, window_s: float) -> str:
-    expr = expr.replace("$__rate_interval", RATE_INTERVAL).replace("$__range", f"{int(window_s)}s")
-    expr = expr.replace("$run", re.escape(RUN))
+def grafana_substitute(expr: str, window_s: float, run: str = RUN, rate_interval: str = RATE_INTERVAL) -> str:
+    expr = expr.replace("$__rate_interval", rate_interval).replace("$__range", f"{int(window_s)}s")
+    expr = expr.replace("$run", re.escape(run))
     assert "$" not in expr, f"unhandled Grafana variable in {expr}"
     return expr
 
@@ -199,6 +203,10 @@ def test_dashboard_queries_return_data_from_a_real_run(prometheus: tuple[Prometh
         return server.instant(f'last_over_time({selector}run="{RUN}"}}[{int(window) + 60}s])', ended)
 
     assert last("meshtrain_step") == {"0": 60.0, "1": 60.0}
+    # Restart mode's one group is replica group 0; the driver's series (the run's goodput) have no replica.
+    replicas = "/api/v1/label/replica/values"
+    assert server.get(replicas, **{"match[]": f'meshtrain_step{{run="{RUN}"}}'}) == ["0"]
+    assert server.get(replicas, **{"match[]": f'meshtrain_goodput_ratio{{run="{RUN}"}}'}) == []
     assert last('meshtrain_data_stage{stage="main"') == {"0": 1.0} and last('meshtrain_data_stage{stage="warm"') == {"0": 0.0}
     mixed = [r for r in records if isinstance(r, MixtureRecord)][-1]
     assert mixed.stage == "main" and last('meshtrain_data_source_share{source="few"')["0"] == pytest.approx(
@@ -252,3 +260,168 @@ def test_dashboard_queries_return_data_from_a_real_run(prometheus: tuple[Prometh
     # Ray lists several targets (each node's metrics agent, the dashboard's): one answering is enough.
     ray_up = server.instant(f'max(max_over_time(up{{job="ray"}}[{int(window) + 60}s]))', ended)
     assert ray_up == {"": 1.0}, f"no Ray metrics target was scraped: {ray_up}"
+
+
+# --- the queries in both fault-tolerance modes, offline ------------------------------------------
+
+# One run trained two ways: restart mode's one group of 4 workers (shard 2 x tensor 2), and
+# fault_tolerance.mode=replica's two replica groups of 2 workers (shard 2), each group training its
+# share of every step's samples. Each worker trains the same quarter of each step's tokens; every rank
+# of every group reports the run's step, loss, tokens and evaluation; the first group's rank 0 commits
+# the checkpoints; each group's rank 0 reports the data mixture; the one group restarted twice, each
+# replica group once. The driver serves the goodput and downstream scores, with no replica label.
+MODES = {"restart": [("0", rank) for rank in range(4)], "replica": [(group, rank) for group in "01" for rank in range(2)]}
+SAMPLES = 21  # one every 15 s, from 0 to 5 minutes
+EVAL_AT, SYNTHETIC_RATE, SYNTHETIC_RANGE = "5m", "1m", 300
+
+# What each per-run query shows of that run at EVAL_AT, in either mode: {(panel, refId): (labels
+# besides run, value)}. A sum of what every worker reports alike, or one group's part of what the
+# groups add up to, shows a different value in one mode or both.
+EXPECTED: dict[tuple[str, str], tuple[dict[str, str], float]] = {
+    ("Step", "A"): ({}, 21),
+    ("Tokens trained", "A"): ({}, 86016),
+    ("Workers reporting / in groups / requested", "A"): ({}, 4),
+    ("Workers reporting / in groups / requested", "B"): ({}, 4),
+    ("Workers reporting / in groups / requested", "C"): ({}, 4),
+    ("Mesh (replicate x shard)", "A"): ({}, 1),
+    ("Mesh (replicate x shard)", "B"): ({}, 2),
+    ("Restarts", "A"): ({}, 2),
+    ("Last checkpoint step", "A"): ({}, 10),
+    ("Loss (train and validation)", "A"): ({}, 2.75),
+    ("Loss (train and validation)", "B"): ({}, 3.5),
+    ("Loss (train and validation)", "C"): ({"source": "code"}, 3.25),
+    ("Learning rate", "A"): ({}, 2**-10),
+    ("Gradient norm", "A"): ({}, 0.5),
+    ("Tokens/s (run total)", "A"): ({}, 4 * 1024 / 15),
+    ("MFU", "A"): ({}, 0.4375),
+    ("MFU", "B"): ({}, 0.25),
+    ("MFU", "C"): ({}, 0.6875),
+    ("Step time", "A"): ({}, 0.3125),  # every step in (0.125, 0.5]: interpolated
+    ("Step time", "B"): ({}, 0.48125),
+    ("Step time", "C"): ({}, 0.25),
+    ("Checkpoint time", "A"): ({}, 0.25),
+    ("Checkpoint time", "B"): ({}, 2),
+    ("Checkpoint time", "C"): ({}, 1.5),
+    ("Checkpoint size", "A"): ({}, 2**20),
+    ("Checkpoints committed", "A"): ({}, 2),
+    ("Skipped steps", "A"): ({}, 1),
+    ("Rank compute slowdown (straggler = 1)", "B"): ({}, 1),
+    ("Downstream scores (lm-evaluation-harness)", "A"): ({"task": "arc_easy", "metric": "acc"}, 0.5),
+    ("Last downstream step", "A"): ({"task": "arc_easy"}, 10),
+    ("Goodput (productive step time / wall time)", "A"): ({}, 0.75),
+    ("Lost time by cause", "A"): ({"cause": "restarts"}, 8),
+    ("Share of samples per source", "A"): ({"source": "code"}, 0.75),
+    ("Data stage", "A"): ({"stage": "main"}, 1),
+    ("Rollbacks and left-out samples", "A"): ({}, 1),
+    ("Rollbacks and left-out samples", "B"): ({}, 8),
+}
+
+
+def synthetic_run(run: str, workers: list[tuple[str, int]]) -> list[dict[str, str]]:
+    """promtool input series of ``run``'s workers (``(replica, rank)`` each) and driver."""
+    series: list[dict[str, str]] = []
+
+    def add(name: str, labels: dict[str, str], values: str) -> None:
+        text = ",".join(f'{key}="{value}"' for key, value in labels.items())
+        series.append({"series": f"{name}{{{text}}}", "values": values})
+
+    def constant(value: float) -> str:
+        return f"{value}x{SAMPLES - 1}"
+
+    def stepped(at: int, value: float) -> str:
+        """0 until sample ``at``, then ``value``."""
+        return f"0x{at - 1} {value}x{SAMPLES - at - 1}"
+
+    groups = {group for group, _ in workers}
+    for index, (group, rank) in enumerate(workers):
+        node = f"10.0.{index // 2}.1"
+        worker = {"job": "meshtrain", "instance": f"{node}:{9800 + index % 2}", "run": run, "replica": group,
+                  "rank": str(rank), "node": node}
+        writer = index == 0  # the first group's rank 0 commits the run's checkpoints
+        for name, values in {
+            "meshtrain_step": f"1+1x{SAMPLES - 1}",
+            "meshtrain_run_tokens": f"4096+4096x{SAMPLES - 1}",
+            "meshtrain_loss": f"4-0.0625x{SAMPLES - 1}",
+            "meshtrain_learning_rate": constant(2**-10),
+            "meshtrain_grad_norm": constant(0.5),
+            "meshtrain_workers": constant(len(workers) // len(groups)),
+            "meshtrain_workers_requested": constant(len(workers)),
+            "meshtrain_mesh_replicate_degree": constant(1),
+            "meshtrain_mesh_shard_degree": constant(2),
+            "meshtrain_run_restarts": constant(2 // len(groups)),
+            "meshtrain_tokens_total": f"0+1024x{SAMPLES - 1}",
+            "meshtrain_tokens_per_second": constant(1024 / 15),
+            "meshtrain_mfu_ratio": constant(0.25 + index / 8),
+            "meshtrain_mfu_full_attention_ratio": constant(0.5 + index / 8),
+            "meshtrain_step_duration_seconds_sum": f"0+0.25x{SAMPLES - 1}",
+            "meshtrain_step_duration_seconds_count": f"0+1x{SAMPLES - 1}",
+            "meshtrain_data_wait_seconds_total": f"0+{index / 16}x{SAMPLES - 1}",
+            "meshtrain_process_resident_memory_bytes": constant(2**30 + index),
+            "meshtrain_checkpoint_load_duration_seconds": constant(1.5),
+            "meshtrain_checkpoint_saves_total": f"0x4 1x5 2x{SAMPLES - 12}" if writer else constant(0),
+            "meshtrain_skipped_steps_total": stepped(10, 1),
+            "meshtrain_rank_slowdown_ratio": constant(1 + index / 8),
+            "meshtrain_straggler": constant(int(index == 3)),
+            "meshtrain_rollbacks_total": stepped(12, 1),
+            "meshtrain_left_out_samples_total": stepped(12, 8),
+        }.items():
+            add(name, worker, values)
+        for le, values in (("0.125", constant(0)), ("0.5", f"0+1x{SAMPLES - 1}"), ("+Inf", f"0+1x{SAMPLES - 1}")):
+            add("meshtrain_step_duration_seconds_bucket", {**worker, "le": le}, values)
+        for source, loss in (("all", 3.5), ("code", 3.25)):
+            add("meshtrain_eval_loss", {**worker, "source": source}, constant(loss))
+        if group == "0":  # the writer's group is held up by its saves; the other group never saves
+            add("meshtrain_checkpoint_save_blocking_seconds", worker, constant(0.25))
+        if writer:
+            add("meshtrain_checkpoint_save_duration_seconds", worker, constant(2))
+            add("meshtrain_checkpoint_size_bytes", worker, constant(2**20))
+        if rank == 0:  # each group's first worker
+            add("meshtrain_checkpoint_step", worker, constant(10))  # the step it loaded, or saved
+            add("meshtrain_data_source_share", {**worker, "source": "code"}, constant(0.75))
+            add("meshtrain_data_stage", {**worker, "stage": "main"}, constant(1))
+    driver = {"job": "meshtrain", "instance": "10.0.9.1:40000", "run": run}
+    add("meshtrain_goodput_ratio", driver, constant(0.75))
+    add("meshtrain_lost_seconds", {**driver, "cause": "restarts"}, constant(8))
+    add("meshtrain_downstream_score", {**driver, "task": "arc_easy", "metric": "acc"}, constant(0.5))
+    add("meshtrain_downstream_step", {**driver, "task": "arc_easy"}, constant(10))
+    return series
+
+
+def test_every_dashboard_query_shows_the_same_run_in_either_fault_tolerance_mode(tmp_path: Path) -> None:
+    """fault_tolerance.mode=replica: the replica groups' workers differ only by the replica label (each group
+    has ranks 0..k-1). A query of a per-run value must neither add up what every group reports alike (step,
+    tokens, loss) nor take one group's part of what the groups add up to (tokens/s, the world size, the
+    restarts): every per-run query shows the same values of the same run trained either way. A per-worker
+    panel has a series per worker, its legend naming the run, the replica group and the rank."""
+    binary = shutil.which("promtool")
+    assert binary, "promtool is not installed: apt-get install -y prometheus (.ci/run does this)"
+    dashboard = json.loads(DASHBOARD.read_text())
+    targets = [(panel["title"], target) for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    per_worker = [(title, target) for title, target in targets if "{{rank}}" in target["legendFormat"]]
+    assert {title for title, _ in per_worker} == {"Tokens/s per rank", "Data wait", "Memory per rank",
+                                                  "Rank compute slowdown (straggler = 1)"}
+    assert {(title, target["refId"]) for title, target in targets if (title, target) not in per_worker} == set(EXPECTED)
+    checks: list[dict[str, Any]] = []
+    for title, target in targets:
+        for run in MODES:
+            expr = grafana_substitute(target["expr"], SYNTHETIC_RANGE, run, SYNTHETIC_RATE)
+            if (title, target) in per_worker:
+                assert all(f"{{{{{label}}}}}" in target["legendFormat"] for label in ("run", "replica", "rank")), title
+                # One series per worker, told apart by the labels of the legend.
+                checks += [{"expr": f"count({expr})", "exp_samples": [{"labels": "{}", "value": 4}]},
+                           {"expr": f"count(count by (run, replica, rank) ({expr}))", "exp_samples": [{"labels": "{}", "value": 4}]}]
+            else:
+                labels, value = EXPECTED[title, target["refId"]]
+                text = ", ".join(f'{key}="{value}"' for key, value in {"run": run, **labels}.items())
+                # In millionths: promtool compares floats exactly, and a quantile's interpolation rounds.
+                checks.append({"expr": f"round(1e6 * ({expr}))",
+                               "exp_samples": [{"labels": f"{{{text}}}", "value": round(1e6 * value)}]})
+    tests = {"rule_files": [], "evaluation_interval": "15s", "tests": [{
+        "interval": "15s",
+        "input_series": [series for run, workers in MODES.items() for series in synthetic_run(run, workers)],
+        "promql_expr_test": [{**check, "eval_time": EVAL_AT} for check in checks],
+    }]}
+    path = tmp_path / "dashboard_test.yml"
+    path.write_text(yaml.safe_dump(tests, sort_keys=False))
+    result = subprocess.run([binary, "test", "rules", str(path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "SUCCESS" in result.stdout, result.stdout[-8000:] + result.stderr[-2000:]

@@ -376,7 +376,7 @@ def test_the_cuda_alloc_retries_gauge_reads_the_allocator(monkeypatch: pytest.Mo
     metrics = TrainingMetrics(run="r", rank=0, node="n", device=torch.device("cuda", 0), flops_per_token=1.0,
                               peak_flops_per_s=None)
     exposed = generate_latest(metrics.registry).decode()
-    assert 'meshtrain_cuda_alloc_retries{node="n",rank="0",run="r"} 7.0' in exposed
+    assert 'meshtrain_cuda_alloc_retries{node="n",rank="0",replica="0",run="r"} 7.0' in exposed
     cpu = TrainingMetrics(run="r", rank=0, node="n", device=torch.device("cpu"), flops_per_token=1.0,
                           peak_flops_per_s=None)
     assert "meshtrain_cuda_alloc_retries" not in generate_latest(cpu.registry).decode()

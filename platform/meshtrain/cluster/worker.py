@@ -163,6 +163,7 @@ def start_metrics(
         )
     metrics = TrainingMetrics(
         run=run.name,
+        replica=replica,
         rank=layout.world_rank,
         node=node_ip,
         device=device,

@@ -1,9 +1,10 @@
 """Prometheus metrics of one training worker and of the driver's downstream evaluations, the
 endpoints that serve them, and the file_sd targets files through which Prometheus finds them.
 
-Every worker series carries the labels ``run``, ``rank`` (world rank) and ``node`` (the node's IP);
-the driver's downstream series carry ``run`` and the task. Names follow Prometheus conventions:
-base units in the name, ``_total`` on counters.
+Every worker series carries the labels ``run``, ``replica`` (its replica group: the group's index in
+fault_tolerance.mode=replica, "0" for restart mode's one group), ``rank`` (world rank within that group)
+and ``node`` (the node's IP); the driver's series carry ``run`` and no replica (it serves the whole run).
+Names follow Prometheus conventions: base units in the name, ``_total`` on counters.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from meshtrain.observe.run_folder import (
 # Counters and histograms would otherwise add a *_created series each; nothing here reads them.
 disable_created_metrics()
 
-LABELS = ("run", "rank", "node")
+LABELS = ("run", "replica", "rank", "node")
 # The subfolder of the targets folder holding the drivers' targets files.
 DRIVER_TARGETS_DIR = "driver"
 
@@ -183,11 +184,14 @@ class TrainingMetrics(_Exporter):
         device: torch.device,
         flops_per_token: float,
         peak_flops_per_s: float | None,
+        replica: int | None = None,
     ) -> None:
+        """``rank``: the world rank in the worker's group; ``replica``: the group's index in replica mode,
+        None in restart mode (its one group, labelled "0")."""
         super().__init__()
         self.device, self.peak_flops_per_s = device, peak_flops_per_s
         self.flops_per_token = flops_per_token
-        values = {"run": run, "rank": str(rank), "node": node}
+        values = {"run": run, "replica": str(replica or 0), "rank": str(rank), "node": node}
         self._label_values = values
 
         def gauge(name: str, documentation: str) -> Any:
@@ -287,7 +291,10 @@ class TrainingMetrics(_Exporter):
         self.left_out_samples = counter(
             "meshtrain_left_out_samples", "Samples rollbacks left out of training (their steps read the samples after them)."
         )
-        self.restarts = gauge("meshtrain_run_restarts", "Times Ray restarted this run's worker group in the current job.")
+        self.restarts = gauge(
+            "meshtrain_run_restarts",
+            "Times Ray restarted this worker's group in the current job (in replica mode, this replica group).",
+        )
         self.replicas_live = gauge(
             "meshtrain_replicas_live",
             "fault_tolerance.mode=replica: replica groups in this worker's last step's quorum (0 in restart mode).",
@@ -300,7 +307,7 @@ class TrainingMetrics(_Exporter):
             "meshtrain_replica_heal_bytes",
             "fault_tolerance.mode=replica: tensor bytes this worker received from its peer when its group joined.",
         )
-        self.workers = gauge("meshtrain_workers", "Workers (world size) in the group.")
+        self.workers = gauge("meshtrain_workers", "Workers (world size) in this worker's group (in replica mode, one replica group).")
         self.rank_compute = gauge(
             "meshtrain_rank_step_compute_seconds",
             "This rank's transformer-block forward compute per step (collective waits excluded), last logging interval.",
@@ -310,7 +317,8 @@ class TrainingMetrics(_Exporter):
         )
         self.straggler = gauge("meshtrain_straggler", "1 while the run reports this rank as a straggler, else 0.")
         self.workers_requested = gauge(
-            "meshtrain_workers_requested", "Workers the run asks for (scaling.num_workers); an elastic group may have fewer."
+            "meshtrain_workers_requested",
+            "Workers the run asks for (scaling.num_workers, every replica group's together); an elastic group may have fewer.",
         )
         self.checkpoint_interval = gauge("meshtrain_checkpoint_interval_steps", "Steps between scheduled checkpoints.")
         self.checkpoint_commit_time = gauge(
@@ -358,14 +366,17 @@ class TrainingMetrics(_Exporter):
         self.data_wait.inc(data_wait_s)
 
     def logged(self, record: TrainRecord, world_size: int) -> None:
-        """At logging steps, from the record rank 0 also writes to metrics.jsonl."""
+        """At logging steps, from the record rank 0 also writes to metrics.jsonl (``world_size``: this
+        worker's group's)."""
         for seconds in self._clock.drain():
             self.step_duration.observe(seconds)
         self.loss.set(record.loss)
         self.learning_rate.set(record.lr)
         self.grad_norm.set(record.grad_norm)
         self.run_tokens.set(record.tokens)
-        worker_tokens_per_s = record.tokens_per_s / world_size
+        # This worker's share of the step's tokens: in replica mode the replica groups that trained the step
+        # (record.replicas) split its samples, each over the world_size workers of its group.
+        worker_tokens_per_s = record.tokens_per_s / (world_size * (record.replicas or 1))
         self.tokens_per_second.set(worker_tokens_per_s)
         if self.peak_flops_per_s:
             # A record without the interval's own counts (no model counted them) falls back to the whole window.
