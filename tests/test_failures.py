@@ -18,7 +18,8 @@ from safetensors import SafetensorError
 
 from meshtrain.checkpoint.errors import CheckpointStorageFull, CheckpointUnreachable, NoLoadableCheckpoint
 from meshtrain.cluster.failures import Failure, is_permanent, root_failure, stamp
-from meshtrain.cluster.outcome import failure_message
+from meshtrain.cluster.outcome import failure_message, restarts_used
+from meshtrain.observe.run_folder import RunPaths, WorkerStart, append_worker_start
 from meshtrain.cluster.ray_trainer import StopOnPermanentFailure
 from meshtrain.cluster.worker import UntrainableGroupSize
 from meshtrain.config import ConfigError
@@ -118,6 +119,18 @@ def test_the_drivers_final_line(tmp_path) -> None:
     transient = Failure(0, "10.0.0.7", "RuntimeError: boom", permanent=False)
     assert failure_message(cfg.checkpoint, cfg.run, transient, restarts=3).startswith(
         "training failed: rank 0 on 10.0.0.7: RuntimeError: boom; after 3 restart(s) (run.max_failures=3); "
+    )
+    # Replica mode: run.max_failures bounds each group's restarts, so the line counts one group's (two
+    # groups restarted 3 times each are 8 starts: "after 7 restart(s) (run.max_failures=3)" read as a contradiction).
+    paths = RunPaths("r", tmp_path)
+    for replica in (0, 1):
+        for _ in range(4):
+            append_worker_start(paths, WorkerStart(launch="L", time=0.0, world_size=1, workers=[], replica=replica))
+    append_worker_start(paths, WorkerStart(launch="earlier", time=0.0, world_size=1, workers=[], replica=0))
+    assert restarts_used(paths, "L") == 3
+    assert failure_message(cfg.checkpoint, cfg.run, transient, restarts_used(paths, "L"), replica_groups=True).startswith(
+        "training failed: rank 0 on 10.0.0.7: RuntimeError: boom; after 3 restart(s) of a replica group "
+        "(run.max_failures=3 per group); "
     )
 
 

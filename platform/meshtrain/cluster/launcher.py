@@ -188,7 +188,8 @@ def _launch(cfg: MeshtrainConfig, paths: RunPaths, launch_id: str, started: floa
             if config_error is not None:
                 raise config_error from None
             failure = root_failure(exc)
-            raise TrainingFailed(failure_message(cfg.checkpoint, cfg.run, failure, restarts_used(paths, launch_id)), failure) from None
+            raise TrainingFailed(failure_message(cfg.checkpoint, cfg.run, failure, restarts_used(paths, launch_id),
+                                                 cfg.fault_tolerance.mode == "replica"), failure) from None
         finally:
             groups = range(cfg.replica_groups()) if cfg.fault_tolerance.mode == "replica" else [None]
             for group in groups:

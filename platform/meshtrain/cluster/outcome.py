@@ -4,6 +4,7 @@ each prints (the failure, where the run can resume from, the restarts used)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,16 +39,22 @@ def _last_committed(checkpoint: CheckpointConfig, run: RunConfig) -> str:
 
 
 def restarts_used(paths: RunPaths, launch_id: str) -> int:
-    """How many times Ray restarted this launch's worker group (from worker_starts.jsonl)."""
-    return max(0, sum(entry.launch == launch_id for entry in read_worker_starts(paths)) - 1)
+    """How many times Ray restarted this launch's worker group (from worker_starts.jsonl); in replica
+    mode, the most that any one replica group was restarted (run.max_failures bounds each group's)."""
+    starts = Counter(entry.replica for entry in read_worker_starts(paths) if entry.launch == launch_id)
+    return max((count - 1 for count in starts.values()), default=0)
 
 
-def failure_message(checkpoint: CheckpointConfig, run: RunConfig, failure: Failure, restarts: int) -> str:
+def failure_message(checkpoint: CheckpointConfig, run: RunConfig, failure: Failure, restarts: int,
+                    replica_groups: bool = False) -> str:
+    """``restarts``: :func:`restarts_used`; ``replica_groups``: fault_tolerance.mode=replica, where they
+    count a replica group's."""
+    counted = f"{restarts} restart(s){' of a replica group' if replica_groups else ''}"
     if failure.permanent:
-        how = f"not restarted, a restart cannot fix this{f' (after {restarts} restart(s))' if restarts else ''}"
+        how = f"not restarted, a restart cannot fix this{f' (after {counted})' if restarts else ''}"
         resume = f"fix the cause, then run the same command again (run.name={run.name}) to resume"
     else:
-        how = f"after {restarts} restart(s) (run.max_failures={run.max_failures})"
+        how = f"after {counted} (run.max_failures={run.max_failures}{' per group' if replica_groups else ''})"
         resume = f"run the same command again (run.name={run.name}) to resume"
     return f"training failed: {failure.describe()}; {how}; {_last_committed(checkpoint, run)}; {resume}"
 
