@@ -12,15 +12,15 @@ import hashlib
 import json
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from meshtrain.config import ConfigError, one_line, redact_url
-from meshtrain.data.remote import block_crcs, crc_name
-from meshtrain.data.sources import SourcePlan, Unit, read_unit
+from meshtrain.data.remote import BlockCrcs, crc_name
+from meshtrain.data.sources import SourcePlan, Unit, unit_documents
 from meshtrain.data.location import StoreLocation
 from meshtrain.data.store import read_manifest, write_index
 from meshtrain.data.store_format import (
@@ -41,7 +41,8 @@ from meshtrain.data.tokenizer import eos_token_id, tokenizer_sha256
 ENCODE_BATCH = 256
 # The most characters encoded in one call, and in one batch: the tokenizer holds ~170 bytes per
 # character while it encodes (measured: 1M characters, 180 MiB), so a 200 MB JSON Lines record encoded
-# whole took tens of GB and was killed. Longer documents are encoded in pieces (see document_pieces).
+# whole took tens of GB and was killed. Longer documents are read in parts and encoded in pieces (see
+# document_pieces), so no task holds a whole long document either.
 PIECE_CHARS = 1_000_000
 # Tokenizer threads in a prepare task: one per Ray CPU, so 1 vs N CPUs means what it says.
 TASK_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
@@ -64,8 +65,10 @@ def store_key(plan: SourcePlan, tokenizer_hash: str, unit_bytes: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def document_pieces(text: str, limit: int = PIECE_CHARS) -> Iterator[str]:
-    """``text`` in consecutive pieces of at most ``limit`` characters (one piece when it fits).
+def document_pieces(parts: Iterable[str], limit: int = PIECE_CHARS) -> Iterator[tuple[str, bool]]:
+    """The text given as consecutive ``parts`` in consecutive pieces of at most ``limit`` characters
+    (one piece when it fits), each with whether it is the last; at most about ``limit`` characters plus
+    one part are held at once.
 
     A long document is split rather than refused: a book or a dump of code is data a user means to
     train on, and a bound that refused it would leave them to cut their corpus by hand. Each cut goes
@@ -73,18 +76,22 @@ def document_pieces(text: str, limit: int = PIECE_CHARS) -> Iterator[str]:
     byte-level pre-tokenizer splits the text there anyway (its words take their leading space), so the
     pieces encode to exactly the whole document's tokens. A second half without such a space (base64,
     text without spaces) is cut at ``limit``, where the tokens of the few characters around the cut may
-    differ from those of the whole document's encoding.
+    differ from those of the whole document's encoding. The cuts depend on the text alone, never on how
+    it was parted.
     """
-    start = 0
-    while len(text) - start > limit:
-        end, floor = start + limit, start + limit // 2
-        cut = text.rfind(" ", floor + 1, end)
-        while cut > floor and text[cut - 1].isspace():
-            cut = text.rfind(" ", floor + 1, cut)
-        cut = cut if cut > floor else end
-        yield text[start:cut]
-        start = cut
-    yield text[start:] if start else text
+    rest, more, floor = "", iter(parts), limit // 2
+    while True:
+        while len(rest) <= limit and (part := next(more, None)) is not None:
+            rest = rest + part if rest else part
+        if len(rest) <= limit:
+            yield rest, True
+            return
+        cut = rest.rfind(" ", floor + 1, limit)
+        while cut > floor and rest[cut - 1].isspace():
+            cut = rest.rfind(" ", floor + 1, cut)
+        cut = cut if cut > floor else limit
+        yield rest[:cut], False
+        rest = rest[cut:]
 
 
 def _template_trimmed(encoding: Any, first: bool, last: bool) -> list[int]:
@@ -107,58 +114,73 @@ def tokenize_unit(
 ) -> ShardRecord:
     """Encode one unit's documents (each followed by the end-of-document token) into its shard.
 
-    At most ``PIECE_CHARS`` characters are encoded at once, so a task's memory is bounded whatever its
-    documents' length: a longer document is encoded in pieces (:func:`document_pieces`), in order, the
-    end-of-document token after its last piece only; a batch holds up to ``ENCODE_BATCH`` documents.
+    At most ``PIECE_CHARS`` characters are encoded at once, and a document is read in parts
+    (:func:`unit_documents`) and cut into pieces as it is read (:func:`document_pieces`), so what a task
+    holds beside its tokens is bounded whatever its documents' length: pieces are encoded in order, the
+    end-of-document token after a document's last piece only; a batch holds up to ``ENCODE_BATCH``
+    documents. The tokens are kept as one compact array per batch and written to the shard from there.
     """
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_str(tokenizer_json)
-    eos = eos_token_id(tokenizer)
-    dtype = token_dtype(tokenizer.get_vocab_size())
-    pieces: list[np.ndarray] = []
-    documents = 0
+    dtype = token_dtype(tokenizer.get_vocab_size()).newbyteorder("<")
+    end_of_document = np.asarray([eos_token_id(tokenizer)], dtype=dtype)
+    arrays: list[np.ndarray] = []  # the tokens, one array per encoded batch
+    tokens = documents = 0
     batch: list[str] = []
     places: list[tuple[bool, bool]] = []  # per batch entry: (first piece, last piece) of its document
     batched = 0  # characters in the batch
 
     def flush() -> None:
-        nonlocal batched
+        nonlocal batched, tokens
+        encoded = []
         for encoding, (first, last) in zip(tokenizer.encode_batch(batch), places):
             ids = encoding.ids if first and last else _template_trimmed(encoding, first, last)
-            pieces.append(np.asarray(ids + [eos] if last else ids, dtype=dtype))
+            encoded.append(np.asarray(ids, dtype=dtype))
+            if last:
+                encoded.append(end_of_document)
+        if encoded:
+            arrays.append(np.concatenate(encoded))
+            tokens += len(arrays[-1])
         batch.clear()
         places.clear()
         batched = 0
 
-    for text in read_unit(plan, unit):
-        if limit is not None and documents >= limit:
+    texts = unit_documents(plan, unit)
+    while limit is None or documents < limit:
+        document = next(texts, None)
+        if document is None:
             break
         documents += 1
-        split = document_pieces(text, PIECE_CHARS)
-        piece: str | None = next(split)
         first = True
-        while piece is not None:
-            following = next(split, None)
+        for piece, last in document_pieces(document, PIECE_CHARS):
             if batch and (batched + len(piece) > PIECE_CHARS or len(batch) == ENCODE_BATCH):
                 flush()
             batch.append(piece)
-            places.append((first, following is None))
+            places.append((first, last))
             batched += len(piece)
-            piece, first = following, False
+            first = False
     flush()
-    tokens = np.concatenate(pieces) if pieces else np.empty(0, dtype=dtype)
-    data = tokens.astype(dtype.newbyteorder("<"), copy=False).tobytes()
+    texts.close()
     location = StoreLocation(url, storage_options)
     name = shard_name(unit.index)
-    location.write_bytes(name, data)
-    location.write_bytes(crc_name(name), block_crcs(data))  # remote readers check every block they fetch
+    digest, crcs = hashlib.sha256(), BlockCrcs()
+
+    def shard_bytes() -> Iterator[memoryview]:
+        for array in arrays:
+            data = array.data.cast("B")
+            digest.update(data)
+            crcs.update(data)
+            yield data
+
+    location.write_parts(name, shard_bytes())
+    location.write_bytes(crc_name(name), crcs.digest())  # remote readers check every block they fetch
     record = ShardRecord(
         file=name,
         unit=_unit_key(plan, unit, tokenizer_sha256(tokenizer_json), limit),
-        tokens=len(tokens),
+        tokens=tokens,
         documents=documents,
-        sha256=hashlib.sha256(data).hexdigest(),
+        sha256=digest.hexdigest(),
         source_bytes=unit.bytes,
     )
     location.write_text(_record_name(unit.index), record.model_dump_json())
