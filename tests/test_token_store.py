@@ -543,18 +543,41 @@ class _Ref:
         self.value = value
 
 
+class _Handle:
+    """An actor's handle in this process: ``handle.method.remote(*args)`` runs the method at once."""
+
+    def __init__(self, instance) -> None:
+        self.instance = instance
+
+    def __getattr__(self, name):
+        method = getattr(self.instance, name)
+        return type("Method", (), {"remote": staticmethod(lambda *args: _Ref(method(*args)))})()
+
+
 class _StandInRay:
     """Enough of Ray for prepare's task loop, run in this process: the first ``kills[unit]`` tries of a
-    unit end as a task the memory monitor killed (Ray's OutOfMemoryError) instead of running."""
+    unit end as a task the memory monitor killed (Ray's OutOfMemoryError) instead of running; the first
+    ``slow_waits`` waits time out with nothing done (as while long tasks run)."""
 
-    def __init__(self, kills: dict[int, int]) -> None:
+    def __init__(self, kills: dict[int, int], slow_waits: int = 0) -> None:
         import importlib
 
         self.exceptions = importlib.import_module("ray.exceptions")  # the exception classes only: nothing starts
         self.kills, self.options, self.tries, self.cancelled = dict(kills), {}, {}, []
+        self.slow_waits = slow_waits
 
     def remote(self, function):
         stand_in = self
+        if isinstance(function, type):  # an actor (prepare's progress board): its methods run at once
+
+            class Actor:
+                def options(self, **options):
+                    return self
+
+                def remote(self, *args):
+                    return _Handle(function(*args))
+
+            return Actor()
 
         class Task:
             def options(self, **options):
@@ -575,10 +598,16 @@ class _StandInRay:
     def put(self, value):
         return value
 
-    def wait(self, refs, num_returns):
+    def wait(self, refs, num_returns, timeout=None):
+        if self.slow_waits and timeout is not None:
+            self.slow_waits -= 1
+            return [], refs
         return refs[:num_returns], refs[num_returns:]
 
-    def get(self, ref):
+    def kill(self, actor):
+        pass
+
+    def get(self, ref, timeout=None):
         if isinstance(ref.value, BaseException):
             raise ref.value
         return ref.value
@@ -625,3 +654,54 @@ def test_a_prepare_task_killed_for_memory_is_tried_three_times_then_named_in_one
         prepare_store(plan, tokenizer_json, str(killed), max_parallel=2, progress_interval_s=1e9)
     assert ray.tries[2] == TASK_TRIES and not (killed / "manifest.json").exists()
     assert (killed / "shard-000000.json").exists() and (killed / "shard-000001.json").exists()
+
+
+def test_the_progress_line_moves_inside_a_unit_in_process_and_on_ray(tmp_path, monkeypatch, capsys) -> None:
+    """A unit of one long document: while its task encodes, the progress line shows the source bytes read
+    and the tokens encoded so far, reported by the task every REPORT_INTERVAL_S (0 here), in process and
+    through the Ray path's progress board (a stand-in Ray whose first waits time out), not only when the
+    shard is done."""
+    import re
+
+    import meshtrain.data.sources as sources
+    from meshtrain.config import SourceConfig
+    from meshtrain.data import prepare as prepare_module
+    from meshtrain.data.sources import plan_source
+    from meshtrain.data.tokenizer import train_tokenizer
+
+    monkeypatch.setattr(prepare_module, "REPORT_INTERVAL_S", 0.0)
+    monkeypatch.setattr(prepare_module, "PIECE_CHARS", 2000)
+    monkeypatch.setattr(sources, "LONG_LINE_BYTES", 4096)
+    monkeypatch.setattr(sources, "LONG_STRING_BYTES", 100)
+    monkeypatch.setattr(sources, "READ_BYTES", 1000)
+    document = "".join(f"the quick brown fox {i} " for i in range(2000))
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"text": document}) + "\n")
+    plan = plan_source(SourceConfig(source=str(corpus)), 1 << 20)
+    tokenizer_json = train_tokenizer(iter([document]), 300).to_str()
+    size = f"{corpus.stat().st_size / 1e3:.1f} kB"
+    pattern = re.compile(r"^\[meshtrain\] prepare: (\d)/1 shards, ([\d.]+) kB of " + size + r" read, ([\d,]+) tokens, [\d,]+ tok/s$")
+
+    def progress_lines() -> list[tuple[int, float, int]]:
+        lines = [line for line in capsys.readouterr().out.splitlines() if "prepare:" in line]
+        matches = [pattern.match(line) for line in lines]
+        assert all(matches), lines
+        return [(int(m[1]), float(m[2]), int(m[3].replace(",", ""))) for m in matches if m]
+
+    store = prepare_module.prepare_store(plan, tokenizer_json, str(tmp_path / "in_process"), use_ray=False,
+                                         progress_interval_s=0)
+    lines = progress_lines()
+    inside = [(read, tokens) for done, read, tokens in lines if done == 0]
+    assert len(inside) >= 5 and inside == sorted(inside) and 0 < inside[0][1] < store.manifest.tokens
+    assert 0 < inside[0][0] < inside[-1][0] <= corpus.stat().st_size / 1e3
+    assert lines[-1][0] == 1 and f"{lines[-1][1]:.1f} kB" == size and lines[-1][2] == store.manifest.tokens
+
+    ray = _StandInRay({}, slow_waits=2)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    on_ray = prepare_module.prepare_store(plan, tokenizer_json, str(tmp_path / "on_ray"), progress_interval_s=0)
+    assert on_ray.manifest.fingerprint == store.manifest.fingerprint
+    lines = progress_lines()
+    assert [done for done, _, _ in lines] == [0, 0, 1], lines
+    assert lines[0] == lines[1] and lines[0][1] > 0 and lines[0][2] > 0  # the task's last report, twice
+    assert lines[2] == (1, lines[0][1], store.manifest.tokens)
+

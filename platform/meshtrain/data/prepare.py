@@ -20,7 +20,7 @@ import numpy as np
 
 from meshtrain.config import ConfigError, one_line, redact_url
 from meshtrain.data.remote import BlockCrcs, crc_name
-from meshtrain.data.sources import SourcePlan, Unit, unit_documents
+from meshtrain.data.sources import ReadProgress, SourcePlan, Unit, unit_documents
 from meshtrain.data.location import StoreLocation
 from meshtrain.data.store import read_manifest, write_index
 from meshtrain.data.store_format import (
@@ -44,6 +44,8 @@ ENCODE_BATCH = 256
 # whole took tens of GB and was killed. Longer documents are read in parts and encoded in pieces (see
 # document_pieces), so no task holds a whole long document either.
 PIECE_CHARS = 1_000_000
+# How often a running task reports its progress (bytes read, tokens) at most: cheap next to encoding.
+REPORT_INTERVAL_S = 1.0
 # Tokenizer threads in a prepare task: one per Ray CPU, so 1 vs N CPUs means what it says.
 TASK_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
 
@@ -110,7 +112,7 @@ def _template_trimmed(encoding: Any, first: bool, last: bool) -> list[int]:
 
 def tokenize_unit(
     plan: SourcePlan, unit: Unit, tokenizer_json: str, url: str, storage_options: dict[str, Any],
-    limit: int | None = None,
+    limit: int | None = None, report: Callable[[int, int], None] | None = None,
 ) -> ShardRecord:
     """Encode one unit's documents (each followed by the end-of-document token) into its shard.
 
@@ -119,6 +121,8 @@ def tokenize_unit(
     holds beside its tokens is bounded whatever its documents' length: pieces are encoded in order, the
     end-of-document token after a document's last piece only; a batch holds up to ``ENCODE_BATCH``
     documents. The tokens are kept as one compact array per batch and written to the shard from there.
+    ``report(source bytes read, tokens)`` is called every ``REPORT_INTERVAL_S`` or so while it runs
+    (prepare's progress line), between batches.
     """
     from tokenizers import Tokenizer
 
@@ -131,8 +135,11 @@ def tokenize_unit(
     places: list[tuple[bool, bool]] = []  # per batch entry: (first piece, last piece) of its document
     batched = 0  # characters in the batch
 
+    read = ReadProgress()
+    reported = time.monotonic()
+
     def flush() -> None:
-        nonlocal batched, tokens
+        nonlocal batched, tokens, reported
         encoded = []
         for encoding, (first, last) in zip(tokenizer.encode_batch(batch), places):
             ids = encoding.ids if first and last else _template_trimmed(encoding, first, last)
@@ -145,8 +152,11 @@ def tokenize_unit(
         batch.clear()
         places.clear()
         batched = 0
+        if report is not None and time.monotonic() - reported >= REPORT_INTERVAL_S:
+            report(read.bytes, tokens)
+            reported = time.monotonic()
 
-    texts = unit_documents(plan, unit)
+    texts = unit_documents(plan, unit, read)
     while limit is None or documents < limit:
         document = next(texts, None)
         if document is None:
@@ -181,7 +191,7 @@ def tokenize_unit(
         tokens=tokens,
         documents=documents,
         sha256=digest.hexdigest(),
-        source_bytes=unit.bytes,
+        source_bytes=read.bytes,
     )
     location.write_text(_record_name(unit.index), record.model_dump_json())
     return record
@@ -228,24 +238,52 @@ class PrepareReport:
 
 
 class _Progress:
-    """A progress line for prepare: rewritten in place on a terminal, throttled otherwise."""
+    """A progress line for prepare: rewritten in place on a terminal, throttled otherwise (one line every
+    ``interval_s``, and the last). It counts finished shards and, inside the running units, the source
+    bytes read and the tokens encoded that their tasks reported, so a long unit moves the line too."""
 
-    def __init__(self, total: int, interval_s: float) -> None:
-        self.total, self.interval_s = total, interval_s
-        self.done, self.tokens = 0, 0
+    def __init__(self, units: tuple[Unit, ...], interval_s: float) -> None:
+        self.total, self.source_bytes, self.interval_s = len(units), sum(unit.bytes for unit in units), interval_s
+        self.done = self.read = self.tokens = self.reused_tokens = 0
+        self.running: dict[str, tuple[int, int]] = {}  # by shard file: (bytes read, tokens) reported
         self.started = self.last = time.perf_counter()
         self.tty = sys.stdout.isatty()
 
-    def update(self, record: ShardRecord) -> None:
+    def due(self) -> bool:
+        return self.tty or time.perf_counter() - self.last >= self.interval_s
+
+    def update(self, record: ShardRecord, reused: bool = False) -> None:
+        """A shard is in place (``reused``: from an earlier prepare)."""
         self.done += 1
+        self.read += record.source_bytes
         self.tokens += record.tokens
+        self.reused_tokens += record.tokens if reused else 0
+        self.running.pop(record.file, None)
+        self._show(self.done == self.total)
+
+    def report(self, reports: dict[int, tuple[int, int]]) -> None:
+        """What the tasks of the units running now (by index) last reported: (source bytes read, tokens)."""
+        self.running = {shard_name(index): figures for index, figures in reports.items()}
+        self._show(False)
+
+    def _show(self, last: bool) -> None:
         now = time.perf_counter()
-        if not self.tty and now - self.last < self.interval_s and self.done < self.total:
+        if not last and not self.due():
             return
         self.last = now
-        rate = self.tokens / max(now - self.started, 1e-9)
-        line = f"[meshtrain] prepare: {self.done}/{self.total} shards, {self.tokens:,} tokens, {rate:,.0f} tok/s"
-        print(f"\r{line}" if self.tty else line, end="" if self.tty and self.done < self.total else "\n", flush=True)
+        tokens = self.tokens + sum(tokens for _, tokens in self.running.values())
+        rate = (tokens - self.reused_tokens) / max(now - self.started, 1e-9)
+        read = "" if not self.source_bytes else (
+            f"{_size(self.read + sum(read for read, _ in self.running.values()))} of {_size(self.source_bytes)} read, ")
+        line = f"[meshtrain] prepare: {self.done}/{self.total} shards, {read}{tokens:,} tokens, {rate:,.0f} tok/s"
+        print(f"\r{line}" if self.tty else line, end="" if self.tty and not last else "\n", flush=True)
+
+
+def _size(count: int) -> str:
+    """Bytes as 31.2 kB, 812.3 MB or 1.24 GB (powers of 10, as file managers show them)."""
+    if count >= 1e9:
+        return f"{count / 1e9:.2f} GB"
+    return f"{count / 1e6:.1f} MB" if count >= 1e6 else f"{count / 1e3:.1f} kB"
 
 
 def prepare_store(
@@ -299,9 +337,9 @@ def prepare_store(
         records = {record.file: record for record in _finished_records(location, keys, dtype.itemsize).values()}
     todo = [unit for unit in plan.units if shard_name(unit.index) not in records]
     reused = len(records)
-    progress = _Progress(len(plan.units), progress_interval_s)
+    progress = _Progress(plan.units, progress_interval_s)
     for record in records.values():
-        progress.update(record)
+        progress.update(record, reused=True)
 
     def finished(record: ShardRecord) -> None:
         records[record.file] = record
@@ -309,17 +347,20 @@ def prepare_store(
         if on_shard is not None:
             on_shard(record)
 
+    def reporter(unit: Unit) -> Callable[[int, int], None]:
+        return lambda read, tokens: progress.report({unit.index: (read, tokens)})
+
     if sequential_limit is not None:
         remaining = sequential_limit
         for unit in todo:
-            record = tokenize_unit(plan, unit, tokenizer_json, location.url, storage_options, limit=remaining)
+            record = tokenize_unit(plan, unit, tokenizer_json, location.url, storage_options, remaining, reporter(unit))
             remaining -= record.documents
             finished(record)
     elif use_ray and todo:
-        _run_on_ray(plan, todo, tokenizer_json, location.url, storage_options, max_parallel, finished)
+        _run_on_ray(plan, todo, tokenizer_json, location.url, storage_options, max_parallel, finished, progress)
     else:
         for unit in todo:
-            finished(tokenize_unit(plan, unit, tokenizer_json, location.url, storage_options))
+            finished(tokenize_unit(plan, unit, tokenizer_json, location.url, storage_options, None, reporter(unit)))
 
     shards = tuple(records[shard_name(unit.index)] for unit in plan.units)
     manifest = Manifest(
@@ -359,10 +400,12 @@ def _run_on_ray(
     storage_options: dict[str, Any],
     max_parallel: int | None,
     finished: Callable[[ShardRecord], None],
+    progress: _Progress,
 ) -> None:
     """Every unit on Ray, at most ``max_parallel`` at once. An error a task raises (bad data) ends the
     prepare at once, never retried; a task that died is tried again, ``TASK_TRIES`` times in all, then
-    the prepare ends with one line naming its shard. Shards already written stay for the next run."""
+    the prepare ends with one line naming its shard. Shards already written stay for the next run.
+    The tasks report their progress to a small actor, read when the progress line is due."""
     import ray
 
     from meshtrain.config import config_error_in
@@ -373,6 +416,7 @@ def _run_on_ray(
     died = (ray.exceptions.OutOfMemoryError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError,
             ray.exceptions.LocalRayletDiedError)
     plan_ref, tokenizer_ref = ray.put(plan), ray.put(tokenizer_json)
+    board: Any = ray.remote(_ProgressBoard).options(num_cpus=0).remote()
     waiting = list(units)
     running: dict[Any, Unit] = {}
     tries: dict[int, int] = {}
@@ -382,8 +426,14 @@ def _run_on_ray(
             while waiting and len(running) < limit:
                 unit = waiting.pop(0)
                 tries[unit.index] = tries.get(unit.index, 0) + 1
-                running[task.remote(plan_ref, unit, tokenizer_ref, url, storage_options)] = unit
-            done, _ = ray.wait(list(running), num_returns=1)
+                report = _BoardReport(board, unit.index, tries[unit.index])
+                running[task.remote(plan_ref, unit, tokenizer_ref, url, storage_options, None, report)] = unit
+            done, _ = ray.wait(list(running), num_returns=1, timeout=REPORT_INTERVAL_S)
+            if not done:
+                reports = _running_reports(ray, board, running.values(), tries) if progress.due() else None
+                if reports is not None:
+                    progress.report(reports)
+                continue
             unit = running.pop(done[0])
             try:
                 record = ray.get(done[0])
@@ -400,6 +450,50 @@ def _run_on_ray(
         if isinstance(exc, ray.exceptions.RayTaskError):
             raise config_error_in(exc) or exc from None
         raise
+    finally:
+        try:
+            ray.kill(board)
+        except Exception:  # noqa: BLE001 - Ray going down takes the actor with it
+            pass
+
+
+class _ProgressBoard:
+    """A Ray actor: what each running prepare task last reported, by unit index: (try, bytes read, tokens)."""
+
+    def __init__(self) -> None:
+        self.reports: dict[int, tuple[int, int, int]] = {}
+
+    def report(self, index: int, attempt: int, read: int, tokens: int) -> None:
+        self.reports[index] = (attempt, read, tokens)
+
+    def read(self) -> dict[int, tuple[int, int, int]]:
+        return self.reports
+
+
+@dataclass(frozen=True)
+class _BoardReport:
+    """A task's ``report``: one message to the board, not waited for."""
+
+    board: Any
+    index: int
+    attempt: int
+
+    def __call__(self, read: int, tokens: int) -> None:
+        self.board.report.remote(self.index, self.attempt, read, tokens)
+
+
+def _running_reports(
+    ray: Any, board: Any, running: Iterable[Unit], tries: dict[int, int],
+) -> dict[int, tuple[int, int]] | None:
+    """(bytes read, tokens) of the running units, from their current tries' reports; None where the board
+    does not answer within a few seconds (the progress line never holds the prepare up)."""
+    try:
+        reports = ray.get(board.read.remote(), timeout=5.0)
+    except Exception:  # noqa: BLE001 - progress only: the shards still count when they finish
+        return None
+    indexes = {unit.index for unit in running}
+    return {index: (read, tokens) for index, (attempt, read, tokens) in reports.items()
+            if index in indexes and attempt == tries.get(index)}
 
 
 def _task_died(unit: Unit, tries: int, exc: BaseException, out_of_memory: bool) -> ConfigError:

@@ -331,7 +331,9 @@ def read_unit(plan: SourcePlan, unit: Unit) -> Iterator[str]:
 
 
 class ReadProgress:
-    """How many of a unit's source bytes its reader has read so far (prepare's progress line)."""
+    """How many source bytes of a unit's documents its reader has read so far (prepare's progress line):
+    of a range of a JSON Lines file, the bytes of the lines that start in it (the whole of a line that
+    runs past its end, none of the one that runs into its start), so a file's ranges add up to the file."""
 
     def __init__(self) -> None:
         self.bytes = 0
@@ -346,7 +348,7 @@ def unit_documents(
     ``READ_BYTES`` (see :func:`_long_record`), so a document's length never decides what a reader
     holds; every other document is one part (Arrow hands rows over whole). Take a document's parts
     before asking for the next document (one left unfinished is skipped). ``progress`` follows the
-    bytes read where the reader knows them (text and JSON Lines files).
+    bytes read (files read by Arrow count whole once read).
     """
     progress = progress or ReadProgress()
     if plan.loader == "json" and all(name.lower().endswith(".jsonl") for name in unit.files):
@@ -371,6 +373,7 @@ def unit_documents(
             if not isinstance(text, str):
                 raise _not_text(plan, unit, row, number)
             yield iter((text,))
+        progress.bytes = unit.bytes  # Arrow reads whole files: no position to follow
     except ConfigError:
         raise
     except Exception as exc:  # pyarrow/json/datasets errors: name the files and the problem
@@ -469,6 +472,7 @@ def _jsonl_documents(
                 file.seek(start - 1)
                 if file.read(1) != b"\n":
                     _skip_line(file, end)
+            first = file.tell()  # where the range's first line starts
             while end is None or file.tell() < end:
                 offset = file.tell()
                 line = file.readline(LONG_LINE_BYTES)
@@ -477,12 +481,12 @@ def _jsonl_documents(
                 if len(line) == LONG_LINE_BYTES and not line.endswith(b"\n"):
                     del line
                     file.seek(offset)
-                    text = _long_record(path, file, offset, field, progress, base - start)
+                    text = _long_record(path, file, offset, field, progress, base - first)
                     if text is not None:
                         yield text
-                    progress.bytes = base + file.tell() - start
+                    progress.bytes = base + file.tell() - first
                     continue
-                progress.bytes = base + file.tell() - start
+                progress.bytes = base + file.tell() - first
                 if not line.strip():
                     continue
                 try:
