@@ -2,6 +2,7 @@
 
     python jobs/bench_long_document.py                                  # 50 MB, as JSON Lines and as a text file
     python jobs/bench_long_document.py --megabytes 200 --formats jsonl
+    python jobs/bench_long_document.py --megabytes 200 --formats jsonl --emoji
 """
 
 import sys

@@ -537,10 +537,21 @@ def test_a_rerun_may_move_the_cache_or_allow_other_data_but_not_change_the_sourc
 
 
 class _Ref:
-    """A task's result (or the error it ended with), hashable by identity as Ray's object refs are."""
+    """A task's result (or the error it ended with), hashable by identity as Ray's object refs are; ``run``
+    (a task) runs when the result is first asked for, as a task runs while the driver waits."""
 
-    def __init__(self, value) -> None:
-        self.value = value
+    def __init__(self, value=None, run=None) -> None:
+        self._value, self._run = value, run
+
+    @property
+    def value(self):
+        if self._run is not None:
+            run, self._run = self._run, None
+            try:
+                self._value = run()
+            except Exception as exc:  # noqa: BLE001 - what ray.get raises
+                self._value = exc
+        return self._value
 
 
 class _Handle:
@@ -564,18 +575,20 @@ class _StandInRay:
 
         self.exceptions = importlib.import_module("ray.exceptions")  # the exception classes only: nothing starts
         self.kills, self.options, self.tries, self.cancelled = dict(kills), {}, {}, []
-        self.slow_waits = slow_waits
+        self.slow_waits, self.actors = slow_waits, {}
 
     def remote(self, function):
         stand_in = self
         if isinstance(function, type):  # an actor (prepare's progress board): its methods run at once
 
             class Actor:
-                def options(self, **options):
+                def options(self, name=None, **options):
+                    self.name = name
                     return self
 
                 def remote(self, *args):
-                    return _Handle(function(*args))
+                    stand_in.actors[self.name] = _Handle(function(*args))
+                    return stand_in.actors[self.name]
 
             return Actor()
 
@@ -591,9 +604,14 @@ class _StandInRay:
                     stand_in.kills[index] -= 1
                     return _Ref(stand_in.exceptions.OutOfMemoryError(
                         "Task was killed due to the node running low on memory.\nMemory on the node was 31.9GB / 32GB"))
-                return _Ref(function(*args))
+                return _Ref(run=lambda: function(*args))
 
         return Task()
+
+    def get_actor(self, name):
+        if name not in self.actors:
+            raise ValueError(f"Failed to look up actor with name '{name}'.")
+        return self.actors[name]
 
     def put(self, value):
         return value
@@ -601,6 +619,7 @@ class _StandInRay:
     def wait(self, refs, num_returns, timeout=None):
         if self.slow_waits and timeout is not None:
             self.slow_waits -= 1
+            refs[0].value  # it runs, and is not done yet
             return [], refs
         return refs[:num_returns], refs[num_returns:]
 
@@ -659,8 +678,8 @@ def test_a_prepare_task_killed_for_memory_is_tried_three_times_then_named_in_one
 def test_the_progress_line_moves_inside_a_unit_in_process_and_on_ray(tmp_path, monkeypatch, capsys) -> None:
     """A unit of one long document: while its task encodes, the progress line shows the source bytes read
     and the tokens encoded so far, reported by the task every REPORT_INTERVAL_S (0 here), in process and
-    through the Ray path's progress board (a stand-in Ray whose first waits time out), not only when the
-    shard is done."""
+    through the Ray path's progress board (a stand-in Ray whose first waits time out; the board starts at
+    once with progress_interval_s=0, and the task finds it by name), not only when the shard is done."""
     import re
 
     import meshtrain.data.sources as sources
@@ -699,7 +718,7 @@ def test_the_progress_line_moves_inside_a_unit_in_process_and_on_ray(tmp_path, m
     ray = _StandInRay({}, slow_waits=2)
     monkeypatch.setitem(sys.modules, "ray", ray)
     on_ray = prepare_module.prepare_store(plan, tokenizer_json, str(tmp_path / "on_ray"), progress_interval_s=0)
-    assert on_ray.manifest.fingerprint == store.manifest.fingerprint
+    assert on_ray.manifest.fingerprint == store.manifest.fingerprint and len(ray.actors) == 1
     lines = progress_lines()
     assert [done for done, _, _ in lines] == [0, 0, 1], lines
     assert lines[0] == lines[1] and lines[0][1] > 0 and lines[0][2] > 0  # the task's last report, twice

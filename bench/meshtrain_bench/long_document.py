@@ -9,6 +9,7 @@ fingerprint means the same tokens: compare it across versions).
 
     python jobs/bench_long_document.py                      # 50 MB, as JSON Lines and as a text file
     python jobs/bench_long_document.py --megabytes 200 --formats jsonl
+    python jobs/bench_long_document.py --megabytes 200 --formats jsonl --emoji
 
 The document is the standard library's sources, repeated (each copy numbered), written under
 ``--folder`` (default /tmp/meshtrain-long-document); a BPE of ``--vocab-size`` is trained on the
@@ -31,9 +32,10 @@ from meshtrain.data import stdlib_source_files
 TASK_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}
 
 
-def make_document(folder: Path, megabytes: int, kind: str) -> Path:
-    """One document of about ``megabytes`` MB of text: a one-line ``.jsonl`` record or a ``.txt`` file."""
-    path = folder / f"doc-{megabytes}mb-{kind}" / f"document.{kind}"
+def make_document(folder: Path, megabytes: int, kind: str, emoji: bool = False) -> Path:
+    """One document of about ``megabytes`` MB of text: a one-line ``.jsonl`` record or a ``.txt`` file;
+    ``emoji``: an emoji in every copy's heading (so Python holds the text at 4 bytes a character)."""
+    path = folder / f"doc-{megabytes}mb-{kind}{'-emoji' if emoji else ''}" / f"document.{kind}"
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -45,7 +47,7 @@ def make_document(folder: Path, megabytes: int, kind: str) -> Path:
             out.write('{"id": 1, "text": "')
         while written < target:
             for text in texts:
-                chunk = f"# copy {copy}\n{text}"
+                chunk = f"# copy {copy}{' 😀' if emoji else ''}\n{text}"
                 out.write(json.dumps(chunk)[1:-1] if kind == "jsonl" else chunk)
                 written += len(chunk)
                 if written >= target:
@@ -92,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--formats", default="jsonl,txt", help="comma-separated: jsonl, txt")
     parser.add_argument("--folder", default="/tmp/meshtrain-long-document")
     parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--emoji", action="store_true", help="an emoji in every copy (4 bytes a character in Python)")
     parser.add_argument("--child", nargs=3, metavar=("DOCUMENT", "TOKENIZER", "STORE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -103,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, **TASK_ENV}
     print(f"{'case':<16} {'seconds':>8} {'RSS before':>11} {'peak RSS':>9} {'peak-before':>11} {'tokens':>12}  fingerprint")
     for kind in args.formats.split(","):
-        document = make_document(folder, args.megabytes, kind)
-        store = folder / f"store-{args.megabytes}mb-{kind}"
+        document = make_document(folder, args.megabytes, kind, args.emoji)
+        store = folder / f"store-{document.parent.name}"
         subprocess.run(["rm", "-rf", str(store)], check=True)
         child = [sys.executable, __file__.replace(".pyc", ".py"), "--child", str(document), str(tokenizer), str(store)]
         result = subprocess.run(child, env=env, capture_output=True, text=True)
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"the prepare failed:\n{result.stdout}\n{result.stderr}")
         figures = json.loads(result.stdout.strip().splitlines()[-1])
         mb = 1e6
-        print(f"{f'{args.megabytes} MB {kind}':<16} {figures['seconds']:>8.1f} {figures['rss_before'] / mb:>8.0f} MB "
+        print(f"{f'{args.megabytes} MB {kind}' + (' emoji' if args.emoji else ''):<16} {figures['seconds']:>8.1f} {figures['rss_before'] / mb:>8.0f} MB "
               f"{figures['rss_peak'] / mb:>6.0f} MB {(figures['rss_peak'] - figures['rss_before']) / mb:>8.0f} MB "
               f"{figures['tokens']:>12,}  {figures['fingerprint'][:16]}", flush=True)
     return 0

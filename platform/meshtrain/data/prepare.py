@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +48,11 @@ ENCODE_BATCH = 256
 PIECE_CHARS = 1_000_000
 # How often a running task reports its progress (bytes read, tokens) at most: cheap next to encoding.
 REPORT_INTERVAL_S = 1.0
+# A Ray prepare starts its progress board (an actor: one more worker process, about a second of a CPU)
+# once it has run this long, or after progress_interval_s where that is shorter; until a task finds it
+# (by name) it looks every BOARD_LOOKUP_S.
+BOARD_AFTER_S = 10.0
+BOARD_LOOKUP_S = 2.0
 # Tokenizer threads in a prepare task: one per Ray CPU, so 1 vs N CPUs means what it says.
 TASK_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
 
@@ -405,7 +412,8 @@ def _run_on_ray(
     """Every unit on Ray, at most ``max_parallel`` at once. An error a task raises (bad data) ends the
     prepare at once, never retried; a task that died is tried again, ``TASK_TRIES`` times in all, then
     the prepare ends with one line naming its shard. Shards already written stay for the next run.
-    The tasks report their progress to a small actor, read when the progress line is due."""
+    The tasks report their progress to a small actor (started after ``BOARD_AFTER_S``), read when the
+    progress line is due."""
     import ray
 
     from meshtrain.config import config_error_in
@@ -416,7 +424,8 @@ def _run_on_ray(
     died = (ray.exceptions.OutOfMemoryError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError,
             ray.exceptions.LocalRayletDiedError)
     plan_ref, tokenizer_ref = ray.put(plan), ray.put(tokenizer_json)
-    board: Any = ray.remote(_ProgressBoard).options(num_cpus=0).remote()
+    board: Any = None
+    started, board_name = time.perf_counter(), f"meshtrain-prepare-progress-{uuid.uuid4().hex}"
     waiting = list(units)
     running: dict[Any, Unit] = {}
     tries: dict[int, int] = {}
@@ -426,11 +435,14 @@ def _run_on_ray(
             while waiting and len(running) < limit:
                 unit = waiting.pop(0)
                 tries[unit.index] = tries.get(unit.index, 0) + 1
-                report = _BoardReport(board, unit.index, tries[unit.index])
+                report = _BoardReport(board_name, unit.index, tries[unit.index])
                 running[task.remote(plan_ref, unit, tokenizer_ref, url, storage_options, None, report)] = unit
+            if board is None and time.perf_counter() - started >= min(BOARD_AFTER_S, progress.interval_s):
+                board = ray.remote(_ProgressBoard).options(name=board_name, num_cpus=0).remote()
             done, _ = ray.wait(list(running), num_returns=1, timeout=REPORT_INTERVAL_S)
             if not done:
-                reports = _running_reports(ray, board, running.values(), tries) if progress.due() else None
+                due = board is not None and progress.due()
+                reports = _running_reports(ray, board, running.values(), tries) if due else None
                 if reports is not None:
                     progress.report(reports)
                 continue
@@ -452,7 +464,8 @@ def _run_on_ray(
         raise
     finally:
         try:
-            ray.kill(board)
+            if board is not None:
+                ray.kill(board)
         except Exception:  # noqa: BLE001 - Ray going down takes the actor with it
             pass
 
@@ -470,16 +483,28 @@ class _ProgressBoard:
         return self.reports
 
 
-@dataclass(frozen=True)
 class _BoardReport:
-    """A task's ``report``: one message to the board, not waited for."""
+    """A task's ``report``: one message to the progress board, not waited for. The driver starts the board
+    only once the prepare has run ``BOARD_AFTER_S`` (a short prepare never pays for its worker process),
+    so a task looks it up by name, at most every ``BOARD_LOOKUP_S``, until it is there."""
 
-    board: Any
-    index: int
-    attempt: int
+    def __init__(self, name: str, index: int, attempt: int) -> None:
+        self.name, self.index, self.attempt = name, index, attempt
+        self._board: Any = None
+        self._looked = -math.inf
 
     def __call__(self, read: int, tokens: int) -> None:
-        self.board.report.remote(self.index, self.attempt, read, tokens)
+        if self._board is None:
+            if time.monotonic() - self._looked < BOARD_LOOKUP_S:
+                return
+            self._looked = time.monotonic()
+            import ray
+
+            try:
+                self._board = ray.get_actor(self.name)
+            except ValueError:  # not started yet
+                return
+        self._board.report.remote(self.index, self.attempt, read, tokens)
 
 
 def _running_reports(
