@@ -568,7 +568,8 @@ class _Handle:
 class _StandInRay:
     """Enough of Ray for prepare's task loop, run in this process: the first ``kills[unit]`` tries of a
     unit end as a task the memory monitor killed (Ray's OutOfMemoryError) instead of running; the first
-    ``slow_waits`` waits time out with nothing done (as while long tasks run)."""
+    ``slow_waits`` waits with a timeout (not a poll, timeout=0) time out with nothing done (as while long
+    tasks run)."""
 
     def __init__(self, kills: dict[int, int], slow_waits: int = 0) -> None:
         import importlib
@@ -617,7 +618,7 @@ class _StandInRay:
         return value
 
     def wait(self, refs, num_returns, timeout=None):
-        if self.slow_waits and timeout is not None:
+        if self.slow_waits and timeout:
             self.slow_waits -= 1
             refs[0].value  # it runs, and is not done yet
             return [], refs
@@ -715,7 +716,7 @@ def test_the_progress_line_moves_inside_a_unit_in_process_and_on_ray(tmp_path, m
     assert 0 < inside[0][0] < inside[-1][0] <= corpus.stat().st_size / 1e3
     assert lines[-1][0] == 1 and f"{lines[-1][1]:.1f} kB" == size and lines[-1][2] == store.manifest.tokens
 
-    ray = _StandInRay({}, slow_waits=2)
+    ray = _StandInRay({}, slow_waits=3)
     monkeypatch.setitem(sys.modules, "ray", ray)
     on_ray = prepare_module.prepare_store(plan, tokenizer_json, str(tmp_path / "on_ray"), progress_interval_s=0)
     assert on_ray.manifest.fingerprint == store.manifest.fingerprint and len(ray.actors) == 1

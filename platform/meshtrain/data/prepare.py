@@ -46,8 +46,10 @@ ENCODE_BATCH = 256
 # whole took tens of GB and was killed. Longer documents are read in parts and encoded in pieces (see
 # document_pieces), so no task holds a whole long document either.
 PIECE_CHARS = 1_000_000
-# How often a running task reports its progress (bytes read, tokens) at most: cheap next to encoding.
+# How often a running task reports its progress (bytes read, tokens) at most: cheap next to encoding;
+# and how often a Ray prepare's driver wakes while its tasks run, to show their progress.
 REPORT_INTERVAL_S = 1.0
+DRIVER_WAKE_S = 1.0
 # A Ray prepare starts its progress board (an actor: one more worker process, about a second of a CPU)
 # once it has run this long, or after progress_interval_s where that is shorter; until a task finds it
 # (by name) it looks every BOARD_LOOKUP_S.
@@ -425,6 +427,7 @@ def _run_on_ray(
             ray.exceptions.LocalRayletDiedError)
     plan_ref, tokenizer_ref = ray.put(plan), ray.put(tokenizer_json)
     board: Any = None
+    asked: Any = None  # the board's answer, while awaited
     started, board_name = time.perf_counter(), f"meshtrain-prepare-progress-{uuid.uuid4().hex}"
     waiting = list(units)
     running: dict[Any, Unit] = {}
@@ -439,12 +442,15 @@ def _run_on_ray(
                 running[task.remote(plan_ref, unit, tokenizer_ref, url, storage_options, None, report)] = unit
             if board is None and time.perf_counter() - started >= min(BOARD_AFTER_S, progress.interval_s):
                 board = ray.remote(_ProgressBoard).options(name=board_name, num_cpus=0).remote()
-            done, _ = ray.wait(list(running), num_returns=1, timeout=REPORT_INTERVAL_S)
-            if not done:
-                due = board is not None and progress.due()
-                reports = _running_reports(ray, board, running.values(), tries) if due else None
-                if reports is not None:
-                    progress.report(reports)
+            done, _ = ray.wait(list(running), num_returns=1, timeout=DRIVER_WAKE_S)
+            if not done:  # never waits on the board: a slow answer is taken a second later
+                if asked is not None and ray.wait([asked], num_returns=1, timeout=0)[0]:
+                    reports = _running_reports(ray, asked, running.values(), tries)
+                    asked = None
+                    if reports is not None:
+                        progress.report(reports)
+                if board is not None and asked is None and progress.due():
+                    asked = board.read.remote()
                 continue
             unit = running.pop(done[0])
             try:
@@ -466,7 +472,7 @@ def _run_on_ray(
         try:
             if board is not None:
                 ray.kill(board)
-        except Exception:  # noqa: BLE001 - Ray going down takes the actor with it
+        except Exception:  # Ray going down takes the actor with it
             pass
 
 
@@ -502,19 +508,22 @@ class _BoardReport:
 
             try:
                 self._board = ray.get_actor(self.name)
-            except ValueError:  # not started yet
+            except Exception:  # not started yet (ValueError), or gone: progress never fails a task
                 return
-        self._board.report.remote(self.index, self.attempt, read, tokens)
+        try:
+            self._board.report.remote(self.index, self.attempt, read, tokens)
+        except Exception:  # the board is gone (the driver ended it): look it up again later
+            self._board = None
 
 
 def _running_reports(
-    ray: Any, board: Any, running: Iterable[Unit], tries: dict[int, int],
+    ray: Any, answer: Any, running: Iterable[Unit], tries: dict[int, int],
 ) -> dict[int, tuple[int, int]] | None:
-    """(bytes read, tokens) of the running units, from their current tries' reports; None where the board
-    does not answer within a few seconds (the progress line never holds the prepare up)."""
+    """(bytes read, tokens) of the running units, from their current tries' reports in the board's
+    ``answer``; None where the board failed (progress only: the shards still count when they finish)."""
     try:
-        reports = ray.get(board.read.remote(), timeout=5.0)
-    except Exception:  # noqa: BLE001 - progress only: the shards still count when they finish
+        reports = ray.get(answer)
+    except Exception:
         return None
     indexes = {unit.index for unit in running}
     return {index: (read, tokens) for index, (attempt, read, tokens) in reports.items()
