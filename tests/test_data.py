@@ -108,14 +108,28 @@ def write_jsonl(path, documents: list[str], field: str = "text") -> None:
     path.write_text("".join(json.dumps({field: d, "n": i}) + "\n" for i, d in enumerate(documents)))
 
 
-@pytest.mark.parametrize("range_bytes", [7, 50, 333, 4096])
-def test_a_big_jsonl_file_is_split_into_byte_ranges_that_read_every_line_once(
-    tmp_path, monkeypatch, range_bytes: int
-) -> None:
-    """Split anywhere, even inside a line or between the bytes of a newline-free long line, the
-    ranges together read exactly the documents `datasets` reads from the whole file, in order."""
+def read_in_tiny_parts(monkeypatch, read_bytes: int = 13) -> None:
+    """Lines over 64 bytes are read as long records, ``read_bytes`` at a time, strings over 16 bytes left out
+    of the parsed skeleton: the long-record path on small files."""
     import meshtrain.data.sources as sources
 
+    monkeypatch.setattr(sources, "LONG_LINE_BYTES", 64)
+    monkeypatch.setattr(sources, "LONG_STRING_BYTES", 16)
+    monkeypatch.setattr(sources, "READ_BYTES", read_bytes)
+
+
+@pytest.mark.parametrize("in_parts", [False, True], ids=["lines", "long-records-in-parts"])
+@pytest.mark.parametrize("range_bytes", [7, 50, 333, 4096])
+def test_a_big_jsonl_file_is_split_into_byte_ranges_that_read_every_line_once(
+    tmp_path, monkeypatch, range_bytes: int, in_parts: bool
+) -> None:
+    """Split anywhere, even inside a line or between the bytes of a newline-free long line, the
+    ranges together read exactly the documents `datasets` reads from the whole file, in order (also
+    where every line is a long record, read in parts)."""
+    import meshtrain.data.sources as sources
+
+    if in_parts:
+        read_in_tiny_parts(monkeypatch)
     documents = DOCS + ["x" * 1000, "", "ünïcödé ✓"] + DOCS[:3]
     write_jsonl(tmp_path / "a.jsonl", documents)
     (tmp_path / "b.jsonl").write_text("\n" + json.dumps({"text": "after a blank line"}) + "\n\n")
@@ -164,6 +178,135 @@ def test_a_broken_jsonl_line_is_named_with_its_file_and_byte(tmp_path) -> None:
     source.write_text(json.dumps({"text": 3}) + "\n")
     with pytest.raises(ConfigError, match="data.text_field: column 'text' of .* holds int, not text"):
         all_documents(SourceConfig(source=str(source)))
+
+
+def _tricky_texts() -> list[str]:
+    """Texts whose JSON has escapes of every kind: surrogate pairs, runs of backslashes before quotes and
+    escapes, control characters, multi-byte UTF-8 (as written raw) and a BOM."""
+    import random
+
+    rng = random.Random(49)
+    alphabet = ["a", " ", "\\", '"', "\n", "\t", "\x01", "é", "中", "😀", "\ud800"[:1] + "x", "\\u", "/", "\ufeff"]
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(40, 400))) for _ in range(12)]
+    return texts + ["😀" * 50, "\\" * 61 + '"', "plain " * 30, ""]
+
+
+@pytest.mark.parametrize("ascii_only", [True, False], ids=["escaped", "raw-utf8"])
+def test_a_long_jsonl_record_is_read_in_parts_that_join_to_its_value(tmp_path, monkeypatch, ascii_only) -> None:
+    """A record over LONG_LINE_BYTES is read READ_BYTES at a time, never whole: its text comes in parts of
+    about that size that join to exactly what json.loads gives the whole line, whatever the cut splits (an
+    escape, a surrogate pair, a UTF-8 character, a run of backslashes), wherever the text field is and
+    whatever other long strings the record holds."""
+    import meshtrain.data.sources as sources
+    from meshtrain.data.sources import unit_documents
+
+    texts = _tricky_texts()
+    lines = []
+    for i, text in enumerate(texts):
+        if i % 2:
+            record = {"other": text[::-1] * 2, "text": text, "n": [i, {"deep": text[:30]}]}
+            lines.append(json.dumps(record, ensure_ascii=ascii_only))
+        else:  # a duplicate key: json.loads keeps the last
+            lines.append('{"text": "a decoy, replaced by the later key", "meta": {"x": 1.5e3}, "text": '
+                         + json.dumps(text, ensure_ascii=ascii_only) + "}")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(("\n".join(lines) + "\n   \n").encode("utf-8", "surrogatepass"))
+    whole = [json.loads(line.encode("utf-8", "surrogatepass"))["text"] for line in lines]
+    assert whole == texts
+    for read_bytes in (1, 2, 3, 5, 7, 64):
+        read_in_tiny_parts(monkeypatch, read_bytes)
+        plan = plan_source(SourceConfig(source=str(corpus)), 1 << 20)
+        documents = [list(parts) for unit in plan.units for parts in unit_documents(plan, unit)]
+        assert ["".join(parts) for parts in documents] == texts, read_bytes
+        assert max(len(part) for parts in documents for part in parts) <= max(read_bytes + 12, 64), read_bytes
+    monkeypatch.setattr(sources, "READ_BYTES", 1 << 20)
+    monkeypatch.setattr(sources, "LONG_LINE_BYTES", 1 << 22)
+    assert all_documents(SourceConfig(source=str(corpus))) == texts  # and whole lines, as before
+
+
+@pytest.mark.parametrize(("line", "error"), [
+    ('{"text": "' + "x" * 80 + '" "n": 1}', r"not JSON Lines at byte 18 \(Expecting ',' delimiter"),
+    ('{"text": "' + "x" * 80 + '\\q"}', r"not JSON Lines at byte 18 \(Invalid \\escape"),
+    ('{"text": "' + "x" * 80 + "\t" + '"}', r"not JSON Lines at byte 18 \(Invalid control character"),
+    ('{"text": "' + "x" * 80, r"not JSON Lines at byte 18 \(Unterminated string"),
+    ('{"text": "' + "x" * 80 + '\\ud83d\\u12"}', r"not JSON Lines at byte 18 \(Invalid \\uXXXX escape"),
+    ('["' + "x" * 80 + '"]', r"data.text_field: column 'text' not in \S+ at byte 18 \(columns: a list, not an object\)"),
+    ('{"body": "' + "x" * 80 + '"}', r"data.text_field: column 'text' not in \S+ at byte 18 \(columns: body\)"),
+    ('{"text": ["' + "x" * 80 + '"]}', r"data.text_field: column 'text' of \S+ at byte 18 holds list, not text"),
+], ids=["structure", "escape", "control", "unterminated", "unicode-escape", "not-object", "no-field", "not-text"])
+def test_a_broken_long_record_is_named_as_a_line_is(tmp_path, monkeypatch, line, error) -> None:
+    read_in_tiny_parts(monkeypatch, 7)
+    source = tmp_path / "corpus.jsonl"
+    source.write_bytes(json.dumps({"text": "fine"}).encode() + b"\n\n" + line.encode() + b"\n")
+    with pytest.raises(ConfigError, match=error):
+        all_documents(SourceConfig(source=str(source)))
+
+
+@pytest.mark.parametrize("read_bytes", [1, 3, 8, 1 << 20])
+def test_a_text_file_is_read_in_parts_that_join_to_the_file(tmp_path, monkeypatch, read_bytes) -> None:
+    """Parts of READ_BYTES characters; newlines are translated across the parts' edges as a whole read
+    translates them (a \\r\\n split between two parts is one newline)."""
+    import meshtrain.data.sources as sources
+    from meshtrain.data.sources import unit_documents
+
+    text = "one\r\ntwo\rthree\n\r\n\r\r\nü中😀\r\n" * 5 + "\ufeff end\r"
+    (tmp_path / "a.txt").write_bytes(text.encode())
+    monkeypatch.setattr(sources, "READ_BYTES", read_bytes)
+    plan = plan_source(SourceConfig(source=str(tmp_path / "a.txt")), 1 << 20)
+    [[parts]] = [list(unit_documents(plan, unit)) for unit in plan.units]
+    parts = list(parts)
+    assert "".join(parts) == (tmp_path / "a.txt").read_text() == text.replace("\r\n", "\n").replace("\r", "\n")
+    assert max(len(part) for part in parts) <= read_bytes
+
+
+def test_document_pieces_cut_a_text_where_they_cut_it_whole_however_it_is_parted() -> None:
+    """The pieces of a text read in parts are the pieces of the whole text: those of the whole-text cutter
+    this one replaced, kept here as the reference."""
+    import random
+
+    from meshtrain.data.prepare import document_pieces
+
+    def whole_text_pieces(text: str, limit: int) -> list[str]:
+        pieces, start = [], 0
+        while len(text) - start > limit:
+            end, floor = start + limit, start + limit // 2
+            cut = text.rfind(" ", floor + 1, end)
+            while cut > floor and text[cut - 1].isspace():
+                cut = text.rfind(" ", floor + 1, cut)
+            cut = cut if cut > floor else end
+            pieces.append(text[start:cut])
+            start = cut
+        return pieces + [text[start:] if start else text]
+
+    rng = random.Random(7)
+    texts = ["", "x", "a b", " " * 50, "nospaces" * 30] + [
+        "".join(rng.choice(["word", " ", "  ", "\n ", "\t", "x"]) for _ in range(rng.randrange(1, 300)))
+        for _ in range(60)]
+    for text in texts:
+        for limit in (1, 2, 5, 16, 100, 10_000):
+            expected = whole_text_pieces(text, limit)
+            for _ in range(3):
+                cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(0, 12)))) if text else []
+                parts = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+                pieces = list(document_pieces(iter(parts), limit))
+                assert [piece for piece, _ in pieces] == expected, (text, limit, parts)
+                assert [last for _, last in pieces] == [False] * (len(expected) - 1) + [True]
+
+
+def test_block_crcs_of_parts_are_the_block_crcs_of_the_whole() -> None:
+    import random
+
+    from meshtrain.data.remote import BlockCrcs, block_crcs
+
+    rng = random.Random(3)
+    for size in (0, 1, 1023, 1024, 1025, 5000):
+        data = rng.randbytes(size)
+        for _ in range(5):
+            cuts = sorted(rng.sample(range(size + 1), min(size + 1, rng.randrange(0, 8))))
+            crcs = BlockCrcs()
+            for a, b in zip([0, *cuts], [*cuts, size]):
+                crcs.update(data[a:b])
+            assert crcs.digest() == block_crcs(data), (size, cuts)
 
 
 @pytest.fixture(scope="module")
@@ -317,18 +460,27 @@ def test_a_recursive_glob_lists_what_glob_lists_where_there_are_no_links(tmp_pat
         assert expand_local_source(pattern) == expected, pattern
 
 
+@pytest.mark.parametrize("in_parts", [False, True], ids=["whole-lines", "read-in-parts"])
 @pytest.mark.parametrize("template", [False, True], ids=["plain", "bos-and-eos-template"])
-def test_a_document_longer_than_a_piece_is_encoded_in_pieces_to_its_own_tokens(tmp_path, monkeypatch, template) -> None:
+def test_a_document_longer_than_a_piece_is_encoded_in_pieces_to_its_own_tokens(
+    tmp_path, monkeypatch, template, in_parts
+) -> None:
     """No encode call gets more than PIECE_CHARS characters, and the shard holds exactly the whole
     documents' encodings (template tokens at the document's ends only), each followed by one
-    end-of-document token."""
+    end-of-document token; also where the long document is read in parts of READ_BYTES."""
     from typing import Any
 
     import tokenizers
     from tokenizers import processors
 
+    import meshtrain.data.sources as sources
     from meshtrain.data import prepare as prepare_module
     from meshtrain.data.tokenizer import train_tokenizer
+
+    if in_parts:
+        monkeypatch.setattr(sources, "LONG_LINE_BYTES", 5000)
+        monkeypatch.setattr(sources, "LONG_STRING_BYTES", 100)
+        monkeypatch.setattr(sources, "READ_BYTES", 777)
 
     texts = [p.read_text() for p in stdlib_source_files()[:6]]
     documents = ["a short one", " ".join(texts), "another short one"]

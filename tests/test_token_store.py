@@ -537,24 +537,61 @@ def test_a_rerun_may_move_the_cache_or_allow_other_data_but_not_change_the_sourc
 
 
 class _Ref:
-    """A task's result (or the error it ended with), hashable by identity as Ray's object refs are."""
+    """A task's result (or the error it ended with), hashable by identity as Ray's object refs are; ``run``
+    (a task) runs when the result is first asked for, as a task runs while the driver waits."""
 
-    def __init__(self, value) -> None:
-        self.value = value
+    def __init__(self, value=None, run=None) -> None:
+        self._value, self._run = value, run
+
+    @property
+    def value(self):
+        if self._run is not None:
+            run, self._run = self._run, None
+            try:
+                self._value = run()
+            except Exception as exc:  # noqa: BLE001 - what ray.get raises
+                self._value = exc
+        return self._value
+
+
+class _Handle:
+    """An actor's handle in this process: ``handle.method.remote(*args)`` runs the method at once."""
+
+    def __init__(self, instance) -> None:
+        self.instance = instance
+
+    def __getattr__(self, name):
+        method = getattr(self.instance, name)
+        return type("Method", (), {"remote": staticmethod(lambda *args: _Ref(method(*args)))})()
 
 
 class _StandInRay:
     """Enough of Ray for prepare's task loop, run in this process: the first ``kills[unit]`` tries of a
-    unit end as a task the memory monitor killed (Ray's OutOfMemoryError) instead of running."""
+    unit end as a task the memory monitor killed (Ray's OutOfMemoryError) instead of running; the first
+    ``slow_waits`` waits with a timeout (not a poll, timeout=0) time out with nothing done (as while long
+    tasks run)."""
 
-    def __init__(self, kills: dict[int, int]) -> None:
+    def __init__(self, kills: dict[int, int], slow_waits: int = 0) -> None:
         import importlib
 
         self.exceptions = importlib.import_module("ray.exceptions")  # the exception classes only: nothing starts
         self.kills, self.options, self.tries, self.cancelled = dict(kills), {}, {}, []
+        self.slow_waits, self.actors = slow_waits, {}
 
     def remote(self, function):
         stand_in = self
+        if isinstance(function, type):  # an actor (prepare's progress board): its methods run at once
+
+            class Actor:
+                def options(self, name=None, **options):
+                    self.name = name
+                    return self
+
+                def remote(self, *args):
+                    stand_in.actors[self.name] = _Handle(function(*args))
+                    return stand_in.actors[self.name]
+
+            return Actor()
 
         class Task:
             def options(self, **options):
@@ -568,17 +605,29 @@ class _StandInRay:
                     stand_in.kills[index] -= 1
                     return _Ref(stand_in.exceptions.OutOfMemoryError(
                         "Task was killed due to the node running low on memory.\nMemory on the node was 31.9GB / 32GB"))
-                return _Ref(function(*args))
+                return _Ref(run=lambda: function(*args))
 
         return Task()
+
+    def get_actor(self, name):
+        if name not in self.actors:
+            raise ValueError(f"Failed to look up actor with name '{name}'.")
+        return self.actors[name]
 
     def put(self, value):
         return value
 
-    def wait(self, refs, num_returns):
+    def wait(self, refs, num_returns, timeout=None):
+        if self.slow_waits and timeout:
+            self.slow_waits -= 1
+            refs[0].value  # it runs, and is not done yet
+            return [], refs
         return refs[:num_returns], refs[num_returns:]
 
-    def get(self, ref):
+    def kill(self, actor):
+        pass
+
+    def get(self, ref, timeout=None):
         if isinstance(ref.value, BaseException):
             raise ref.value
         return ref.value
@@ -625,3 +674,54 @@ def test_a_prepare_task_killed_for_memory_is_tried_three_times_then_named_in_one
         prepare_store(plan, tokenizer_json, str(killed), max_parallel=2, progress_interval_s=1e9)
     assert ray.tries[2] == TASK_TRIES and not (killed / "manifest.json").exists()
     assert (killed / "shard-000000.json").exists() and (killed / "shard-000001.json").exists()
+
+
+def test_the_progress_line_moves_inside_a_unit_in_process_and_on_ray(tmp_path, monkeypatch, capsys) -> None:
+    """A unit of one long document: while its task encodes, the progress line shows the source bytes read
+    and the tokens encoded so far, reported by the task every REPORT_INTERVAL_S (0 here), in process and
+    through the Ray path's progress board (a stand-in Ray whose first waits time out; the board starts at
+    once with progress_interval_s=0, and the task finds it by name), not only when the shard is done."""
+    import re
+
+    import meshtrain.data.sources as sources
+    from meshtrain.config import SourceConfig
+    from meshtrain.data import prepare as prepare_module
+    from meshtrain.data.sources import plan_source
+    from meshtrain.data.tokenizer import train_tokenizer
+
+    monkeypatch.setattr(prepare_module, "REPORT_INTERVAL_S", 0.0)
+    monkeypatch.setattr(prepare_module, "PIECE_CHARS", 2000)
+    monkeypatch.setattr(sources, "LONG_LINE_BYTES", 4096)
+    monkeypatch.setattr(sources, "LONG_STRING_BYTES", 100)
+    monkeypatch.setattr(sources, "READ_BYTES", 1000)
+    document = "".join(f"the quick brown fox {i} " for i in range(2000))
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"text": document}) + "\n")
+    plan = plan_source(SourceConfig(source=str(corpus)), 1 << 20)
+    tokenizer_json = train_tokenizer(iter([document]), 300).to_str()
+    size = f"{corpus.stat().st_size / 1e3:.1f} kB"
+    pattern = re.compile(r"^\[meshtrain\] prepare: (\d)/1 shards, ([\d.]+) kB of " + size + r" read, ([\d,]+) tokens, [\d,]+ tok/s$")
+
+    def progress_lines() -> list[tuple[int, float, int]]:
+        lines = [line for line in capsys.readouterr().out.splitlines() if "prepare:" in line]
+        matches = [pattern.match(line) for line in lines]
+        assert all(matches), lines
+        return [(int(m[1]), float(m[2]), int(m[3].replace(",", ""))) for m in matches if m]
+
+    store = prepare_module.prepare_store(plan, tokenizer_json, str(tmp_path / "in_process"), use_ray=False,
+                                         progress_interval_s=0)
+    lines = progress_lines()
+    inside = [(read, tokens) for done, read, tokens in lines if done == 0]
+    assert len(inside) >= 5 and inside == sorted(inside) and 0 < inside[0][1] < store.manifest.tokens
+    assert 0 < inside[0][0] < inside[-1][0] <= corpus.stat().st_size / 1e3
+    assert lines[-1][0] == 1 and f"{lines[-1][1]:.1f} kB" == size and lines[-1][2] == store.manifest.tokens
+
+    ray = _StandInRay({}, slow_waits=3)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    on_ray = prepare_module.prepare_store(plan, tokenizer_json, str(tmp_path / "on_ray"), progress_interval_s=0)
+    assert on_ray.manifest.fingerprint == store.manifest.fingerprint and len(ray.actors) == 1
+    lines = progress_lines()
+    assert [done for done, _, _ in lines] == [0, 0, 1], lines
+    assert lines[0] == lines[1] and lines[0][1] > 0 and lines[0][2] > 0  # the task's last report, twice
+    assert lines[2] == (1, lines[0][1], store.manifest.tokens)
+

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,23 @@ class StoreLocation:
         else:
             with self.fs.open(target, "wb") as handle:
                 handle.write(data)
+
+    def write_parts(self, name: str, parts: Iterable[bytes | memoryview]) -> None:
+        """``write_bytes`` of the bytes of ``parts`` joined, without joining them: locally one atomic
+        write; remotely one upload, abandoned (never published) if a part fails."""
+        target = self.path(name)
+        self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+        if self.is_local:
+            write_atomically(target, parts)
+            return
+        handle = self.fs.open(target, "wb")
+        try:
+            for part in parts:
+                handle.write(part)
+        except BaseException:
+            handle.discard()
+            raise
+        handle.close()
 
     def sha256(self, name: str) -> str:
         digest = hashlib.sha256()

@@ -65,6 +65,33 @@ def block_crcs(data: bytes, block_bytes: int | None = None) -> bytes:
     return np.asarray(crcs, dtype="<u4").tobytes()
 
 
+class BlockCrcs:
+    """:func:`block_crcs` of bytes given in consecutive parts of any size."""
+
+    def __init__(self, block_bytes: int | None = None) -> None:
+        self.block_bytes = block_bytes or CHECK_BYTES
+        self._crcs: list[int] = []
+        self._partial = b""  # the start of a block the parts so far did not fill
+
+    def update(self, data: bytes | memoryview) -> None:
+        view, size = memoryview(data).cast("B"), self.block_bytes
+        if self._partial:
+            taken = size - len(self._partial)
+            self._partial += view[:taken]
+            view = view[taken:]
+            if len(self._partial) < size:
+                return
+            self._crcs.append(zlib.crc32(self._partial))
+            self._partial = b""
+        whole = len(view) - len(view) % size
+        self._crcs.extend(zlib.crc32(view[start : start + size]) for start in range(0, whole, size))
+        self._partial = bytes(view[whole:])
+
+    def digest(self) -> bytes:
+        crcs = self._crcs + ([zlib.crc32(self._partial)] if self._partial else [])
+        return np.asarray(crcs, dtype="<u4").tobytes()
+
+
 def checksum_lists() -> tuple[tuple[str, int], ...]:
     """(suffix, bytes per checksum) of the lists a shard may have, newest first."""
     return ((CRC_SUFFIX, CHECK_BYTES), (LEGACY_CRC_SUFFIX, LEGACY_CHECK_BYTES))

@@ -12,11 +12,14 @@ from __future__ import annotations
 import fnmatch
 import glob
 import hashlib
+import io
 import json
 import os
+import re
+import secrets
 import socket
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -322,42 +325,93 @@ def _hub_revision(name: str) -> str:
 
 
 def read_unit(plan: SourcePlan, unit: Unit) -> Iterator[str]:
-    """The documents of one unit, in order."""
+    """The documents of one unit, in order, each whole."""
+    for document in unit_documents(plan, unit):
+        yield "".join(document)
+
+
+class ReadProgress:
+    """How many source bytes of a unit's documents its reader has read so far (prepare's progress line):
+    of a range of a JSON Lines file, the bytes of the lines that start in it (the whole of a line that
+    runs past its end, none of the one that runs into its start), so a file's ranges add up to the file."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+
+def unit_documents(
+    plan: SourcePlan, unit: Unit, progress: ReadProgress | None = None,
+) -> Generator[Iterator[str], None, None]:
+    """The documents of one unit, in order, each as the consecutive parts of its text.
+
+    A text file, and a JSON Lines record longer than ``LONG_LINE_BYTES``, come in parts of about
+    ``READ_BYTES`` (see :func:`_long_record`), so a document's length never decides what a reader
+    holds; every other document is one part (Arrow hands rows over whole). Take a document's parts
+    before asking for the next document (one left unfinished is skipped). ``progress`` follows the
+    bytes read (files read by Arrow count whole once read).
+    """
+    progress = progress or ReadProgress()
     if plan.loader == "json" and all(name.lower().endswith(".jsonl") for name in unit.files):
+        base = 0
         for name in unit.files:
-            yield from _jsonl_documents(name, unit.start or 0, unit.end, plan.field)
+            yield from _jsonl_documents(name, unit.start or 0, unit.end, plan.field, progress, base)
+            base += _file_bytes(name)
+        return
+    if plan.loader == "text":
+        yield from _text_documents(unit, progress)
         return
     try:
-        if plan.loader == "text":
-            yield from _text_documents(unit.files)
-            return
         import datasets
 
         datasets.disable_progress_bars()
         if plan.loader == "hub":
             stream = _hub_stream(plan.source).shard(num_shards=plan.hub_shards, index=unit.hub_shard)
         else:
-            kwargs = {"sample_by": "document"} if plan.loader == "text" else {}
-            stream = datasets.load_dataset(
-                plan.loader, data_files=list(unit.files), split="train", streaming=True, **kwargs
-            )
+            stream = datasets.load_dataset(plan.loader, data_files=list(unit.files), split="train", streaming=True)
         for number, row in enumerate(stream):
             text = row.get(plan.field)
             if not isinstance(text, str):
                 raise _not_text(plan, unit, row, number)
-            yield text
+            yield iter((text,))
+        progress.bytes = unit.bytes  # Arrow reads whole files: no position to follow
     except ConfigError:
         raise
     except Exception as exc:  # pyarrow/json/datasets errors: name the files and the problem
         raise ConfigError(f"data.source: cannot read {_where(unit)} ({first_line(exc)}); check the files") from None
 
 
-def _text_documents(files: tuple[str, ...]) -> Iterator[str]:
+# A JSON Lines record longer than this is read in parts (see _long_record), and text files always are:
+# READ_BYTES at a time, instead of one line, one str and one parsed value of the document's whole length.
+LONG_LINE_BYTES = 1 << 22
+READ_BYTES = 1 << 20
+
+
+def _text_documents(unit: Unit, progress: ReadProgress) -> Iterator[Iterator[str]]:
     """Each file whole, as one document: what ``datasets``' text loader gives with ``sample_by="document"``
     (UTF-8, universal newlines), read without it, so a run on plain-text files needs no ``datasets``."""
-    for name in files:
-        with open(name, encoding="utf-8") as file:
-            yield file.read()
+    base = 0
+    for name in unit.files:
+        yield _text_parts(name, unit, progress, base)
+        base += _file_bytes(name)
+
+
+def _file_bytes(name: str) -> int:
+    try:
+        return os.path.getsize(name)
+    except OSError:  # gone: reading it says so
+        return 0
+
+
+def _text_parts(name: str, unit: Unit, progress: ReadProgress, base: int) -> Iterator[str]:
+    """One text file in parts of ``READ_BYTES`` characters (newlines translated across parts as a whole
+    read translates them)."""
+    try:
+        with open(name, "rb") as raw, io.TextIOWrapper(raw, encoding="utf-8") as file:  # what open(name) gives
+            while part := file.read(READ_BYTES):
+                progress.bytes = base + raw.tell()
+                yield part
+    except Exception as exc:  # undecodable bytes, a file gone: name it
+        raise ConfigError(f"data.source: cannot read {_where(unit)} ({first_line(exc)}); check the files") from None
 
 
 def _not_text(plan: SourcePlan, unit: Unit, row: dict[str, Any], number: int) -> ConfigError:
@@ -401,44 +455,283 @@ def _where(unit: Unit) -> str:
     return unit.files[0] if len(unit.files) == 1 else f"{unit.files[0]} (and {len(unit.files) - 1} more files)"
 
 
-def _jsonl_documents(path: str, start: int, end: int | None, field: str) -> Iterator[str]:
+def _jsonl_documents(
+    path: str, start: int, end: int | None, field: str, progress: ReadProgress | None = None, base: int = 0,
+) -> Iterator[Iterator[str]]:
     """The ``field`` of every JSON Lines record that *starts* in bytes ``[start, end)`` of ``path``.
 
     Ranges cut anywhere: the line that straddles ``start`` belongs to the range before it, so
     consecutive ranges read every line exactly once. Read directly (one ``json.loads`` per line)
-    rather than through ``datasets``, which cannot read a byte range.
+    rather than through ``datasets``, which cannot read a byte range. A line longer than
+    ``LONG_LINE_BYTES`` is read in parts (:func:`_long_record`).
     """
+    progress = progress or ReadProgress()
     try:
         with open(path, "rb") as file:
             if start > 0:
                 file.seek(start - 1)
                 if file.read(1) != b"\n":
-                    file.readline()
+                    _skip_line(file, end)
+            first = file.tell()  # where the range's first line starts
             while end is None or file.tell() < end:
                 offset = file.tell()
-                line = file.readline()
+                line = file.readline(LONG_LINE_BYTES)
                 if not line:
                     break
+                if len(line) == LONG_LINE_BYTES and not line.endswith(b"\n"):
+                    del line
+                    file.seek(offset)
+                    text = _long_record(path, file, offset, field, progress, base - first)
+                    if text is not None:
+                        yield text
+                    progress.bytes = base + file.tell() - first
+                    continue
+                progress.bytes = base + file.tell() - first
                 if not line.strip():
                     continue
                 try:
                     row = json.loads(line)
                 except ValueError as exc:
-                    raise ConfigError(
-                        f"data.source: {path} is not JSON Lines at byte {offset} ({first_line(exc)}); "
-                        "fix or remove that line"
-                    ) from None
-                if not isinstance(row, dict) or field not in row:
-                    columns = ", ".join(row) if isinstance(row, dict) else f"a {type(row).__name__}, not an object"
-                    raise ConfigError(
-                        f"data.text_field: column {field!r} not in {path} at byte {offset} (columns: {columns}); "
-                        "set data.text_field to the column holding the text"
-                    )
-                if not isinstance(row[field], str):
-                    raise ConfigError(
-                        f"data.text_field: column {field!r} of {path} at byte {offset} holds "
-                        f"{type(row[field]).__name__}, not text; set data.text_field to the column holding the text"
-                    )
-                yield row[field]
+                    raise _not_json(path, offset, exc) from None
+                yield iter((_checked_text(_record_text(row, path, offset, field), path, offset, field),))
     except OSError as exc:
         raise ConfigError(f"data.source: cannot read {path} ({exc.strerror or exc}); check the file") from None
+
+
+def _skip_line(file: Any, end: int | None) -> None:
+    """Move past the rest of the line, or at least to ``end`` (no line of the range starts before the
+    line's end then), holding at most ``READ_BYTES`` of it."""
+    while (part := file.readline(READ_BYTES)) and not part.endswith(b"\n"):
+        if end is not None and file.tell() >= end:
+            return
+
+
+def _not_json(path: str, offset: int, exc: BaseException) -> ConfigError:
+    return ConfigError(f"data.source: {path} is not JSON Lines at byte {offset} ({first_line(exc)}); fix or remove that line")
+
+
+def _record_text(row: Any, path: str, offset: int, field: str) -> Any:
+    """``row[field]``, or the one line saying why a record has no text there."""
+    if not isinstance(row, dict) or field not in row:
+        columns = ", ".join(row) if isinstance(row, dict) else f"a {type(row).__name__}, not an object"
+        raise ConfigError(
+            f"data.text_field: column {field!r} not in {path} at byte {offset} (columns: {columns}); "
+            "set data.text_field to the column holding the text"
+        )
+    return row[field]
+
+
+def _checked_text(value: Any, path: str, offset: int, field: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"data.text_field: column {field!r} of {path} at byte {offset} holds "
+            f"{type(value).__name__}, not text; set data.text_field to the column holding the text"
+        )
+    return value
+
+
+# --- long JSON Lines records, read in parts -----------------------------------------------------------
+#
+# A record of hundreds of MB read as one line is held several times over (the line, its decoded text,
+# the parsed value), so a record longer than LONG_LINE_BYTES is read twice, READ_BYTES at a time. The
+# first pass checks it is JSON and notes where its long strings lie: the record less the content of its
+# strings longer than LONG_STRING_BYTES (each left as a placeholder) is parsed by ``json.loads``, and each
+# long string's content is decoded part by part as ``json.loads`` would decode it whole. The second pass
+# decodes the text field's content again, part by part, for the tokenizer. Each part is cut where no
+# escape, UTF-8 character or surrogate pair (\\ud83d\\ude00) spans the cut, so the parts join to exactly
+# the value ``json.loads`` gives the whole line.
+LONG_STRING_BYTES = 1 << 16
+_BACKSLASH, _QUOTE = 0x5C, 0x22
+_HIGH_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}")
+
+
+def _long_record(
+    path: str, file: Any, offset: int, field: str, progress: ReadProgress, shift: int,
+) -> Iterator[str] | None:
+    """The text of the record at ``offset`` (the file is there), as parts; the file is left after its line.
+    None for a line of whitespace only. While the parts are read, ``progress.bytes`` is ``shift`` plus
+    the file position."""
+    scan = _RecordScan()
+    try:
+        while not scan.ended and (block := file.read(READ_BYTES)):
+            scan.feed(block)
+        if not scan.ended:  # the file ends without a newline: the line ends there
+            scan.end()
+        if scan.blank:
+            return None
+        row = json.loads(bytes(scan.skeleton))
+    except ValueError as exc:
+        raise _not_json(path, offset, exc) from None
+    file.seek(offset + scan.length)
+    value = _record_text(row, path, offset, field)
+    span = scan.spans.get(value) if isinstance(value, str) else None
+    if span is None:
+        return iter((_checked_text(value, path, offset, field),))
+    start, end = span
+    return _string_parts(path, offset, offset + start, offset + end, progress, shift)
+
+
+def _string_parts(path: str, offset: int, start: int, end: int, progress: ReadProgress, shift: int) -> Iterator[str]:
+    """The decoded content of the JSON string whose raw bytes are ``[start, end)`` of ``path`` (in the
+    record at ``offset``)."""
+    decoder = _StringDecoder()
+    try:
+        with open(path, "rb") as file:
+            file.seek(start)
+            while start < end:
+                block = file.read(min(READ_BYTES, end - start))
+                if not block:
+                    raise ValueError("the file ended before the record did (was it changed while read?)")
+                start += len(block)
+                progress.bytes = shift + start
+                if text := decoder.feed(block):
+                    yield text
+            if text := decoder.finish():
+                yield text
+    except ValueError as exc:
+        raise _not_json(path, offset, exc) from None
+    except OSError as exc:
+        raise ConfigError(f"data.source: cannot read {path} ({exc.strerror or exc}); check the file") from None
+
+
+class _RecordScan:
+    """One pass over a long record, fed in blocks: its ``skeleton`` (the line with the content of each
+    long string replaced by a placeholder), the raw byte range of each long string by placeholder
+    (``spans``), and every long string's content checked by decoding it."""
+
+    def __init__(self) -> None:
+        self.skeleton = bytearray()
+        self.spans: dict[str, tuple[int, int]] = {}
+        self.length = 0  # bytes of the line scanned, its newline included
+        self.ended = False
+        self.blank = True  # nothing but whitespace so far
+        self._nonce = secrets.token_hex(8)
+        self._in_string = False
+        self._content = bytearray()  # the current string's content while it is short
+        self._decoder: _StringDecoder | None = None  # the current string's, once it is long
+        self._start = 0  # the current string's first content byte, in the line
+        self._run = 0  # backslashes at the end of the current string's content so far
+
+    def feed(self, block: bytes) -> None:
+        newline = block.find(b"\n")
+        if newline >= 0:
+            block = block[:newline]
+        base = self.length
+        self.length += len(block) + (newline >= 0)
+        if self.blank and block.strip():
+            self.blank = False
+        pos = 0
+        while pos < len(block):
+            if not self._in_string:
+                quote = block.find(b'"', pos)
+                if quote < 0:
+                    self.skeleton += block[pos:]
+                    break
+                self.skeleton += block[pos : quote + 1]
+                self._in_string, self._start, self._run = True, base + quote + 1, 0
+                pos = quote + 1
+                continue
+            quote = self._closing_quote(block, pos)
+            if quote < 0:
+                self._add(block[pos:])
+                self._run = _trailing_backslashes(block, pos, len(block), self._run)
+                break
+            self._add(block[pos:quote])
+            self._close(base + quote)
+            pos = quote + 1
+        if newline >= 0:
+            self.end()
+
+    def _closing_quote(self, block: bytes, pos: int) -> int:
+        """The first quote at or after ``pos`` that ends the string (an even run of backslashes before it), or -1."""
+        search = pos
+        while (quote := block.find(b'"', search)) >= 0:
+            if _trailing_backslashes(block, pos, quote, self._run) % 2 == 0:
+                return quote
+            search = quote + 1
+        return -1
+
+    def end(self) -> None:
+        self.ended = True
+        if self._in_string:
+            raise ValueError(f"Unterminated string starting at: char {self._start - 1}")
+
+    def _add(self, content: bytes) -> None:
+        self._content += content
+        if self._decoder is None and len(self._content) > LONG_STRING_BYTES:
+            self._decoder = _StringDecoder()
+        if self._decoder is not None and len(self._content) >= READ_BYTES:
+            self._decoder.feed(bytes(self._content))  # checked READ_BYTES at a time
+            self._content.clear()
+
+    def _close(self, end: int) -> None:
+        self._in_string = False
+        if self._decoder is None:
+            self.skeleton += self._content + b'"'
+            self._content.clear()
+            return
+        self._decoder.feed(bytes(self._content))
+        self._content.clear()
+        self._decoder.finish()
+        self._decoder = None
+        placeholder = f"meshtrain-long-string-{self._nonce}-{len(self.spans)}"
+        self.spans[placeholder] = (self._start, end)
+        self.skeleton += placeholder.encode() + b'"'
+
+
+def _trailing_backslashes(block: bytes, start: int, end: int, before: int) -> int:
+    """Backslashes just before ``end`` in ``block[start:end]``, plus ``before`` where they reach ``start``."""
+    index = end
+    while index > start and block[index - 1] == _BACKSLASH:
+        index -= 1
+    return end - index + (before if index == start else 0)
+
+
+class _StringDecoder:
+    """The content of a JSON string decoded as it is fed in raw parts, each part's complete prefix at once."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, raw: bytes) -> str:
+        data = self._pending + raw if self._pending else raw
+        cut = _whole_prefix(data)
+        self._pending = data[cut:]
+        return _decode(data[:cut]) if cut else ""
+
+    def finish(self) -> str:
+        data, self._pending = self._pending, b""
+        return _decode(data) if data else ""
+
+
+def _decode(raw: bytes) -> str:
+    """String content as ``json.loads`` decodes a line (UTF-8, surrogates passed, strict)."""
+    return json.loads('"' + raw.decode("utf-8", "surrogatepass") + '"')
+
+
+def _whole_prefix(data: bytes) -> int:
+    """Where ``data``, the start of a JSON string's content, may be cut: not inside an escape, a UTF-8
+    character, or between a high-surrogate escape and the escape after it (json pairs the two)."""
+    cut = len(data)
+    for i in range(max(0, cut - 3), cut):  # before the last lead byte in the last 3: never inside a character
+        if data[i] >= 0xC0:
+            cut = i
+    if _escaping(data, cut - 1):  # a backslash whose escaped character is not here yet
+        cut -= 1
+    for start in range(cut - 2, max(cut - 6, -1), -1):  # inside a \uXXXX
+        if data[start] == _BACKSLASH and data[start + 1] == ord("u") and _escaping(data, start):
+            cut = start
+            break
+    if cut >= 6 and _HIGH_SURROGATE.fullmatch(data, cut - 6, cut) and _escaping(data, cut - 6):
+        cut -= 6
+    return cut
+
+
+def _escaping(data: bytes, index: int) -> bool:
+    """Whether ``data[index]`` is a backslash that begins an escape (an odd run of backslashes ends there)."""
+    if index < 0 or data[index] != _BACKSLASH:
+        return False
+    start = index
+    while start > 0 and data[start - 1] == _BACKSLASH:
+        start -= 1
+    return (index - start) % 2 == 0

@@ -34,6 +34,8 @@ class ShardRecord(BaseModel):
     tokens: int
     documents: int
     sha256: str
+    # Source bytes its documents took (a JSON Lines range: its lines, the whole of one running past its
+    # end); stores prepared before 2026-12 recorded the unit's bytes. Informational: progress lines.
     source_bytes: int
 
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from meshtrain.config import ConfigError
-from meshtrain.data.sources import SourcePlan, first_line, read_unit
+from meshtrain.data.sources import SourcePlan, first_line, unit_documents
 
 EOS_TOKEN = "<|endoftext|>"
 # End-of-document tokens of common tokenizers, tried in order for a user's tokenizer.json.
@@ -49,7 +49,12 @@ def sample_documents(plans: list[SourcePlan], weights: list[float], budget_bytes
         per_unit = max(1, int(budget_bytes * weight / total_weight) // max(1, len(plan.units)))
         for unit in plan.units:
             taken = 0
-            for text in read_unit(plan, unit):
+            for parts in unit_documents(plan, unit):
+                text = ""
+                for part in parts:  # only as much of a long document as the sample takes
+                    text += part
+                    if len(text) >= per_unit - taken:
+                        break
                 yield text[: per_unit - taken]
                 taken += min(len(text), per_unit - taken)
                 if taken >= per_unit:
