@@ -186,7 +186,7 @@ def test_logged_steps_report_mfu_from_the_flops_computed_and_over_the_whole_wind
     assert record.flops_per_token_full_attention == flops_per_token(args, 48) > record.flops_per_token
 
     def gauge(name: str) -> float:
-        return metrics.registry.get_sample_value(name, {"run": "r", "rank": "0", "node": "n"})
+        return metrics.registry.get_sample_value(name, {"run": "r", "replica": "0", "rank": "0", "node": "n"})
 
     assert gauge("meshtrain_mfu_ratio") == pytest.approx(record.tokens_per_s * record.flops_per_token / peak)
     assert gauge("meshtrain_mfu_full_attention_ratio") == pytest.approx(

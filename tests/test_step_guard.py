@@ -123,7 +123,7 @@ def test_bad_steps_are_never_checkpointed_and_too_many_in_a_row_stop_the_run(
     storage = CheckpointStorage(checkpoint_root(cfg.checkpoint, cfg.run))
     assert [c.step for c in storage.committed()] == [2]
     assert metrics.registry.get_sample_value(
-        "meshtrain_skipped_steps_total", {"run": "guard", "rank": "0", "node": "127.0.0.1"}
+        "meshtrain_skipped_steps_total", {"run": "guard", "replica": "0", "rank": "0", "node": "127.0.0.1"}
     ) == 3
 
     message = stopped_message(cfg.checkpoint, cfg.run, trainer.result.stopped)
