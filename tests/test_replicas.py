@@ -301,6 +301,11 @@ def test_a_preempted_replica_hands_over_without_a_save_and_its_replacement_heals
         noticed_at = time.time()
         processes[1].join(timeout=60)
         assert processes[1].exitcode == 1, processes[1].exitcode  # Preempted: Ray would restart the group
+        # The replacement is released once the survivor trains alone (as Ray's restart takes seconds): had it
+        # joined at the very quorum the preempted group left, no step would go on without a group.
+        while not any(isinstance(r, ReplicaLostRecord) for r in read_records(run_dir / "metrics.jsonl")):
+            assert time.monotonic() < deadline + 60 and processes[0].is_alive(), "replica 0 never went on alone"
+            time.sleep(0.05)
         go.set()
         for process in (processes[0], replacement):
             process.join(timeout=180)
