@@ -8,10 +8,10 @@ waits excluded) and that worker's node on the run's board, and reads the latest 
 Groups are compared as ranks are inside a group: a group at or above ``metrics.straggler_factor`` times
 the median of the others for ``metrics.straggler_patience`` logged steps in a row is reported once (a
 ``replica_straggler`` record and a job-log line, written by the first of the other live groups) until it
-recovers. It is not hung: the step pace, and
-so the deadline, follows it. With ``scaling.evict_stragglers``, the first of the other live groups
-ends it through the lighthouse as it would a hung one (once per group index in a launch, never below
-``fault_tolerance.min_replicas`` live groups); Ray replaces it, and the replacement heals from a peer.
+recovers. It is not hung: the step pace, and so the deadline, follows it. With
+``scaling.evict_stragglers``, that reporting group ends it through the lighthouse as it would a hung one
+(once per group index in a launch, never below ``fault_tolerance.min_replicas`` live groups); Ray
+replaces it, and the replacement heals from a peer.
 """
 
 from __future__ import annotations
